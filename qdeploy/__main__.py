@@ -1,0 +1,3 @@
+from qdeploy.cli import main
+
+main()

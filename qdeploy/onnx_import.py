@@ -1,0 +1,190 @@
+"""ONNX front end: read an ONNX file into the IR (opsets 11-21 of the default domain).
+
+`load_onnx` gives the graph as the file states it (Constant nodes become constant tensors, every node
+named); `import_onnx` also runs the simplification pipeline (passes/pipeline.py) so that shape-computing
+subgraphs, Identity/Dropout, dead nodes and Pads before Convs are gone."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from qdeploy.errors import BadInput, Unsupported
+from qdeploy.ir import Graph, Node, Tensor, constant, validate
+from qdeploy.reference import supported_ops
+
+MIN_OPSET, MAX_OPSET = 11, 21
+DEFAULT_DOMAINS = ("", "ai.onnx")
+
+
+def node_attributes(node: onnx.NodeProto) -> dict[str, Any]:
+    """An ONNX node's attributes as Python values: int, float, str, lists of them, np.ndarray for tensors."""
+    result: dict[str, Any] = {}
+    for attr in node.attribute:
+        kind = attr.type
+        if kind == onnx.AttributeProto.INT:
+            result[attr.name] = int(attr.i)
+        elif kind == onnx.AttributeProto.FLOAT:
+            result[attr.name] = float(attr.f)
+        elif kind == onnx.AttributeProto.STRING:
+            result[attr.name] = attr.s.decode("utf-8")
+        elif kind == onnx.AttributeProto.INTS:
+            result[attr.name] = [int(v) for v in attr.ints]
+        elif kind == onnx.AttributeProto.FLOATS:
+            result[attr.name] = [float(v) for v in attr.floats]
+        elif kind == onnx.AttributeProto.STRINGS:
+            result[attr.name] = [s.decode("utf-8") for s in attr.strings]
+        elif kind == onnx.AttributeProto.TENSOR:
+            result[attr.name] = numpy_helper.to_array(attr.t)
+        else:
+            raise Unsupported(f"node '{node.name}' ({node.op_type}): attribute '{attr.name}' has type "
+                              f"{onnx.AttributeProto.AttributeType.Name(kind)}, which is not supported")
+    return result
+
+
+def _constant_node_value(node: onnx.NodeProto, attrs: dict[str, Any]) -> np.ndarray:
+    if "value" in attrs:
+        return np.asarray(attrs["value"])
+    for key, dtype in (("value_float", np.float32), ("value_floats", np.float32),
+                       ("value_int", np.int64), ("value_ints", np.int64)):
+        if key in attrs:
+            return np.asarray(attrs[key], dtype=dtype)
+    raise Unsupported(f"node '{node.name}' (Constant): only value/value_float(s)/value_int(s) are supported")
+
+
+def _read_model(path: Path) -> onnx.ModelProto:
+    if not path.exists():
+        raise BadInput(f"{path}: no such file")
+    if path.is_dir():
+        raise BadInput(f"{path}: is a directory, expected an .onnx file")
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as error:  # protobuf raises DecodeError and others on damaged files
+        raise BadInput(f"{path}: not a readable ONNX model ({type(error).__name__})") from error
+    if not model.HasField("graph") or len(model.graph.node) == 0:
+        raise BadInput(f"{path}: not an ONNX model (no graph or no nodes)")
+    return model
+
+
+def _opset(model: onnx.ModelProto, path: Path) -> int:
+    versions = {entry.domain: entry.version for entry in model.opset_import}
+    version = versions.get("", versions.get("ai.onnx"))
+    if version is None:
+        raise BadInput(f"{path}: the model imports no version of the default ONNX opset")
+    if not MIN_OPSET <= version <= MAX_OPSET:
+        raise Unsupported(f"{path}: opset {version} is not supported (supported: {MIN_OPSET}-{MAX_OPSET}); "
+                          f"convert it with onnx.version_converter")
+    return version
+
+
+def _input_shape(value: onnx.ValueInfoProto, override: tuple[int | None, ...] | None, path: Path
+                 ) -> tuple[int | None, ...]:
+    """Dim 0 is the free batch (None); other symbolic dims must come from `override` (--input-shape)."""
+    if override is not None:
+        shape = tuple(override)
+    else:
+        if not value.type.HasField("tensor_type") or not value.type.tensor_type.HasField("shape"):
+            raise BadInput(f"{path}: input '{value.name}' has no shape; give it with --input-shape")
+        shape = tuple(d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None
+                      for d in value.type.tensor_type.shape.dim)
+    if len(shape) == 0:
+        return shape
+    if any(d is None for d in shape[1:]):
+        raise BadInput(f"{path}: input '{value.name}' has free dimensions {shape} beyond the batch; "
+                       f"fix them with --input-shape {value.name}:N,C,H,W")
+    # The leading dimension is the batch, free at every later stage, whatever size the file gives it.
+    return (None,) + tuple(shape[1:])
+
+
+def load_onnx(path: str | os.PathLike, input_shapes: dict[str, tuple[int | None, ...]] | None = None
+              ) -> Graph:
+    """Read an ONNX file into the IR, as the file states it, with shapes inferred (shape_inference.py)."""
+    from qdeploy.shape_inference import infer_shapes
+
+    path = Path(path)
+    model = _read_model(path)
+    opset = _opset(model, path)
+    onnx_graph = model.graph
+    known_ops = set(supported_ops())
+    tensors: dict[str, Tensor] = {}
+    for init in onnx_graph.initializer:
+        if init.data_location == onnx.TensorProto.EXTERNAL:
+            raise Unsupported(f"{path}: initializer '{init.name}' uses external data, which is not supported")
+        try:
+            tensors[init.name] = constant(init.name, numpy_helper.to_array(init))
+        except Exception as error:
+            raise BadInput(f"{path}: initializer '{init.name}' is damaged ({error})") from error
+    input_shapes = dict(input_shapes or {})
+    inputs = []
+    for value in onnx_graph.input:
+        if value.name in tensors:
+            continue  # older exporters list initializers as inputs too
+        elem = value.type.tensor_type.elem_type
+        if elem == 0:
+            raise BadInput(f"{path}: input '{value.name}' is not a tensor")
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(elem)
+        tensors[value.name] = Tensor(value.name, _input_shape(value, input_shapes.pop(value.name, None), path),
+                                     np.dtype(dtype))
+        inputs.append(value.name)
+    if input_shapes:
+        raise BadInput(f"{path}: --input-shape names {', '.join(input_shapes)}, which "
+                       f"{'is not an input' if len(input_shapes) == 1 else 'are not inputs'} of the model "
+                       f"(inputs: {', '.join(inputs)})")
+
+    nodes: list[Node] = []
+    taken = {n.name for n in onnx_graph.node if n.name}
+    for index, proto in enumerate(onnx_graph.node):
+        name = proto.name
+        if not name:
+            name = f"{proto.op_type}_{index}"
+            while name in taken:
+                name += "_"
+            taken.add(name)
+        if proto.domain not in DEFAULT_DOMAINS:
+            raise Unsupported(f"{path}: node '{name}' uses op {proto.domain}.{proto.op_type}; only the default "
+                              f"ONNX domain is supported")
+        attrs = node_attributes(proto)
+        if proto.op_type == "Constant":
+            tensors[proto.output[0]] = constant(proto.output[0], _constant_node_value(proto, attrs))
+            continue
+        if proto.op_type not in known_ops:
+            raise Unsupported(f"{path}: node '{name}' has op {proto.op_type}, which qdeploy does not support")
+        nodes.append(Node(name, proto.op_type, list(proto.input), list(proto.output), attrs))
+    outputs = [value.name for value in onnx_graph.output]
+    graph = Graph(onnx_graph.name or path.stem, nodes, tensors, inputs, outputs, opset)
+    try:
+        validate(graph)
+    except BadInput as error:
+        raise BadInput(f"{path}: {error}") from error
+    try:
+        return infer_shapes(graph)
+    except BadInput as error:
+        raise BadInput(f"{path}: {error}") from error
+
+
+@dataclass
+class ImportResult:
+    """The graph as read, the simplified graph, and the node counts of each simplification pass."""
+
+    original: Graph
+    graph: Graph
+    passes: list  # list[PassRecord]
+
+
+def import_onnx(path: str | os.PathLike, input_shapes: dict[str, tuple[int | None, ...]] | None = None
+                ) -> ImportResult:
+    """Read and simplify an ONNX model (see passes.pipeline.SIMPLIFY)."""
+    from qdeploy.passes.pipeline import SIMPLIFY, run_pipeline
+
+    original = load_onnx(path, input_shapes)
+    try:
+        graph, records = run_pipeline(original, SIMPLIFY)
+    except BadInput as error:
+        raise BadInput(f"{path}: {error}") from error
+    return ImportResult(original, graph, records)
