@@ -10,6 +10,7 @@ import numpy as np
 
 from qdeploy.errors import BadInput
 from qdeploy.ir import Graph
+from qdeploy.lowering import LoweringResult, lower
 from qdeploy.onnx_import import import_onnx
 from qdeploy.reference import run_graph
 from qdeploy.summary import ModelSummary, summarize
@@ -21,6 +22,15 @@ def inspect(model: str | os.PathLike, input_shapes: InputShapes | None = None) -
     """Summary of an ONNX model before and after import-time simplification."""
     result = import_onnx(model, input_shapes)
     return summarize(result.original, result.graph, result.passes)
+
+
+def lower_model(model: str | os.PathLike, input_shapes: InputShapes | None = None) -> LoweringResult:
+    """Import, simplify and lower an ONNX model to GEMM-unit instructions."""
+    path = Path(model)
+    try:
+        return lower(import_onnx(path, input_shapes).graph)
+    except BadInput as error:
+        raise BadInput(f"{path}: {error}") from error
 
 
 def bind_inputs(graph: Graph, arrays: dict[str, np.ndarray] | np.ndarray, source: str) -> dict[str, np.ndarray]:
@@ -41,15 +51,16 @@ def bind_inputs(graph: Graph, arrays: dict[str, np.ndarray] | np.ndarray, source
             raise BadInput(f"{source}: input '{name}' has dtype {array.dtype}, the model expects {tensor.dtype}")
         expected = tensor.shape or ()
         if array.ndim != len(expected) or any(e is not None and e != d for e, d in zip(expected, array.shape)):
-            shown = tuple("N" if e is None else e for e in expected)
+            shown = "(" + ", ".join("N" if e is None else str(e) for e in expected) + ")"
             raise BadInput(f"{source}: input '{name}' has shape {array.shape}, the model expects {shown}")
         feeds[name] = array
     return feeds
 
 
 def run(model: str | os.PathLike, inputs: dict[str, np.ndarray] | np.ndarray,
-        input_shapes: InputShapes | None = None) -> dict[str, np.ndarray]:
-    """Run an ONNX model with the float reference executor; returns {output name: array}."""
+        input_shapes: InputShapes | None = None, lowered: bool = False) -> dict[str, np.ndarray]:
+    """Run an ONNX model with the float reference executor (`lowered`: the lowered float graph);
+    returns {output name: array}."""
     path = Path(model)
-    graph = import_onnx(path, input_shapes).graph
+    graph = lower_model(path, input_shapes).graph if lowered else import_onnx(path, input_shapes).graph
     return run_graph(graph, bind_inputs(graph, inputs, str(path)))

@@ -72,7 +72,7 @@ def _print_summary(model: Path, summary) -> None:
     before, after = sum(summary.ops_before.values()), sum(summary.ops_after.values())
     echo(f"nodes: {before} as imported -> {after} after simplification")
     for record in summary.passes:
-        echo(f"  {record['name']:<24} {record['nodes_before']:>5} -> {record['nodes_after']}")
+        echo(f"  {record['name']:<28} {record['nodes_before']:>5} -> {record['nodes_after']}")
     ops = sorted(set(summary.ops_before) | set(summary.ops_after))
     echo(f"  {'op':<24} {'before':>7} {'after':>7}")
     for op in ops:
@@ -89,16 +89,68 @@ def _print_summary(model: Path, summary) -> None:
 @app.command()
 @user_errors
 def inspect(model: Path = typer.Argument(..., help="An .onnx model."),
+            lowered: bool = typer.Option(False, help="Also lower to GEMM-unit instructions and list them."),
             input_shape: Optional[list[str]] = INPUT_SHAPE,
             json_output: bool = JSON) -> None:
-    """Summarize a model: inputs/outputs, op counts before and after simplification, parameters, MACs."""
+    """Summarize a model: inputs/outputs, op counts before and after simplification, parameters, MACs;
+    with --lowered, the accelerator instructions, per-pass node counts and the GEMM-unit MAC fraction."""
     if model.suffix == ".qdp":
         _not_built("inspect MODEL.qdp", "the compiled-program issue")
-    summary = api.inspect(model, parse_input_shapes(input_shape))
+    shapes = parse_input_shapes(input_shape)
+    summary = api.inspect(model, shapes)
+    result = api.lower_model(model, shapes) if lowered else None
     if json_output:
-        typer.echo(json.dumps(summary.to_json(), indent=2))
-    else:
-        _print_summary(model, summary)
+        document = summary.to_json()
+        if result is not None:
+            document.update(result.to_json())
+            document["passes"] = summary.to_json()["passes"] + document["passes"]
+        typer.echo(json.dumps(document, indent=2, default=_json_number))
+        return
+    _print_summary(model, summary)
+    if result is not None:
+        _print_lowering(result)
+
+
+def _json_number(value):
+    return float(value) if hasattr(value, "__float__") else str(value)
+
+
+def _format_epilogue(epilogue: dict) -> str:
+    parts = ["+bias"] if epilogue.get("bias") else []
+    if "clamp" in epilogue:
+        low, high = epilogue["clamp"]
+        parts.append("relu" if (low, high) == (0.0, float("inf")) else
+                     "relu6" if (low, high) == (0.0, 6.0) else f"clamp[{low:g},{high:g}]")
+    if "window_max" in epilogue:
+        window = epilogue["window_max"]
+        parts.append(f"maxpool{window['kernel'][0]}x{window['kernel'][1]}/{window['strides'][0]}")
+    return " ".join(parts)
+
+
+def _print_lowering(result) -> None:
+    echo = typer.echo
+    echo("lowering passes:")
+    for record in result.passes:
+        echo(f"  {record.name:<28} {record.nodes_before:>5} -> {record.nodes_after}")
+    echo(f"instructions ({len(result.instructions)}), per sample:")
+    width = max((len(i.name) for i in result.instructions), default=4)
+    for instr in result.instructions:
+        geometry = instr.geometry
+        shape = ""
+        if "kernel" in geometry:
+            kh, kw = geometry["kernel"]
+            shape = (f"im2col {kh}x{kw}/{geometry['strides'][0]} pad {geometry['pads']} "
+                     f"{'x'.join(map(str, geometry['input']))}->{'x'.join(map(str, geometry['output']))}")
+        groups = f" groups={instr.groups}" if instr.groups > 1 else ""
+        echo(f"  {instr.kind:<9} {instr.name:<{width}} M={instr.m:<6} N={instr.n:<5} K={instr.k:<5}{groups:<12} "
+             f"{shape}  {_format_epilogue(instr.epilogue)}")
+    for step in result.layout:
+        echo(f"  layout    {step['name']:<{width}} {step['kind']}")
+    if result.host_ops:
+        echo(f"host ops (not lowered, {len(result.host_ops)}):")
+        for host in result.host_ops:
+            echo(f"  {host.reason}")
+    echo(f"GEMM-unit share of MACs: {100 * result.gemm_mac_fraction:.2f}%")
 
 
 @app.command()
@@ -112,9 +164,7 @@ def run(model: Path = typer.Argument(..., help="An .onnx model (float reference 
     """Run a model on arrays and write its outputs: an .onnx model with the float reference executor."""
     if model.suffix == ".qdp":
         _not_built("run MODEL.qdp", "the compile-and-simulate issue")
-    if lowered:
-        _not_built("run --lowered", "the lowering issue")
-    outputs = api.run(model, load_arrays(input), parse_input_shapes(input_shape))
+    outputs = api.run(model, load_arrays(input), parse_input_shapes(input_shape), lowered=lowered)
     save_arrays(output, outputs)
     typer.echo(f"wrote {output} ({', '.join(f'{k} {v.shape}' for k, v in outputs.items())})")
 

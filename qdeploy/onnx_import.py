@@ -133,7 +133,7 @@ def load_onnx(path: str | os.PathLike, input_shapes: dict[str, tuple[int | None,
                                      np.dtype(dtype))
         inputs.append(value.name)
     if input_shapes:
-        raise BadInput(f"{path}: --input-shape names {', '.join(input_shapes)}, which "
+        raise BadInput(f"{path}: --input-shape names {', '.join(map(repr, input_shapes))}, which "
                        f"{'is not an input' if len(input_shapes) == 1 else 'are not inputs'} of the model "
                        f"(inputs: {', '.join(inputs)})")
 

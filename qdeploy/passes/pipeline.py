@@ -8,13 +8,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from qdeploy.errors import BadInput, QdeployError
+from qdeploy.errors import QdeployError
 from qdeploy.ir import Graph, validate
 from qdeploy.passes.eliminate_dead import eliminate_dead_nodes
 from qdeploy.passes.explicit_conv_pads import explicit_conv_pads
 from qdeploy.passes.fold_constants import fold_constants
 from qdeploy.passes.fold_pad import fold_pad_into_conv
 from qdeploy.passes.remove_identity import remove_identity
+from qdeploy.lowering.passes import (fold_batchnorm, fold_constant_affine, fuse_epilogues, lower_gemm_ops,
+                                     lower_remaining_ops, lower_standalone_epilogues)
 
 Pass = Callable[[Graph], Graph]
 
@@ -36,6 +38,18 @@ SIMPLIFY: list[Pass] = [
 ]
 
 
+# Lowering to GEMM-unit instructions (design.md section 4), on a simplified graph.
+LOWER: list[Pass] = [
+    lower_gemm_ops,  # Conv -> ConvGemm (im2col), Gemm/MatMul -> DenseGemm
+    fold_batchnorm,  # BN after a GEMM -> its weight rows and bias
+    fold_constant_affine,  # Mul/Div/Add/Sub by a per-channel constant after a GEMM -> weights and bias
+    lower_remaining_ops,  # standalone BN/affine, residual Add, average pooling -> GEMMs
+    fuse_epilogues,  # Relu/Clip/MaxPool -> output stage of their producer
+    lower_standalone_epilogues,  # the rest of them -> identity GEMM with that output stage
+    eliminate_dead_nodes,
+]
+
+
 def run_pipeline(graph: Graph, passes: list[Pass]) -> tuple[Graph, list[PassRecord]]:
     """Run `passes` in order; return the final graph and one PassRecord per pass."""
     records = []
@@ -52,4 +66,4 @@ def run_pipeline(graph: Graph, passes: list[Pass]) -> tuple[Graph, list[PassReco
     return graph, records
 
 
-__all__ = ["BadInput", "PassRecord", "SIMPLIFY", "run_pipeline"]
+__all__ = ["LOWER", "PassRecord", "SIMPLIFY", "run_pipeline"]

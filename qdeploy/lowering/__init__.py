@@ -1,0 +1,148 @@
+"""Lowering: every operator becomes an instruction of the int8 GEMM unit (design.md section 4).
+
+`lower(graph)` runs the LOWER pass list and describes the result: one record per instruction with its
+GEMM geometry and fused epilogue, the layout-only steps, the host ops that could not be lowered (with the
+reason), and the fraction of multiply-accumulates that run on the GEMM unit."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from math import prod
+
+from qdeploy.errors import QdeployError, Unsupported
+from qdeploy.ir import Graph, Node
+from qdeploy.lowering.instructions import INSTRUCTION_OPS, LAYOUT_OPS, InstrKind, has_window_max
+from qdeploy.lowering.rules import LOWERING
+from qdeploy.summary import node_macs
+
+
+@dataclass
+class Instruction:
+    """One GEMM-unit instruction, per sample: the GEMM is groups x (M x K) . (K x N)."""
+
+    kind: str
+    name: str
+    inputs: list[str]
+    output: str
+    m: int
+    n: int
+    k: int
+    groups: int
+    macs: int
+    geometry: dict = field(default_factory=dict)  # im2col: kernel, strides, pads, dilations, in/out shapes
+    epilogue: dict = field(default_factory=dict)  # bias, clamp, window-max
+
+
+@dataclass
+class HostOp:
+    node: str
+    op: str
+    reason: str
+
+
+@dataclass
+class LoweringResult:
+    graph: Graph
+    passes: list  # list[PassRecord]
+    instructions: list[Instruction]
+    layout: list[dict]
+    host_ops: list[HostOp]
+    gemm_mac_fraction: float
+
+    def to_json(self) -> dict:
+        return {
+            "instructions": [asdict(i) for i in self.instructions],
+            "layout": self.layout,
+            "host_ops": [asdict(h) for h in self.host_ops],
+            "gemm_mac_fraction": self.gemm_mac_fraction,
+            "passes": [asdict(p) for p in self.passes],
+        }
+
+
+def _shape(graph: Graph, name: str) -> list:
+    shape = graph.tensors[name].shape
+    return list(shape) if shape is not None else []
+
+
+def _epilogue(node: Node) -> dict:
+    attrs = node.attrs
+    result = {"bias": node.op != InstrKind.ADD_GEMM.value}
+    if attrs["act_min"] != float("-inf") or attrs["act_max"] != float("inf"):
+        result["clamp"] = [attrs["act_min"], attrs["act_max"]]
+    if has_window_max(attrs):
+        result["window_max"] = {"kernel": attrs["pool_kernel_shape"], "strides": attrs["pool_strides"],
+                                "pads": attrs["pool_pads"], "dilations": attrs["pool_dilations"],
+                                "ceil_mode": attrs["pool_ceil_mode"]}
+    return result
+
+
+def describe_instruction(graph: Graph, node: Node) -> Instruction:
+    out_shape = _shape(graph, node.outputs[0])
+    if node.op == InstrKind.CONV_GEMM.value:
+        weight = graph.tensors[node.inputs[1]].data
+        groups = int(node.attrs["group"])
+        # The GEMM runs before the window-max, so M counts the conv's outputs, not the pooled ones.
+        in_shape = _shape(graph, node.inputs[0])
+        kh, kw = weight.shape[2:]
+        (sh, sw), (dh, dw), pads = node.attrs["strides"], node.attrs["dilations"], node.attrs["pads"]
+        oh = (in_shape[2] + pads[0] + pads[2] - (dh * (kh - 1) + 1)) // sh + 1
+        ow = (in_shape[3] + pads[1] + pads[3] - (dw * (kw - 1) + 1)) // sw + 1
+        m, n, k = oh * ow, weight.shape[0] // groups, int(prod(weight.shape[1:]))
+        geometry = {"input": in_shape[1:], "output": [weight.shape[0], oh, ow], "kernel": [kh, kw],
+                    "strides": [sh, sw], "pads": pads, "dilations": [dh, dw]}
+    elif node.op == InstrKind.DENSE_GEMM.value:
+        weight = graph.tensors[node.inputs[1]].data
+        m, n, k, groups = 1, weight.shape[0], weight.shape[1], 1
+        geometry = {"input": _shape(graph, node.inputs[0])[1:], "output": out_shape[1:]}
+    else:  # AddGemm: per channel, each output is [a b] . [1 1]^T
+        in_shape = _shape(graph, node.inputs[0])
+        groups = int(in_shape[1]) if len(in_shape) > 1 else 1
+        m, n, k = int(prod(in_shape[2:])) if len(in_shape) > 2 else 1, 1, 2
+        geometry = {"input": in_shape[1:], "output": in_shape[1:]}
+    return Instruction(node.op, node.name, [i for i in node.inputs if not graph.tensors[i].is_constant],
+                       node.outputs[0], m, n, k, groups, groups * m * n * k, geometry, _epilogue(node))
+
+
+def host_reason(graph: Graph, node: Node) -> str:
+    """Why `node` stayed on the host: its rule's Unsupported message, or that no rule exists."""
+    rule = LOWERING.get(node.op)
+    if rule is not None:
+        try:
+            rule(graph, node)
+        except QdeployError as error:
+            return str(error)
+    if node.op in ("Relu", "Clip", "LeakyRelu", "MaxPool"):
+        return f"node '{node.name}' ({node.op}): attributes or operands do not fit the GEMM output stage"
+    return (f"node '{node.name}' ({node.op}): no lowering to the GEMM unit for {node.op} "
+            f"(lowered: {', '.join(sorted(LOWERING))}, Relu, Clip, MaxPool; layout: {', '.join(sorted(LAYOUT_OPS))})")
+
+
+def lower(graph: Graph) -> LoweringResult:
+    """Run the LOWER passes on a simplified graph and describe the result."""
+    from qdeploy.passes.pipeline import LOWER, run_pipeline
+
+    lowered, records = run_pipeline(graph, LOWER)
+    instructions, layout, host_ops = [], [], []
+    host_macs = 0
+    for node in lowered.nodes:
+        if node.op in INSTRUCTION_OPS:
+            instructions.append(describe_instruction(lowered, node))
+        elif node.op in LAYOUT_OPS and (node.op != "Concat" or node.attrs.get("axis") == 1):
+            layout.append({"kind": node.op, "name": node.name, "inputs": node.inputs, "output": node.outputs[0]})
+        else:
+            host_ops.append(HostOp(node.name, node.op, host_reason(lowered, node)))
+            host_macs += node_macs(lowered, node)
+    gemm_macs = sum(i.macs for i in instructions)
+    fraction = gemm_macs / (gemm_macs + host_macs) if gemm_macs + host_macs else 1.0
+    return LoweringResult(lowered, records, instructions, layout, host_ops, fraction)
+
+
+def require_lowered(result: LoweringResult, allow_host_fallback: bool) -> None:
+    """Refuse a graph with host ops unless the user allowed host fallback; the message names each node."""
+    if result.host_ops and not allow_host_fallback:
+        names = "; ".join(h.reason for h in result.host_ops)
+        raise Unsupported(f"{len(result.host_ops)} op(s) cannot run on the GEMM unit: {names} "
+                          f"(--allow-host-fallback runs them in float on the host)")
+
+
+__all__ = ["HostOp", "Instruction", "LoweringResult", "lower", "require_lowered", "Unsupported"]

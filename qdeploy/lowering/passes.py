@@ -1,0 +1,239 @@
+"""The lowering passes (Graph -> Graph) that turn a simplified ONNX graph into GEMM-unit instructions.
+
+Order (see LOWER in passes/pipeline.py): the GEMM ops become instructions first, so that BatchNorm and
+per-channel constant affines fold into one uniform form (weight rows and a bias per output channel); then
+the remaining ops lower by the table in rules.py; then activations and MaxPools fuse into the output stage
+of their producer; what is left of them gets an identity GEMM to run in. Anything still not an instruction
+or a layout op is a host op.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from qdeploy.errors import Unsupported
+from qdeploy.ir import Graph, Node, Tensor, constant
+from qdeploy.lowering.instructions import INSTRUCTION_OPS, POOL_ATTRS, InstrKind, has_window_max
+from qdeploy.lowering.rules import (EPILOGUE_OPS, LOWERING, affine_of, batchnorm_scale_shift,
+                                    identity_gemm)
+
+GEMM_OPS = ("Conv", "Gemm", "MatMul")
+INF = float("inf")
+
+
+def _lower_where(graph: Graph, ops) -> Graph:
+    """Apply the LOWERING rule of every node whose op is in `ops`; a node whose rule raises Unsupported
+    stays as it is (a host op; `host_reason` says why)."""
+    nodes: list[Node] = []
+    tensors: list[Tensor] = []
+    for node in graph.nodes:
+        if node.op in ops and node.op in LOWERING:
+            try:
+                lowered = LOWERING[node.op](graph, node)
+            except Unsupported:
+                nodes.append(node)
+                continue
+            nodes.extend(lowered.nodes)
+            tensors.extend(lowered.tensors)
+            graph = graph.with_nodes(graph.nodes, lowered.tensors)  # keeps unique_name() honest
+        else:
+            nodes.append(node)
+    return graph.with_nodes(nodes, tensors)
+
+
+def lower_gemm_ops(graph: Graph) -> Graph:
+    """Conv -> ConvGemm (im2col), Gemm/MatMul with constant weights -> DenseGemm."""
+    return _lower_where(graph, GEMM_OPS)
+
+
+def lower_remaining_ops(graph: Graph) -> Graph:
+    """Every other op of the LOWERING table: standalone BatchNorm and affines, residual Add, pooling."""
+    return _lower_where(graph, set(LOWERING) - set(GEMM_OPS))
+
+
+def _sole_producer(graph: Graph, node: Node, producers, consumers) -> Node | None:
+    """The instruction producing node.inputs[0] when this node is its only reader and the tensor is not a
+    graph output (so rewriting the producer changes nothing else)."""
+    source = node.inputs[0]
+    producer = producers.get(source)
+    if producer is None or producer.op not in INSTRUCTION_OPS or source in graph.outputs:
+        return None
+    if len(consumers.get(source, [])) != 1 or node.inputs.count(source) != 1:
+        return None
+    return producer
+
+
+def _plain(producer: Node) -> bool:
+    return producer.attrs["act_min"] == -INF and producer.attrs["act_max"] == INF and \
+        not has_window_max(producer.attrs)
+
+
+def _fold_affine_into(graph: Graph, producer: Node, scale: np.ndarray, shift: np.ndarray,
+                      output: str) -> tuple[Node, list[Tensor]]:
+    """producer' = scale * producer + shift per output channel: W'[c] = scale[c] W[c],
+    b'[c] = scale[c] b[c] + shift[c]."""
+    weight = graph.constant_data(producer.inputs[1]).astype(np.float64)
+    bias = graph.constant_data(producer.inputs[2]).astype(np.float64)
+    weight = weight * scale.reshape((-1,) + (1,) * (weight.ndim - 1))
+    bias = scale * bias + shift
+    w = constant(graph.unique_name(f"{producer.name}_weight_folded"), weight.astype(np.float32))
+    b = constant(graph.unique_name(f"{producer.name}_bias_folded"), bias.astype(np.float32))
+    return producer.replace(inputs=[producer.inputs[0], w.name, b.name], outputs=[output]), [w, b]
+
+
+def _fold_into_producers(graph: Graph, affine_for) -> Graph:
+    """Fold affines into their producers until none is left; each round folds chains one link further."""
+    for _ in range(len(graph.nodes) + 1):
+        folded = _fold_round(graph, affine_for)
+        if len(folded.nodes) == len(graph.nodes):
+            return folded
+        graph = folded
+    return graph
+
+
+def _fold_round(graph: Graph, affine_for) -> Graph:
+    producers, consumers = graph.producers(), graph.consumers()
+    replaced: dict[str, Node] = {}  # producer name -> folded producer
+    removed: set[str] = set()
+    tensors: list[Tensor] = []
+    for node in graph.nodes:
+        affine = affine_for(graph, node)
+        if affine is None:
+            continue
+        x, scale, shift = affine
+        producer = producers.get(x)
+        if producer is None or producer.name in replaced or producer.op not in (
+                InstrKind.CONV_GEMM.value, InstrKind.DENSE_GEMM.value) or not _plain(producer):
+            continue
+        if x in graph.outputs or len(consumers.get(x, [])) != 1 or node.inputs.count(x) != 1:
+            continue
+        folded, new = _fold_affine_into(graph, producer, scale, shift, node.outputs[0])
+        graph = graph.with_nodes(graph.nodes, new)
+        replaced[producer.name] = folded
+        removed.add(node.name)
+        tensors.extend(new)
+    nodes = [replaced.get(n.name, n) for n in graph.nodes if n.name not in removed]
+    return graph.with_nodes(nodes, tensors)
+
+
+def fold_batchnorm(graph: Graph) -> Graph:
+    """Fold each BatchNormalization into the ConvGemm/DenseGemm feeding it. Per output channel c, with
+    s[c] = gamma[c] / sqrt(var[c] + eps): W'[c] = s[c] W[c], b'[c] = s[c] (b[c] - mean[c]) + beta[c]
+    (ONNX BatchNormalization spec). A BN whose producer has other readers stays (lowered standalone)."""
+
+    def affine(g: Graph, node: Node):
+        if node.op != "BatchNormalization" or any(not g.tensors[i].is_constant for i in node.inputs[1:5]):
+            return None
+        scale, shift = batchnorm_scale_shift(g, node)
+        return node.inputs[0], scale, shift
+
+    return _fold_into_producers(graph, affine)
+
+
+def fold_constant_affine(graph: Graph) -> Graph:
+    """Fold Mul/Div/Add/Sub by a per-channel (or scalar) constant into the GEMM producing the other operand:
+    scale into the weight rows and bias, shift into the bias."""
+
+    def affine(g: Graph, node: Node):
+        return affine_of(g, node) if node.op in ("Mul", "Div", "Add", "Sub") else None
+
+    return _fold_into_producers(graph, affine)
+
+
+def epilogue_of(graph: Graph, node: Node) -> dict | None:
+    """The output-stage attributes equivalent to an activation or MaxPool node, or None if it has none.
+    Relu: act_min = 0; Clip(min, max): act_min/act_max; LeakyRelu with alpha 0 is Relu; MaxPool: window-max."""
+    if node.op == "Relu" or (node.op == "LeakyRelu" and node.attrs.get("alpha", 0.01) == 0.0):
+        return {"act_min": 0.0, "act_max": INF}
+    if node.op == "Clip":
+        bounds = []
+        for index, default in ((1, -INF), (2, INF)):
+            name = node.inputs[index] if len(node.inputs) > index else ""
+            value = graph.constant_data(name) if name else np.float32(default)
+            if value is None or np.asarray(value).size != 1:
+                return None
+            bounds.append(float(np.asarray(value).reshape(-1)[0]))
+        return {"act_min": bounds[0], "act_max": bounds[1]}
+    if node.op == "MaxPool":
+        kernel = node.attrs.get("kernel_shape")
+        if len([o for o in node.outputs if o]) != 1 or kernel is None or len(kernel) != 2 or \
+                node.attrs.get("auto_pad", "NOTSET") != "NOTSET":
+            return None
+        return {"pool_kernel_shape": list(kernel), "pool_strides": list(node.attrs.get("strides") or [1, 1]),
+                "pool_pads": list(node.attrs.get("pads") or [0, 0, 0, 0]),
+                "pool_dilations": list(node.attrs.get("dilations") or [1, 1]),
+                "pool_ceil_mode": int(node.attrs.get("ceil_mode", 0))}
+    return None
+
+
+def merge_epilogue(attrs: dict, epilogue: dict) -> dict | None:
+    """attrs with `epilogue` applied after it, or None when they do not compose into one output stage.
+    Clamps compose by intersection, clamp(clamp(x, a, b), c, d) = clamp(x, max(a, c), min(b, d)) when that
+    interval is not empty; a clamp commutes with a window-max (both are monotonic), so their order is free.
+    Only one window-max fits the output stage."""
+    merged = dict(attrs)
+    if "pool_kernel_shape" in epilogue:
+        if has_window_max(attrs):
+            return None
+        merged.update(epilogue)
+        return merged
+    low = max(attrs["act_min"], epilogue["act_min"])
+    high = min(attrs["act_max"], epilogue["act_max"])
+    if low > high:
+        return None
+    merged["act_min"], merged["act_max"] = low, high
+    return merged
+
+
+def fuse_epilogues(graph: Graph) -> Graph:
+    """Fuse Relu/Clip/LeakyRelu(0)/MaxPool into the output stage of the instruction producing their input
+    (one store instead of two or three); the fused instruction writes the fused op's output tensor, so
+    calibration sees the original model's tensor names."""
+    changed = True
+    while changed:  # each round fuses one epilogue op per producer; chains (Conv-Relu-MaxPool) take two
+        changed = False
+        producers, consumers = graph.producers(), graph.consumers()
+        replaced: dict[str, Node] = {}
+        removed: set[str] = set()
+        for node in graph.nodes:
+            if node.op not in EPILOGUE_OPS:
+                continue
+            epilogue = epilogue_of(graph, node)
+            producer = _sole_producer(graph, node, producers, consumers)
+            if epilogue is None or producer is None or producer.name in replaced:
+                continue
+            merged = merge_epilogue(producer.attrs, epilogue)
+            if merged is None:
+                continue
+            replaced[producer.name] = producer.replace(attrs=merged, outputs=[node.outputs[0]])
+            removed.add(node.name)
+        if replaced:
+            changed = True
+            graph = graph.with_nodes([replaced.get(n.name, n) for n in graph.nodes if n.name not in removed])
+    return graph
+
+
+def lower_standalone_epilogues(graph: Graph) -> Graph:
+    """An activation or MaxPool that could not fuse (its input is a graph input, a layout op's output, or
+    read elsewhere too) runs in the output stage of an identity GEMM (weight 1, K = 1 per channel)."""
+    nodes: list[Node] = []
+    tensors: list[Tensor] = []
+    for node in graph.nodes:
+        epilogue = epilogue_of(graph, node) if node.op in EPILOGUE_OPS else None
+        if epilogue is None:
+            nodes.append(node)
+            continue
+        try:
+            lowered = identity_gemm(graph, node)
+        except Unsupported:
+            nodes.append(node)
+            continue
+        (instr,) = lowered.nodes
+        nodes.append(instr.replace(attrs=merge_epilogue(instr.attrs, epilogue)))
+        tensors.extend(lowered.tensors)
+        graph = graph.with_nodes(graph.nodes, lowered.tensors)
+    return graph.with_nodes(nodes, tensors)
+
+
+__all__ = ["fold_batchnorm", "fold_constant_affine", "fuse_epilogues", "lower_gemm_ops",
+           "lower_remaining_ops", "lower_standalone_epilogues", "POOL_ATTRS"]

@@ -1,0 +1,273 @@
+"""Lowering rules: one function per ONNX op, turning it into GEMM-unit instructions (design.md section 4).
+
+A rule takes the graph (for constants and shapes) and the node, and returns the replacement nodes and the
+new constant tensors; it raises `Unsupported` with the reason when this node cannot run on the GEMM unit
+(the node then stays as a host op, listed by `inspect --lowered` and refused by `compile` unless the user
+allows host fallback). The table `LOWERING` is the one place that says what lowers to what.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from math import prod
+from typing import Callable
+
+import numpy as np
+
+from qdeploy.errors import Unsupported
+from qdeploy.ir import Graph, Node, Tensor, constant
+from qdeploy.lowering.instructions import InstrKind
+
+INF = float("inf")
+
+
+@dataclass
+class Lowered:
+    nodes: list[Node]
+    tensors: list[Tensor] = field(default_factory=list)
+
+
+LoweringRule = Callable[[Graph, Node], Lowered]
+
+
+def no_epilogue() -> dict:
+    return {"act_min": -INF, "act_max": INF}
+
+
+def _weight(graph: Graph, node: Node, index: int, what: str) -> np.ndarray:
+    data = graph.constant_data(node.inputs[index]) if len(node.inputs) > index and node.inputs[index] else None
+    if data is None:
+        raise Unsupported(f"node '{node.name}' ({node.op}): {what} '{node.inputs[index]}' is not a constant")
+    if not np.issubdtype(data.dtype, np.floating):
+        raise Unsupported(f"node '{node.name}' ({node.op}): {what} has dtype {data.dtype}, expected float")
+    return data.astype(np.float32)
+
+
+def _rank(graph: Graph, name: str) -> int:
+    shape = graph.tensors[name].shape
+    return -1 if shape is None else len(shape)
+
+
+def _new_constants(graph: Graph, node: Node, **arrays: np.ndarray) -> dict[str, Tensor]:
+    return {key: constant(graph.unique_name(f"{node.name}_{key}"), value) for key, value in arrays.items()}
+
+
+def conv_gemm(graph: Graph, node: Node, x: str, weight: np.ndarray, bias: np.ndarray, *, group: int,
+              strides: list[int], pads: list[int], dilations: list[int], output: str | None = None) -> Lowered:
+    """A ConvGemm instruction computing `output` (default: the node's output) from `x`."""
+    consts = _new_constants(graph, node, weight=weight.astype(np.float32), bias=bias.astype(np.float32))
+    instr = Node(node.name, InstrKind.CONV_GEMM.value, [x, consts["weight"].name, consts["bias"].name],
+                 [output or node.outputs[0]],
+                 dict(group=group, strides=list(strides), pads=list(pads), dilations=list(dilations),
+                      **no_epilogue()))
+    return Lowered([instr], list(consts.values()))
+
+
+def dense_gemm(graph: Graph, node: Node, x: str, weight: np.ndarray, bias: np.ndarray) -> Lowered:
+    """A DenseGemm instruction y = x @ weight^T + bias with weight (out, K)."""
+    consts = _new_constants(graph, node, weight=weight.astype(np.float32), bias=bias.astype(np.float32))
+    instr = Node(node.name, InstrKind.DENSE_GEMM.value, [x, consts["weight"].name, consts["bias"].name],
+                 [node.outputs[0]], no_epilogue())
+    return Lowered([instr], list(consts.values()))
+
+
+def lower_conv(graph: Graph, node: Node) -> Lowered:
+    """Conv -> im2col GEMM per group: (N*OH*OW, C/g*kh*kw) x (C/g*kh*kw, M/g) (ONNX Conv spec)."""
+    weight = _weight(graph, node, 1, "weight")
+    if weight.ndim != 4 or _rank(graph, node.inputs[0]) != 4:
+        raise Unsupported(f"node '{node.name}' (Conv): only 2-D convolutions (NCHW) are supported, "
+                          f"weight has rank {weight.ndim}")
+    bias = _weight(graph, node, 2, "bias") if len(node.inputs) > 2 and node.inputs[2] else \
+        np.zeros(weight.shape[0], np.float32)
+    kernel = node.attrs.get("kernel_shape")
+    if kernel is not None and list(kernel) != list(weight.shape[2:]):
+        raise Unsupported(f"node '{node.name}' (Conv): kernel_shape {kernel} does not match weight shape "
+                          f"{list(weight.shape)}")
+    if node.attrs.get("auto_pad", "NOTSET") != "NOTSET":
+        raise Unsupported(f"node '{node.name}' (Conv): auto_pad {node.attrs['auto_pad']} was not made explicit")
+    return conv_gemm(graph, node, node.inputs[0], weight, bias, group=int(node.attrs.get("group", 1)),
+                     strides=node.attrs.get("strides") or [1, 1], pads=node.attrs.get("pads") or [0, 0, 0, 0],
+                     dilations=node.attrs.get("dilations") or [1, 1])
+
+
+def lower_gemm(graph: Graph, node: Node) -> Lowered:
+    """Gemm Y = alpha * A' B' + beta * C with constant B (and C per output column) -> DenseGemm with
+    W = alpha * B'^T, b = beta * C (ONNX Gemm spec)."""
+    if node.attrs.get("transA", 0):
+        raise Unsupported(f"node '{node.name}' (Gemm): transA=1 (activation transposed) is not supported")
+    b = _weight(graph, node, 1, "B")
+    weight = float(node.attrs.get("alpha", 1.0)) * (b if node.attrs.get("transB", 0) else b.T)
+    out_features = weight.shape[0]
+    bias = np.zeros(out_features, np.float32)
+    if len(node.inputs) > 2 and node.inputs[2]:
+        c = _weight(graph, node, 2, "C")
+        if c.size not in (1, out_features) or (c.ndim == 2 and c.shape[0] != 1):
+            raise Unsupported(f"node '{node.name}' (Gemm): C of shape {c.shape} is not a per-column bias")
+        bias = bias + float(node.attrs.get("beta", 1.0)) * c.reshape(-1)
+    return dense_gemm(graph, node, node.inputs[0], weight, bias)
+
+
+def lower_matmul(graph: Graph, node: Node) -> Lowered:
+    """MatMul of a 2-D activation (N, K) by a constant (K, M) -> DenseGemm with W = B^T."""
+    b = _weight(graph, node, 1, "B")
+    if b.ndim != 2 or _rank(graph, node.inputs[0]) != 2:
+        raise Unsupported(f"node '{node.name}' (MatMul): only (N, K) x constant (K, M) is supported")
+    return dense_gemm(graph, node, node.inputs[0], b.T, np.zeros(b.shape[1], np.float32))
+
+
+def _channels(graph: Graph, node: Node) -> int:
+    shape = graph.tensors[node.inputs[0]].shape
+    if shape is None or len(shape) < 2 or shape[1] is None:
+        raise Unsupported(f"node '{node.name}' ({node.op}): the channel count of its input is unknown")
+    return int(shape[1])
+
+
+def channel_affine(graph: Graph, node: Node, x: str, scale: np.ndarray, shift: np.ndarray) -> Lowered:
+    """y[:, c] = scale[c] * x[:, c] + shift[c] as a GEMM: a 1x1 depthwise ConvGemm on NCHW (K = 1 per
+    channel), a diagonal DenseGemm on (N, C)."""
+    rank = _rank(graph, x)
+    channels = scale.size
+    if rank == 4:
+        return conv_gemm(graph, node, x, scale.reshape(channels, 1, 1, 1), shift, group=channels,
+                         strides=[1, 1], pads=[0, 0, 0, 0], dilations=[1, 1])
+    if rank == 2:
+        return dense_gemm(graph, node, x, np.diag(scale), shift)
+    raise Unsupported(f"node '{node.name}' ({node.op}): a per-channel affine needs an NCHW or (N, C) input")
+
+
+def batchnorm_scale_shift(graph: Graph, node: Node) -> tuple[np.ndarray, np.ndarray]:
+    """BatchNormalization (inference) as y = s * x + t per channel: s = gamma / sqrt(var + eps),
+    t = beta - s * mean (ONNX BatchNormalization spec; eps defaults to 1e-5)."""
+    if node.attrs.get("training_mode", 0):
+        raise Unsupported(f"node '{node.name}' (BatchNormalization): training_mode=1 is not supported")
+    gamma, beta, mean, var = (_weight(graph, node, i, what).astype(np.float64)
+                              for i, what in ((1, "scale"), (2, "B"), (3, "mean"), (4, "var")))
+    scale = gamma / np.sqrt(var + float(node.attrs.get("epsilon", 1e-5)))
+    return scale, beta - scale * mean
+
+
+def lower_batchnorm(graph: Graph, node: Node) -> Lowered:
+    """A BatchNormalization not folded into a producer: a per-channel affine GEMM."""
+    scale, shift = batchnorm_scale_shift(graph, node)
+    return channel_affine(graph, node, node.inputs[0], scale, shift)
+
+
+def constant_operand(graph: Graph, node: Node) -> tuple[str, np.ndarray] | None:
+    """(activation input, constant input) of a binary op with exactly one constant operand."""
+    a, b = node.inputs[:2]
+    da, db = graph.constant_data(a), graph.constant_data(b)
+    if (da is None) == (db is None):
+        return None
+    return (b, da) if db is None else (a, db)
+
+
+def per_channel(graph: Graph, x: str, value: np.ndarray) -> np.ndarray | None:
+    """`value` as a vector over the channel axis (axis 1) of `x` when it broadcasts as scalar or per
+    channel only; else None."""
+    shape = graph.tensors[x].shape
+    if shape is None or len(shape) < 2 or shape[1] is None:
+        return None
+    channels, rank = int(shape[1]), len(shape)
+    value = np.asarray(value, np.float64)
+    if value.size == 1:
+        return np.full(channels, float(value.reshape(-1)[0]))
+    if value.ndim > rank:
+        return None
+    full = (1,) * (rank - value.ndim) + value.shape
+    if full[1] == channels and all(d == 1 for i, d in enumerate(full) if i != 1):
+        return value.reshape(channels)
+    return None
+
+
+def affine_of(graph: Graph, node: Node) -> tuple[str, np.ndarray, np.ndarray] | None:
+    """An elementwise op with one constant operand as x -> scale * x + shift per channel, or None.
+    Mul: (c, 0); Div x/c: (1/c, 0); Add: (1, c); Sub x-c: (1, -c), c-x: (-1, c)."""
+    operands = constant_operand(graph, node)
+    if operands is None:
+        return None
+    x, value = operands
+    c = per_channel(graph, x, value)
+    if c is None:
+        return None
+    ones, zeros = np.ones_like(c), np.zeros_like(c)
+    constant_first = node.inputs[0] != x
+    if node.op == "Mul":
+        return x, c, zeros
+    if node.op == "Div" and not constant_first and np.all(c != 0):
+        return x, 1.0 / c, zeros
+    if node.op == "Add":
+        return x, ones, c
+    if node.op == "Sub":
+        return (x, -ones, c) if constant_first else (x, ones, -c)
+    return None
+
+
+def lower_binary(graph: Graph, node: Node) -> Lowered:
+    """Add of two activations -> AddGemm; an elementwise op with a per-channel constant -> affine GEMM."""
+    affine = affine_of(graph, node)
+    if affine is not None:
+        return channel_affine(graph, node, *affine)
+    if node.op == "Add" and constant_operand(graph, node) is None:
+        a, b = node.inputs[:2]
+        if graph.tensors[a].shape != graph.tensors[b].shape:
+            raise Unsupported(f"node '{node.name}' (Add): broadcasting {graph.tensors[a].shape} with "
+                              f"{graph.tensors[b].shape} is not supported on the GEMM unit")
+        return Lowered([Node(node.name, InstrKind.ADD_GEMM.value, [a, b], [node.outputs[0]], no_epilogue())])
+    raise Unsupported(f"node '{node.name}' ({node.op}): only a per-channel constant operand"
+                      f"{' or a residual Add of two activations' if node.op == 'Add' else ''} can be lowered")
+
+
+def lower_global_average_pool(graph: Graph, node: Node) -> Lowered:
+    """GlobalAveragePool -> depthwise ConvGemm with the whole HxW window and weights 1/(H*W): the sum runs
+    in int32 on the array and the division lives in the requantization scale."""
+    shape = graph.tensors[node.inputs[0]].shape
+    if shape is None or len(shape) != 4 or None in shape[1:]:
+        raise Unsupported(f"node '{node.name}' (GlobalAveragePool): needs a static NCHW input")
+    channels, height, width = shape[1:]
+    weight = np.full((channels, 1, height, width), 1.0 / (height * width), np.float32)
+    return conv_gemm(graph, node, node.inputs[0], weight, np.zeros(channels, np.float32), group=channels,
+                     strides=[1, 1], pads=[0, 0, 0, 0], dilations=[1, 1])
+
+
+def lower_average_pool(graph: Graph, node: Node) -> Lowered:
+    """AveragePool -> depthwise ConvGemm with weights 1/(kh*kw). Exact when every window divides by the
+    full kernel size: no padding, or count_include_pad=1; ceil_mode windows would divide by fewer."""
+    kernel = list(node.attrs["kernel_shape"])
+    pads = list(node.attrs.get("pads") or [0] * 4)
+    if len(kernel) != 2 or _rank(graph, node.inputs[0]) != 4:
+        raise Unsupported(f"node '{node.name}' (AveragePool): only 2-D pooling on NCHW is supported")
+    if any(pads) and not node.attrs.get("count_include_pad", 0):
+        raise Unsupported(f"node '{node.name}' (AveragePool): count_include_pad=0 with padding divides border "
+                          f"windows by fewer elements; not expressible with constant weights")
+    if node.attrs.get("ceil_mode", 0):
+        raise Unsupported(f"node '{node.name}' (AveragePool): ceil_mode=1 is not supported")
+    channels = _channels(graph, node)
+    weight = np.full((channels, 1, *kernel), 1.0 / prod(kernel), np.float32)
+    return conv_gemm(graph, node, node.inputs[0], weight, np.zeros(channels, np.float32), group=channels,
+                     strides=node.attrs.get("strides") or [1, 1], pads=pads,
+                     dilations=node.attrs.get("dilations") or [1, 1])
+
+
+def identity_gemm(graph: Graph, node: Node) -> Lowered:
+    """y = x through the GEMM unit (1x1 depthwise, weight 1), so that a standalone activation or MaxPool
+    can run in the output stage (fusion.py adds the epilogue)."""
+    x = node.inputs[0]
+    channels = _channels(graph, node)
+    return channel_affine(graph, node, x, np.ones(channels), np.zeros(channels))
+
+
+# What lowers to what (design.md section 4). Relu/Clip/LeakyRelu/MaxPool are epilogues: fusion.py merges
+# them into their producer; `identity_gemm` carries the ones that have no GEMM producer.
+LOWERING: dict[str, LoweringRule] = {
+    "Conv": lower_conv,  # im2col + GEMM, grouped/depthwise as one GEMM per group
+    "Gemm": lower_gemm,
+    "MatMul": lower_matmul,
+    "BatchNormalization": lower_batchnorm,  # only those not folded into a Conv/Gemm
+    "Add": lower_binary,  # residual add: AddGemm; add of a constant: affine
+    "Sub": lower_binary,
+    "Mul": lower_binary,  # by a per-channel constant
+    "Div": lower_binary,
+    "GlobalAveragePool": lower_global_average_pool,
+    "AveragePool": lower_average_pool,
+}
+EPILOGUE_OPS = {"Relu", "Clip", "LeakyRelu", "MaxPool"}

@@ -1,0 +1,38 @@
+"""The float meaning of the accelerator's instructions (lowering/instructions.py), so the lowered graph
+runs in the reference executor before anything is quantized. Each is the ONNX ops it replaces, composed:
+GEMM -> bias -> clamp [act_min, act_max] -> window-max (design.md section 3, epilogue order)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from qdeploy.reference.ops.conv import Conv
+from qdeploy.reference.ops.pool import MaxPool
+
+
+def _epilogue(y: np.ndarray, act_min: float, act_max: float, pool_kernel_shape=None, pool_strides=None,
+              pool_pads=None, pool_dilations=None, pool_ceil_mode=0) -> np.ndarray:
+    if act_min != -np.inf or act_max != np.inf:
+        y = np.clip(y, np.float32(act_min), np.float32(act_max))
+    if pool_kernel_shape is not None:
+        y = MaxPool(y, kernel_shape=pool_kernel_shape, strides=pool_strides, pads=pool_pads,
+                    dilations=pool_dilations, ceil_mode=pool_ceil_mode)
+    return y.astype(np.float32, copy=False)
+
+
+def ConvGemm(x, w, b, *, group=1, strides=(1, 1), pads=(0, 0, 0, 0), dilations=(1, 1),
+             act_min=-np.inf, act_max=np.inf, **window):
+    """y = window_max(clamp(Conv(x, w, b), act_min, act_max)): im2col + GEMM per group."""
+    y = Conv(x, w, b, group=group, strides=list(strides), pads=list(pads), dilations=list(dilations))
+    return _epilogue(y, act_min, act_max, **window)
+
+
+def DenseGemm(x, w, b, *, act_min=-np.inf, act_max=np.inf):
+    """y = clamp(x @ w^T + b, act_min, act_max) with w of shape (out, K)."""
+    y = np.matmul(x, w.T) + b
+    return _epilogue(y, act_min, act_max)
+
+
+def AddGemm(a, b, *, act_min=-np.inf, act_max=np.inf, **window):
+    """y = window_max(clamp(a + b, act_min, act_max)): the GEMM with K = 2 per channel, [a b] . [1 1]^T."""
+    return _epilogue(a + b, act_min, act_max, **window)

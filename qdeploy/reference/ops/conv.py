@@ -1,0 +1,71 @@
+"""Conv: im2col (a strided window view, copied once per batch chunk) and one batched matmul over the groups."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from qdeploy.reference.ops._windows import pad_spatial, window_geometry, window_view
+
+# Upper bound on the im2col buffer of one batch chunk. EfficientNet-Lite0's largest im2col (32 channels at
+# 112x112, 3x3) is 14 MB per sample, so batch 32 runs in chunks instead of building a 460 MB matrix.
+IM2COL_CHUNK_BYTES = 64 * 2**20
+
+
+def Conv(X: np.ndarray, W: np.ndarray, B: np.ndarray | None = None, *, auto_pad: str = "NOTSET",
+         dilations: list[int] | None = None, group: int = 1, kernel_shape: list[int] | None = None,
+         pads: list[int] | None = None, strides: list[int] | None = None) -> np.ndarray:
+    """Y[n, g*Mg + m, o] = B[g*Mg + m] + sum_{c < Cg, k} W[g*Mg + m, c, k] * Xpad[n, g*Cg + c, o*s + k*d]
+
+    with G = group, Cg = C / G input and Mg = M / G output channels per group, o and k running over the
+    N-D output and kernel positions, Xpad = X zero-padded by `pads` ([x1_begin, x2_begin, ..., x1_end, ...])
+    or by auto_pad (geometry in _windows.py). Depthwise is G = C, Cg = 1.
+    Computed as cols[n, g] (Cg*prod(k) x prod(out), from a window view) and Y[n, g] = W_g @ cols[n, g],
+    one batched matmul in the input's float type (float16 is computed in float32 and rounded once).
+    Spec: Conv-11 / Conv-22 (https://onnx.ai/onnx/operators/onnx__Conv.html)."""
+    X, W = np.asarray(X), np.asarray(W)
+    if X.ndim < 3 or W.ndim != X.ndim:
+        raise ValueError(f"X has shape {X.shape} and W {W.shape}: expected (N, C, D1, ...) and "
+                         f"(M, C/group, k1, ...) of the same rank, at least 3")
+    batch, channels = X.shape[:2]
+    out_channels, group_channels = W.shape[:2]
+    kernel = W.shape[2:]
+    if group < 1 or channels % group or out_channels % group:
+        raise ValueError(f"group {group} does not divide the {channels} input and {out_channels} output "
+                         "channels")
+    if group_channels != channels // group:
+        raise ValueError(f"W has {group_channels} input channels per group, expected C/group = "
+                         f"{channels}/{group} = {channels // group}")
+    if kernel_shape is not None and tuple(kernel_shape) != kernel:
+        raise ValueError(f"kernel_shape {list(kernel_shape)} does not match W's spatial shape {list(kernel)}")
+    if B is not None and np.shape(B) != (out_channels,):
+        raise ValueError(f"B has shape {np.shape(B)}, expected ({out_channels},)")
+    geometry = window_geometry(X.shape[2:], kernel, strides=strides, dilations=dilations, pads=pads,
+                               auto_pad=auto_pad)
+
+    dtype = np.result_type(X, W)
+    compute = np.float32 if dtype == np.float16 else dtype
+    padded = pad_spatial(X.astype(compute, copy=False), geometry, 0)
+    groups, size = group, math.prod(geometry.out_shape)
+    depth = group_channels * math.prod(kernel)
+    weights = W.astype(compute, copy=False).reshape(groups, out_channels // groups, depth)
+    Y = np.empty((batch, groups, out_channels // groups, size), dtype=compute)
+
+    if all(k == 1 for k in kernel):
+        # A 1x1 kernel needs no im2col: the (strided) input is the column matrix.
+        strided = padded[(slice(None), slice(None)) + tuple(geometry.offsets())[0]]
+        np.matmul(weights, strided.reshape(batch, groups, depth, size), out=Y)
+    else:
+        windows = window_view(padded, geometry)  # (N, C, *out, *kernel)
+        spatial = len(kernel)
+        order = (0, 1) + tuple(range(2 + spatial, 2 + 2 * spatial)) + tuple(range(2, 2 + spatial))
+        chunk = max(1, IM2COL_CHUNK_BYTES // (channels * math.prod(kernel) * size * Y.itemsize))
+        for start in range(0, batch, chunk):
+            cols = windows[start:start + chunk].transpose(order).reshape(-1, groups, depth, size)
+            np.matmul(weights, cols, out=Y[start:start + chunk])
+
+    Y = Y.reshape((batch, out_channels) + geometry.out_shape)
+    if B is not None:
+        Y += np.asarray(B, dtype=compute).reshape((out_channels,) + (1,) * len(kernel))
+    return Y.astype(dtype, copy=False)

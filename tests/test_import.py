@@ -1,0 +1,144 @@
+"""ONNX import and simplification on hand-built graphs; numbers checked against ONNX Runtime."""
+
+import numpy as np
+import pytest
+from onnx import helper
+
+from builders import make_model, rng_weights, run_onnxruntime, save
+from qdeploy.errors import BadInput, Unsupported
+from qdeploy.onnx_import import import_onnx, load_onnx
+from qdeploy.reference import run_graph
+
+# Float32 results of the same sums in a different order differ by a few ulps of the largest partial sum;
+# with O(1) data and K <= 100 terms, 1e-5 relative / 1e-5 absolute is ample and still catches any wrong tap.
+RTOL, ATOL = 1e-5, 1e-5
+
+
+def const(name, values, dtype=np.int64):
+    return helper.make_node("Constant", [], [name], value=helper.make_tensor(
+        name, 7 if dtype == np.int64 else 1, [len(values)], list(values)))
+
+
+def tf_same_pad_model():
+    """Conv preceded by a Pad whose pads are computed from Shape at run time (as torch exports TF "same")."""
+    nodes = [
+        helper.make_node("Shape", ["x"], ["s"]),
+        const("i2", [2]), const("i3", [3]), const("eight", [8]), const("zeros2", [0, 0]),
+        helper.make_node("Gather", ["s", "i2"], ["h"], axis=0),
+        helper.make_node("Gather", ["s", "i3"], ["w"], axis=0),
+        helper.make_node("Div", ["h", "eight"], ["ph"]),
+        helper.make_node("Div", ["w", "eight"], ["pw"]),
+        helper.make_node("Concat", ["zeros2", "ph", "pw", "zeros2", "ph", "pw"], ["pads"], axis=0),
+        helper.make_node("Pad", ["x", "pads"], ["xp"], mode="constant"),
+        helper.make_node("Conv", ["xp", "W"], ["y"], kernel_shape=[3, 3]),
+        helper.make_node("Identity", ["unused_in"], ["dead"]),
+    ]
+    return make_model(nodes, [("x", ["N", 3, 8, 8]), ("unused_in", [1])], [("y", ["N", 4, 8, 8])],
+                      {"W": rng_weights(0, 4, 3, 3, 3)})
+
+
+def test_shape_subgraph_and_pad_fold_into_conv_pads(tmp_path):
+    path = save(tf_same_pad_model(), tmp_path / "m.onnx")
+    result = import_onnx(path)
+    graph = result.graph
+    assert result.original.op_counts()["Pad"] == 1
+    assert graph.op_counts() == {"Conv": 1}
+    assert graph.nodes[0].attrs["pads"] == [1, 1, 1, 1]
+    assert graph.tensors["y"].shape == (None, 4, 8, 8)  # batch stays free
+    for batch in (1, 5):
+        x = np.random.default_rng(batch).standard_normal((batch, 3, 8, 8)).astype(np.float32)
+        (expected,) = run_onnxruntime(path, {"x": x, "unused_in": np.zeros(1, np.float32)})
+        got = run_graph(graph, {"x": x, "unused_in": np.zeros(1, np.float32)})["y"]
+        np.testing.assert_allclose(got, expected, rtol=RTOL, atol=ATOL)
+
+
+def test_batch_dependent_flatten_becomes_a_constant_reshape(tmp_path):
+    nodes = [
+        helper.make_node("Shape", ["x"], ["s"]), const("i0", [0]), const("minus1", [-1]),
+        helper.make_node("Gather", ["s", "i0"], ["n"], axis=0),
+        helper.make_node("Concat", ["n", "minus1"], ["target"], axis=0),
+        helper.make_node("Reshape", ["x", "target"], ["y"]),
+    ]
+    path = save(make_model(nodes, [("x", ["N", 2, 3, 3])], [("y", ["N", 18])]), tmp_path / "m.onnx")
+    graph = import_onnx(path).graph
+    assert graph.op_counts() == {"Reshape": 1}
+    assert list(graph.tensors[graph.nodes[0].inputs[1]].data) == [0, -1]
+    for batch in (1, 4):
+        x = np.arange(batch * 18, dtype=np.float32).reshape(batch, 2, 3, 3)
+        np.testing.assert_array_equal(run_graph(graph, {"x": x})["y"], x.reshape(batch, 18))
+
+
+def test_identity_and_dropout_are_removed_and_multi_edges_survive(tmp_path):
+    nodes = [
+        helper.make_node("Identity", ["x"], ["a"]),
+        helper.make_node("Dropout", ["a"], ["b"]),
+        helper.make_node("Add", ["b", "b"], ["c"]),  # one tensor, two edges into the same node
+        helper.make_node("Mul", ["c", "c"], ["d"]),
+        helper.make_node("Add", ["d", "b"], ["y"]),  # b read by two nodes
+    ]
+    path = save(make_model(nodes, [("x", ["N", 3])], [("y", ["N", 3])]), tmp_path / "m.onnx")
+    graph = import_onnx(path).graph
+    assert graph.op_counts() == {"Add": 2, "Mul": 1}
+    assert graph.nodes[0].inputs == ["x", "x"]
+    x = np.array([[1, -2, 3]], np.float32)
+    (expected,) = run_onnxruntime(path, {"x": x})
+    np.testing.assert_array_equal(run_graph(graph, {"x": x})["y"], expected)  # exact: small integers
+
+
+@pytest.mark.parametrize("auto_pad", ["SAME_UPPER", "SAME_LOWER", "VALID"])
+def test_auto_pad_becomes_explicit_pads(tmp_path, auto_pad):
+    # in 8, stride 2, kernel 3: SAME gives ceil(8/2) = 4 outputs and pads (4-1)*2 + 3 - 8 = 1 in total.
+    node = helper.make_node("Conv", ["x", "W"], ["y"], kernel_shape=[3, 3], strides=[2, 2], auto_pad=auto_pad)
+    out = 4 if auto_pad != "VALID" else 3
+    path = save(make_model([node], [("x", ["N", 2, 8, 8])], [("y", ["N", 3, out, out])],
+                           {"W": rng_weights(1, 3, 2, 3, 3)}), tmp_path / "m.onnx")
+    graph = import_onnx(path).graph
+    assert "auto_pad" not in graph.nodes[0].attrs
+    expected_pads = {"SAME_UPPER": [0, 0, 1, 1], "SAME_LOWER": [1, 1, 0, 0], "VALID": [0, 0, 0, 0]}[auto_pad]
+    assert graph.nodes[0].attrs["pads"] == expected_pads
+    x = rng_weights(2, 2, 2, 8, 8)
+    (expected,) = run_onnxruntime(path, {"x": x})
+    np.testing.assert_allclose(run_graph(graph, {"x": x})["y"], expected, rtol=RTOL, atol=ATOL)
+
+
+def test_fixed_batch_in_file_is_freed(tmp_path):
+    node = helper.make_node("Relu", ["x"], ["y"])
+    path = save(make_model([node], [("x", [1, 3])], [("y", [1, 3])]), tmp_path / "m.onnx")
+    graph = import_onnx(path).graph
+    assert graph.tensors["x"].shape == (None, 3)
+    assert run_graph(graph, {"x": -np.ones((7, 3), np.float32)})["y"].shape == (7, 3)
+
+
+def test_symbolic_non_batch_dims_need_input_shape(tmp_path):
+    node = helper.make_node("Relu", ["x"], ["y"])
+    path = save(make_model([node], [("x", ["N", 3, "H", "W"])], [("y", ["N", 3, "H", "W"])]), tmp_path / "m.onnx")
+    with pytest.raises(BadInput, match="--input-shape"):
+        load_onnx(path)
+    graph = load_onnx(path, {"x": (None, 3, 16, 16)})
+    assert graph.tensors["y"].shape == (None, 3, 16, 16)
+    with pytest.raises(BadInput, match="'z'.*not an input"):
+        load_onnx(path, {"x": (None, 3, 16, 16), "z": (None, 3)})
+
+
+def test_errors_name_the_problem(tmp_path):
+    with pytest.raises(BadInput, match="no such file"):
+        load_onnx(tmp_path / "missing.onnx")
+    (tmp_path / "text.onnx").write_text("hello, I am not a model")
+    with pytest.raises(BadInput, match="text.onnx: not"):
+        load_onnx(tmp_path / "text.onnx")
+    old = make_model([helper.make_node("Relu", ["x"], ["y"])], [("x", ["N", 3])], [("y", ["N", 3])], opset=9)
+    with pytest.raises(Unsupported, match="opset 9"):
+        load_onnx(save(old, tmp_path / "old.onnx"))
+    custom = make_model([helper.make_node("FancyOp", ["x"], ["y"], name="mystery")], [("x", ["N", 3])],
+                        [("y", ["N", 3])])
+    with pytest.raises(Unsupported, match="node 'mystery' has op FancyOp"):
+        load_onnx(save(custom, tmp_path / "custom.onnx"))
+    cyclic = make_model([helper.make_node("Add", ["x", "b"], ["a"], name="n1"),
+                         helper.make_node("Relu", ["a"], ["b"], name="n2"),
+                         helper.make_node("Relu", ["a"], ["y"], name="n3")], [("x", ["N", 3])], [("y", ["N", 3])])
+    with pytest.raises(BadInput, match="cycle through node 'n1'"):
+        load_onnx(save(cyclic, tmp_path / "cyclic.onnx"))
+    mismatch = make_model([helper.make_node("Add", ["x", "k"], ["y"], name="bad_add")], [("x", ["N", 3])],
+                          [("y", ["N", 3])], {"k": np.ones(4, np.float32)})
+    with pytest.raises(BadInput, match="bad_add"):
+        load_onnx(save(mismatch, tmp_path / "mismatch.onnx"))

@@ -1,0 +1,155 @@
+"""Lowering passes on hand-built graphs: what each graph becomes, and that the lowered float graph computes
+what ONNX Runtime computes on the original."""
+
+import numpy as np
+import pytest
+from onnx import helper
+
+from builders import make_model, rng_weights, run_onnxruntime, save
+from qdeploy.errors import Unsupported
+from qdeploy.ir import validate
+from qdeploy.lowering import lower, require_lowered
+from qdeploy.onnx_import import import_onnx
+from qdeploy.reference import run_graph
+
+# Folding BN/affines into weights reorders float32 products (w*s*x instead of (w*x)*s): a few ulps per
+# term; with O(1) data and K <= 100 terms, 1e-4 relative / 1e-5 absolute covers it and catches any error.
+RTOL, ATOL = 1e-4, 1e-5
+
+
+def bn_inputs(prefix, channels, seed):
+    rng = np.random.default_rng(seed)
+    return {f"{prefix}_g": rng.uniform(0.5, 1.5, channels).astype(np.float32),
+            f"{prefix}_b": rng.standard_normal(channels).astype(np.float32),
+            f"{prefix}_m": rng.standard_normal(channels).astype(np.float32),
+            f"{prefix}_v": rng.uniform(0.5, 2.0, channels).astype(np.float32)}
+
+
+def bn(x, y, prefix):
+    return helper.make_node("BatchNormalization", [x, f"{prefix}_g", f"{prefix}_b", f"{prefix}_m", f"{prefix}_v"],
+                            [y], name=prefix)
+
+
+def lowered_and_checked(tmp_path, model, input_shape=(2, 3, 8, 8), name="m.onnx"):
+    """Lower `model`; assert the lowered float graph matches ONNX Runtime at two batch sizes."""
+    path = save(model, tmp_path / name)
+    result = lower(import_onnx(path).graph)
+    validate(result.graph)
+    for batch in (input_shape[0], 3):
+        x = np.random.default_rng(batch).standard_normal((batch, *input_shape[1:])).astype(np.float32)
+        expected = run_onnxruntime(path, {"x": x})
+        got = run_graph(result.graph, {"x": x})
+        for name, want in zip(result.graph.outputs, expected):
+            np.testing.assert_allclose(got[name], want, rtol=RTOL, atol=ATOL)
+    return result
+
+
+def kinds(result):
+    return [(i.kind, i.name) for i in result.instructions]
+
+
+def test_conv_bn_relu_becomes_one_gemm_with_relu_epilogue(tmp_path):
+    nodes = [helper.make_node("Conv", ["x", "W", "B"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+             bn("c", "n", "bn"), helper.make_node("Relu", ["n"], ["y"], name="relu")]
+    model = make_model(nodes, [("x", ["N", 3, 8, 8])], [("y", ["N", 4, 8, 8])],
+                       {"W": rng_weights(0, 4, 3, 3, 3), "B": rng_weights(1, 4), **bn_inputs("bn", 4, 2)})
+    result = lowered_and_checked(tmp_path, model)
+    (instr,) = result.instructions
+    assert (instr.kind, instr.name, instr.output) == ("ConvGemm", "conv", "y")  # writes the Relu's tensor
+    assert (instr.m, instr.n, instr.k) == (64, 4, 27)
+    assert instr.epilogue == {"bias": True, "clamp": [0.0, float("inf")]}
+    assert [(p.name, p.nodes_before, p.nodes_after) for p in result.passes][:2] == [
+        ("lower_gemm_ops", 3, 3), ("fold_batchnorm", 3, 2)]
+    assert result.gemm_mac_fraction == 1.0
+
+
+def test_depthwise_relu6_and_maxpool_fuse_into_one_store(tmp_path):
+    nodes = [helper.make_node("Conv", ["x", "W"], ["c"], name="dw", group=3, pads=[1, 1, 1, 1], strides=[1, 1]),
+             helper.make_node("Clip", ["c", "lo", "hi"], ["r"], name="relu6"),
+             helper.make_node("MaxPool", ["r"], ["y"], name="pool", kernel_shape=[3, 3], strides=[2, 2],
+                              pads=[1, 1, 1, 1])]
+    model = make_model(nodes, [("x", ["N", 3, 8, 8])], [("y", ["N", 3, 4, 4])],
+                       {"W": rng_weights(3, 3, 1, 3, 3, scale=2.0), "lo": np.float32(0), "hi": np.float32(6)})
+    result = lowered_and_checked(tmp_path, model)
+    (instr,) = result.instructions
+    assert instr.groups == 3 and (instr.m, instr.n, instr.k) == (64, 1, 9)  # GEMM before the window-max
+    assert instr.epilogue["clamp"] == [0.0, 6.0]
+    assert instr.epilogue["window_max"]["kernel"] == [3, 3]
+    assert instr.output == "y"
+
+
+def test_residual_add_relu_pool_flatten_gemm(tmp_path):
+    nodes = [helper.make_node("Conv", ["x", "W1"], ["a"], name="c1", pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["a"], ["ar"], name="r1"),
+             helper.make_node("Conv", ["ar", "W2"], ["b"], name="c2", pads=[1, 1, 1, 1]),
+             helper.make_node("Add", ["b", "ar"], ["s"], name="add"),
+             helper.make_node("Relu", ["s"], ["sr"], name="r2"),
+             helper.make_node("GlobalAveragePool", ["sr"], ["g"], name="gap"),
+             helper.make_node("Flatten", ["g"], ["f"], name="flat"),
+             helper.make_node("Gemm", ["f", "Wfc", "Bfc"], ["y"], name="fc", transB=1)]
+    model = make_model(nodes, [("x", ["N", 3, 8, 8])], [("y", ["N", 5])],
+                       {"W1": rng_weights(4, 4, 3, 3, 3), "W2": rng_weights(5, 4, 4, 3, 3),
+                        "Wfc": rng_weights(6, 5, 4), "Bfc": rng_weights(7, 5)})
+    result = lowered_and_checked(tmp_path, model)
+    assert kinds(result) == [("ConvGemm", "c1"), ("ConvGemm", "c2"), ("AddGemm", "add"), ("ConvGemm", "gap"),
+                             ("DenseGemm", "fc")]
+    add = result.instructions[2]
+    assert add.epilogue == {"bias": False, "clamp": [0.0, float("inf")]} and add.k == 2 and add.groups == 4
+    gap = result.instructions[3]
+    assert gap.groups == 4 and gap.k == 64  # the whole 8x8 window, weights 1/64
+    assert [step["kind"] for step in result.layout] == ["Flatten"]
+    assert result.host_ops == []
+
+
+def test_standalone_bn_maxpool_and_constant_affines(tmp_path):
+    """BN, Mul and MaxPool straight on the graph input have no GEMM producer: each runs as a GEMM of its
+    own (diagonal weights); a Mul and Add by per-channel constants after a Conv fold into it."""
+    nodes = [bn("x", "n", "bn0"),
+             helper.make_node("MaxPool", ["n"], ["p"], name="pool", kernel_shape=[2, 2], strides=[2, 2]),
+             helper.make_node("Conv", ["p", "W"], ["c"], name="conv"),
+             helper.make_node("Mul", ["c", "scale"], ["m"], name="mul"),
+             helper.make_node("Add", ["shift", "m"], ["y"], name="add")]
+    model = make_model(nodes, [("x", ["N", 3, 8, 8])], [("y", ["N", 2, 4, 4])],
+                       {**bn_inputs("bn0", 3, 8), "W": rng_weights(9, 2, 3, 1, 1),
+                        "scale": np.array([2.0, -0.5], np.float32).reshape(1, 2, 1, 1),
+                        "shift": np.array([0.25, 1.0], np.float32).reshape(2, 1, 1)})
+    result = lowered_and_checked(tmp_path, model)
+    assert kinds(result) == [("ConvGemm", "bn0"), ("ConvGemm", "conv")]
+    assert result.instructions[0].epilogue["window_max"]["kernel"] == [2, 2]
+    assert result.instructions[1].output == "y"
+
+
+def test_maxpool_on_graph_input_gets_an_identity_gemm(tmp_path):
+    nodes = [helper.make_node("MaxPool", ["x"], ["y"], name="pool", kernel_shape=[3, 3], strides=[2, 2],
+                              ceil_mode=1)]
+    model = make_model(nodes, [("x", ["N", 3, 8, 8])], [("y", ["N", 3, 4, 4])])
+    result = lowered_and_checked(tmp_path, model)
+    (instr,) = result.instructions
+    assert instr.kind == "ConvGemm" and instr.k == 1 and instr.epilogue["window_max"]["ceil_mode"] == 1
+
+
+def test_multi_edges_survive_lowering(tmp_path):
+    nodes = [helper.make_node("Conv", ["x", "W"], ["c"], name="conv"),
+             helper.make_node("Add", ["c", "c"], ["d"], name="double"),  # Add(x, x)
+             helper.make_node("Relu", ["d"], ["r"], name="relu"),
+             helper.make_node("Add", ["r", "c"], ["y"], name="join")]  # c read by two nodes
+    model = make_model(nodes, [("x", ["N", 3, 8, 8])], [("y", ["N", 2, 8, 8])], {"W": rng_weights(10, 2, 3, 1, 1)})
+    result = lowered_and_checked(tmp_path, model)
+    assert kinds(result) == [("ConvGemm", "conv"), ("AddGemm", "double"), ("AddGemm", "join")]
+    assert result.instructions[1].inputs == ["c", "c"]
+    assert result.instructions[1].epilogue["clamp"] == [0.0, float("inf")]
+
+
+def test_unlowerable_ops_are_host_ops_named_in_the_error(tmp_path):
+    nodes = [helper.make_node("Conv", ["x", "W"], ["c"], name="conv"),
+             helper.make_node("Conv", ["x", "c"], ["z"], name="dynamic_conv"),  # weight is an activation
+             helper.make_node("Flatten", ["z"], ["f"], name="flat"),
+             helper.make_node("Softmax", ["f"], ["y"], name="softmax")]
+    model = make_model(nodes, [("x", ["N", 3, 3, 3])], [("y", ["N", 3])], {"W": rng_weights(11, 3, 3, 1, 1)})
+    result = lowered_and_checked(tmp_path, model, input_shape=(3, 3, 3, 3))
+    assert [(h.node, h.op) for h in result.host_ops] == [("dynamic_conv", "Conv"), ("softmax", "Softmax")]
+    assert "weight 'c' is not a constant" in result.host_ops[0].reason
+    assert 0 < result.gemm_mac_fraction < 1
+    with pytest.raises(Unsupported, match="dynamic_conv.*softmax.*--allow-host-fallback"):
+        require_lowered(result, allow_host_fallback=False)
+    require_lowered(result, allow_host_fallback=True)
