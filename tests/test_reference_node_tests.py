@@ -68,6 +68,11 @@ EXCLUDED: dict[str, str] = {
     "pytorch-operator/test_operator_mm": _OPSET6_BROADCAST,
 }
 
+# (rtol, atol) replacing the default float32 tolerance, with the reason.
+TOLERANCE: dict[str, tuple[float, float, str]] = {
+    "test_averagepool_2d_ceil_last_window_starts_on_pad": (1e-3, 1e-4, "expected values written to 4 decimals"),
+}
+
 
 @dataclass
 class Case:
@@ -204,6 +209,9 @@ def test_onnx_backend_case(case: Case) -> None:
         elif expected.dtype == np.float16:
             # float16 has a 2**-10 relative step: one rounding of ours against one of the generator's.
             np.testing.assert_allclose(actual, expected, rtol=2e-3, atol=1e-3, err_msg=name)
+        elif case.name in TOLERANCE:
+            rtol, atol, _reason = TOLERANCE[case.name]
+            np.testing.assert_allclose(actual, expected, rtol=rtol, atol=atol, err_msg=name)
         else:
             # The expected values come from numpy code that sums in a different order (or in float64 before
             # rounding to float32). A float32 sum of K terms is within ~K * 2**-24 * sum|terms| of the exact
@@ -215,4 +223,4 @@ def test_onnx_backend_case(case: Case) -> None:
 def test_exclusions_name_existing_cases() -> None:
     """Every named exclusion still matches a collected case, so the list cannot go stale silently."""
     names = {param.id for param in CASES}
-    assert set(EXCLUDED) <= names, sorted(set(EXCLUDED) - names)
+    assert set(EXCLUDED) | set(TOLERANCE) <= names, sorted((set(EXCLUDED) | set(TOLERANCE)) - names)
