@@ -67,6 +67,13 @@ def _npy_bytes(array: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
+def _member(name: str) -> zipfile.ZipInfo:
+    """A deflated zip member with a fixed timestamp, so the same program gives the same bytes."""
+    info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
+    info.compress_type = zipfile.ZIP_DEFLATED
+    return info
+
+
 def write_program(program: Program, path: str | os.PathLike) -> Path:
     """Write `program` to `path` atomically (temporary file, then rename)."""
     payloads = {name: _npy_bytes(array) for name, array in sorted(program.arrays.items())}
@@ -78,12 +85,10 @@ def write_program(program: Program, path: str | os.PathLike) -> Path:
                           for name, data in payloads.items()}
 
     def write(tmp: Path) -> None:
-        # Fixed timestamps so the same program gives the same bytes.
-        with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_DEFLATED) as archive:
-            info = zipfile.ZipInfo(MANIFEST, date_time=(1980, 1, 1, 0, 0, 0))
-            archive.writestr(info, json.dumps(manifest, indent=1, sort_keys=True, allow_nan=True))
+        with zipfile.ZipFile(tmp, "w") as archive:
+            archive.writestr(_member(MANIFEST), json.dumps(manifest, indent=1, sort_keys=True, allow_nan=True))
             for name, data in payloads.items():
-                archive.writestr(zipfile.ZipInfo(f"arrays/{name}.npy", date_time=(1980, 1, 1, 0, 0, 0)), data)
+                archive.writestr(_member(f"arrays/{name}.npy"), data)
 
     return atomic_write(path, write)
 

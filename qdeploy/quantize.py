@@ -1,0 +1,302 @@
+"""Quantize a lowered float graph into an integer program (design.md section 3).
+
+Per tensor: int8 (or uint8 for provably non-negative tensors on targets with unsigned activations), zero
+point 0, scale = T / 127 (T / 255 unsigned) from the calibration table. Per GEMM instruction, per output
+channel c:
+
+  (1) weights  q_w[c] = rne(W[c] / s_w[c]) in [-127, 127],  s_w[c] = max|W[c]| / 127   (calib/weights.py)
+  (2) bias     q_b[c] = rne(b[c] / (s_in * s_w[c])), saturated to int32
+  (3) acc[c]   = sum_k q_x[k] * q_w[c, k] + q_b[c]                     (acc_bits, wrap or saturate)
+  (4) M[c]     = s_in * s_w[c] / s_out  -> integer mult[c] (Q(mult_bits-1)) and right shift[c]
+  (5) y        = clamp(requantize(acc, M), lo, hi), lo/hi from the fused activation, then window-max
+
+AddGemm (the residual add) is the output stage's two-input GEMM, K = 2 per channel, with 16-bit pre-scale
+weights on a common scale s_acc = max(s_a, s_b) / 2^14: acc = q_a * w_a + q_b * w_b with
+w = rne(s / s_acc), then (4)-(5) with M = s_acc / s_out. The relative error of the pre-scale is at most
+2^-15 for the larger input scale.
+
+Layout ops keep their input's scale; a Concat's inputs are written by their producers straight into the
+shared buffer, so every producer takes the Concat's output scale.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from calib.weights import quantize_weights
+from qdeploy import __version__
+from qdeploy.errors import BadInput, Unsupported
+from qdeploy.ir import Graph, Node
+from qdeploy.lowering import LoweringResult
+from qdeploy.lowering.instructions import INSTRUCTION_OPS, LAYOUT_OPS, InstrKind, has_window_max
+from qdeploy.program import Program
+from simulator.config import Target, target_to_dict
+from simulator.reference import quantize_multiplier
+
+ADD_PRESCALE_BITS = 14
+INT32_MIN, INT32_MAX = -(2 ** 31), 2 ** 31 - 1
+
+
+@dataclass
+class LayerReport:
+    """One line of `qdeploy compile`'s table."""
+
+    name: str
+    kind: str
+    m: int
+    n: int
+    k: int
+    groups: int
+    input_scale: float
+    weight_scale_min: float
+    weight_scale_max: float
+    output_scale: float
+    mult_min: int
+    mult_max: int
+    shift_min: int
+    shift_max: int
+    rounding: str
+    acc_bound_bits: int
+    acc_bits: int
+    bias_saturated: int = 0
+    warnings: list[str] = field(default_factory=list)
+
+
+@dataclass
+class CompileOptions:
+    per_channel_weights: bool = True
+    allow_host_fallback: bool = False
+
+
+def _shape(graph: Graph, name: str) -> list:
+    return [d for d in (graph.tensors[name].shape or ())]
+
+
+def rne(x: np.ndarray) -> np.ndarray:
+    """Round half to even (numpy's rounding), as float64."""
+    return np.round(np.asarray(x, np.float64))
+
+
+class _Scales:
+    """Per-tensor quantization: scale and signedness, from the calibration thresholds."""
+
+    def __init__(self, graph: Graph, thresholds: dict[str, float], target: Target):
+        self.graph, self.target = graph, target
+        self.producers = graph.producers()
+        self.scale: dict[str, float] = {}
+        self.unsigned: dict[str, bool] = {}
+        concat_scale = self._concat_scales(thresholds)
+        for name in graph.inputs:
+            self._assign(name, thresholds, unsigned=False)
+        for node in graph.nodes:
+            out = node.outputs[0]
+            if node.op in INSTRUCTION_OPS:
+                unsigned = target.arithmetic.unsigned_activations and node.attrs["act_min"] >= 0
+                self._assign(out, thresholds, unsigned, override=concat_scale.get(out))
+            elif node.op in LAYOUT_OPS and node.op != "Concat":
+                self.scale[out], self.unsigned[out] = self.scale[node.inputs[0]], self.unsigned[node.inputs[0]]
+            elif node.op == "Concat":
+                self._assign(out, thresholds, unsigned=False)
+                if any(self.unsigned[i] for i in node.inputs):
+                    raise Unsupported(f"node '{node.name}' (Concat): unsigned inputs are not supported")
+            else:
+                self._assign(out, thresholds, unsigned=False)  # host op output, requantized on the host
+
+    def _concat_scales(self, thresholds: dict[str, float]) -> dict[str, tuple[str, float]]:
+        """Producer output -> the Concat output whose scale it must take."""
+        result = {}
+        consumers = self.graph.consumers()
+        for node in self.graph.nodes:
+            if node.op != "Concat":
+                continue
+            for name in node.inputs:
+                producer = self.producers.get(name)
+                if producer is None or producer.op not in INSTRUCTION_OPS or len(consumers[name]) != 1:
+                    raise Unsupported(f"node '{node.name}' (Concat): input '{name}' must be written by a GEMM "
+                                      f"instruction that feeds only this Concat (shared-buffer write)")
+                result[name] = node.outputs[0]
+        return result
+
+    def _assign(self, name: str, thresholds: dict[str, float], unsigned: bool, override: str | None = None):
+        key = override or name
+        if key not in thresholds:
+            raise BadInput(f"the calibration table has no entry for tensor '{key}' of this model; "
+                           f"recalibrate with this model")
+        threshold = float(thresholds[key])
+        if not math.isfinite(threshold) or threshold <= 0:
+            raise BadInput(f"calibration table: tensor '{key}' has threshold {threshold}, expected a finite "
+                           f"positive number")
+        self.unsigned[name] = unsigned
+        self.scale[name] = threshold / (255.0 if unsigned else 127.0)
+
+    def range(self, name: str) -> tuple[int, int]:
+        if self.unsigned[name]:
+            return 0, 255
+        return self.target.arithmetic.act_min, self.target.arithmetic.act_max
+
+
+def _requant_params(real: np.ndarray, target: Target) -> dict[str, np.ndarray]:
+    """Integer (mult, shift) per channel for eq. (4), and the float32 multiplier of `float32_rne`."""
+    pairs = [quantize_multiplier(float(m), target.arithmetic.mult_bits) for m in real]
+    return {"mult": np.array([p[0] for p in pairs], np.int64),
+            "shift": np.array([p[1] for p in pairs], np.int64)}
+
+
+def _clamp_bounds(attrs: dict, scale: float, qrange: tuple[int, int]) -> tuple[int, int]:
+    """Fused activation bounds in the output's integers: ReLU gives lo = 0, ReLU6 hi = round(6 / s_out)."""
+    lo, hi = qrange
+    if attrs["act_min"] != -math.inf:
+        lo = max(lo, int(np.round(attrs["act_min"] / scale)))
+    if attrs["act_max"] != math.inf:
+        hi = min(hi, int(np.round(attrs["act_max"] / scale)))
+    return lo, hi
+
+
+def _window(attrs: dict) -> dict | None:
+    if not has_window_max(attrs):
+        return None
+    return {"kernel": list(attrs["pool_kernel_shape"]), "strides": list(attrs["pool_strides"]),
+            "pads": list(attrs["pool_pads"]), "dilations": list(attrs["pool_dilations"]),
+            "ceil_mode": int(attrs["pool_ceil_mode"])}
+
+
+def _bits_for(bound: float) -> int:
+    """Bits of a signed accumulator holding every value in [-bound, bound]."""
+    return int(math.ceil(math.log2(bound + 1))) + 1 if bound > 0 else 1
+
+
+class _Compiler:
+    def __init__(self, lowered: LoweringResult, thresholds: dict[str, float], target: Target,
+                 options: CompileOptions):
+        self.graph, self.target, self.options = lowered.graph, target, options
+        self.scales = _Scales(self.graph, thresholds, target)
+        self.arrays: dict[str, np.ndarray] = {}
+        self.reports: list[LayerReport] = []
+
+    def array(self, index: int, key: str, value: np.ndarray) -> str:
+        name = f"{index:04d}_{key}"
+        self.arrays[name] = value
+        return name
+
+    def gemm(self, index: int, node: Node) -> dict:
+        graph, scales, arithmetic = self.graph, self.scales, self.target.arithmetic
+        x, y = node.inputs[0], node.outputs[0]
+        s_in, s_out = scales.scale[x], scales.scale[y]
+        weight = graph.constant_data(node.inputs[1]).astype(np.float64)
+        bias = graph.constant_data(node.inputs[2]).astype(np.float64)
+        rows = weight.reshape(weight.shape[0], -1)  # (M, C/g*kh*kw): the GEMM's weight matrix, k = (c, kh, kw)
+        quantized = quantize_weights(rows, per_channel=self.options.per_channel_weights)
+        q_w, s_w = quantized.q, quantized.scale.astype(np.float64).reshape(-1)
+        s_w = np.broadcast_to(s_w, (rows.shape[0],))
+        q_bias = rne(bias / (s_in * s_w))
+        saturated = int(np.sum((q_bias < INT32_MIN) | (q_bias > INT32_MAX)))
+        q_bias = np.clip(q_bias, INT32_MIN, INT32_MAX).astype(np.int32)
+        real = s_in * s_w / s_out
+        lo, hi = _clamp_bounds(node.attrs, s_out, scales.range(y))
+        x_lo, x_hi = scales.range(x)
+        k = rows.shape[1]
+        bound = k * max(abs(x_lo), abs(x_hi)) * int(np.max(np.abs(q_w), initial=0)) + \
+            int(np.max(np.abs(q_bias.astype(np.int64)), initial=0))
+        record = {
+            "weight": self.array(index, "weight", q_w.astype(np.int8)),
+            "bias": self.array(index, "bias", q_bias),
+            "weight_scale": self.array(index, "weight_scale", s_w.astype(np.float32)),
+            **self._requant(index, real, s_in * s_w, s_out),
+            "clamp": [lo, hi], "acc_bound_bits": _bits_for(bound), "k": k,
+        }
+        if node.op == InstrKind.CONV_GEMM.value:
+            record.update(kernel=list(weight.shape[2:]), group=int(node.attrs["group"]),
+                          strides=list(node.attrs["strides"]), pads=list(node.attrs["pads"]),
+                          dilations=list(node.attrs["dilations"]), window=_window(node.attrs))
+        self._report(node, record, s_in, s_w, s_out, saturated)
+        return record
+
+    def _requant(self, index: int, real: np.ndarray, numerator: np.ndarray, s_out: float) -> dict:
+        params = _requant_params(np.atleast_1d(real), self.target)
+        # float32_rne: M = float32(float32(s_in * s_w) / s_out), as ONNX Runtime computes it (design.md 3).
+        scale_f32 = (np.atleast_1d(numerator).astype(np.float32) / np.float32(s_out)).astype(np.float32)
+        return {"mult": self.array(index, "mult", params["mult"]),
+                "shift": self.array(index, "shift", params["shift"]),
+                "scale_f32": self.array(index, "scale_f32", scale_f32)}
+
+    def add(self, index: int, node: Node) -> dict:
+        scales = self.scales
+        a, b = node.inputs
+        y = node.outputs[0]
+        s_a, s_b, s_out = scales.scale[a], scales.scale[b], scales.scale[y]
+        s_acc = max(s_a, s_b) / 2 ** ADD_PRESCALE_BITS
+        w_a, w_b = int(np.round(s_a / s_acc)), int(np.round(s_b / s_acc))
+        lo, hi = _clamp_bounds(node.attrs, s_out, scales.range(y))
+        bound = 255 * (w_a + w_b)
+        record = {"add_weights": [w_a, w_b], "add_scale": s_acc,
+                  **self._requant(index, np.array([s_acc / s_out]), np.array([s_acc]), s_out),
+                  "clamp": [lo, hi], "window": _window(node.attrs), "acc_bound_bits": _bits_for(bound), "k": 2}
+        self._report(node, record, s_a, np.array([s_acc]), s_out, 0)
+        return record
+
+    def _report(self, node: Node, record: dict, s_in: float, s_w: np.ndarray, s_out: float, saturated: int):
+        from qdeploy.lowering import describe_instruction
+
+        described = describe_instruction(self.graph, node)
+        mult, shift = self.arrays[record["mult"]], self.arrays[record["shift"]]
+        report = LayerReport(node.name, node.op, described.m, described.n, described.k, described.groups,
+                             s_in, float(np.min(s_w)), float(np.max(s_w)), s_out, int(mult.min()),
+                             int(mult.max()), int(shift.min()), int(shift.max()),
+                             self.target.arithmetic.rounding, record["acc_bound_bits"],
+                             self.target.arithmetic.acc_bits, saturated)
+        if report.acc_bound_bits > report.acc_bits:
+            report.warnings.append(f"worst-case accumulator needs {report.acc_bound_bits} bits > acc_bits "
+                                   f"{report.acc_bits} ({self.target.arithmetic.overflow} on overflow)")
+        if saturated:
+            report.warnings.append(f"{saturated} bias value(s) saturated to int32")
+        self.reports.append(report)
+
+    def compile(self) -> Program:
+        graph = self.graph
+        instructions = []
+        for index, node in enumerate(graph.nodes):
+            base = {"kind": node.op, "name": node.name, "inputs": list(node.inputs[:1] if node.op in (
+                InstrKind.CONV_GEMM.value, InstrKind.DENSE_GEMM.value) else node.inputs), "output": node.outputs[0]}
+            if node.op in (InstrKind.CONV_GEMM.value, InstrKind.DENSE_GEMM.value):
+                base.update(self.gemm(index, node))
+            elif node.op == InstrKind.ADD_GEMM.value:
+                base.update(self.add(index, node))
+            elif node.op in LAYOUT_OPS:
+                base.update(self._layout(index, node))
+            else:
+                raise Unsupported(f"node '{node.name}' ({node.op}) has no lowering to the GEMM unit; host "
+                                  f"fallback is not supported by the compiler yet")
+            base["inputs"] = [i for i in base["inputs"] if i and not graph.tensors[i].is_constant]
+            instructions.append(base)
+        tensors = {}
+        for name, scale in self.scales.scale.items():
+            tensors[name] = {"shape": _shape(graph, name), "scale": scale,
+                             "dtype": "uint8" if self.scales.unsigned[name] else "int8"}
+        manifest = {"toolkit_version": __version__, "target": target_to_dict(self.target),
+                    "options": {"per_channel_weights": self.options.per_channel_weights},
+                    "inputs": list(graph.inputs), "outputs": list(graph.outputs),
+                    "tensors": tensors, "instructions": instructions}
+        return Program(manifest, self.arrays)
+
+    def _layout(self, index: int, node: Node) -> dict:
+        if node.op == "Concat":
+            if node.attrs.get("axis") not in (1, -3):
+                raise Unsupported(f"node '{node.name}' (Concat): only the channel axis (1) is supported")
+            return {"axis": 1}
+        # Every layout op is a reshape to the output's static shape (batch kept free).
+        shape = _shape(self.graph, node.outputs[0])
+        if not shape or shape[0] is not None or any(d is None for d in shape[1:]):
+            raise Unsupported(f"node '{node.name}' ({node.op}): output shape {shape} is not (batch, static...)")
+        return {"shape": shape}
+
+
+def compile_graph(lowered: LoweringResult, thresholds: dict[str, float], target: Target,
+                  options: CompileOptions | None = None) -> tuple[Program, list[LayerReport]]:
+    """Quantize the lowered graph (equations (1)-(5) of the module docstring) into a Program."""
+    options = options or CompileOptions()
+    compiler = _Compiler(lowered, thresholds, target, options)
+    program = compiler.compile()
+    return program, compiler.reports
