@@ -34,7 +34,7 @@ from qdeploy.lowering import LoweringResult
 from qdeploy.lowering.instructions import INSTRUCTION_OPS, LAYOUT_OPS, InstrKind, has_window_max
 from qdeploy.program import Program
 from simulator.config import Target, target_to_dict
-from simulator.reference import quantize_multiplier
+from simulator.reference import float32_multiplier, quantize_multiplier
 
 ADD_PRESCALE_BITS = 14
 INT32_MIN, INT32_MAX = -(2 ** 31), 2 ** 31 - 1
@@ -194,7 +194,6 @@ class _Compiler:
         q_bias = rne(bias / (s_in * s_w))
         saturated = int(np.sum((q_bias < INT32_MIN) | (q_bias > INT32_MAX)))
         q_bias = np.clip(q_bias, INT32_MIN, INT32_MAX).astype(np.int32)
-        real = s_in * s_w / s_out
         lo, hi = _clamp_bounds(node.attrs, s_out, scales.range(y))
         x_lo, x_hi = scales.range(x)
         k = rows.shape[1]
@@ -204,7 +203,7 @@ class _Compiler:
             "weight": self.array(index, "weight", q_w.astype(np.int8)),
             "bias": self.array(index, "bias", q_bias),
             "weight_scale": self.array(index, "weight_scale", s_w.astype(np.float32)),
-            **self._requant(index, real, s_in * s_w, s_out),
+            **self._requant(index, s_in, s_w, s_out),
             "clamp": [lo, hi], "acc_bound_bits": _bits_for(bound), "k": k,
         }
         if node.op == InstrKind.CONV_GEMM.value:
@@ -214,10 +213,11 @@ class _Compiler:
         self._report(node, record, s_in, s_w, s_out, saturated)
         return record
 
-    def _requant(self, index: int, real: np.ndarray, numerator: np.ndarray, s_out: float) -> dict:
-        params = _requant_params(np.atleast_1d(real), self.target)
-        # float32_rne: M = float32(float32(s_in * s_w) / s_out), as ONNX Runtime computes it (design.md 3).
-        scale_f32 = (np.atleast_1d(numerator).astype(np.float32) / np.float32(s_out)).astype(np.float32)
+    def _requant(self, index: int, s_in: float, s_w: np.ndarray, s_out: float) -> dict:
+        """Eq. (4) per channel: M = s_in * s_w[c] / s_out as (mult, shift); and the float32 multiplier of
+        `float32_rne`, float32(float32(s_in * s_w) / s_out) as ONNX Runtime computes it (design.md 3)."""
+        params = _requant_params(s_in * s_w / s_out, self.target)
+        scale_f32 = np.array([float32_multiplier(s_in, w, s_out) for w in s_w], np.float32)
         return {"mult": self.array(index, "mult", params["mult"]),
                 "shift": self.array(index, "shift", params["shift"]),
                 "scale_f32": self.array(index, "scale_f32", scale_f32)}
@@ -232,7 +232,7 @@ class _Compiler:
         lo, hi = _clamp_bounds(node.attrs, s_out, scales.range(y))
         bound = 255 * (w_a + w_b)
         record = {"add_weights": [w_a, w_b], "add_scale": s_acc,
-                  **self._requant(index, np.array([s_acc / s_out]), np.array([s_acc]), s_out),
+                  **self._requant(index, 1.0, np.array([s_acc]), s_out),
                   "clamp": [lo, hi], "window": _window(node.attrs), "acc_bound_bits": _bits_for(bound), "k": 2}
         self._report(node, record, s_a, np.array([s_acc]), s_out, 0)
         return record

@@ -33,6 +33,8 @@ def run_node(node: Node, inputs: list[np.ndarray | None], opset: int) -> list[np
     function = _function_for(node.op, opset, node.name)
     try:
         result = function(*inputs, **node.attrs)
+    except Unsupported as error:
+        raise Unsupported(f"node '{node.name}' ({node.op}): {error}") from error
     except (ValueError, IndexError, TypeError, ZeroDivisionError) as error:
         raise BadInput(f"node '{node.name}' ({node.op}): {error}") from error
     outputs = list(result) if isinstance(result, tuple) else [result]

@@ -17,11 +17,11 @@ def Relu(X: np.ndarray) -> np.ndarray:
 def Clip(input: np.ndarray, min: np.ndarray | None = None, max: np.ndarray | None = None) -> np.ndarray:
     """Y = min(max(input, min), max), an omitted bound being no bound; when min > max every element
     becomes max. Spec: Clip-11 / Clip-13 (https://onnx.ai/onnx/operators/onnx__Clip.html)."""
-    Y = input
-    if min is not None:
-        Y = np.maximum(Y, np.asarray(min, dtype=input.dtype))
+    if min is None and max is None:
+        return input
+    Y = np.array(input) if min is None else np.maximum(input, np.asarray(min, dtype=input.dtype))
     if max is not None:
-        Y = np.minimum(Y, np.asarray(max, dtype=input.dtype))
+        np.minimum(Y, np.asarray(max, dtype=input.dtype), out=Y)  # in place: one new array, not two
     return Y
 
 
@@ -33,7 +33,8 @@ def Clip_6(input: np.ndarray, *, min: float = -3.4028234663852886e38, max: float
 
 
 def LeakyRelu(X: np.ndarray, *, alpha: float = 0.01) -> np.ndarray:
-    """Y = alpha * X for X < 0, X otherwise. Spec: LeakyRelu-16 (https://onnx.ai/onnx/operators/onnx__LeakyRelu.html)."""
+    """Y = alpha * X for X < 0, X otherwise.
+    Spec: LeakyRelu-16 (https://onnx.ai/onnx/operators/onnx__LeakyRelu.html)."""
     return np.where(X < 0, alpha * X, X).astype(X.dtype, copy=False)
 
 
@@ -62,7 +63,8 @@ def Tanh(input: np.ndarray) -> np.ndarray:
 
 
 def Elu(X: np.ndarray, *, alpha: float = 1.0) -> np.ndarray:
-    """Y = alpha * (exp(X) - 1) for X < 0, X otherwise. Spec: Elu-6 / -22 (https://onnx.ai/onnx/operators/onnx__Elu.html)."""
+    """Y = alpha * (exp(X) - 1) for X < 0, X otherwise.
+    Spec: Elu-6 / -22 (https://onnx.ai/onnx/operators/onnx__Elu.html)."""
     negative = alpha * (np.exp(np.minimum(X, 0)) - 1)
     return np.where(X < 0, negative, X).astype(X.dtype, copy=False)
 

@@ -10,7 +10,7 @@ from qdeploy.reference.ops._windows import pad_spatial, window_geometry, window_
 
 # Upper bound on the im2col buffer of one batch chunk. EfficientNet-Lite0's largest im2col (32 channels at
 # 112x112, 3x3) is 14 MB per sample, so batch 32 runs in chunks instead of building a 460 MB matrix.
-IM2COL_CHUNK_BYTES = 64 * 2**20
+IM2COL_CHUNK_BYTES = 16 * 2**20
 
 
 def Conv(X: np.ndarray, W: np.ndarray, B: np.ndarray | None = None, *, auto_pad: str = "NOTSET",

@@ -128,7 +128,8 @@ def Sum(*data_0: np.ndarray) -> np.ndarray:
 
 
 def Mean(*data_0: np.ndarray) -> np.ndarray:
-    """mean = (data_0 + data_1 + ...) / n, the sum as in Sum. Spec: Mean-13 (https://onnx.ai/onnx/operators/onnx__Mean.html)."""
+    """mean = (data_0 + data_1 + ...) / n, the sum as in Sum.
+    Spec: Mean-13 (https://onnx.ai/onnx/operators/onnx__Mean.html)."""
     total = Sum(*data_0)
     return (total / len(data_0)).astype(total.dtype, copy=False)
 

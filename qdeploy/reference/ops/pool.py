@@ -77,7 +77,8 @@ def AveragePool(X: np.ndarray, *, kernel_shape: list[int], auto_pad: str = "NOTS
     for offset in geometry.offsets():
         total += padded[(slice(None), slice(None)) + offset]
         count += counted[offset]
-    return (total / count).astype(X.dtype, copy=False)
+    with np.errstate(invalid="ignore"):  # a window entirely in the padding (pads >= kernel) averages 0/0
+        return (total / count).astype(X.dtype, copy=False)
 
 
 def GlobalAveragePool(X: np.ndarray) -> np.ndarray:

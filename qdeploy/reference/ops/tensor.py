@@ -21,7 +21,8 @@ def Shape(data: np.ndarray, *, start: int = 0, end: int | None = None) -> np.nda
 
 
 def Size(data: np.ndarray) -> np.ndarray:
-    """size = number of elements of data, an int64 scalar. Spec: Size-13 (https://onnx.ai/onnx/operators/onnx__Size.html)."""
+    """size = number of elements of data, an int64 scalar.
+    Spec: Size-13 (https://onnx.ai/onnx/operators/onnx__Size.html)."""
     return np.array(np.size(data), dtype=np.int64)
 
 
@@ -291,7 +292,8 @@ def _split(input: np.ndarray, axis: int, split: list[int] | None, num_outputs: i
 def Split(input: np.ndarray, split: np.ndarray | None = None, *, axis: int = 0,
           num_outputs: int | None = None) -> tuple[np.ndarray, ...]:
     """outputs = input cut along `axis` into parts of the sizes in `split`, or into num_outputs parts of
-    ceil(size / num_outputs) (the last one smaller). Spec: Split-18 (https://onnx.ai/onnx/operators/onnx__Split.html)."""
+    ceil(size / num_outputs) (the last one smaller).
+    Spec: Split-18 (https://onnx.ai/onnx/operators/onnx__Split.html)."""
     if split is not None and num_outputs is not None:
         raise ValueError("split and num_outputs cannot both be given")
     return _split(input, axis, int_list(split), num_outputs)
