@@ -1,0 +1,325 @@
+"""Python-int twins of the simulator's kernels, written straight from the formulas of design.md section 3
+(equations numbered as in simulator/README.md). Slow and obviously correct: Python ints never overflow, so
+every width and every wrap or clamp below is written out explicitly. float32 arithmetic is done exactly with
+`fractions.Fraction` and rounded by hand, so no step depends on how numpy or the CPU converts or rounds.
+
+The requantizer's integer form of a real multiplier M >= 0 is (mult, shift) with
+
+    M ~= mult * 2^-shift,   2^(mult_bits-2) <= mult < 2^(mult_bits-1)   (mult = 0 for M = 0)
+
+`shift` is the TOTAL right shift n (not relative to Q31): for mult_bits = 32, M = 1/2 is (2^30, 31).
+A negative shift is a left shift (only for M >= 2^(mult_bits-1), never in practice).
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+from typing import Sequence
+
+import numpy as np
+
+from simulator.config import Arithmetic
+
+INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1
+
+
+# ---------------------------------------------------------------------------------------------------------
+# (2) the multiplier
+
+def quantize_multiplier(real_multiplier: float, mult_bits: int = 32) -> tuple[int, int]:
+    """(mult, shift) with M ~= mult * 2^-shift and mult in [2^(mult_bits-2), 2^(mult_bits-1)), M >= 0 finite.
+
+    mult = round(M * 2^shift), ties up (M > 0, so up = away from zero, as TFLite's QuantizeMultiplier);
+    if rounding reaches 2^(mult_bits-1), mult is halved and shift decremented. Relative error
+    |mult * 2^-shift - M| / M <= 2^-(mult_bits-1). M = 0 gives (0, 0). Tiny M gives large shifts (any size:
+    the kernels return 0 exactly once the shift exceeds the product's width); M >= 2^(mult_bits-1) gives a
+    negative shift (a left shift)."""
+    if not 2 <= mult_bits <= 32:
+        raise ValueError(f"mult_bits = {mult_bits}: expected 2..32")
+    value = float(real_multiplier)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"real multiplier {real_multiplier!r}: expected a finite number >= 0")
+    if value == 0:
+        return 0, 0
+    exact = Fraction(value)
+    exponent = exact.numerator.bit_length() - exact.denominator.bit_length()  # floor(log2 M) or one more
+    if Fraction(2) ** exponent > exact:
+        exponent -= 1
+    shift = (mult_bits - 2) - exponent  # M * 2^shift in [2^(mult_bits-2), 2^(mult_bits-1))
+    scaled = exact * Fraction(2) ** shift
+    mult = math.floor(scaled + Fraction(1, 2))
+    if mult == 1 << (mult_bits - 1):
+        mult, shift = mult >> 1, shift - 1
+    return mult, shift
+
+
+def float32_multiplier(s_in: float, s_w: float, s_out: float) -> np.float32:
+    """The float32_rne multiplier M = float32(float32(s_in * s_w) / s_out) with float32 operands, each operation
+    rounded to float32: ONNX Runtime's QLinearConv computes `X_scale * W_scale[c] / Y_scale` in float."""
+    product = np.float32(np.float32(s_in) * np.float32(s_w))
+    return np.float32(product / np.float32(s_out))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# (1) accumulation
+
+def wrap(value: int, bits: int) -> int:
+    """Two's complement wrap of an integer to `bits` bits."""
+    half = 1 << (bits - 1)
+    return ((value + half) % (1 << bits)) - half
+
+
+def accumulate(values: Sequence[int], acc_bits: int, overflow: str) -> tuple[int, int]:
+    """(acc, events): the sum of `values` in an acc_bits register starting at 0 (eq. 1).
+
+    wrap:     acc = wrap(sum(values)); events = 1 if the exact sum lies outside [-2^(b-1), 2^(b-1)) else 0
+              (the stored value differs from the true sum; intermediate wraps that come back are harmless,
+              so the count does not depend on the order).
+    saturate: acc = clamp(acc + v) after every addition, in the order given; events = the number of
+              additions whose exact result left the range (and was clamped)."""
+    lo, hi = -(1 << (acc_bits - 1)), (1 << (acc_bits - 1)) - 1
+    if str(overflow) == "wrap":
+        exact = sum(int(v) for v in values)
+        return wrap(exact, acc_bits), int(not lo <= exact <= hi)
+    if str(overflow) != "saturate":
+        raise ValueError(f"overflow {overflow!r}: expected 'wrap' or 'saturate'")
+    acc, events = 0, 0
+    for v in values:
+        acc += int(v)
+        if acc > hi or acc < lo:
+            acc, events = min(max(acc, lo), hi), events + 1
+    return acc, events
+
+
+def gemm(a: np.ndarray, b: np.ndarray, acc_bits: int, overflow: str,
+         bias: Sequence[int] | None = None) -> tuple[np.ndarray, int]:
+    """(acc, events) of the 2-D integer GEMM: acc[i, j] = accumulate([a[i,0]*b[0,j], ..., a[i,K-1]*b[K-1,j],
+    bias[j]]) (k ascending, the bias added last, in the same register); events summed over outputs."""
+    m, k = a.shape
+    n = b.shape[1]
+    out = np.zeros((m, n), dtype=object)
+    events = 0
+    for i in range(m):
+        for j in range(n):
+            terms = [int(a[i, t]) * int(b[t, j]) for t in range(k)]
+            if bias is not None:
+                terms.append(int(bias[j]))
+            out[i, j], e = accumulate(terms, acc_bits, overflow)
+            events += e
+    return out, events
+
+
+# ---------------------------------------------------------------------------------------------------------
+# (3)-(5) rounding of p / 2^n, p = acc * mult, single rounding
+
+def _shifted(p: int, n: int) -> tuple[int, int]:
+    """(p, n) with a negative n (a left shift) applied exactly: p * 2^-n, shift 0."""
+    return (p << -n, 0) if n < 0 else (p, n)
+
+
+def round_half_up(p: int, n: int) -> int:
+    """(3) floor((p + 2^(n-1)) / 2^n): nearest, ties toward +inf (an arithmetic shift floors)."""
+    p, n = _shifted(p, n)
+    return p if n == 0 else (p + (1 << (n - 1))) >> n
+
+
+def round_half_away(p: int, n: int) -> int:
+    """(4) sign(p) * floor((|p| + 2^(n-1)) / 2^n): nearest, ties away from zero."""
+    p, n = _shifted(p, n)
+    if n == 0:
+        return p
+    magnitude = (abs(p) + (1 << (n - 1))) >> n
+    return magnitude if p >= 0 else -magnitude
+
+
+def round_half_even(p: int, n: int) -> int:
+    """(5) nearest integer to p / 2^n, ties to the even one."""
+    p, n = _shifted(p, n)
+    q, r = divmod(p, 1 << n)  # p = q * 2^n + r, 0 <= r < 2^n (floor division)
+    if 2 * r > (1 << n) or (2 * r == (1 << n) and q % 2 == 1):
+        q += 1
+    return q
+
+
+# ---------------------------------------------------------------------------------------------------------
+# (6) gemmlowp / TFLite
+
+def _trunc_div(a: int, b: int) -> int:
+    """C/C++ integer division: the quotient truncated toward zero (b > 0)."""
+    return a // b if a >= 0 else -((-a) // b)
+
+
+def saturating_rounding_doubling_high_mul(a: int, b: int) -> int:
+    """gemmlowp SaturatingRoundingDoublingHighMul (fixedpoint/fixedpoint.h; ARM NEON VQRDMULH) on int32:
+    (a*b + nudge) / 2^31 with C truncating division, nudge = 2^30 if a*b >= 0 else 1 - 2^30, and
+    INT32_MIN * INT32_MIN (the only overflow) saturating to INT32_MAX."""
+    assert INT32_MIN <= a <= INT32_MAX and INT32_MIN <= b <= INT32_MAX
+    if a == b == INT32_MIN:
+        return INT32_MAX
+    ab = a * b
+    nudge = (1 << 30) if ab >= 0 else 1 - (1 << 30)
+    return _trunc_div(ab + nudge, 1 << 31)
+
+
+def rounding_divide_by_pot(x: int, exponent: int) -> int:
+    """gemmlowp RoundingDivideByPOT on int32, exponent in 0..31: the arithmetic shift x >> exponent plus 1 when
+    the remainder (x & mask) exceeds threshold = (mask >> 1) + (1 if x < 0): nearest, ties away from zero."""
+    assert INT32_MIN <= x <= INT32_MAX and 0 <= exponent <= 31
+    mask = (1 << exponent) - 1
+    remainder = x & mask
+    threshold = (mask >> 1) + (1 if x < 0 else 0)
+    return (x >> exponent) + (1 if remainder > threshold else 0)
+
+
+def tflite_multiply(acc: int, mult: int, shift: int) -> int:
+    """(6) TFLite MultiplyByQuantizedMultiplier(x, mult, e) with e = 31 - shift (TFLite's exponent):
+    RoundingDivideByPOT(SaturatingRoundingDoublingHighMul(x * 2^max(e, 0), mult), max(-e, 0)).
+
+    acc is int32, 0 <= shift. x * 2^left is computed in int32 and wraps (the C++ expression
+    `x * (1 << left_shift)`, undefined on overflow in C++, wraps on the two's complement machines TFLite
+    runs on). A right shift beyond 31 (shift > 62) gives 0: TFLite's QuantizeMultiplier flushes such
+    multipliers to zero, and RoundingDivideByPOT is undefined there."""
+    assert INT32_MIN <= acc <= INT32_MAX and shift >= 0
+    exponent = 31 - shift
+    left, right = max(exponent, 0), max(-exponent, 0)
+    if right > 31:
+        return 0
+    x = wrap(acc << left, 32)
+    return rounding_divide_by_pot(saturating_rounding_doubling_high_mul(x, mult), right)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# (7) float32
+
+def float32_round(x: Fraction | int) -> Fraction:
+    """The float32 nearest to x, ties to even (IEEE 754 roundTiesToEven, subnormals included); values
+    beyond the largest finite float32 become +-inf, returned as +-2^128 (only their sign matters after clamp)."""
+    x = Fraction(x)
+    if x == 0:
+        return Fraction(0)
+    sign, magnitude = (1, x) if x > 0 else (-1, -x)
+    exponent = magnitude.numerator.bit_length() - magnitude.denominator.bit_length()
+    if Fraction(2) ** exponent > magnitude:
+        exponent -= 1  # 2^exponent <= magnitude < 2^(exponent+1)
+    quantum = Fraction(2) ** max(exponent - 23, -149)  # 24-bit significand; subnormal spacing 2^-149
+    units = magnitude / quantum
+    whole = math.floor(units)
+    if units - whole > Fraction(1, 2) or (units - whole == Fraction(1, 2) and whole % 2 == 1):
+        whole += 1
+    rounded = whole * quantum
+    if rounded >= Fraction(2) ** 128:  # overflow: (2 - 2^-23) * 2^127 is the largest finite float32
+        rounded = Fraction(2) ** 128
+    return sign * rounded
+
+
+def round_float32_rne(acc: int, scale: float | np.float32) -> int:
+    """(7) rne(float32(acc) * M): acc rounded to float32, times the float32 M, the product rounded to float32,
+    then to the nearest integer, ties to even (MLAS: _mm_cvtepi32_ps, _mm_mul_ps, _mm_cvtps_epi32)."""
+    m = Fraction(float(np.float32(scale)))
+    product = float32_round(float32_round(acc) * m)
+    return round(product)  # Python's round of a Fraction: nearest, ties to even
+
+
+# ---------------------------------------------------------------------------------------------------------
+# (3)-(8) requantize with clamp
+
+def requantize(acc: int, mult: int | None = None, shift: int | None = None, mode: str = "half_up",
+               lo: int = Arithmetic.act_min, hi: int = Arithmetic.act_max, *,
+               scale: float | np.float32 | None = None) -> int:
+    """(8) clamp(round(acc * M), lo, hi) for one int acc and one channel's (mult, shift), or its float32 `scale`
+    in mode float32_rne. The defaults lo, hi are the default activation range of design.md section 3."""
+    mode = str(mode)
+    if mode == "float32_rne":
+        if scale is None:
+            raise ValueError("mode float32_rne needs the float32 scale")
+        value = round_float32_rne(int(acc), scale)
+    else:
+        if mult is None or shift is None:
+            raise ValueError(f"mode {mode} needs mult and shift")
+        acc, mult, shift = int(acc), int(mult), int(shift)
+        if mode == "half_up":
+            value = round_half_up(acc * mult, shift)
+        elif mode == "half_away":
+            value = round_half_away(acc * mult, shift)
+        elif mode == "half_even":
+            value = round_half_even(acc * mult, shift)
+        elif mode == "tflite":
+            value = tflite_multiply(acc, mult, shift)
+        else:
+            raise ValueError(f"rounding mode {mode!r}: expected half_up, half_away, half_even, tflite "
+                             f"or float32_rne")
+    return min(max(value, lo), hi)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# (9) im2col and (10) window-max (ONNX Conv / MaxPool semantics), plain loops
+
+def conv_output_size(size: int, kernel: int, stride: int, pad_begin: int, pad_end: int, dilation: int) -> int:
+    """ONNX Conv: floor((size + pads - dilation*(kernel-1) - 1) / stride) + 1."""
+    return (size + pad_begin + pad_end - dilation * (kernel - 1) - 1) // stride + 1
+
+
+def pool_output_size(size: int, kernel: int, stride: int, pad_begin: int, pad_end: int, dilation: int,
+                     ceil_mode: bool) -> int:
+    """ONNX MaxPool: as Conv, but with ceil_mode the division rounds up, and a last window that would start
+    beyond the input and its leading padding is dropped (onnx reference op_pool_common, ONNX Runtime)."""
+    span = size + pad_begin + pad_end - dilation * (kernel - 1) - 1
+    if not ceil_mode:
+        return span // stride + 1
+    out = -(-span // stride) + 1
+    if (out - 1) * stride >= size + pad_begin:
+        out -= 1
+    return out
+
+
+def im2col(x: np.ndarray, kernel_shape: Sequence[int], strides: Sequence[int] = (1, 1),
+           pads: Sequence[int] = (0, 0, 0, 0), dilations: Sequence[int] = (1, 1), group: int = 1) -> np.ndarray:
+    """(9) cols[g, (n*OH + oh)*OW + ow, (c*kh + i)*kw + j] = x[n, g*C/g + c, oh*sh - pt + i*dh, ow*sw - pl + j*dw],
+    0 where that position is padding. pads = (top, left, bottom, right) as ONNX orders them."""
+    n_, c_, h_, w_ = x.shape
+    kh, kw = kernel_shape
+    sh, sw = strides
+    pt, pl, pb, pr = pads
+    dh, dw = dilations
+    groups = group
+    cg = c_ // groups
+    oh_, ow_ = conv_output_size(h_, kh, sh, pt, pb, dh), conv_output_size(w_, kw, sw, pl, pr, dw)
+    cols = np.zeros((groups, n_ * oh_ * ow_, cg * kh * kw), dtype=x.dtype)
+    for g in range(groups):
+        for n in range(n_):
+            for oh in range(oh_):
+                for ow in range(ow_):
+                    row = (n * oh_ + oh) * ow_ + ow
+                    for c in range(cg):
+                        for i in range(kh):
+                            for j in range(kw):
+                                ih, iw = oh * sh - pt + i * dh, ow * sw - pl + j * dw
+                                if 0 <= ih < h_ and 0 <= iw < w_:
+                                    cols[g, row, (c * kh + i) * kw + j] = x[n, g * cg + c, ih, iw]
+    return cols
+
+
+def window_max(x: np.ndarray, kernel_shape: Sequence[int], strides: Sequence[int] | None = None,
+               pads: Sequence[int] = (0, 0, 0, 0), dilations: Sequence[int] = (1, 1),
+               ceil_mode: bool = False) -> np.ndarray:
+    """(10) y[n, c, oh, ow] = max over the in-bounds taps x[n, c, oh*sh - pt + i*dh, ow*sw - pl + j*dw]:
+    padding never wins (it is -inf). A window with no in-bounds tap gives the dtype's minimum."""
+    n_, c_, h_, w_ = x.shape
+    kh, kw = kernel_shape
+    sh, sw = strides if strides is not None else (1, 1)
+    pt, pl, pb, pr = pads
+    dh, dw = dilations
+    oh_ = pool_output_size(h_, kh, sh, pt, pb, dh, ceil_mode)
+    ow_ = pool_output_size(w_, kw, sw, pl, pr, dw, ceil_mode)
+    lowest = int(np.iinfo(x.dtype).min)
+    y = np.empty((n_, c_, oh_, ow_), dtype=x.dtype)
+    for n in range(n_):
+        for c in range(c_):
+            for oh in range(oh_):
+                for ow in range(ow_):
+                    taps = [int(x[n, c, oh * sh - pt + i * dh, ow * sw - pl + j * dw])
+                            for i in range(kh) for j in range(kw)
+                            if 0 <= oh * sh - pt + i * dh < h_ and 0 <= ow * sw - pl + j * dw < w_]
+                    y[n, c, oh, ow] = max(taps, default=lowest)
+    return y
