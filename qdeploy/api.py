@@ -4,16 +4,23 @@ typed results. The CLI is a thin layer over these."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from calib.table import CalibrationTable
 from qdeploy.errors import BadInput
 from qdeploy.ir import Graph
-from qdeploy.lowering import LoweringResult, lower
+from qdeploy.lowering import LoweringResult, lower, require_lowered
 from qdeploy.onnx_import import import_onnx
+from qdeploy.program import Program, read_program, write_program
+from qdeploy.quantize import CompileOptions, LayerReport, compile_graph
 from qdeploy.reference import run_graph
 from qdeploy.summary import ModelSummary, summarize
+from simulator.config import Target, TargetError, load_target
+from simulator.machine import Machine, ProgramInputError
+from simulator.machine import dequantize as dequantize_tensor
 
 InputShapes = dict[str, tuple[int | None, ...]]
 
@@ -31,6 +38,70 @@ def lower_model(model: str | os.PathLike, input_shapes: InputShapes | None = Non
         return lower(import_onnx(path, input_shapes).graph)
     except BadInput as error:
         raise BadInput(f"{path}: {error}") from error
+
+
+@dataclass
+class CompileResult:
+    program: Program
+    layers: list[LayerReport]
+    lowering: LoweringResult
+    output: Path | None
+
+
+def load_target_file(path: str | os.PathLike | None) -> Target:
+    """The target config from a TOML file (None: the built-in defaults of design.md section 3)."""
+    if path is None:
+        return Target()
+    try:
+        return load_target(path)
+    except FileNotFoundError:
+        raise BadInput(f"{path}: no such file") from None
+    except TargetError as error:
+        raise BadInput(str(error)) from error
+
+
+def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTable,
+            target: str | os.PathLike | Target | None = None, *, per_tensor: bool = False,
+            allow_host_fallback: bool = False, output: str | os.PathLike | None = None,
+            input_shapes: InputShapes | None = None) -> CompileResult:
+    """Lower `model`, quantize it with the calibration table and the target, and (with `output`) write the
+    .qdp program (atomically)."""
+    path = Path(model)
+    table = calib if isinstance(calib, CalibrationTable) else CalibrationTable.load(calib)
+    target = target if isinstance(target, Target) else load_target_file(target)
+    lowering = lower_model(path, input_shapes)
+    require_lowered(lowering, allow_host_fallback)
+    options = CompileOptions(per_channel_weights=target.arithmetic.per_channel_weights and not per_tensor,
+                             allow_host_fallback=allow_host_fallback)
+    try:
+        program, layers = compile_graph(lowering, table.thresholds, target, options)
+    except BadInput as error:
+        raise BadInput(f"{path}: {error}") from error
+    program.manifest["model"] = path.name
+    written = write_program(program, output) if output is not None else None
+    return CompileResult(program, layers, lowering, written)
+
+
+def run_program_file(program: str | os.PathLike | Program, inputs: dict[str, np.ndarray] | np.ndarray,
+                     dequantize: bool = False) -> dict[str, np.ndarray]:
+    """Run a compiled program on the simulator; int8/uint8 outputs, or float with `dequantize`.
+    Float inputs are quantized with the program's input scale; integer inputs are taken as quantized."""
+    source = str(program) if not isinstance(program, Program) else "program"
+    program = program if isinstance(program, Program) else read_program(program)
+    if isinstance(inputs, np.ndarray):
+        if len(program.inputs) != 1:
+            raise BadInput(f"{source}: the program has {len(program.inputs)} inputs; give an .npz by input name")
+        inputs = {program.inputs[0]: inputs}
+    missing = [name for name in program.inputs if name not in inputs]
+    if missing:
+        raise BadInput(f"{source}: no array for program input '{missing[0]}'")
+    try:
+        result = Machine(program).run(inputs)
+    except ProgramInputError as error:
+        raise BadInput(f"{source}: {error}") from error
+    if dequantize:
+        return {name: dequantize_tensor(program, name, q) for name, q in result.outputs.items()}
+    return result.outputs
 
 
 def bind_inputs(graph: Graph, arrays: dict[str, np.ndarray] | np.ndarray, source: str) -> dict[str, np.ndarray]:
@@ -57,10 +128,13 @@ def bind_inputs(graph: Graph, arrays: dict[str, np.ndarray] | np.ndarray, source
     return feeds
 
 
-def run(model: str | os.PathLike, inputs: dict[str, np.ndarray] | np.ndarray,
-        input_shapes: InputShapes | None = None, lowered: bool = False) -> dict[str, np.ndarray]:
-    """Run an ONNX model with the float reference executor (`lowered`: the lowered float graph);
-    returns {output name: array}."""
+def run(model: str | os.PathLike | Program, inputs: dict[str, np.ndarray] | np.ndarray,
+        input_shapes: InputShapes | None = None, lowered: bool = False, dequantize: bool = False,
+        ) -> dict[str, np.ndarray]:
+    """Run a model and return {output name: array}: a .qdp program (or Program) on the simulator, an ONNX
+    model with the float reference executor (`lowered`: the lowered float graph)."""
+    if isinstance(model, Program) or Path(model).suffix == ".qdp":
+        return run_program_file(model, inputs, dequantize=dequantize)
     path = Path(model)
     graph = lower_model(path, input_shapes).graph if lowered else import_onnx(path, input_shapes).graph
     return run_graph(graph, bind_inputs(graph, inputs, str(path)))

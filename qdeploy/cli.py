@@ -14,6 +14,7 @@ import typer
 from qdeploy import api
 from qdeploy.errors import BadInput, QdeployError, Unsupported
 from qdeploy.fileio import load_arrays, save_arrays
+from qdeploy.program import read_program
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Deploy float ONNX CNNs onto int8 matrix-only accelerators.")
@@ -95,7 +96,8 @@ def inspect(model: Path = typer.Argument(..., help="An .onnx model."),
     """Summarize a model: inputs/outputs, op counts before and after simplification, parameters, MACs;
     with --lowered, the accelerator instructions, per-pass node counts and the GEMM-unit MAC fraction."""
     if model.suffix == ".qdp":
-        _not_built("inspect MODEL.qdp", "the compiled-program issue")
+        _inspect_program(model, json_output)
+        return
     shapes = parse_input_shapes(input_shape)
     summary = api.inspect(model, shapes)
     result = api.lower_model(model, shapes) if lowered else None
@@ -109,6 +111,30 @@ def inspect(model: Path = typer.Argument(..., help="An .onnx model."),
     _print_summary(model, summary)
     if result is not None:
         _print_lowering(result)
+
+
+def _inspect_program(path: Path, json_output: bool) -> None:
+    """A compiled program: its target, tensors and instruction list (arrays summarised, not dumped)."""
+    program = read_program(path)
+    manifest = program.manifest
+    if json_output:
+        typer.echo(json.dumps({k: v for k, v in manifest.items() if k != "arrays"}, indent=2))
+        return
+    arithmetic = manifest["target"]["arithmetic"]
+    typer.echo(f"program: {path} (format {manifest['format_version']}, qdeploy {manifest['toolkit_version']}, "
+               f"model {manifest.get('model', '?')})")
+    typer.echo("arithmetic: " + ", ".join(f"{k}={v}" for k, v in arithmetic.items()))
+    for kind, names in (("input", program.inputs), ("output", program.outputs)):
+        for name in names:
+            record = program.tensors[name]
+            typer.echo(f"  {kind:<6} {name} {_format_shape(record['shape'])} {record['dtype']} "
+                       f"scale {record['scale']:.6g}")
+    typer.echo(f"instructions ({len(program.instructions)}):")
+    width = max(len(i["name"]) for i in program.instructions)
+    for instr in program.instructions:
+        extra = f"clamp {instr['clamp']} k={instr['k']} acc bound {instr['acc_bound_bits']} bits" \
+            if "clamp" in instr else f"shape {instr.get('shape', '')}"
+        typer.echo(f"  {instr['kind']:<9} {instr['name']:<{width}} {extra}")
 
 
 def _json_number(value):
@@ -161,30 +187,146 @@ def run(model: Path = typer.Argument(..., help="An .onnx model (float reference 
         dequantize: bool = typer.Option(False, help="(.qdp) write float outputs instead of int8."),
         lowered: bool = typer.Option(False, help="(.onnx) run the lowered float graph."),
         input_shape: Optional[list[str]] = INPUT_SHAPE) -> None:
-    """Run a model on arrays and write its outputs: an .onnx model with the float reference executor."""
-    if model.suffix == ".qdp":
-        _not_built("run MODEL.qdp", "the compile-and-simulate issue")
-    outputs = api.run(model, load_arrays(input), parse_input_shapes(input_shape), lowered=lowered)
+    """Run a model on arrays and write its outputs: a .qdp program on the bit-accurate simulator (int8 out, or
+    float with --dequantize; float inputs are quantized with the program's input scale), an .onnx model with
+    the float reference executor (--lowered: the lowered float graph)."""
+    outputs = api.run(model, load_arrays(input), parse_input_shapes(input_shape), lowered=lowered,
+                      dequantize=dequantize)
     save_arrays(output, outputs)
     typer.echo(f"wrote {output} ({', '.join(f'{k} {v.shape}' for k, v in outputs.items())})")
+
+
+from calib import DEFAULT_BATCH_SIZE, DEFAULT_METHOD, DEFAULT_NUM_SAMPLES, DEFAULT_PERCENTILE  # noqa: E402
+from calib.data import Preprocess  # noqa: E402  (light: numpy only; the calibration itself is imported lazily)
+
+
+class _BatchProgress:
+    """progress(done, total) callback drawing a bar on stderr, only when stderr is a terminal."""
+
+    def __init__(self, label: str):
+        self.label, self.bar, self.done = label, None, 0
+
+    def __call__(self, done: int, total: int) -> None:
+        if not sys.stderr.isatty():
+            return
+        if self.bar is None:
+            self.bar = typer.progressbar(length=total, label=self.label, file=sys.stderr)
+            self.bar.__enter__()
+        self.bar.update(done - self.done)
+        self.done = done
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(None, None, None)
+
+
+def _print_calibration(result, output: Path) -> None:
+    table = result.table
+    typer.echo(f"calibrated {len(table.records)} tensors on {result.samples} samples in {result.seconds:.1f} s "
+               f"(method {table.method})")
+    width = max((len(name) for name in table.records), default=6)
+    typer.echo(f"  {'tensor':<{width}} {'amax':>10} {'|T|':>10} {'T/amax':>7}  method")
+    for record in table.records.values():
+        amax = "-" if record.amax is None else f"{record.amax:.5g}"
+        ratio = "-" if not record.amax else f"{record.threshold / record.amax:.3f}"
+        typer.echo(f"  {record.name:<{width}} {amax:>10} {record.threshold:>10.5g} {ratio:>7}  {record.method}")
+    typer.echo(f"wrote {output}")
 
 
 @app.command()
 @user_errors
 def calibrate(model: Path = typer.Argument(..., help="An .onnx model."),
-              data: Path = typer.Option(..., help="Image folder or .npy/.npz of preprocessed arrays."),
-              output: Path = typer.Option(..., "--output", "-o", help="Calibration table (.json).")) -> None:
-    """Collect activation histograms and choose KL thresholds |T| (not built yet)."""
-    _not_built("calibrate", "the calibration issue")
+              data: Optional[Path] = typer.Option(
+                  None, help="Folder of .jpg/.jpeg/.png images (recursive) or .npy/.npz of preprocessed arrays."),
+              output: Path = typer.Option(..., "--output", "-o", help="Calibration table (.json), written atomically."),
+              method: str = typer.Option(DEFAULT_METHOD, help="Threshold method: kl | max | percentile | mse."),
+              percentile: float = typer.Option(DEFAULT_PERCENTILE, help="Percentile of |x| for --method percentile."),
+              num_samples: int = typer.Option(DEFAULT_NUM_SAMPLES, help="Use the first N samples."),
+              batch_size: int = typer.Option(DEFAULT_BATCH_SIZE, help="Samples per forward pass (the table does not "
+                                                                      "depend on it)."),
+              size: Optional[str] = typer.Option(None, help="H,W: resize the shorter side, centre-crop "
+                                                            "(default: the model input's H,W)."),
+              mean: Optional[str] = typer.Option(None, help="Mean on 0..255 values, per channel: a or a,b,c "
+                                                            f"(default: {Preprocess.mean[0]:g})."),
+              std: Optional[str] = typer.Option(None, help="Std on 0..255 values, per channel: a or a,b,c "
+                                                           f"(default: {Preprocess.std[0]:g})."),
+              layout: str = typer.Option(Preprocess.layout, help="NCHW | NHWC."),
+              channels: str = typer.Option(Preprocess.channels, help="RGB | BGR | GRAY."),
+              strict: bool = typer.Option(False, help="Fail on an unreadable image instead of skipping it."),
+              export_tensorrt_cache: Optional[Path] = typer.Option(
+                  None, help="Also write the scales (T/127) as a TensorRT calibration cache."),
+              import_tensorrt_cache: Optional[Path] = typer.Option(
+                  None, help="Take |T| = 127 * scale from a TensorRT calibration cache for the tensors it names."),
+              input_shape: Optional[list[str]] = INPUT_SHAPE,
+              json_output: bool = JSON) -> None:
+    """Run the lowered float graph on calibration data, collect |x| histograms of every tensor the int8
+    program quantizes, choose thresholds |T| (KL by default) and write the calibration table."""
+    from calib.data import parse_floats, parse_size
+    from calib.table import write_tensorrt_cache
+    from qdeploy.calibration import calibrate as run_calibration
+
+    if output.is_dir():
+        raise BadInput(f"{output}: is a folder; give the calibration table's file name")
+    preprocess = Preprocess(parse_size(size), parse_floats(mean, "--mean", Preprocess.mean),
+                            parse_floats(std, "--std", Preprocess.std), layout.upper(), channels.upper())
+    progress = _BatchProgress("calibrating")
+    try:
+        result = run_calibration(model, data, method, num_samples=num_samples, batch_size=batch_size,
+                                 percentile=percentile, preprocess=preprocess, strict=strict,
+                                 tensorrt_cache=import_tensorrt_cache,
+                                 input_shapes=parse_input_shapes(input_shape), progress=progress)
+    finally:
+        progress.close()
+    for warning in result.warnings:
+        typer.echo(f"warning: {warning}", err=True)
+    result.table.save(output)
+    if export_tensorrt_cache is not None:
+        write_tensorrt_cache(result.table, export_tensorrt_cache)
+    if json_output:
+        typer.echo(json.dumps(result.to_json(), indent=2))
+        return
+    _print_calibration(result, output)
+    if export_tensorrt_cache is not None:
+        typer.echo(f"wrote {export_tensorrt_cache}")
 
 
 @app.command()
 @user_errors
 def compile(model: Path = typer.Argument(..., help="An .onnx model."),
             calib: Path = typer.Option(..., help="Calibration table from `qdeploy calibrate`."),
-            output: Path = typer.Option(..., "--output", "-o", help="Compiled program (.qdp).")) -> None:
-    """Quantize and compile the lowered graph into an integer program (not built yet)."""
-    _not_built("compile", "the compile-and-simulate issue")
+            output: Path = typer.Option(..., "--output", "-o", help="Compiled program (.qdp)."),
+            target: Optional[Path] = typer.Option(None, help="Accelerator target (TOML); default: built-in."),
+            per_tensor: bool = typer.Option(False, "--per-tensor", help="One weight scale per tensor, not per channel."),
+            allow_host_fallback: bool = typer.Option(False, "--allow-host-fallback",
+                                                     help="Run ops that cannot be lowered in float on the host."),
+            input_shape: Optional[list[str]] = INPUT_SHAPE,
+            json_output: bool = JSON) -> None:
+    """Quantize the lowered graph with the calibration table and write the integer program (.qdp)."""
+    result = api.compile(model, calib, target, per_tensor=per_tensor, allow_host_fallback=allow_host_fallback,
+                         output=output, input_shapes=parse_input_shapes(input_shape))
+    if json_output:
+        layers = [{"name": r.name, "kind": r.kind, "m": r.m, "n": r.n, "k": r.k, "groups": r.groups,
+                   "input_scale": r.input_scale, "output_scale": r.output_scale, "rounding": r.rounding,
+                   "acc_bound_bits": r.acc_bound_bits, "warnings": r.warnings} for r in result.layers]
+        typer.echo(json.dumps({"layers": layers, "output": str(output)}, indent=2))
+        return
+    _print_layers(result.layers)
+    typer.echo(f"wrote {output} ({len(result.program.instructions)} instructions, "
+               f"{len(result.layers)} on the GEMM unit)")
+
+
+def _print_layers(layers) -> None:
+    echo = typer.echo
+    width = max((len(r.name) for r in layers), default=4)
+    echo(f"{'layer':<{width}} {'kind':<9} {'M':>6} {'N':>5} {'K':>5} {'s_in':>9} {'s_w (min..max)':>19} "
+         f"{'s_out':>9} {'mult (min..max)':>23} {'shift':>7} {'rounding':<11} acc bits")
+    for r in layers:
+        echo(f"{r.name:<{width}} {r.kind:<9} {r.m:>6} {r.n:>5} {r.k:>5} {r.input_scale:>9.3g} "
+             f"{r.weight_scale_min:>9.3g}..{r.weight_scale_max:<9.3g} {r.output_scale:>9.3g} "
+             f"{r.mult_min:>11}..{r.mult_max:<11} {r.shift_min:>3}..{r.shift_max:<3} {r.rounding:<11} "
+             f"{r.acc_bound_bits}/{r.acc_bits}")
+        for warning in r.warnings:
+            echo(f"  warning: {warning}")
 
 
 @app.command()

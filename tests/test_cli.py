@@ -107,8 +107,7 @@ def test_bad_model_files_give_one_line_errors(tmp_path):
                    "--input-shape")
 
 
-@pytest.mark.parametrize("args", [["calibrate", "m.onnx", "--data", "d", "-o", "c.json"],
-                                  ["compile", "m.onnx", "--calib", "c.json", "-o", "m.qdp"],
+@pytest.mark.parametrize("args", [["report", "m.onnx", "m.qdp", "--data", "d", "-o", "r"],
                                   ["export-onnx", "m.qdp", "-o", "m.onnx"]])
 def test_commands_not_built_yet_say_so(args):
     one_line_error(runner.invoke(app, args), "not available in this version yet")

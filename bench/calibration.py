@@ -1,0 +1,165 @@
+"""Calibration speed and memory against ONNX Runtime, measured in the same run (issue 4).
+
+On the pretrained EfficientNet-Lite0 (examples/zoo.py export) with real photographs (examples/images.py,
+224 x 224, (x - 127) / 128):
+
+  1. ours at 128 images: wall time of qdeploy.calibrate (import, lowering, forward passes, histograms, KL) and
+     the process's peak RSS;
+  2. ONNX Runtime at 128 images: wall time of onnxruntime.quantization.quantize_static(...,
+     calibrate_method=CalibrationMethod.Entropy) on the same model, images and batches, and its peak RSS;
+  3. ours at 1024 images: peak RSS (and time), to show memory does not grow with the data set;
+  4. the KL threshold search alone over every calibrated tensor.
+
+Each measurement runs in a child process of its own (this file with --child), which reports its own peak RSS
+(getrusage(RUSAGE_SELF).ru_maxrss) so no measurement inherits another's. ONNX Runtime keeps every calibrated
+activation of every batch in memory (its HistogramCalibrater.collect_data), about 14 GB at 128 images, so it
+is not run at 1024 images (it would need ~110 GB); --ort-samples changes that.
+
+Targets (issue 4): time <= 1/5 of ONNX Runtime's, peak RSS <= 1.5 GB, RSS(1024) within 10% of RSS(128),
+KL search < 1 s.
+
+    python bench/calibration.py [--workdir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BATCH_SIZE = 32
+MEAN, STD = 127.0, 128.0  # EfficientNet-Lite0's normalisation (examples/images.py)
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kilobytes on Linux
+
+
+def child_ours(model: str, data: str, samples: int) -> dict:
+    import numpy as np
+
+    from calib.data import Preprocess
+    from calib.kl import kl_threshold
+    from qdeploy.calibration import calibrate
+
+    start = time.perf_counter()
+    result = calibrate(model, data, num_samples=samples, batch_size=BATCH_SIZE,
+                       preprocess=Preprocess(size=(224, 224), mean=(MEAN,), std=(STD,)))
+    seconds = time.perf_counter() - start
+    histograms = [(np.asarray(r.counts), r.bin_width) for r in result.table.records.values()]
+    kl_start = time.perf_counter()
+    for counts, width in histograms:
+        kl_threshold(counts, width)
+    kl_seconds = time.perf_counter() - kl_start
+    return {"seconds": seconds, "peak_rss_mb": peak_rss_mb(), "samples": result.samples,
+            "tensors": len(result.table.records), "kl_seconds": kl_seconds, "timings": result.timings}
+
+
+def child_ort(model: str, data: str, samples: int) -> dict:
+    import tempfile
+
+    from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod, QuantFormat, quantize_static
+
+    from calib.data import Preprocess, image_folder
+
+    class Reader(CalibrationDataReader):
+        """The same images and batches as ours (calib.data), decoded on demand."""
+
+        def __init__(self):
+            source = image_folder(data, Preprocess(mean=(MEAN,), std=(STD,)), (224, 224), samples)
+            self.batches = source.batches(BATCH_SIZE)
+
+        def get_next(self):
+            batch = next(self.batches, None)
+            return None if batch is None else {"input": batch.arrays}
+
+    with tempfile.TemporaryDirectory() as folder:
+        start = time.perf_counter()
+        quantize_static(model, str(Path(folder) / "model.int8.onnx"), Reader(), quant_format=QuantFormat.QDQ,
+                        calibrate_method=CalibrationMethod.Entropy)
+        seconds = time.perf_counter() - start
+    return {"seconds": seconds, "peak_rss_mb": peak_rss_mb(), "samples": samples}
+
+
+def run_child(kind: str, model: Path, data: Path, samples: int) -> dict:
+    command = [sys.executable, __file__, "--child", kind, "--model", str(model), "--data", str(data),
+               "--samples", str(samples)]
+    start = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
+    if done.returncode != 0:
+        raise SystemExit(f"child {kind} failed:\n{done.stderr[-3000:]}")
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report["process_seconds"] = time.perf_counter() - start  # including interpreter start and imports
+    return report
+
+
+def prepare(workdir: Path, largest: int) -> tuple[Path, dict[int, Path]]:
+    sys.path.insert(0, str(REPO))
+    from examples import images, zoo
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    model = workdir / "efficientnet_lite0.onnx"
+    if not model.exists():
+        zoo.export("efficientnet_lite0", model)
+    folders = {}
+    for n in sorted({128, largest}):
+        folder = workdir / f"calib{n}"
+        if not (folder / images.MANIFEST).exists() or len(list(folder.glob("*.jpg"))) != n:
+            images.make_image_folders(folder, workdir / "eval_unused", n, 0, size=224)
+        folders[n] = folder
+    return model, folders
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "qdeploy-bench")
+    parser.add_argument("--large", type=int, default=1024, help="images for the memory-growth run")
+    parser.add_argument("--ort-samples", type=int, default=128)
+    parser.add_argument("--child", choices=["ours", "ort"])
+    parser.add_argument("--model")
+    parser.add_argument("--data")
+    parser.add_argument("--samples", type=int)
+    args = parser.parse_args(argv)
+    if args.child:
+        sys.path.insert(0, str(REPO))
+        report = (child_ours if args.child == "ours" else child_ort)(args.model, args.data, args.samples)
+        print(json.dumps(report))
+        return 0
+
+    model, folders = prepare(args.workdir, args.large)
+    print(f"EfficientNet-Lite0 ({model}), real photographs at 224x224, batch {BATCH_SIZE}, "
+          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+    ours = run_child("ours", model, folders[128], 128)
+    print(f"  ours, 128 images: {ours['seconds']:.1f} s, peak RSS {ours['peak_rss_mb']:.0f} MB "
+          f"({ours['tensors']} tensors; {json.dumps({k: round(v, 2) for k, v in ours['timings'].items()})})")
+    ort = run_child("ort", model, folders[args.ort_samples], args.ort_samples)
+    print(f"  ONNX Runtime quantize_static(Entropy), {args.ort_samples} images: {ort['seconds']:.1f} s, "
+          f"peak RSS {ort['peak_rss_mb']:.0f} MB")
+    large = run_child("ours", model, folders[args.large], args.large)
+    print(f"  ours, {args.large} images: {large['seconds']:.1f} s, peak RSS {large['peak_rss_mb']:.0f} MB")
+
+    time_ratio = ours["seconds"] / ort["seconds"]
+    growth = large["peak_rss_mb"] / ours["peak_rss_mb"] - 1
+    rows = [
+        ("calibration time, 128 images", f"{ours['seconds']:.1f} s", f"{ort['seconds']:.1f} s",
+         f"{time_ratio:.3f} (1/{1 / time_ratio:.1f})", "<= 1/5", time_ratio <= 0.2),
+        ("peak RSS, 128 images", f"{ours['peak_rss_mb']:.0f} MB", f"{ort['peak_rss_mb']:.0f} MB",
+         f"{ours['peak_rss_mb'] / ort['peak_rss_mb']:.3f}", "ours <= 1536 MB", ours["peak_rss_mb"] <= 1536),
+        (f"peak RSS, {args.large} vs 128 images", f"{large['peak_rss_mb']:.0f} MB", "not run (~110 GB)",
+         f"{growth:+.1%}", "within 10%", abs(growth) <= 0.10),
+        ("KL search, all tensors", f"{ours['kl_seconds']:.3f} s", "-", "-", "< 1 s", ours["kl_seconds"] < 1.0),
+    ]
+    print(f"\n{'metric':<34} {'ours':>10} {'ONNX Runtime':>18} {'ratio':>18} {'target':>16}  met")
+    for name, mine, peer, ratio, target, met in rows:
+        print(f"{name:<34} {mine:>10} {peer:>18} {ratio:>18} {target:>16}  {'yes' if met else 'NO'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,401 @@
+"""Calibration data (design.md sections 5 and 6): a folder of images with preprocessing flags, or arrays that
+are already preprocessed (.npy for a single-input model, .npz with one array per input name, or arrays given
+in Python). Batches come out of a bounded prefetch: a thread decodes the next batches (at most PREFETCH_BATCHES
+ahead) while the caller runs the model on the current one, so memory holds a few batches, never the data set.
+
+Images: every .jpg/.jpeg/.png under the folder, recursively, in sorted order of their relative paths (so a
+run is reproducible); other files (e.g. sources.json) and hidden files are ignored. Each image is decoded with
+Pillow, converted to RGB, BGR (RGB reversed) or GRAY, its shorter side resized (bilinear) so that it covers
+H x W, centre-cropped to H x W (an odd margin leaves the extra pixel at the bottom/right), then normalised as
+(x - mean[c]) / std[c] on 0..255 values, channel order as `channels`, and laid out CHW or HWC. This is
+examples/images.py's `preprocess` for RGB, NCHW, H = W. An image that cannot be decoded is skipped with a
+warning (returned in `warnings`, library code does not print) or, with strict=True, is an error.
+
+Arrays are read lazily: a .npy is memory-mapped and an .npz is streamed row by row from its zip members, so a
+data set larger than memory works. Every batch is checked for NaN/inf (the error names the input and the
+sample index)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import threading
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+
+from qdeploy.errors import BadInput
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
+LAYOUTS = ("NCHW", "NHWC")
+CHANNELS = ("RGB", "BGR", "GRAY")
+PREFETCH_BATCHES = 2  # batches decoded ahead of the one being used
+
+
+@dataclass(frozen=True)
+class Preprocess:
+    """How images become model inputs (design.md section 6 flags). `size` None: the model input's H, W."""
+
+    size: tuple[int, int] | None = None
+    mean: tuple[float, ...] = (0.0,)  # one value, or one per output channel (in `channels` order)
+    std: tuple[float, ...] = (1.0,)
+    layout: str = "NCHW"
+    channels: str = "RGB"
+
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise BadInput(f"--layout {self.layout}: expected one of {', '.join(LAYOUTS)}")
+        if self.channels not in CHANNELS:
+            raise BadInput(f"--channels {self.channels}: expected one of {', '.join(CHANNELS)}")
+        if self.size is not None and (len(self.size) != 2 or min(self.size) < 1):
+            raise BadInput(f"--size {self.size}: expected two positive integers H,W")
+        count = 1 if self.channels == "GRAY" else 3
+        for flag, values in (("--mean", self.mean), ("--std", self.std)):
+            if len(values) not in (1, count):
+                raise BadInput(f"{flag} has {len(values)} values; {self.channels} images need "
+                               f"{'1' if count == 1 else f'1 or {count}'}")
+            if not all(np.isfinite(values)):
+                raise BadInput(f"{flag} {','.join(map(str, values))}: values must be finite")
+        if any(s == 0 for s in self.std):
+            raise BadInput(f"--std {','.join(map(str, self.std))}: a standard deviation of 0 divides by zero")
+
+    @property
+    def num_channels(self) -> int:
+        return 1 if self.channels == "GRAY" else 3
+
+
+def parse_size(text: str | None) -> tuple[int, int] | None:
+    """`H,W` (or one number for a square) -> (H, W)."""
+    if text is None:
+        return None
+    try:
+        values = [int(v) for v in text.split(",")]
+        if len(values) == 1:
+            values *= 2
+        if len(values) != 2 or min(values) < 1:
+            raise ValueError
+    except ValueError:
+        raise BadInput(f"--size {text}: expected H,W (two positive integers, e.g. 224,224)") from None
+    return values[0], values[1]
+
+
+def parse_floats(text: str | None, flag: str, default: tuple[float, ...]) -> tuple[float, ...]:
+    """`a,b,c` -> (a, b, c)."""
+    if text is None:
+        return default
+    try:
+        return tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise BadInput(f"{flag} {text}: expected comma-separated numbers, e.g. 127,127,127") from None
+
+
+# ---- images -------------------------------------------------------------------------------------------------
+
+def list_images(folder: Path) -> list[Path]:
+    """Image files under `folder`, recursively, sorted by relative path; hidden files and folders skipped."""
+    found = []
+    for path in folder.rglob("*"):
+        relative = path.relative_to(folder)
+        if any(part.startswith(".") for part in relative.parts):
+            continue
+        if path.suffix.lower() in IMAGE_SUFFIXES and path.is_file():
+            found.append(relative.as_posix())
+    return [folder / name for name in sorted(found)]
+
+
+def load_image(path: Path, preprocess: Preprocess, size: tuple[int, int]) -> np.ndarray:
+    """One image file -> float32 (C, H, W) or (H, W, C) per `preprocess` (module docstring). Raises OSError
+    or ValueError (from Pillow) for a file that cannot be decoded."""
+    from PIL import Image
+
+    height, width = size
+    with Image.open(path) as image:
+        image = image.convert("L" if preprocess.channels == "GRAY" else "RGB")
+    scale = max(height / image.height, width / image.width)
+    resized = (max(width, round(image.width * scale)), max(height, round(image.height * scale)))
+    image = image.resize(resized, Image.Resampling.BILINEAR)
+    left, top = (resized[0] - width) // 2, (resized[1] - height) // 2
+    pixels = np.asarray(image.crop((left, top, left + width, top + height)), dtype=np.float32)
+    pixels = pixels.reshape(height, width, -1)
+    if preprocess.channels == "BGR":
+        pixels = pixels[:, :, ::-1]
+    x = (pixels - np.asarray(preprocess.mean, np.float32)) / np.asarray(preprocess.std, np.float32)
+    return np.ascontiguousarray(x.transpose(2, 0, 1) if preprocess.layout == "NCHW" else x)
+
+
+# ---- the data source ----------------------------------------------------------------------------------------
+
+@dataclass
+class Batch:
+    start: int  # index of the first sample of the batch in the data set
+    arrays: dict[str, np.ndarray] | np.ndarray  # a bare array for a single-input model (images, .npy)
+    size: int
+
+
+@dataclass
+class CalibrationData:
+    """A data set the calibration reads once, batch by batch (`batches`). `samples` is how many it will give
+    (for images: at most, since an unreadable image is skipped); `warnings` collects skipped files."""
+
+    source: str
+    samples: int
+    _read: Callable[[int, int], Iterator[Batch]]  # (batch_size, limit) -> batches, run in the prefetch thread
+    warnings: list[str] = field(default_factory=list)
+
+    def batches(self, batch_size: int) -> Iterator[Batch]:
+        """Batches of `batch_size` samples (the last may be smaller), decoded ahead in a thread."""
+        return _prefetch(self._read(batch_size, self.samples), PREFETCH_BATCHES)
+
+
+def _prefetch(source: Iterator[Batch], depth: int) -> Iterator[Batch]:
+    """Run `source` in a daemon thread, at most `depth` items ahead; its exceptions re-raise here. Closing
+    the returned generator (or an exception in the consumer) stops the thread."""
+    slots: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    done = object()
+
+    def put(item) -> bool:
+        while not stop.is_set():
+            try:
+                slots.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def produce() -> None:
+        try:
+            for item in source:
+                if not put(item):
+                    return
+            put(done)
+        except BaseException as error:  # handed to the consumer, which re-raises it
+            put(error)
+
+    thread = threading.Thread(target=produce, name="calibration-prefetch", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item = slots.get()
+            if item is done:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _check_finite(batch: Batch, source: str) -> Batch:
+    arrays = batch.arrays if isinstance(batch.arrays, dict) else {None: batch.arrays}
+    for name, array in arrays.items():
+        if not np.issubdtype(array.dtype, np.floating):
+            continue
+        finite = np.isfinite(array.reshape(array.shape[0], -1)).all(axis=1) if array.ndim else np.isfinite(array)
+        if not np.all(finite):
+            sample = int(np.flatnonzero(~finite)[0])
+            bad = array[sample][~np.isfinite(array[sample])].flat[0]
+            what = f"input '{name}'" if name is not None else "the data"
+            raise BadInput(f"{source}: {what} has {'NaN' if np.isnan(bad) else bad} in sample {batch.start + sample}")
+    return batch
+
+
+def image_folder(folder: str | os.PathLike, preprocess: Preprocess, size: tuple[int, int],
+                 num_samples: int, strict: bool = False) -> CalibrationData:
+    """The first `num_samples` readable images of `folder` (module docstring)."""
+    folder = Path(folder)
+    files = list_images(folder)
+    if not files:
+        raise BadInput(f"{folder}: no images (.jpg, .jpeg, .png) in the folder or its subfolders")
+    warnings: list[str] = []
+
+    def read(batch_size: int, limit: int) -> Iterator[Batch]:
+        pending: list[np.ndarray] = []
+        produced = 0
+        for path in files:
+            if produced + len(pending) >= limit:
+                break
+            try:
+                pending.append(load_image(path, preprocess, size))
+            except (OSError, ValueError, SyntaxError) as error:  # Pillow's errors for a damaged file
+                message = f"{path}: cannot decode the image ({type(error).__name__}: {error})"
+                if strict:
+                    raise BadInput(message + " (--strict)") from error
+                warnings.append(message + "; skipped")
+                continue
+            if len(pending) == batch_size:
+                yield Batch(produced, np.stack(pending), len(pending))
+                produced += len(pending)
+                pending = []
+        if pending:
+            yield Batch(produced, np.stack(pending), len(pending))
+            produced += len(pending)
+        if produced == 0:
+            raise BadInput(f"{folder}: none of the {len(files)} images could be decoded")
+
+    return CalibrationData(str(folder), min(num_samples, len(files)), read, warnings)
+
+
+# ---- arrays -------------------------------------------------------------------------------------------------
+
+class _NpyRows:
+    """Rows of one .npy array stream (an .npz member) read sequentially, without loading the whole array."""
+
+    def __init__(self, stream, source: str):
+        self.stream = stream
+        try:
+            self._read_header(stream, source)
+        except BaseException:
+            stream.close()
+            raise
+
+    def _read_header(self, stream, source: str) -> None:
+        version = np.lib.format.read_magic(stream)
+        if version == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(stream)
+        elif version == (2, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(stream)
+        else:
+            raise ValueError(f"unsupported .npy format version {version}")
+        if dtype.hasobject:
+            raise BadInput(f"{source}: object arrays are not supported (no pickle)")
+        if fortran and len(shape) > 1:
+            raise BadInput(f"{source}: Fortran-ordered arrays are not supported; save with np.ascontiguousarray")
+        self.shape, self.dtype = tuple(shape), dtype
+        self.row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
+
+    def read(self, rows: int) -> np.ndarray:
+        data = self.stream.read(rows * self.row_bytes)
+        if len(data) != rows * self.row_bytes:
+            raise EOFError("the array ends early")
+        array = np.frombuffer(data, self.dtype).reshape((rows,) + self.shape[1:])
+        return array.astype(self.dtype.newbyteorder("="))  # a writable copy in native byte order
+
+
+def _rows_of(arrays: dict[str, np.ndarray], batch_size: int, limit: int, source: str) -> Iterator[Batch]:
+    for start in range(0, limit, batch_size):
+        stop = min(start + batch_size, limit)
+        batch = {name: np.ascontiguousarray(array[start:stop]) for name, array in arrays.items()}
+        yield _check_finite(Batch(start, batch, stop - start), source)
+
+
+def _sample_count(shapes: dict[str, tuple], source: str) -> int:
+    counts = {name: shape[0] if shape else None for name, shape in shapes.items()}
+    if any(c is None for c in counts.values()):
+        name = next(n for n, c in counts.items() if c is None)
+        raise BadInput(f"{source}: array '{name}' is a scalar; expected samples along the first axis")
+    if len(set(counts.values())) > 1:
+        listing = ", ".join(f"'{n}' {c}" for n, c in counts.items())
+        raise BadInput(f"{source}: the arrays have different numbers of samples ({listing})")
+    count = next(iter(counts.values()))
+    if count == 0:
+        raise BadInput(f"{source}: the arrays hold no samples")
+    return count
+
+
+def in_memory(arrays: dict[str, np.ndarray] | np.ndarray, num_samples: int,
+              source: str = "calibration arrays") -> CalibrationData:
+    named = arrays if isinstance(arrays, dict) else {None: arrays}
+    named = {name: np.asarray(array) for name, array in named.items()}
+    count = _sample_count({n: a.shape for n, a in named.items()}, source)
+    bare = not isinstance(arrays, dict)
+
+    def read(batch_size: int, limit: int) -> Iterator[Batch]:
+        for batch in _rows_of(named, batch_size, limit, source):
+            yield Batch(batch.start, batch.arrays[None], batch.size) if bare else batch
+
+    return CalibrationData(source, min(num_samples, count), read)
+
+
+def array_file(path: str | os.PathLike, num_samples: int) -> CalibrationData:
+    """A .npy or .npz file of preprocessed samples along axis 0, streamed row by row (never loaded whole)."""
+    path = Path(path)
+    source = str(path)
+    npy = path.suffix == ".npy"
+
+    def open_streams(archive: zipfile.ZipFile | None) -> dict[str | None, _NpyRows]:
+        if archive is None:
+            return {None: _NpyRows(open(path, "rb"), source)}
+        members = [m for m in archive.namelist() if m.endswith(".npy")]
+        return {m[:-4]: _NpyRows(archive.open(m), f"{source} ['{m[:-4]}']") for m in members}
+
+    def close(streams: dict[str | None, _NpyRows]) -> None:
+        for rows in streams.values():
+            rows.stream.close()
+
+    try:
+        with (contextlib.nullcontext() if npy else zipfile.ZipFile(path)) as archive:
+            streams = open_streams(archive)
+            shapes = {name: rows.shape for name, rows in streams.items()}
+            close(streams)
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError) as error:
+        kind = ".npy" if npy else ".npz"
+        raise BadInput(f"{path}: not a readable {kind} array file ({error})") from error
+    if not shapes:
+        raise BadInput(f"{path}: the .npz file holds no arrays")
+    count = _sample_count(shapes, source)
+
+    def read(batch_size: int, limit: int) -> Iterator[Batch]:
+        with (contextlib.nullcontext() if npy else zipfile.ZipFile(path)) as archive:
+            streams = open_streams(archive)
+            try:
+                for start in range(0, limit, batch_size):
+                    rows = min(batch_size, limit - start)
+                    try:
+                        batch = {name: stream.read(rows) for name, stream in streams.items()}
+                    except (EOFError, OSError, zipfile.BadZipFile) as error:
+                        raise BadInput(f"{path}: cannot read sample {start}: {error}") from error
+                    batch = _check_finite(Batch(start, batch, rows), source)
+                    yield Batch(start, batch.arrays[None], rows) if npy else batch
+            finally:
+                close(streams)
+
+    return CalibrationData(source, min(num_samples, count), read)
+
+
+def model_image_size(shape: Sequence[int | None] | None, layout: str, input_name: str) -> tuple[int, int]:
+    """(H, W) of a model input of `shape` in `layout`; BadInput when they are not fixed."""
+    if shape is None or len(shape) != 4:
+        raise BadInput(f"model input '{input_name}' has shape {shape}, not an image batch of rank 4")
+    height, width = (shape[2], shape[3]) if layout == "NCHW" else (shape[1], shape[2])
+    if not isinstance(height, int) or not isinstance(width, int):
+        raise BadInput(f"model input '{input_name}' has no fixed height and width; give --size H,W")
+    return height, width
+
+
+def open_data(data, *, num_samples: int, input_names: Sequence[str],
+              input_shapes: Sequence[Sequence[int | None] | None], preprocess: Preprocess | None = None,
+              strict: bool = False) -> CalibrationData:
+    """A folder of images, a .npy/.npz file, an array or {input name: array}, as CalibrationData."""
+    if num_samples < 1:
+        raise BadInput(f"--num-samples {num_samples}: must be at least 1")
+    if isinstance(data, (np.ndarray, dict)):
+        return in_memory(data, num_samples)
+    path = Path(data)
+    if not path.exists():
+        raise BadInput(f"{path}: no such file or folder")
+    if path.is_dir():
+        preprocess = preprocess or Preprocess()
+        if len(input_names) != 1:
+            raise BadInput(f"{path}: an image folder feeds a single-input model; this one has "
+                           f"{len(input_names)} inputs ({', '.join(input_names)}): give an .npz")
+        expected = model_image_size(input_shapes[0], preprocess.layout, input_names[0])
+        size = preprocess.size or expected
+        channel_axis = 1 if preprocess.layout == "NCHW" else 3
+        channels = input_shapes[0][channel_axis]
+        got = (preprocess.num_channels,) + size if preprocess.layout == "NCHW" else size + (preprocess.num_channels,)
+        want = (channels,) + expected if preprocess.layout == "NCHW" else expected + (channels,)
+        if got != want:
+            shown = "x".join("N" if d is None else str(d) for d in input_shapes[0])
+            raise BadInput(f"{path}: images preprocessed to {'x'.join(map(str, got))} ({preprocess.layout}, "
+                           f"{preprocess.channels}) do not fit model input '{input_names[0]}' ({shown}); check "
+                           f"--size, --layout and --channels")
+        return image_folder(path, preprocess, size, num_samples, strict)
+    if path.suffix in (".npy", ".npz"):
+        return array_file(path, num_samples)
+    raise BadInput(f"{path}: expected a folder of images or a .npy/.npz file")

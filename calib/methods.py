@@ -1,0 +1,86 @@
+"""Threshold selection: one function per method, all with the signature
+`method(counts, bin_width, **options) -> threshold`, on a |x| histogram of NUM_BINS bins over [0, amax]
+(amax = len(counts) * bin_width). The table `THRESHOLD_METHODS` is what `qdeploy calibrate --method` offers;
+adding a method is one function and one entry.
+
+Every method returns a finite threshold > 0: a tensor whose values are all zero (bin_width 0) gets
+ZERO_TENSOR_THRESHOLD, and the int8 scale is threshold / 127 (design.md section 3)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from calib import DEFAULT_PERCENTILE
+from calib.kl import ZERO_TENSOR_THRESHOLD, kl_threshold
+
+ThresholdMethod = Callable[..., float]
+
+MSE_CHUNK = 256  # candidates evaluated at once by mse_threshold (a 256 x 2048 float64 temporary, 4 MiB)
+
+
+def _empty(counts: np.ndarray, bin_width: float) -> bool:
+    return not bin_width > 0 or int(np.asarray(counts).sum()) == 0
+
+
+def max_threshold(counts: np.ndarray, bin_width: float) -> float:
+    """T = amax: nothing is clipped (the histogram's upper edge, len(counts) * bin_width)."""
+    if _empty(counts, bin_width):
+        return ZERO_TENSOR_THRESHOLD
+    return float(len(counts) * bin_width)
+
+
+def percentile_threshold(counts: np.ndarray, bin_width: float, percentile: float = DEFAULT_PERCENTILE) -> float:
+    """T = the upper edge (j + 1) * bin_width of the first bin j where the cumulative count reaches
+    `percentile` % of all values (zeros included). 100 gives amax's bin edge, i.e. amax."""
+    if not 0 < percentile <= 100:
+        raise ValueError(f"percentile must be in (0, 100], got {percentile}")
+    if _empty(counts, bin_width):
+        return ZERO_TENSOR_THRESHOLD
+    cumulative = np.cumsum(np.asarray(counts, np.int64))
+    needed = percentile / 100.0 * cumulative[-1]
+    j = int(np.searchsorted(cumulative, needed, side="left"))
+    return float((min(j, len(counts) - 1) + 1) * bin_width)
+
+
+def mse_threshold(counts: np.ndarray, bin_width: float) -> float:
+    """T minimising the expected squared error of symmetric int8 quantization with scale s = T / 127,
+        E(T) = sum_j counts[j] * (v_j - s * min(rne(v_j / s), 127))**2,   v_j = (j + 1/2) * bin_width,
+    each bin represented by its centre, over the candidates T = k * bin_width, k = 1..n (n * bin_width = amax).
+    Ties go to the smallest T."""
+    counts = np.asarray(counts, np.float64)
+    if _empty(counts, bin_width):
+        return ZERO_TENSOR_THRESHOLD
+    n = counts.size
+    centres = (np.arange(n) + 0.5) * bin_width
+    occupied = counts > 0
+    values, weights = centres[occupied], counts[occupied]
+    candidates = np.arange(1, n + 1) * bin_width
+    errors = np.empty(n)
+    for start in range(0, n, MSE_CHUNK):
+        scale = candidates[start:start + MSE_CHUNK, None] / 127.0
+        quantized = np.minimum(np.rint(values[None, :] / scale), 127.0) * scale
+        errors[start:start + MSE_CHUNK] = ((values[None, :] - quantized) ** 2 * weights[None, :]).sum(axis=1)
+    return float(candidates[int(np.argmin(errors))])
+
+
+THRESHOLD_METHODS: dict[str, ThresholdMethod] = {
+    "kl": kl_threshold,  # TensorRT entropy calibration, zero bin excluded (calib/kl.py)
+    "max": max_threshold,  # amax, no clipping
+    "percentile": percentile_threshold,  # option: percentile (default DEFAULT_PERCENTILE)
+    "mse": mse_threshold,  # minimum expected quantization MSE
+}
+
+METHOD_OPTIONS: dict[str, tuple[str, ...]] = {"percentile": ("percentile",)}  # keyword options each accepts
+
+
+def select_threshold(method: str, counts: np.ndarray, bin_width: float, **options) -> float:
+    """THRESHOLD_METHODS[method](counts, bin_width, **the options that method accepts)."""
+    if method not in THRESHOLD_METHODS:
+        raise ValueError(f"unknown threshold method '{method}' (known: {', '.join(THRESHOLD_METHODS)})")
+    accepted = {k: v for k, v in options.items() if k in METHOD_OPTIONS.get(method, ()) and v is not None}
+    threshold = THRESHOLD_METHODS[method](counts, bin_width, **accepted)
+    if not (np.isfinite(threshold) and threshold > 0):  # a method's bug, not the user's input
+        raise AssertionError(f"method '{method}' returned threshold {threshold}")
+    return float(threshold)

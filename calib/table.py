@@ -1,0 +1,268 @@
+"""The calibration table (design.md section 5): one record per quantized tensor, as a versioned JSON file, and
+conversion to and from TensorRT's calibration cache text format.
+
+JSON layout (`format` and `version` are checked on reading; floats are written with repr, so a table read
+back is equal to the one written, bit for bit):
+
+    {
+      "format": "qdeploy-calibration",
+      "version": 1,
+      "model": "resnet_style.onnx",
+      "method": "kl",
+      "samples": 128,
+      "tensors": [
+        {"name": "input", "method": "kl", "threshold": 0.99, "scale": 0.0078, "amax": 1.0,
+         "histogram": {"bin_width": 0.00048828125, "counts": [0, 12, ...]}},
+        ...
+      ]
+    }
+
+One line per tensor. `scale` = threshold / 127 (design.md section 3) is written for readers and checked on
+reading. `histogram` is the |x| histogram the threshold was chosen from: len(counts) bins of `bin_width` over
+[0, amax]. `amax` and `histogram` are null for thresholds imported from a TensorRT cache without data.
+
+TensorRT's cache: a header line `TRT-<version>-<algorithm>` (e.g. `TRT-8601-EntropyCalibration2`), then one
+line `tensor_name: <hex>` per tensor, <hex> the bits of the float32 scale = T / 127, big-endian, without
+leading zeros (TensorRT writes `0` for a tensor it did not calibrate)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from qdeploy.errors import BadInput
+from qdeploy.fileio import atomic_write
+
+FORMAT = "qdeploy-calibration"
+VERSION = 1
+ACTIVATION_QMAX = 127  # scale = threshold / 127 (design.md section 3)
+TENSORRT_CACHE_HEADER = "TRT-8601-EntropyCalibration2"  # what trtexec's entropy calibrator 2 reads (TRT 8.6)
+TENSORRT_METHOD = "tensorrt-cache"  # the method of a record imported from a TensorRT cache
+_TENSORRT_HEADER = re.compile(r"^TRT-(\d+)-(\w+)$")
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """The threshold of one tensor and the statistics it came from."""
+
+    name: str
+    method: str
+    threshold: float  # |T| > 0; int8 values are clamp(rne(x * 127 / T), -127, 127)
+    amax: float | None = None  # max |x| over the data (None: imported without data)
+    counts: tuple[int, ...] | None = None  # |x| histogram, len(counts) bins over [0, amax]
+
+    @property
+    def scale(self) -> float:
+        return self.threshold / ACTIVATION_QMAX
+
+    @property
+    def bin_width(self) -> float | None:
+        return None if self.counts is None or self.amax is None else self.amax / len(self.counts)
+
+
+@dataclass
+class CalibrationTable:
+    """Records in graph order (the graph inputs first, then each quantized tensor as it is produced)."""
+
+    records: dict[str, TensorRecord]
+    method: str
+    samples: int
+    model: str | None = None
+    extra: dict = field(default_factory=dict)  # unknown top-level keys of a read file, kept on rewrite
+
+    @property
+    def thresholds(self) -> dict[str, float]:
+        return {name: record.threshold for name, record in self.records.items()}
+
+    # ---- JSON ------------------------------------------------------------------------------------------
+    def to_text(self) -> str:
+        head = {"format": FORMAT, "version": VERSION, "model": self.model, "method": self.method,
+                "samples": self.samples, **self.extra}
+        lines = ["{"] + [f"  {json.dumps(k)}: {json.dumps(v)}," for k, v in head.items()] + ['  "tensors": [']
+        records = [_record_json(r) for r in self.records.values()]
+        lines += [f"    {json.dumps(r, allow_nan=False)}{',' if i + 1 < len(records) else ''}"
+                  for i, r in enumerate(records)]
+        return "\n".join(lines + ["  ]", "}"]) + "\n"
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the table (atomically: an existing file is replaced only by a complete one)."""
+        text = self.to_text()
+        return atomic_write(path, lambda tmp: tmp.write_text(text))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> CalibrationTable:
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            raise BadInput(f"{path}: no such file") from None
+        except (OSError, UnicodeDecodeError) as error:
+            raise BadInput(f"{path}: cannot read the calibration table ({error})") from error
+        try:
+            document = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise BadInput(f"{path}: not a calibration table: invalid JSON ({error})") from error
+        return cls.from_json(document, str(path))
+
+    @classmethod
+    def from_json(cls, document, source: str = "calibration table") -> CalibrationTable:
+        if not isinstance(document, dict) or document.get("format") != FORMAT:
+            raise BadInput(f"{source}: not a calibration table (expected \"format\": \"{FORMAT}\")")
+        if document.get("version") != VERSION:
+            raise BadInput(f"{source}: calibration table version {document.get('version')!r} is not supported "
+                           f"(this qdeploy reads version {VERSION})")
+        method = _typed(document, "method", str, source)
+        samples = _typed(document, "samples", int, source)
+        model = _typed(document, "model", (str, type(None)), source)
+        tensors = _typed(document, "tensors", list, source)
+        records: dict[str, TensorRecord] = {}
+        for index, entry in enumerate(tensors):
+            record = _record_from_json(entry, f"{source}: tensors[{index}]")
+            if record.name in records:
+                raise BadInput(f"{source}: tensors[{index}]: tensor '{record.name}' is listed twice")
+            records[record.name] = record
+        known = {"format", "version", "method", "samples", "model", "tensors"}
+        extra = {k: v for k, v in document.items() if k not in known}
+        return cls(records, method, samples, model, extra)
+
+    # ---- summaries -------------------------------------------------------------------------------------
+    def summary_json(self) -> dict:
+        """{name: {"threshold", "amax", "scale"}} (design.md section 6, `calibrate --json`)."""
+        return {r.name: {"threshold": r.threshold, "amax": r.amax, "scale": r.scale} for r in self.records.values()}
+
+
+def _record_json(record: TensorRecord) -> dict:
+    entry = {"name": record.name, "method": record.method, "threshold": record.threshold,
+             "scale": record.scale, "amax": record.amax, "histogram": None}
+    if record.counts is not None:
+        entry["histogram"] = {"bin_width": record.bin_width, "counts": list(record.counts)}
+    return entry
+
+
+def _typed(mapping: dict, key: str, types, where: str):
+    if key not in mapping:
+        raise BadInput(f"{where}: missing field \"{key}\"")
+    value = mapping[key]
+    if isinstance(value, bool) or not isinstance(value, types):
+        expected = types.__name__ if isinstance(types, type) else " or ".join(
+            "null" if t is type(None) else t.__name__ for t in types)
+        raise BadInput(f"{where}: field \"{key}\" must be {expected}, got {json.dumps(value)[:40]}")
+    return value
+
+
+def _positive(value, key: str, where: str, allow_zero: bool = False) -> float:
+    value = float(value)
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        raise BadInput(f"{where}: field \"{key}\" must be a finite number > {'=' if allow_zero else ''}0, "
+                       f"got {value!r}")
+    return value
+
+
+def _record_from_json(entry, where: str) -> TensorRecord:
+    if not isinstance(entry, dict):
+        raise BadInput(f"{where}: a tensor record must be an object, got {json.dumps(entry)[:40]}")
+    name = _typed(entry, "name", str, where)
+    where = f"{where} ('{name}')"
+    method = _typed(entry, "method", str, where)
+    threshold = _positive(_typed(entry, "threshold", (int, float), where), "threshold", where)
+    scale = _typed(entry, "scale", (int, float), where)
+    if not math.isclose(scale, threshold / ACTIVATION_QMAX, rel_tol=1e-9):
+        raise BadInput(f"{where}: scale {scale!r} is not threshold / {ACTIVATION_QMAX} = "
+                       f"{threshold / ACTIVATION_QMAX!r}")
+    amax = entry.get("amax")
+    if amax is not None:
+        amax = _positive(_typed(entry, "amax", (int, float), where), "amax", where, allow_zero=True)
+    histogram = entry.get("histogram")
+    counts = None
+    if histogram is not None:
+        if not isinstance(histogram, dict):
+            raise BadInput(f"{where}: field \"histogram\" must be an object or null")
+        if amax is None:
+            raise BadInput(f"{where}: a histogram needs \"amax\"")
+        raw = _typed(histogram, "counts", list, f"{where}: histogram")
+        if not raw or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in raw):
+            raise BadInput(f"{where}: histogram counts must be a non-empty list of integers >= 0")
+        counts = tuple(raw)
+        bin_width = _typed(histogram, "bin_width", (int, float), f"{where}: histogram")
+        if not math.isclose(bin_width, amax / len(counts), rel_tol=1e-9, abs_tol=0.0):
+            raise BadInput(f"{where}: histogram bin_width {bin_width!r} is not amax / {len(counts)} bins")
+    return TensorRecord(name, method, threshold, amax, counts)
+
+
+# ---- TensorRT calibration cache ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TensorRTCache:
+    header: str  # e.g. TRT-8601-EntropyCalibration2
+    scales: dict[str, float]  # tensor name -> float32 scale (T / 127), in file order; zero entries included
+
+    @property
+    def algorithm(self) -> str:
+        return self.header.split("-", 2)[2]
+
+
+def float32_hex(value: float) -> str:
+    """The bits of float32(value), big-endian, as lowercase hex without leading zeros (TensorRT's spelling)."""
+    return format(struct.unpack(">I", struct.pack(">f", value))[0], "x")
+
+
+def read_tensorrt_cache(path: str | os.PathLike) -> TensorRTCache:
+    path = Path(path)
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        raise BadInput(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise BadInput(f"{path}: cannot read the TensorRT calibration cache ({error})") from error
+    if not lines or not _TENSORRT_HEADER.match(lines[0].strip()):
+        shown = lines[0][:40] if lines else ""
+        raise BadInput(f"{path}: not a TensorRT calibration cache: the first line is {shown!r}, "
+                       f"expected like '{TENSORRT_CACHE_HEADER}'")
+    scales: dict[str, float] = {}
+    for number, line in enumerate(lines[1:], start=2):
+        if not line.strip():
+            continue
+        name, sep, bits = line.rpartition(": ")
+        try:
+            if not sep or not name or not 0 < len(bits.strip()) <= 8:
+                raise ValueError
+            scale = struct.unpack(">f", struct.pack(">I", int(bits.strip(), 16)))[0]
+        except ValueError:
+            raise BadInput(f"{path}: line {number}: expected 'tensor_name: <hex float32>', got {line[:60]!r}") \
+                from None
+        if not (math.isfinite(scale) and scale >= 0):
+            raise BadInput(f"{path}: line {number}: tensor '{name}' has scale {scale}, expected finite and >= 0")
+        if name in scales:
+            raise BadInput(f"{path}: line {number}: tensor '{name}' is listed twice")
+        scales[name] = scale
+    return TensorRTCache(lines[0].strip(), scales)
+
+
+def write_tensorrt_cache(table: CalibrationTable, path: str | os.PathLike,
+                         header: str = TENSORRT_CACHE_HEADER) -> Path:
+    """Write the table's scales (float32(threshold / 127)) as a TensorRT calibration cache, atomically."""
+    if not _TENSORRT_HEADER.match(header):
+        raise BadInput(f"TensorRT cache header {header!r} is not like '{TENSORRT_CACHE_HEADER}'")
+    lines = [header] + [f"{r.name}: {float32_hex(r.scale)}" for r in table.records.values()]
+    text = "\n".join(lines) + "\n"
+    return atomic_write(path, lambda tmp: tmp.write_text(text))
+
+
+def threshold_from_tensorrt_scale(scale: float) -> float:
+    """T = 127 * scale, exact in float64 for a float32 scale (24 + 7 bits), so T / 127 gives the scale back."""
+    return float(np.float64(scale) * ACTIVATION_QMAX)
+
+
+def table_from_tensorrt_cache(cache: TensorRTCache, samples: int = 0, model: str | None = None) -> CalibrationTable:
+    """A table with one record per non-zero entry of the cache (method `tensorrt-cache`, no statistics).
+    Entries with scale 0 (tensors TensorRT did not calibrate) are left out."""
+    records = {name: TensorRecord(name, TENSORRT_METHOD, threshold_from_tensorrt_scale(scale))
+               for name, scale in cache.scales.items() if scale > 0}
+    return CalibrationTable(records, TENSORRT_METHOD, samples, model)

@@ -1,0 +1,185 @@
+"""`qdeploy.calibrate` and `qdeploy calibrate` end to end on the seeded ResNet-style model with real photographs:
+which tensors are measured, batch-size independence, bounded memory, the table file, TensorRT caches, and the
+one-line errors (exit code 2)."""
+
+import json
+import tracemalloc
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+import qdeploy
+from calib.data import Preprocess
+from calib.table import CalibrationTable, read_tensorrt_cache
+from qdeploy.api import lower_model
+from qdeploy.cli import app
+
+pytest.importorskip("skimage")
+from examples import images  # noqa: E402
+
+runner = CliRunner()
+PREPROCESS = ["--size", "64,64", "--mean", "127,127,127", "--std", "128"]
+
+
+@pytest.fixture(scope="module")
+def image_dir(tmp_path_factory):
+    """32 JPEG views of the calibration photographs, shorter side 73 (64 * 8 / 7), plus sources.json."""
+    root = tmp_path_factory.mktemp("calib_images")
+    calib, _ = images.make_image_folders(root / "calib", root / "eval", 32, 0, size=64)
+    return calib
+
+
+def calibrate(model, data, **options):
+    return qdeploy.calibrate(model, data, preprocess=Preprocess(size=(64, 64), mean=(127.0,), std=(128.0,)),
+                             **options)
+
+
+def one_line_error(result, *fragments):
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def test_measures_exactly_the_tensors_the_program_quantizes(resnet_style_onnx, image_dir):
+    result = calibrate(resnet_style_onnx, image_dir, num_samples=8, batch_size=8)
+    lowering = lower_model(resnet_style_onnx)
+    expected = ["input"] + [instruction.output for instruction in lowering.instructions]
+    assert list(result.table.records) == expected
+    assert "logits" in expected and len(expected) == 14
+    # Fused away: the Conv and BatchNormalization before each ReLU, the stem's ReLU before its MaxPool,
+    # the Flatten (layout: it keeps its producer's scale).
+    for removed in ("/stem/stem.0/Conv_output_0", "/blocks/blocks.0/bn1/BatchNormalization_output_0",
+                    "/stem/stem.2/Relu_output_0", "/Flatten_output_0"):
+        assert removed not in result.table.records
+    record = result.table.records["input"]
+    assert record.amax == pytest.approx(1.0)  # (255 - 127) / 128
+    assert result.samples == 8 and result.warnings == []
+
+
+def test_table_does_not_depend_on_batch_size(resnet_style_onnx, image_dir):
+    tables = [calibrate(resnet_style_onnx, image_dir, num_samples=32, batch_size=b).table for b in (1, 7, 32)]
+    for name, record in tables[0].records.items():
+        for other in tables[1:]:
+            twin = other.records[name]
+            # The histograms are batch-independent by construction; the float reference executor may round
+            # a GEMM differently for another batch size (BLAS blocking), moving amax by a few ulps.
+            assert twin.amax == pytest.approx(record.amax, rel=1e-5), name
+            assert abs(twin.threshold - record.threshold) <= record.bin_width * (1 + 1e-5), name
+
+
+def test_memory_does_not_grow_with_the_number_of_samples(resnet_style_onnx, image_dir):
+    peaks = []
+    for samples in (8, 32):
+        tracemalloc.start()
+        calibrate(resnet_style_onnx, image_dir, num_samples=samples, batch_size=4)
+        peaks.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+    assert peaks[1] < 1.1 * peaks[0], peaks
+
+
+def test_cli_end_to_end_writes_the_table_and_tensorrt_cache(resnet_style_onnx, image_dir, tmp_path):
+    output, cache = tmp_path / "calib.json", tmp_path / "calib.cache"
+    output.write_text("an older table")
+    result = runner.invoke(app, ["calibrate", str(resnet_style_onnx), "--data", str(image_dir), *PREPROCESS,
+                                 "--num-samples", "16", "--batch-size", "8", "-o", str(output),
+                                 "--export-tensorrt-cache", str(cache)])
+    assert result.exit_code == 0, result.output
+    table = CalibrationTable.load(output)
+    assert table.method == "kl" and table.samples == 16 and table.model == resnet_style_onnx.name
+    assert len(table.records) == 14
+    for record in table.records.values():
+        assert 0 < record.threshold <= record.amax * (1 + 1 / 2048) and len(record.counts) == 2048
+        assert sum(record.counts) > 0
+    assert "calibrated 14 tensors on 16 samples" in result.stdout and "T/amax" in result.stdout
+    assert "logits" in result.stdout and f"wrote {output}" in result.stdout
+    scales = read_tensorrt_cache(cache).scales
+    assert scales["logits"] == float(np.float32(table.records["logits"].threshold / 127))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["calib.cache", "calib.json"]  # no temporary left
+
+    # Thresholds imported back from the cache, without data: T = 127 * float32(T / 127).
+    again = runner.invoke(app, ["calibrate", str(resnet_style_onnx), "--import-tensorrt-cache", str(cache),
+                                "-o", str(tmp_path / "imported.json")])
+    assert again.exit_code == 0, again.output
+    imported = CalibrationTable.load(tmp_path / "imported.json")
+    assert imported.thresholds == {n: 127 * s for n, s in scales.items()}
+    assert all(r.method == "tensorrt-cache" and r.amax is None for r in imported.records.values())
+
+
+def test_cli_json_and_methods(resnet_style_onnx, image_dir, tmp_path):
+    result = runner.invoke(app, ["calibrate", str(resnet_style_onnx), "--data", str(image_dir), *PREPROCESS,
+                                 "--num-samples", "8", "--method", "percentile", "--percentile", "99.9",
+                                 "-o", str(tmp_path / "p.json"), "--json"])
+    assert result.exit_code == 0, result.output
+    document = json.loads(result.stdout)
+    assert document["method"] == "percentile" and document["samples"] == 8 and document["seconds"] > 0
+    entry = document["tensors"]["logits"]
+    assert set(entry) == {"threshold", "amax", "scale"} and entry["scale"] == entry["threshold"] / 127
+    table = CalibrationTable.load(tmp_path / "p.json")
+    for method in ("max", "mse"):
+        other = calibrate(resnet_style_onnx, image_dir, method=method, num_samples=8)
+        assert other.table.records["logits"].amax == table.records["logits"].amax
+        if method == "max":
+            assert other.table.thresholds["logits"] == table.records["logits"].amax
+
+
+def test_skipped_image_warning_and_strict(resnet_style_onnx, image_dir, tmp_path):
+    folder = tmp_path / "images"
+    folder.mkdir()
+    for path in sorted(image_dir.glob("*.jpg"))[:3]:
+        (folder / path.name).write_bytes(path.read_bytes())
+    (folder / "0001_broken.jpg").write_bytes(b"\xff\xd8\xff not really a jpeg")
+    args = ["calibrate", str(resnet_style_onnx), "--data", str(folder), *PREPROCESS, "-o", str(tmp_path / "c.json")]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "warning: " in result.stderr and "0001_broken.jpg: cannot decode" in result.stderr
+    assert "on 3 samples" in result.stdout
+    (tmp_path / "c.json").unlink()
+    one_line_error(runner.invoke(app, args + ["--strict"]), "0001_broken.jpg", "--strict")
+    assert not (tmp_path / "c.json").exists()
+
+
+def test_cli_errors_are_one_line(resnet_style_onnx, image_dir, tmp_path):
+    out = tmp_path / "out.json"
+    out.write_text("keep me")
+    model = str(resnet_style_onnx)
+
+    def invoke(*args):
+        return runner.invoke(app, ["calibrate", model, *args, "-o", str(out)])
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "sources.json").write_text("{}")
+    bad = np.zeros((4, 3, 64, 64), np.float32)
+    bad[2, 0, 5, 5] = np.nan
+    np.save(tmp_path / "nan.npy", bad)
+    np.savez(tmp_path / "named.npz", image=np.zeros((4, 3, 64, 64), np.float32))
+    np.save(tmp_path / "double.npy", np.zeros((4, 3, 64, 64)))
+
+    one_line_error(invoke("--data", str(tmp_path / "missing")), "no such file or folder")
+    one_line_error(invoke("--data", str(empty)), "no images")
+    one_line_error(invoke("--data", str(image_dir), "--size", "32,32"), "do not fit model input 'input'")
+    one_line_error(invoke("--data", str(image_dir), "--size", "64x64"), "--size 64x64")
+    one_line_error(invoke("--data", str(image_dir), "--mean", "1,2"), "--mean has 2 values")
+    one_line_error(invoke("--data", str(image_dir), "--method", "entropy"), "--method entropy: unknown method")
+    one_line_error(invoke("--data", str(image_dir), "--batch-size", "0"), "--batch-size 0")
+    one_line_error(invoke("--data", str(tmp_path / "nan.npy")), "nan.npy: the data has NaN in sample 2")
+    one_line_error(invoke("--data", str(tmp_path / "named.npz")), "no array for model input 'input'", "image")
+    one_line_error(invoke("--data", str(tmp_path / "double.npy")), "dtype float64", "float32")
+    one_line_error(invoke(), "no calibration data")
+    one_line_error(runner.invoke(app, ["calibrate", str(tmp_path / "nope.onnx"), "--data", str(image_dir),
+                                       "-o", str(out)]), "nope.onnx")
+    assert out.read_text() == "keep me"  # a failed run never touches an existing output
+    one_line_error(runner.invoke(app, ["calibrate", model, "--data", str(image_dir), "-o", str(tmp_path)]),
+                   "is a folder")
+
+
+@pytest.mark.filterwarnings("ignore:overflow:RuntimeWarning", "ignore:invalid value:RuntimeWarning")
+def test_non_finite_activation_names_tensor_and_sample(resnet_style_onnx):
+    x = np.zeros((3, 3, 64, 64), np.float32)
+    x[1] = 3e38  # finite input, but the stem conv's sums overflow float32 for sample 1
+    with pytest.raises(qdeploy.errors.BadInput, match=r"tensor '/stem/stem.3/MaxPool_output_0' has (inf|nan) "
+                                                      r"for sample 1"):
+        qdeploy.calibrate(resnet_style_onnx, x, batch_size=2)

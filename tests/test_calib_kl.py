@@ -1,0 +1,210 @@
+"""Threshold selection: the KL search (TensorRT entropy calibration, calib/kl.py) on hand-worked histograms and
+against a straightforward loop over candidates written here, and the max / percentile / mse alternatives."""
+
+import math
+
+import numpy as np
+import pytest
+
+from calib.kl import ZERO_TENSOR_THRESHOLD, kl_candidate, kl_divergences, kl_threshold
+from calib.methods import (THRESHOLD_METHODS, max_threshold, mse_threshold, percentile_threshold,
+                           select_threshold)
+
+
+def reference_kl_candidate(counts, exclude_zero_bin=True):
+    """design.md section 5 read literally, one candidate at a time: P = the first i bins with the outliers
+    added to bin i-1; Q = bins 0..i-1 merged into 128 levels (bin j -> level floor(128 j / i)) and spread
+    uniformly over the bins where P is non-zero; KL(P || Q) with both normalised; the smallest i within 1e-12
+    of the minimum."""
+    c = np.array(counts, np.float64)
+    if exclude_zero_bin:
+        c[0] = 0
+    n = c.size
+    divergences = np.full(n - 127, np.inf)
+    for i in range(128, n + 1):
+        p = c[:i].copy()
+        p[i - 1] += c[i:].sum()
+        level = (np.arange(i) * 128) // i
+        level_mass = np.bincount(level, weights=c[:i], minlength=128)
+        level_support = np.bincount(level, weights=(p > 0), minlength=128)
+        q = np.where(p > 0, level_mass[level] / np.maximum(level_support[level], 1), 0.0)
+        if q.sum() == 0:
+            continue
+        P, Q = p / p.sum(), q / q.sum()
+        used = P > 0
+        if np.all(Q[used] > 0):
+            divergences[i - 128] = np.sum(P[used] * np.log(P[used] / Q[used]))
+    return int(np.flatnonzero(divergences <= divergences.min() + 1e-12)[0]) + 128
+
+
+def half_normal_histogram(seed, n_values=200_000, relu=False):
+    x = np.random.default_rng(seed).standard_normal(n_values)
+    x = np.maximum(x, 0) if relu else np.abs(x)
+    return np.histogram(x, 2048, (0, x.max()))[0]
+
+
+# ---- hand-worked --------------------------------------------------------------------------------------------
+
+def test_worked_example_single_outlier_is_kept_when_levels_represent_it_exactly():
+    # 256 bins: c[1..127] = 10, one value in bin 255. Candidate i = 128: one bin per level, so Q is c itself
+    # (normalised by 1270) while P carries the outlier in bin 127 (normalised by 1271):
+    #   KL = 126 * (10/1271) log(1270/1271) + (11/1271) log((11/1271) / (10/1270)).
+    # Candidate i = 256: levels of two bins, each holding at most one non-empty bin (or two equal ones), so
+    # Q = P and KL = 0: nothing is clipped.
+    c = np.zeros(256)
+    c[1:128] = 10
+    c[255] = 1
+    kl = kl_divergences(c)
+    expected_128 = 1260 / 1271 * math.log(1270 / 1271) + 11 / 1271 * math.log(11 * 1270 / (10 * 1271))
+    assert kl[0] == pytest.approx(expected_128, rel=1e-9, abs=1e-15)
+    assert abs(kl[-1]) < 1e-12
+    assert kl_candidate(c) == 256
+    assert kl_threshold(c, 0.5) == (256 + 0.5) * 0.5
+
+
+def test_rare_outliers_are_clipped():
+    # A smooth decaying body up to bin 1199 plus 3 values in the last bin: clipping near the body's end
+    # buys finer levels for 99.99...% of the values.
+    j = np.arange(2048)
+    c = np.round(1e6 * np.exp(-j / 100.0))
+    c[1200:] = 0
+    c[2047] = 3
+    i = kl_candidate(c)
+    assert 600 < i < 1200
+    assert kl_threshold(c, bin_width=0.01) == pytest.approx((i + 0.5) * 0.01)
+    assert kl_threshold(c, 0.01) < 0.6 * 2048 * 0.01  # T well below amax
+
+
+def test_uniform_histogram_is_not_clipped():
+    c = np.full(2048, 100)
+    assert kl_candidate(c) == 2048  # 16-bin levels of equal bins: Q = P exactly; any clipping piles up mass
+    assert kl_threshold(c, 1e-3) == pytest.approx(2048.5e-3)  # just above amax = 2.048
+
+
+def test_all_zero_tensor_gets_a_finite_positive_threshold():
+    zeros = np.zeros(2048, np.int64)
+    zeros[0] = 10_000  # every value is 0: amax = 0, bin_width = 0
+    for name, method in THRESHOLD_METHODS.items():
+        threshold = method(zeros, 0.0)
+        assert threshold == ZERO_TENSOR_THRESHOLD and math.isfinite(threshold) and threshold > 0, name
+    assert select_threshold("kl", np.zeros(2048), 0.0) == ZERO_TENSOR_THRESHOLD
+
+
+def test_only_the_zero_bin_occupied_gives_amax():
+    c = np.zeros(2048)
+    c[0] = 50  # values below one bin width: nothing for KL to compare, so no clipping
+    assert kl_threshold(c, 0.25) == 2048 * 0.25
+
+
+def test_post_relu_zero_spike_does_not_drive_the_choice():
+    # max(x, 0) of a normal: half the values are exactly 0, all in bin 0.
+    c = half_normal_histogram(0, relu=True)
+    assert c[0] > 500 * c[1]
+    chosen = kl_candidate(c)
+    without_spike = c.copy()
+    without_spike[0] = c[1]
+    assert chosen == kl_candidate(without_spike) == reference_kl_candidate(c)
+    # Kept in, the spike would have pulled the threshold far down (the rule matters):
+    assert reference_kl_candidate(c, exclude_zero_bin=False) < 0.6 * chosen
+
+
+# ---- the vectorised search equals the loop ----------------------------------------------------------------
+
+def random_histograms():
+    rng = np.random.default_rng(1234)
+    cases = []
+    for k in range(14):
+        n = 2048 if k % 2 == 0 else int(rng.choice([128, 129, 200, 385, 1000]))
+        kind = k % 7
+        if kind == 0:
+            c = rng.integers(0, 50, n)
+        elif kind == 1:
+            c = (rng.pareto(1.2, n) * 20).astype(np.int64)
+            c[rng.random(n) < 0.4] = 0
+        elif kind == 2:
+            x = np.abs(rng.standard_normal(50_000) * rng.uniform(0.5, 3))
+            c = np.histogram(x, n, (0, x.max()))[0]
+        elif kind == 3:  # post-ReLU: zero spike
+            x = np.maximum(rng.standard_normal(50_000), 0)
+            c = np.histogram(x, n, (0, x.max()))[0]
+        elif kind == 4:  # sparse: a few occupied bins
+            c = np.zeros(n, np.int64)
+            c[rng.choice(n, 12, replace=False)] = rng.integers(1, 1000, 12)
+        elif kind == 5:  # heavy tail with far outliers
+            x = np.abs(rng.standard_t(2, 50_000))
+            c = np.histogram(x, n, (0, x.max()))[0]
+        else:  # huge counts (10**9 scale)
+            c = rng.integers(0, 10**9, n) * (rng.random(n) < 0.7)
+        c[rng.integers(1, n)] += 1  # at least one count outside bin 0
+        cases.append(c)
+    return cases
+
+
+@pytest.mark.parametrize("case", range(14))
+def test_vectorised_kl_equals_loop_reference(case):
+    c = random_histograms()[case]
+    assert kl_candidate(c) == reference_kl_candidate(c)
+
+
+def test_kl_search_is_fast_enough_for_a_whole_model():
+    # 60 tensors (EfficientNet-Lite0 has 60 calibrated tensors): design target < 1 s in total.
+    import time
+
+    histograms = [half_normal_histogram(s, 20_000) for s in range(60)]
+    kl_candidate(histograms[0])  # compile (cached on disk after the first run)
+    start = time.perf_counter()
+    for c in histograms:
+        kl_candidate(c)
+    assert time.perf_counter() - start < 1.0
+
+
+# ---- max, percentile, mse -----------------------------------------------------------------------------------
+
+def test_max_is_amax():
+    c = np.zeros(2048)
+    c[[3, 2047]] = [5, 1]
+    assert max_threshold(c, 0.5) == 1024.0
+
+
+def test_percentile_hand_worked():
+    c = np.array([0, 50, 30, 19, 1])  # bin width 1: cumulative 0, 50, 80, 99, 100
+    assert percentile_threshold(c, 1.0, percentile=99) == 4.0  # 99 values lie below the edge of bin 3
+    assert percentile_threshold(c, 1.0, percentile=99.5) == 5.0
+    assert percentile_threshold(c, 1.0, percentile=100) == 5.0  # amax
+    assert percentile_threshold(c, 1.0, percentile=50) == 2.0
+    with pytest.raises(ValueError):
+        percentile_threshold(c, 1.0, percentile=0)
+
+
+def brute_force_mse(counts, bin_width):
+    best, best_t = np.inf, None
+    for k in range(1, len(counts) + 1):
+        t, error = k * bin_width, 0.0
+        s = t / 127
+        for j, count in enumerate(counts):
+            if count:
+                v = (j + 0.5) * bin_width
+                error += count * (v - s * min(np.rint(v / s), 127)) ** 2
+        if error < best:
+            best, best_t = error, t
+    return best_t
+
+
+def test_mse_equals_brute_force_and_clips_rare_outliers():
+    # 3 million values in [0, 6) and one at 29.95: rounding error ~ s**2/12 per value at s = 30/127 outweighs
+    # clipping the one outlier by ~24.
+    c = np.zeros(300)
+    c[1:60] = np.linspace(100_000, 1000, 59).round()
+    c[299] = 1
+    assert mse_threshold(c, 0.1) == pytest.approx(brute_force_mse(c, 0.1))
+    assert mse_threshold(c, 0.1) < 0.5 * 300 * 0.1
+    uniform = np.full(2048, 100)
+    assert mse_threshold(uniform, 1.0) > 0.95 * 2048
+
+
+def test_select_threshold_passes_only_accepted_options():
+    c = np.array([0, 50, 30, 19, 1])
+    assert select_threshold("percentile", c, 1.0, percentile=99) == 4.0
+    assert select_threshold("max", c, 1.0, percentile=99) == 5.0
+    with pytest.raises(ValueError, match="unknown threshold method"):
+        select_threshold("entropy", c, 1.0)

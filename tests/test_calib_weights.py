@@ -1,0 +1,47 @@
+"""Max-abs int8 weight quantization (calib/weights.py, design.md section 3)."""
+
+import numpy as np
+import pytest
+from numpy.testing import assert_array_equal
+
+from calib.weights import ZERO_CHANNEL_SCALE, quantize_weights
+
+
+def test_hand_worked_rounding_half_to_even_and_zero_channel():
+    # Channel 0: max 127 -> scale 1, so q = rne(w): ties 0.5 -> 0, 1.5 -> 2, 2.5 -> 2, -63.5 -> -64.
+    # Channel 1: all zeros -> finite scale, q = 0. Channel 2: max 254 -> scale 2.
+    w = np.array([[127.0, -63.5, 0.5, 1.5, 2.5],
+                  [0.0, 0.0, 0.0, 0.0, 0.0],
+                  [-254.0, 3.0, 1.0, 5.0, 127.0]], np.float32)
+    result = quantize_weights(w)
+    assert result.q.dtype == np.int8 and result.scale.dtype == np.float32
+    assert_array_equal(result.scale, [1.0, ZERO_CHANNEL_SCALE, 2.0])
+    assert_array_equal(result.q, [[127, -64, 0, 2, 2], [0, 0, 0, 0, 0], [-127, 2, 0, 2, 64]])
+
+
+def test_per_channel_conv_weights():
+    w = np.random.default_rng(0).standard_normal((8, 3, 3, 3)).astype(np.float32)
+    w[5] = 0
+    result = quantize_weights(w, per_channel=True)
+    assert result.scale.shape == (8,) and np.all(np.isfinite(result.scale)) and np.all(result.scale > 0)
+    assert_array_equal(np.abs(result.q).reshape(8, -1).max(axis=1), [127] * 5 + [0] + [127] * 2)
+    assert result.q.min() >= -127
+    # |w - q * s| <= s / 2 per channel (plus float32 rounding of w / s).
+    error = np.abs(w - result.dequantize()).reshape(8, -1).max(axis=1)
+    assert np.all(error <= result.scale * (0.5 + 1e-5))
+
+
+def test_per_tensor():
+    w = np.array([[0.1, -0.2], [0.4, 0.05]], np.float32)
+    result = quantize_weights(w, per_channel=False)
+    assert result.scale.shape == (1,)
+    assert result.scale[0] == np.float32(0.4) / np.float32(127)
+    assert result.q[1, 0] == 127 and result.q[0, 1] == -64  # -0.2 / (0.4/127) = -63.5 -> -64 (ties to even)
+    assert_array_equal(quantize_weights(np.zeros((2, 3), np.float32), per_channel=False).scale, [ZERO_CHANNEL_SCALE])
+
+
+def test_rejects_bad_weights():
+    with pytest.raises(ValueError, match="NaN"):
+        quantize_weights(np.array([[np.nan]], np.float32))
+    with pytest.raises(ValueError, match="floating"):
+        quantize_weights(np.array([[1]], np.int32))

@@ -1,0 +1,215 @@
+"""Compile to an integer program and run it on the simulator: the machine against an independent integer
+computation, whole networks against the float model, determinism across batch sizes and runs, and the CLI."""
+
+import json
+
+import numpy as np
+import pytest
+from onnx import helper
+from typer.testing import CliRunner
+
+from builders import make_model, rng_weights, save
+from calib.table import CalibrationTable, TensorRecord
+from qdeploy import api
+from qdeploy.calibration import calibrate
+from qdeploy.cli import app
+from qdeploy.errors import BadInput
+from qdeploy.reference import run_graph
+from simulator import reference
+from simulator.config import Arithmetic, Target
+from simulator.machine import Machine
+
+runner = CliRunner()
+ROUNDINGS = ["half_up", "half_away", "half_even", "tflite", "float32_rne"]
+
+
+def table_of(thresholds: dict[str, float]) -> CalibrationTable:
+    return CalibrationTable({n: TensorRecord(n, "max", t) for n, t in thresholds.items()}, "max", 0)
+
+
+def target(**arithmetic) -> Target:
+    return Target(arithmetic=Arithmetic(**arithmetic))
+
+
+def sqnr_db(reference_values: np.ndarray, test: np.ndarray) -> float:
+    return float(10 * np.log10(np.sum(reference_values ** 2) / np.sum((reference_values - test) ** 2)))
+
+
+# --- one layer against an independent integer computation ---------------------------------------------------
+
+def grouped_conv_model(tmp_path, pool=True):
+    """Grouped strided conv + bias + ReLU6 + MaxPool: every part of the output stage in one instruction."""
+    nodes = [helper.make_node("Conv", ["x", "W", "B"], ["c"], name="conv", group=2, strides=[2, 1],
+                              pads=[1, 0, 2, 1], dilations=[1, 2]),
+             helper.make_node("Clip", ["c", "lo", "hi"], ["r" if pool else "y"], name="relu6")]
+    if pool:
+        nodes.append(helper.make_node("MaxPool", ["r"], ["y"], name="pool", kernel_shape=[2, 2], strides=[1, 2],
+                                      ceil_mode=1))
+    model = make_model(nodes, [("x", ["N", 4, 9, 10])], [("y", ["N", 6, 4, 4] if pool else ["N", 6, 5, 7])],
+                       {"W": rng_weights(0, 6, 2, 3, 3), "B": rng_weights(1, 6),
+                        "lo": np.float32(0), "hi": np.float32(6)})
+    return save(model, tmp_path / "conv.onnx")
+
+
+@pytest.mark.parametrize("rounding", ROUNDINGS)
+def test_conv_instruction_equals_the_python_int_twin(tmp_path, rounding):
+    path = grouped_conv_model(tmp_path)
+    thresholds = {"x": 2.5, "y": 7.0}
+    result = api.compile(path, table_of(thresholds), target(rounding=rounding))
+    program = result.program
+    (instr,) = program.instructions
+    x = np.random.default_rng(2).standard_normal((3, 4, 9, 10)).astype(np.float32)
+    run = Machine(program).run({"x": x}, dump=True)
+
+    # Independent computation from the program's integers: Python-int im2col, GEMM and requantize.
+    qx = run.tensors["x"]
+    assert np.array_equal(qx, np.clip(np.round(x / (2.5 / 127)), -127, 127).astype(np.int8))
+    w = program.arrays[instr["weight"]].astype(np.int64)
+    bias = program.arrays[instr["bias"]].astype(np.int64)
+    cols = reference.im2col(qx, instr["kernel"], instr["strides"], instr["pads"], instr["dilations"], 2)
+    groups, per_group = 2, 3
+    lo, hi = instr["clamp"]
+    assert lo == 0 and hi == round(6 / (7.0 / 127)) == 109  # ReLU6 in integers
+    expected_acc = np.concatenate([cols[g].astype(np.int64) @ w[g * per_group:(g + 1) * per_group].T
+                                   + bias[g * per_group:(g + 1) * per_group] for g in range(groups)], axis=1)
+    mult, shift, scale = (program.arrays[instr[k]] for k in ("mult", "shift", "scale_f32"))
+    expected = np.empty(expected_acc.shape, np.int64)
+    for (i, c), acc in np.ndenumerate(expected_acc):
+        if rounding == "float32_rne":
+            expected[i, c] = reference.requantize(int(acc), mode=rounding, lo=lo, hi=hi, scale=scale[c])
+        else:
+            expected[i, c] = reference.requantize(int(acc), int(mult[c]), int(shift[c]), rounding, lo, hi)
+    n, oh, ow = 3, 5, 7  # H: (9 + 1 + 2 - 3) // 2 + 1; W: (10 + 0 + 1 - 5) + 1 (dilation 2)
+    stored = expected.reshape(n, oh, ow, 6).transpose(0, 3, 1, 2)
+    pooled = reference.window_max(stored.astype(np.int8), [2, 2], [1, 2], [0, 0, 0, 0], [1, 1], True)
+    np.testing.assert_array_equal(run.accumulators["conv"], expected_acc)
+    np.testing.assert_array_equal(run.outputs["y"], pooled)
+
+
+def test_requantized_values_are_the_rounded_real_values(tmp_path):
+    """Against the real-number meaning: y = round(acc * s_in * s_w[c] / s_out) (eq. 4). The Q31 multiplier
+    is within 2^-31 relative of M, so only values within that of a tie may round the other way."""
+    path = grouped_conv_model(tmp_path, pool=False)
+    result = api.compile(path, table_of({"x": 2.5, "y": 7.0}), target())
+    (instr,) = result.program.instructions
+    x = np.random.default_rng(3).standard_normal((2, 4, 9, 10)).astype(np.float32)
+    run = Machine(result.program).run({"x": x}, dump=True)
+    acc = run.accumulators["conv"].astype(np.float64)
+    s_w = result.program.arrays[instr["weight_scale"]].astype(np.float64)
+    real = acc * (2.5 / 127) * s_w / (7.0 / 127)
+    lo, hi = instr["clamp"]
+    want = np.clip(np.floor(real + 0.5), lo, hi).reshape(2, 5, 7, 6).transpose(0, 3, 1, 2)
+    got = run.outputs["y"]
+    near_tie = np.abs(real - np.floor(real) - 0.5).reshape(2, 5, 7, 6).transpose(0, 3, 1, 2) < 1e-6
+    assert np.all((got == want) | near_tie)
+    assert np.mean(got == want) > 0.99 and len(np.unique(got)) > 20  # a real spread of values, not all clamped
+
+
+# --- whole networks -------------------------------------------------------------------------------------------
+
+def small_images(n, seed, split):
+    from examples import images
+
+    return images.image_batch(n, seed=seed, split=split, size=64)
+
+
+# KL (the default) on the ResNet; percentile on the MobileNet, whose random-weight depthwise outputs have a
+# spiky histogram on which the KL rule clips at the 93rd percentile (7.8 dB; measured, see issue notes):
+# these tests check the compiler and the machine, not the choice of threshold.
+@pytest.fixture(scope="module", params=[("resnet_style_onnx", "kl"), ("mobilenetv2_style_onnx", "percentile")],
+                ids=["resnet_kl", "mobilenet_percentile"])
+def compiled_cnn(request):
+    fixture, method = request.param
+    path = request.getfixturevalue(fixture)
+    table = calibrate(path, small_images(32, 0, "calib"), method, num_samples=32, batch_size=8).table
+    return path, table, api.compile(path, table).program
+
+
+def test_int8_network_tracks_the_float_model(compiled_cnn):
+    path, _, program = compiled_cnn
+    x = small_images(16, 1, "eval")
+    want = api.run(path, x)[program.outputs[0]]
+    got = api.run_program_file(program, x, dequantize=True)[program.outputs[0]]
+    # KL-calibrated int8 on a 10-layer CNN: ~0.5-1 % noise per layer; 25 dB (5.6 % RMS) is a loose floor
+    # that a wrong scale, shift or channel order misses by far (they give < 5 dB).
+    assert sqnr_db(want, got) > 25
+    assert np.mean(want.argmax(1) == got.argmax(1)) >= 0.8
+
+
+def test_results_are_identical_across_batch_sizes_and_runs(compiled_cnn):
+    _, _, program = compiled_cnn
+    x = small_images(7, 2, "eval")
+    machine = Machine(program)
+    whole = machine.run({program.inputs[0]: x}).outputs[program.outputs[0]]
+    again = Machine(program).run({program.inputs[0]: x}).outputs[program.outputs[0]]
+    singles = np.concatenate([machine.run({program.inputs[0]: x[i:i + 1]}).outputs[program.outputs[0]]
+                              for i in range(7)])
+    assert whole.dtype == np.int8
+    np.testing.assert_array_equal(whole, again)
+    np.testing.assert_array_equal(whole, singles)
+
+
+@pytest.mark.parametrize("rounding", ROUNDINGS)
+def test_every_rounding_mode_runs_the_network_close_to_float(compiled_cnn, rounding):
+    path, table, _ = compiled_cnn
+    program = api.compile(path, table, target(rounding=rounding, act_min=-128)).program
+    x = small_images(4, 3, "eval")
+    want = api.run(path, x)[program.outputs[0]]
+    got = api.run_program_file(program, x, dequantize=True)[program.outputs[0]]
+    assert sqnr_db(want, got) > 25  # same bound as above: the modes differ only on ties
+
+
+def test_narrow_accumulator_overflows_are_counted_and_warned(compiled_cnn):
+    path, table, _ = compiled_cnn
+    result = api.compile(path, table, target(acc_bits=16, overflow="saturate"))
+    assert any("accumulator needs" in w for layer in result.layers for w in layer.warnings)
+    run = Machine(result.program).run({result.program.inputs[0]: small_images(2, 4, "eval")})
+    assert sum(run.overflow_events.values()) > 0
+
+
+def test_per_tensor_weights(compiled_cnn):
+    path, table, _ = compiled_cnn
+    program = api.compile(path, table, per_tensor=True).program
+    conv = next(i for i in program.instructions if i["kind"] == "ConvGemm")
+    assert len(set(program.arrays[conv["weight_scale"]].tolist())) == 1
+    assert program.manifest["options"]["per_channel_weights"] is False
+
+
+def test_missing_calibration_entry_is_named(compiled_cnn):
+    path, table, _ = compiled_cnn
+    name = list(table.records)[3]
+    partial = CalibrationTable({k: v for k, v in table.records.items() if k != name}, "kl", 0)
+    with pytest.raises(BadInput, match=f"no entry for tensor '{name}'"):
+        api.compile(path, partial)
+
+
+# --- command line ----------------------------------------------------------------------------------------------
+
+def test_cli_compile_run_and_errors(tmp_path, compiled_cnn):
+    path, table, _ = compiled_cnn
+    table.save(tmp_path / "calib.json")
+    out = tmp_path / "m.qdp"
+    result = runner.invoke(app, ["compile", str(path), "--calib", str(tmp_path / "calib.json"), "-o", str(out),
+                                 "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["output"] == str(out) and {"name", "kind", "m", "n", "k", "rounding", "acc_bound_bits"} <= set(doc["layers"][0])
+    x = small_images(3, 5, "eval")
+    np.save(tmp_path / "x.npy", x)
+    for flag, dtype in (([], np.int8), (["--dequantize"], np.float32)):
+        y = tmp_path / f"y{len(flag)}.npy"
+        result = runner.invoke(app, ["run", str(out), "--input", str(tmp_path / "x.npy"), "-o", str(y), *flag])
+        assert result.exit_code == 0, result.output
+        assert np.load(y).dtype == dtype and np.load(y).shape == (3, 10)
+
+    np.save(tmp_path / "bad.npy", x[:, :, :32])
+    result = runner.invoke(app, ["run", str(out), "--input", str(tmp_path / "bad.npy"), "-o", str(tmp_path / "z.npy")])
+    assert result.exit_code == 2 and "has shape (3, 3, 32, 64), the program expects (N, 3, 64, 64)" in result.stderr
+    (tmp_path / "broken.qdp").write_bytes(out.read_bytes()[:1000])
+    result = runner.invoke(app, ["run", str(tmp_path / "broken.qdp"), "--input", str(tmp_path / "x.npy"),
+                                 "-o", str(tmp_path / "z.npy")])
+    assert result.exit_code == 2 and "broken.qdp" in result.stderr
+    (tmp_path / "t.toml").write_text("[arithmetic]\nrounding = 'banker'\n")
+    result = runner.invoke(app, ["compile", str(path), "--calib", str(tmp_path / "calib.json"), "-o",
+                                 str(tmp_path / "n.qdp"), "--target", str(tmp_path / "t.toml")])
+    assert result.exit_code == 2 and "rounding" in result.stderr and not (tmp_path / "n.qdp").exists()
