@@ -11,12 +11,12 @@ import numpy as np
 
 from calib.table import CalibrationTable
 from qdeploy.errors import BadInput
-from qdeploy.ir import Graph
+from qdeploy.ir import Graph, Node
 from qdeploy.lowering import LoweringResult, lower, require_lowered
 from qdeploy.onnx_import import import_onnx
 from qdeploy.program import Program, read_program, write_program
 from qdeploy.quantize import CompileOptions, LayerReport, compile_graph
-from qdeploy.reference import run_graph
+from qdeploy.reference import run_graph, run_node
 from qdeploy.summary import ModelSummary, summarize
 from simulator.config import Target, TargetError, load_target
 from simulator.machine import Machine, ProgramInputError
@@ -82,6 +82,13 @@ def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTabl
     return CompileResult(program, layers, lowering, written)
 
 
+def run_host_op(op: str, opset: int, operands: list, attrs: dict) -> np.ndarray:
+    """A host-fallback op of a program, in float with the reference executor."""
+    names = [f"in{i}" if x is not None else "" for i, x in enumerate(operands)]
+    (y,) = run_node(Node(f"host_{op}", op, names, ["y"], attrs), operands, opset)[:1]
+    return y
+
+
 def run_program_file(program: str | os.PathLike | Program, inputs: dict[str, np.ndarray] | np.ndarray,
                      dequantize: bool = False) -> dict[str, np.ndarray]:
     """Run a compiled program on the simulator; int8/uint8 outputs, or float with `dequantize`.
@@ -95,8 +102,10 @@ def run_program_file(program: str | os.PathLike | Program, inputs: dict[str, np.
     missing = [name for name in program.inputs if name not in inputs]
     if missing:
         raise BadInput(f"{source}: no array for program input '{missing[0]}'")
+    machine = Machine(program)
+    machine.host = run_host_op
     try:
-        result = Machine(program).run(inputs)
+        result = machine.run(inputs)
     except ProgramInputError as error:
         raise BadInput(f"{source}: {error}") from error
     if dequantize:

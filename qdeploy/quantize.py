@@ -266,9 +266,11 @@ class _Compiler:
                 base.update(self.add(index, node))
             elif node.op in LAYOUT_OPS:
                 base.update(self._layout(index, node))
+            elif self.options.allow_host_fallback:
+                base.update(self._host(index, node))
             else:
-                raise Unsupported(f"node '{node.name}' ({node.op}) has no lowering to the GEMM unit; host "
-                                  f"fallback is not supported by the compiler yet")
+                raise Unsupported(f"node '{node.name}' ({node.op}) has no lowering to the GEMM unit "
+                                  f"(--allow-host-fallback runs it in float on the host)")
             base["inputs"] = [i for i in base["inputs"] if i and not graph.tensors[i].is_constant]
             instructions.append(base)
         tensors = {}
@@ -280,6 +282,25 @@ class _Compiler:
                     "inputs": list(graph.inputs), "outputs": list(graph.outputs),
                     "tensors": tensors, "instructions": instructions}
         return Program(manifest, self.arrays)
+
+    def _host(self, index: int, node: Node) -> dict:
+        """A host op: runs in float outside the accelerator on dequantized inputs, and its output is
+        quantized with its calibrated scale. Its operands are tensors or constant arrays, in ONNX order."""
+        operands = []
+        for position, name in enumerate(node.inputs):
+            if not name:
+                operands.append(None)
+            elif self.graph.tensors[name].is_constant:
+                operands.append({"array": self.array(index, f"operand{position}", self.graph.constant_data(name))})
+            else:
+                operands.append({"tensor": name})
+        attrs = {}
+        for key, value in node.attrs.items():
+            if isinstance(value, np.ndarray):
+                attrs[key] = {"array": self.array(index, f"attr_{key}", value)}
+            else:
+                attrs[key] = value
+        return {"kind": "Host", "op": node.op, "opset": self.graph.opset, "operands": operands, "attrs": attrs}
 
     def _layout(self, index: int, node: Node) -> dict:
         if node.op == "Concat":

@@ -123,11 +123,36 @@ class Machine:
             return self.dense_gemm(instr, args[0])
         if kind == "AddGemm":
             return self.add_gemm(instr, args[0], args[1])
+        if kind == "Host":
+            return self.host_op(instr, args), None, None
         if kind == "Concat":
             return np.concatenate(args, axis=1), None, None
         if kind in ("Reshape", "Flatten", "Squeeze", "Unsqueeze"):
             return args[0].reshape((args[0].shape[0], *instr["shape"][1:])), None, None
         raise ValueError(f"instruction '{instr['name']}': unknown kind {kind!r}")
+
+    # A host op (compiled with --allow-host-fallback) is not an accelerator instruction: the caller supplies
+    # `host(op, opset, operands, attrs) -> float array`, e.g. qdeploy's float reference executor.
+    host = None
+
+    def host_op(self, instr: dict, args: list[np.ndarray]) -> np.ndarray:
+        """Dequantize the operands, run the op in float on the host, quantize its output (rne, clamp)."""
+        if self.host is None:
+            raise ProgramInputError(f"instruction '{instr['name']}' is host op {instr['op']}: this machine has no "
+                                    f"host executor (run the program through qdeploy)")
+        tensors = iter(zip(args, [o["tensor"] for o in instr["operands"] if o and "tensor" in o]))
+        operands = []
+        for operand in instr["operands"]:
+            if operand is None:
+                operands.append(None)
+            elif "array" in operand:
+                operands.append(self.arrays[operand["array"]])
+            else:
+                q, name = next(tensors)
+                operands.append(dequantize(self.program, name, q))
+        attrs = {k: self.arrays[v["array"]] if isinstance(v, dict) else v for k, v in instr["attrs"].items()}
+        y = self.host(instr["op"], instr["opset"], operands, attrs)
+        return quantize_input(self.program, instr["output"], np.asarray(y, np.float32))
 
     def _requantize(self, instr: dict, acc: np.ndarray) -> np.ndarray:
         """acc (..., C) -> stored integers with the program's per-channel parameters (eq. 2-8)."""

@@ -213,3 +213,33 @@ def test_cli_compile_run_and_errors(tmp_path, compiled_cnn):
     result = runner.invoke(app, ["compile", str(path), "--calib", str(tmp_path / "calib.json"), "-o",
                                  str(tmp_path / "n.qdp"), "--target", str(tmp_path / "t.toml")])
     assert result.exit_code == 2 and "rounding" in result.stderr and not (tmp_path / "n.qdp").exists()
+
+
+def test_host_fallback_runs_unlowerable_ops_in_float(tmp_path):
+    """Softmax cannot run on the GEMM unit: compile refuses it by name, and with --allow-host-fallback the
+    program runs it on the host in float between two quantized tensors."""
+    nodes = [helper.make_node("Conv", ["x", "W"], ["c"], name="conv"),
+             helper.make_node("Flatten", ["c"], ["f"], name="flat"),
+             helper.make_node("Softmax", ["f"], ["y"], name="softmax")]
+    path = save(make_model(nodes, [("x", ["N", 3, 2, 2])], [("y", ["N", 8])], {"W": rng_weights(0, 2, 3, 1, 1)}),
+                tmp_path / "softmax.onnx")
+    table = table_of({"x": 2.0, "c": 3.0, "y": 1.0})
+    with pytest.raises(Exception, match="softmax.*--allow-host-fallback"):
+        api.compile(path, table)
+    out = tmp_path / "m.qdp"
+    program = api.compile(path, table, allow_host_fallback=True, output=out).program
+    assert [i["kind"] for i in program.instructions] == ["ConvGemm", "Flatten", "Host"]
+    x = np.random.default_rng(0).standard_normal((4, 3, 2, 2)).astype(np.float32)
+    got = api.run(out, x)["y"]
+    assert got.dtype == np.int8
+    # The host op sees the dequantized int8 logits; its output is quantized with scale 1/127.
+    machine = Machine(program)
+    machine.host = api.run_host_op
+    c = machine.run({"x": x}, dump=True).tensors["c"].reshape(4, 8).astype(np.float32) * np.float32(3.0 / 127)
+    softmax = np.exp(c - c.max(axis=1, keepdims=True))
+    softmax /= softmax.sum(axis=1, keepdims=True)
+    np.testing.assert_array_equal(got, np.clip(np.round(softmax / np.float32(1 / 127)), -127, 127))
+    probabilities = got.astype(np.float64) / 127
+    np.testing.assert_allclose(probabilities.sum(axis=1), 1.0, atol=8 / 254)  # 8 roundings of half a step
+    with pytest.raises(ValueError, match="host op Softmax"):
+        Machine(program).run({"x": x})
