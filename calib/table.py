@@ -43,6 +43,10 @@ from qdeploy.fileio import atomic_write
 FORMAT = "qdeploy-calibration"
 VERSION = 1
 ACTIVATION_QMAX = 127  # scale = threshold / 127 (design.md section 3)
+# Scales are float32 in the program and the hardware (design.md section 3): a threshold whose scale T / 127 is
+# not a normal float32 (subnormal, zero or overflowing) is refused on reading.
+MIN_THRESHOLD = float(np.finfo(np.float32).tiny) * ACTIVATION_QMAX
+MAX_THRESHOLD = float(np.finfo(np.float32).max)
 TENSORRT_CACHE_HEADER = "TRT-8601-EntropyCalibration2"  # what trtexec's entropy calibrator 2 reads (TRT 8.6)
 TENSORRT_METHOD = "tensorrt-cache"  # the method of a record imported from a TensorRT cache
 _TENSORRT_HEADER = re.compile(r"^TRT-(\d+)-(\w+)$")
@@ -57,6 +61,7 @@ class TensorRecord:
     threshold: float  # |T| > 0; int8 values are clamp(rne(x * 127 / T), -127, 127)
     amax: float | None = None  # max |x| over the data (None: imported without data)
     counts: tuple[int, ...] | None = None  # |x| histogram, len(counts) bins over [0, amax]
+    channel_mean: tuple[float, ...] | None = None  # mean of x per channel (axis 1), for bias correction
 
     @property
     def scale(self) -> float:
@@ -107,7 +112,7 @@ class CalibrationTable:
             raise BadInput(f"{path}: cannot read the calibration table ({error})") from error
         try:
             document = json.loads(text)
-        except json.JSONDecodeError as error:
+        except (json.JSONDecodeError, RecursionError) as error:  # RecursionError: nesting too deep
             raise BadInput(f"{path}: not a calibration table: invalid JSON ({error})") from error
         return cls.from_json(document, str(path))
 
@@ -120,6 +125,8 @@ class CalibrationTable:
                            f"(this qdeploy reads version {VERSION})")
         method = _typed(document, "method", str, source)
         samples = _typed(document, "samples", int, source)
+        if samples < 0:
+            raise BadInput(f"{source}: field \"samples\" must be >= 0, got {samples}")
         model = _typed(document, "model", (str, type(None)), source)
         tensors = _typed(document, "tensors", list, source)
         records: dict[str, TensorRecord] = {}
@@ -143,6 +150,8 @@ def _record_json(record: TensorRecord) -> dict:
              "scale": record.scale, "amax": record.amax, "histogram": None}
     if record.counts is not None:
         entry["histogram"] = {"bin_width": record.bin_width, "counts": list(record.counts)}
+    if record.channel_mean is not None:
+        entry["channel_mean"] = list(record.channel_mean)
     return entry
 
 
@@ -172,6 +181,9 @@ def _record_from_json(entry, where: str) -> TensorRecord:
     where = f"{where} ('{name}')"
     method = _typed(entry, "method", str, where)
     threshold = _positive(_typed(entry, "threshold", (int, float), where), "threshold", where)
+    if not MIN_THRESHOLD <= threshold <= MAX_THRESHOLD:
+        raise BadInput(f"{where}: threshold {threshold!r} is outside [{MIN_THRESHOLD:.4g}, {MAX_THRESHOLD:.4g}], "
+                       f"where the scale threshold / {ACTIVATION_QMAX} is a normal float32")
     scale = _typed(entry, "scale", (int, float), where)
     if not math.isclose(scale, threshold / ACTIVATION_QMAX, rel_tol=1e-9):
         raise BadInput(f"{where}: scale {scale!r} is not threshold / {ACTIVATION_QMAX} = "
@@ -193,7 +205,13 @@ def _record_from_json(entry, where: str) -> TensorRecord:
         bin_width = _typed(histogram, "bin_width", (int, float), f"{where}: histogram")
         if not math.isclose(bin_width, amax / len(counts), rel_tol=1e-9, abs_tol=0.0):
             raise BadInput(f"{where}: histogram bin_width {bin_width!r} is not amax / {len(counts)} bins")
-    return TensorRecord(name, method, threshold, amax, counts)
+    channel_mean = entry.get("channel_mean")
+    if channel_mean is not None:
+        if not isinstance(channel_mean, list) or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in channel_mean):
+            raise BadInput(f"{where}: field \"channel_mean\" must be a list of finite numbers")
+        channel_mean = tuple(float(v) for v in channel_mean)
+    return TensorRecord(name, method, threshold, amax, counts, channel_mean)
 
 
 # ---- TensorRT calibration cache ----------------------------------------------------------------------------
@@ -237,8 +255,9 @@ def read_tensorrt_cache(path: str | os.PathLike) -> TensorRTCache:
         except ValueError:
             raise BadInput(f"{path}: line {number}: expected 'tensor_name: <hex float32>', got {line[:60]!r}") \
                 from None
-        if not (math.isfinite(scale) and scale >= 0):
-            raise BadInput(f"{path}: line {number}: tensor '{name}' has scale {scale}, expected finite and >= 0")
+        if not (math.isfinite(scale) and (scale == 0 or scale >= np.finfo(np.float32).tiny)):
+            raise BadInput(f"{path}: line {number}: tensor '{name}' has scale {scale}, expected 0 or a finite "
+                           f"normal float32 > 0")
         if name in scales:
             raise BadInput(f"{path}: line {number}: tensor '{name}' is listed twice")
         scales[name] = scale

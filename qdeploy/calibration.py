@@ -85,6 +85,14 @@ class _Collector:
             for name in node.inputs:
                 self.last_use[name] = step
         self.histograms = {name: StreamingHistogram() for name in names}
+        # Per-channel (axis 1) sums and element counts: the mean input of each GEMM, which the compiler's
+        # bias correction multiplies by the weights' quantization error (quantize.py, eq. (2b)).
+        self.channel_sums: dict[str, np.ndarray] = {}
+        self.channel_counts: dict[str, int] = {}
+
+    def channel_means(self) -> dict[str, np.ndarray]:
+        return {name: sums / self.channel_counts[name] for name, sums in self.channel_sums.items()
+                if self.channel_counts[name]}
 
     def _observe(self, name: str, array: np.ndarray, first_sample: int) -> None:
         histogram = self.histograms.get(name)
@@ -92,6 +100,10 @@ class _Collector:
             return
         try:
             histogram.update(array)
+            if array.ndim >= 2 and array.size:
+                sums = array.swapaxes(0, 1).reshape(array.shape[1], -1).sum(axis=1, dtype=np.float64)
+                self.channel_sums[name] = self.channel_sums.get(name, 0) + sums
+                self.channel_counts[name] = self.channel_counts.get(name, 0) + array.size // array.shape[1]
         except NonFiniteValue as error:
             per_sample = max(1, array.size // max(1, array.shape[0])) if array.ndim else 1
             raise BadInput(f"tensor '{name}' has {error.value} for sample {first_sample + error.index // per_sample} "
@@ -116,6 +128,11 @@ class _Collector:
             for name in dict.fromkeys(node.inputs):
                 if self.last_use.get(name) == step:
                     env.pop(name, None)
+
+
+def _mean_of(channel_means: dict[str, np.ndarray], name: str) -> tuple[float, ...] | None:
+    mean = channel_means.get(name)
+    return None if mean is None else tuple(float(v) for v in mean)
 
 
 def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD, *,
@@ -154,6 +171,7 @@ def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD,
     warnings: list[str] = []
 
     histograms: dict[str, StreamingHistogram] = {}
+    channel_means: dict[str, np.ndarray] = {}
     samples = 0
     if data is not None:
         source = open_data(data, num_samples=num_samples, input_names=graph.inputs,
@@ -170,6 +188,7 @@ def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD,
                     progress(samples, source.samples)
         warnings += source.warnings
         histograms = collector.histograms
+        channel_means = collector.channel_means()
         timings["collect"] = time.perf_counter() - collect_start
 
     cached: dict[str, float] = {}
@@ -192,10 +211,10 @@ def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD,
         counts = tuple(histogram.counts.tolist()) if histogram is not None else None
         if name in cached:
             records[name] = TensorRecord(name, TENSORRT_METHOD, threshold_from_tensorrt_scale(cached[name]),
-                                         amax, counts)
+                                         amax, counts, _mean_of(channel_means, name))
         else:
             threshold = select_threshold(method, histogram.counts, histogram.bin_width, percentile=percentile)
-            records[name] = TensorRecord(name, method, threshold, amax, counts)
+            records[name] = TensorRecord(name, method, threshold, amax, counts, _mean_of(channel_means, name))
     timings["thresholds"] = time.perf_counter() - select_start
 
     table_method = TENSORRT_METHOD if data is None else method

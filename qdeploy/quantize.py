@@ -5,7 +5,9 @@ point 0, scale = T / 127 (T / 255 unsigned) from the calibration table. Per GEMM
 channel c:
 
   (1) weights  q_w[c] = rne(W[c] / s_w[c]) in [-127, 127],  s_w[c] = max|W[c]| / 127   (calib/weights.py)
-  (2) bias     q_b[c] = rne(b[c] / (s_in * s_w[c])), saturated to int32
+  (2) bias     q_b[c] = rne((b[c] + delta[c]) / (s_in * s_w[c])), saturated to int32, where
+  (2b)         delta[c] = sum_k E[x_k] (W[c, k] - s_w[c] q_w[c, k]) corrects the mean shift of the weights'
+               rounding (bias correction; E[x] per channel from the calibration table; off: delta = 0)
   (3) acc[c]   = sum_k q_x[k] * q_w[c, k] + q_b[c]                     (acc_bits, wrap or saturate)
   (4) M[c]     = s_in * s_w[c] / s_out  -> integer mult[c] (Q(mult_bits-1)) and right shift[c]
   (5) y        = clamp(requantize(acc, M), lo, hi), lo/hi from the fused activation, then window-max
@@ -14,6 +16,16 @@ AddGemm (the residual add) is the output stage's two-input GEMM, K = 2 per chann
 weights on a common scale s_acc = max(s_a, s_b) / 2^14: acc = q_a * w_a + q_b * w_b with
 w = rne(s / s_acc), then (4)-(5) with M = s_acc / s_out. The relative error of the pre-scale is at most
 2^-15 for the larger input scale.
+
+With rounding `float32_rne` the AddGemm instead computes what ONNX Runtime computes for the exported
+DequantizeLinear -> Add -> QuantizeLinear pattern, which its default graph optimizations fuse into QLinearAdd
+(MLAS `MlasQLinearAddKernelAvx2Helper`, x86-64 AVX2/FMA; qdeploy/export_onnx.py):
+
+  (6) r_a = f32(f32(s_a) / f32(s_out)),  r_b = f32(f32(s_b) / f32(s_out))   (`add_ratio_f32`)
+  (7) y   = clamp(rne(fma(q_a, r_a, f32(q_b * r_b))), lo, hi)
+
+fma rounds once (q_a * r_a + t exactly, then to float32); f32 rounds to float32, ties to even; rne rounds to
+an integer, ties to even; a = the Add's first input.
 
 Layout ops keep their input's scale; a Concat's inputs are written by their producers straight into the
 shared buffer, so every producer takes the Concat's output scale.
@@ -34,6 +46,7 @@ from qdeploy.lowering import LoweringResult
 from qdeploy.lowering.instructions import INSTRUCTION_OPS, LAYOUT_OPS, InstrKind, has_window_max
 from qdeploy.program import Program
 from simulator.config import Target, target_to_dict
+from simulator.perf import record_tiles
 from simulator.reference import float32_multiplier, quantize_multiplier
 
 ADD_PRESCALE_BITS = 14
@@ -69,6 +82,7 @@ class LayerReport:
 class CompileOptions:
     per_channel_weights: bool = True
     allow_host_fallback: bool = False
+    bias_correction: bool = True  # eq. (2b), where the calibration table has the input's channel means
 
 
 def _shape(graph: Graph, name: str) -> list:
@@ -170,9 +184,10 @@ def _bits_for(bound: float) -> int:
 
 class _Compiler:
     def __init__(self, lowered: LoweringResult, thresholds: dict[str, float], target: Target,
-                 options: CompileOptions):
+                 options: CompileOptions, channel_means: dict[str, tuple[float, ...]] | None = None):
         self.graph, self.target, self.options = lowered.graph, target, options
         self.scales = _Scales(self.graph, thresholds, target)
+        self.channel_means = {name: np.asarray(mean, np.float64) for name, mean in (channel_means or {}).items()}
         self.arrays: dict[str, np.ndarray] = {}
         self.reports: list[LayerReport] = []
 
@@ -191,6 +206,9 @@ class _Compiler:
         quantized = quantize_weights(rows, per_channel=self.options.per_channel_weights)
         q_w, s_w = quantized.q, quantized.scale.astype(np.float64).reshape(-1)
         s_w = np.broadcast_to(s_w, (rows.shape[0],))
+        correction = self._bias_correction(node, weight, quantized.dequantize().reshape(weight.shape))
+        if correction is not None:
+            bias = bias + correction
         q_bias = rne(bias / (s_in * s_w))
         saturated = int(np.sum((q_bias < INT32_MIN) | (q_bias > INT32_MAX)))
         q_bias = np.clip(q_bias, INT32_MIN, INT32_MAX).astype(np.int32)
@@ -213,6 +231,48 @@ class _Compiler:
         self._report(node, record, s_in, s_w, s_out, saturated)
         return record
 
+    def _input_channel_means(self, name: str) -> np.ndarray | None:
+        """The calibration table's per-channel mean of `name`, looking through layout steps that keep the
+        channel axis (Flatten of an (N, C, 1, 1) tensor)."""
+        producers = self.scales.producers
+        while name not in self.channel_means:
+            node = producers.get(name)
+            if node is None or node.op not in LAYOUT_OPS or node.op == "Concat":
+                return None
+            if _shape(self.graph, node.inputs[0])[1:2] != _shape(self.graph, name)[1:2]:
+                return None
+            name = node.inputs[0]
+        return self.channel_means[name]
+
+    def _bias_correction(self, node: Node, weight: np.ndarray, dequantized: np.ndarray) -> np.ndarray | None:
+        """Eq. (2b): delta[c] = sum_k E[x_k] (W[c, k] - s_w[c] q_w[c, k]), the mean shift the weights'
+        rounding causes, added to the float bias before it is quantized (Nagel et al., "Data-Free
+        Quantization", ICCV 2019, eq. 14, with E[x] measured at calibration). For a conv, E[x_k] of tap
+        (i, j) of channel c is mean[c] times the fraction of output positions where that tap reads the input
+        rather than the zero padding."""
+        if not self.options.bias_correction:
+            return None
+        mean = self._input_channel_means(node.inputs[0])
+        if mean is None:
+            return None
+        error = weight - dequantized.astype(np.float64)
+        if node.op == InstrKind.DENSE_GEMM.value:
+            return error @ mean if mean.size == error.shape[1] else None
+        groups = int(node.attrs["group"])
+        out_channels, per_group, kh, kw = weight.shape
+        if mean.size != per_group * groups:
+            return None
+        _, _, height, width = _shape(self.graph, node.inputs[0])
+        (sh, sw), (dh, dw), (pt, pl, pb, pr) = node.attrs["strides"], node.attrs["dilations"], node.attrs["pads"]
+        def tap_fraction(size, kernel, stride, dilation, begin, end):
+            out = (size + begin + end - dilation * (kernel - 1) - 1) // stride + 1
+            positions = np.arange(out)[:, None] * stride - begin + np.arange(kernel)[None, :] * dilation
+            return ((positions >= 0) & (positions < size)).mean(axis=0)
+        taps = np.outer(tap_fraction(height, kh, sh, dh, pt, pb), tap_fraction(width, kw, sw, dw, pl, pr))
+        means = mean.reshape(groups, 1, per_group)  # (G, 1, C/G)
+        error = error.reshape(groups, out_channels // groups, per_group, kh, kw)
+        return np.einsum("gmcij,gc,ij->gm", error, means[:, 0, :], taps).reshape(-1)
+
     def _requant(self, index: int, s_in: float, s_w: np.ndarray, s_out: float) -> dict:
         """Eq. (4) per channel: M = s_in * s_w[c] / s_out as (mult, shift); and the float32 multiplier of
         `float32_rne`, float32(float32(s_in * s_w) / s_out) as ONNX Runtime computes it (design.md 3)."""
@@ -231,7 +291,10 @@ class _Compiler:
         w_a, w_b = int(np.round(s_a / s_acc)), int(np.round(s_b / s_acc))
         lo, hi = _clamp_bounds(node.attrs, s_out, scales.range(y))
         bound = 255 * (w_a + w_b)
+        # float32_rne: eq. (6), the float32 scale ratios of ONNX Runtime's QLinearAdd.
+        ratio = np.array([np.float32(s_a) / np.float32(s_out), np.float32(s_b) / np.float32(s_out)], np.float32)
         record = {"add_weights": [w_a, w_b], "add_scale": s_acc,
+                  "add_ratio_f32": self.array(index, "add_ratio_f32", ratio),
                   **self._requant(index, 1.0, np.array([s_acc]), s_out),
                   "clamp": [lo, hi], "window": _window(node.attrs), "acc_bound_bits": _bits_for(bound), "k": 2}
         self._report(node, record, s_a, np.array([s_acc]), s_out, 0)
@@ -278,7 +341,9 @@ class _Compiler:
             tensors[name] = {"shape": _shape(graph, name), "scale": scale,
                              "dtype": "uint8" if self.scales.unsigned[name] else "int8"}
         manifest = {"toolkit_version": __version__, "target": target_to_dict(self.target),
-                    "options": {"per_channel_weights": self.options.per_channel_weights},
+                    "options": {"per_channel_weights": self.options.per_channel_weights,
+                                "bias_correction": self.options.bias_correction and bool(self.channel_means),
+                                "unsigned_activations": self.target.arithmetic.unsigned_activations},
                     "inputs": list(graph.inputs), "outputs": list(graph.outputs),
                     "tensors": tensors, "instructions": instructions}
         return Program(manifest, self.arrays)
@@ -315,9 +380,12 @@ class _Compiler:
 
 
 def compile_graph(lowered: LoweringResult, thresholds: dict[str, float], target: Target,
-                  options: CompileOptions | None = None) -> tuple[Program, list[LayerReport]]:
-    """Quantize the lowered graph (equations (1)-(5) of the module docstring) into a Program."""
+                  options: CompileOptions | None = None,
+                  channel_means: dict[str, tuple[float, ...]] | None = None) -> tuple[Program, list[LayerReport]]:
+    """Quantize the lowered graph (equations (1)-(5) of the module docstring) into a Program;
+    `channel_means` (tensor -> mean per channel, from calibration) enables the bias correction (2b)."""
     options = options or CompileOptions()
-    compiler = _Compiler(lowered, thresholds, target, options)
+    compiler = _Compiler(lowered, thresholds, target, options, channel_means)
     program = compiler.compile()
+    record_tiles(program.manifest, target)  # "tiles" per GEMM instruction (simulator/perf.py, docs/hardware.md)
     return program, compiler.reports

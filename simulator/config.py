@@ -6,7 +6,12 @@ design.md section 3 and simulator/README.md). Validation is strict: unknown tabl
 out-of-range values raise `TargetError` with a one-line message naming the source, the key and the value.
 
 `target_to_dict` / `target_from_dict` give the plain-JSON form embedded in a program manifest; a target read
-back from a manifest goes through the same validation as one read from a file.
+back from a manifest goes through the same validation as one read from a file. Keys added after the first
+release (`ADDED_KEYS`) are left out of that dict while they hold their default, so a default target's dict, and
+the manifest of every program compiled for it, are what they were before the keys existed.
+
+`qdeploy target header` (simulator/header.py) emits every key below as a C `#define` or a SystemVerilog
+`localparam`, so the RTL and this model read one file.
 """
 
 from __future__ import annotations
@@ -86,7 +91,15 @@ class Arithmetic:
 
 @dataclass(frozen=True)
 class ArrayConfig:
-    """The `[array]` table: the systolic array and memory, used by the performance model and the tiler."""
+    """The `[array]` table: the systolic array and memory, used by the performance model and the tiler
+    (simulator/perf.py, docs/hardware.md).
+
+    rows x cols is the PE grid (weight-stationary: array row r holds reduction index k, column c output channel
+    n). The scratchpad (int8 input and weight tiles) and the accumulator (int32 output tiles) are SRAMs of
+    `*_bytes` split into `*_banks` equal banks; with 2 or more banks a memory is double-buffered (ping and pong
+    halves of banks // 2 banks each: DMA fills one while the array uses the other), with 1 bank it is not.
+    `launch_cycles` is the E phase of a kernel: cycles to emit one instruction before its first DMA.
+    """
 
     rows: int = 16
     cols: int = 16
@@ -95,10 +108,39 @@ class ArrayConfig:
     dram_bytes_per_cycle: float = 16
     clock_mhz: float = 1000
     window_max_on_store: bool = True
+    scratchpad_banks: int = 4
+    accumulator_banks: int = 2
+    launch_cycles: int = 100
 
     def __post_init__(self) -> None:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         _check_table("array", values, "ArrayConfig(...)")
+
+    @property
+    def scratchpad_buffers(self) -> int:
+        """2 when the scratchpad is double-buffered (2 or more banks), else 1."""
+        return 2 if self.scratchpad_banks >= 2 else 1
+
+    @property
+    def accumulator_buffers(self) -> int:
+        """2 when the accumulator is double-buffered (2 or more banks), else 1."""
+        return 2 if self.accumulator_banks >= 2 else 1
+
+    @property
+    def scratchpad_buffer_bytes(self) -> int:
+        """Bytes of one scratchpad buffer (ping or pong): banks // buffers whole banks."""
+        return (self.scratchpad_banks // self.scratchpad_buffers) * (self.scratchpad_bytes // self.scratchpad_banks)
+
+    @property
+    def accumulator_buffer_bytes(self) -> int:
+        """Bytes of one accumulator buffer (ping or pong): banks // buffers whole banks."""
+        return (self.accumulator_banks // self.accumulator_buffers) * \
+            (self.accumulator_bytes // self.accumulator_banks)
+
+
+def acc_element_bytes(acc_bits: int) -> int:
+    """Bytes of one accumulator word in SRAM and in the vector files: acc_bits sign-extended to 32 or 64 bits."""
+    return 4 if acc_bits <= 32 else 8
 
 
 @dataclass(frozen=True)
@@ -107,6 +149,9 @@ class Target:
 
     arithmetic: Arithmetic = field(default_factory=Arithmetic)
     array: ArrayConfig = field(default_factory=ArrayConfig)
+
+    def __post_init__(self) -> None:
+        _check_target_together(self.arithmetic, self.array, "Target(...)")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -145,7 +190,16 @@ _RULES: dict[str, dict[str, tuple[str, Any]]] = {
         "dram_bytes_per_cycle": ("number", _positive),
         "clock_mhz": ("number", _positive),
         "window_max_on_store": ("bool", None),
+        "scratchpad_banks": ("int", _int_in(1, 1 << 12)),
+        "accumulator_banks": ("int", _int_in(1, 1 << 12)),
+        "launch_cycles": ("int", _int_in(0, 1 << 32)),
     },
+}
+
+# Keys added after the first release: target_to_dict leaves them out while they hold their default.
+ADDED_KEYS: dict[str, tuple[str, ...]] = {
+    "arithmetic": (),
+    "array": ("scratchpad_banks", "accumulator_banks", "launch_cycles"),
 }
 
 _KIND_TEST = {
@@ -175,6 +229,8 @@ def _check_table(table: str, values: dict[str, Any], source: str) -> dict[str, A
         if check is not None and (why := check(value)) is not None:
             raise _fail(source, table, key, value, why)
         out[key] = value
+    if table == "array":
+        _check_array_together(values, source)
     if table == "arithmetic":
         _check_arithmetic_together(values, source)
         if "overflow" in out:
@@ -208,6 +264,34 @@ def _check_arithmetic_together(values: dict[str, Any], source: str) -> None:
                         "rounding = \"tflite\" needs acc_bits <= 32 (gemmlowp's int32 accumulator)")
 
 
+def _check_array_together(values: dict[str, Any], source: str) -> None:
+    """Banks split their memory into equal whole-byte banks."""
+    defaults = {f.name: f.default for f in fields(ArrayConfig)}
+    v = {**defaults, **values}
+    for memory in ("scratchpad", "accumulator"):
+        size, banks = v[f"{memory}_bytes"], v[f"{memory}_banks"]
+        if size % banks:
+            raise _fail(source, "array", f"{memory}_banks", banks,
+                        f"must divide {memory}_bytes = {size} into equal banks")
+
+
+def _check_target_together(arithmetic: Arithmetic, array: ArrayConfig, source: str) -> None:
+    """The smallest tile must fit one buffer: an R x C weight tile plus one input row of R bytes in the
+    scratchpad, one accumulator row of C words in the accumulator (simulator/perf.py)."""
+    rows, cols = array.rows, array.cols
+    need = rows * cols + rows
+    if array.scratchpad_buffer_bytes < need:
+        raise _fail(source, "array", "scratchpad_bytes", array.scratchpad_bytes,
+                    f"one of its {array.scratchpad_buffers} buffer(s) has {array.scratchpad_buffer_bytes} bytes; "
+                    f"the smallest tile of a {rows} x {cols} array needs {need}")
+    need = cols * acc_element_bytes(arithmetic.acc_bits)
+    if array.accumulator_buffer_bytes < need:
+        raise _fail(source, "array", "accumulator_bytes", array.accumulator_bytes,
+                    f"one of its {array.accumulator_buffers} buffer(s) has {array.accumulator_buffer_bytes} "
+                    f"bytes; one accumulator row of {cols} x {acc_element_bytes(arithmetic.acc_bits)} bytes "
+                    f"needs {need}")
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Public entry points
 
@@ -220,9 +304,10 @@ def target_from_dict(data: Any, source: str = "<target dict>") -> Target:
             raise TargetError(f"{source}: unknown table [{table}] (known: {', '.join(_RULES)})")
         if not isinstance(values, dict):
             raise TargetError(f"{source}: [{table}] must be a table, got {values!r}")
-    arithmetic = _check_table("arithmetic", dict(data.get("arithmetic", {})), source)
-    array = _check_table("array", dict(data.get("array", {})), source)
-    return Target(Arithmetic(**arithmetic), ArrayConfig(**array))
+    arithmetic = Arithmetic(**_check_table("arithmetic", dict(data.get("arithmetic", {})), source))
+    array = ArrayConfig(**_check_table("array", dict(data.get("array", {})), source))
+    _check_target_together(arithmetic, array, source)
+    return Target(arithmetic, array)
 
 
 def load_target(path: str | os.PathLike) -> Target:
@@ -241,9 +326,15 @@ def load_target(path: str | os.PathLike) -> Target:
     return target_from_dict(data, source=str(path))
 
 
-def target_to_dict(target: Target) -> dict[str, dict[str, Any]]:
-    """Plain JSON/TOML data (Enums as their strings); target_from_dict(target_to_dict(t)) == t."""
-    def table(obj) -> dict[str, Any]:
-        return {f.name: (str(v) if isinstance(v := getattr(obj, f.name), StrEnum) else v) for f in fields(obj)}
+def target_to_dict(target: Target, *, every_key: bool = False) -> dict[str, dict[str, Any]]:
+    """Plain JSON/TOML data (Enums as their strings); target_from_dict(target_to_dict(t)) == t. The ADDED_KEYS
+    are left out while they hold their default, unless `every_key`."""
+    def table(name: str, obj) -> dict[str, Any]:
+        out = {}
+        for f in fields(obj):
+            value = getattr(obj, f.name)
+            if every_key or f.name not in ADDED_KEYS[name] or value != f.default:
+                out[f.name] = str(value) if isinstance(value, StrEnum) else value
+        return out
 
-    return {"arithmetic": table(target.arithmetic), "array": table(target.array)}
+    return {"arithmetic": table("arithmetic", target.arithmetic), "array": table("array", target.array)}

@@ -243,3 +243,25 @@ def test_host_fallback_runs_unlowerable_ops_in_float(tmp_path):
     np.testing.assert_allclose(probabilities.sum(axis=1), 1.0, atol=8 / 254)  # 8 roundings of half a step
     with pytest.raises(ValueError, match="host op Softmax"):
         Machine(program).run({"x": x})
+
+
+def test_bias_correction_removes_the_mean_shift_of_weight_rounding(tmp_path):
+    """Eq. (2b): on inputs with a large mean, rounding the weights shifts each output channel's mean by
+    sum_k E[x_k] dW[c, k]; the corrected bias cancels it (tap fractions account for the zero padding)."""
+    nodes = [helper.make_node("Conv", ["x", "W"], ["y"], name="conv", pads=[1, 1, 1, 1], strides=[2, 2])]
+    path = save(make_model(nodes, [("x", ["N", 8, 9, 9])], [("y", ["N", 16, 5, 5])],
+                           {"W": rng_weights(7, 16, 8, 3, 3, scale=0.05)}), tmp_path / "conv.onnx")
+    rng = np.random.default_rng(8)
+    x = (3.0 + 0.3 * rng.standard_normal((64, 8, 9, 9))).astype(np.float32)  # mean 3: the shift dominates
+    table = calibrate(path, x, "max", num_samples=64, batch_size=16).table
+    assert len(table.records["x"].channel_mean) == 8
+    want = api.run(path, x)["y"].astype(np.float64)
+    errors = {}
+    for corrected in (False, True):
+        program = api.compile(path, table, bias_correction=corrected).program
+        assert program.manifest["options"]["bias_correction"] is corrected
+        got = api.run(program, x, dequantize=True)["y"].astype(np.float64)
+        errors[corrected] = np.abs((got - want).mean(axis=(0, 2, 3)))  # per-channel mean error
+    # What remains is the activation rounding's mean (about 0 +- s_out/sqrt(samples)) and the bias's own
+    # rounding (s_in * s_w / 2): a small fraction of the weight-rounding shift.
+    assert errors[True].mean() < 0.25 * errors[False].mean()
