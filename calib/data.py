@@ -107,6 +107,14 @@ def list_images(folder: Path) -> list[Path]:
     return [folder / name for name in sorted(found)]
 
 
+def _unreadable_image_errors() -> tuple[type[BaseException], ...]:
+    from PIL import Image
+
+    # Pillow's errors for a file that is not an image, is damaged or truncated, or declares more than twice
+    # Image.MAX_IMAGE_PIXELS (DecompressionBombError, which is not an OSError).
+    return OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError
+
+
 def load_image(path: Path, preprocess: Preprocess, size: tuple[int, int]) -> np.ndarray:
     """One image file -> float32 (C, H, W) or (H, W, C) per `preprocess` (module docstring). Raises OSError
     or ValueError (from Pillow) for a file that cannot be decoded."""
@@ -222,7 +230,7 @@ def image_folder(folder: str | os.PathLike, preprocess: Preprocess, size: tuple[
                 break
             try:
                 pending.append(load_image(path, preprocess, size))
-            except (OSError, ValueError, SyntaxError) as error:  # Pillow's errors for a damaged file
+            except _unreadable_image_errors() as error:  # Pillow is imported by then (load_image)
                 message = f"{path}: cannot decode the image ({type(error).__name__}: {error})"
                 if strict:
                     raise BadInput(message + " (--strict)") from error

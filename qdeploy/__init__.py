@@ -6,7 +6,7 @@ __version__ = "0.1.0"
 # The implementation lives in qdeploy/calibration.py, not qdeploy/calibrate.py: importing a submodule named
 # `calibrate` would replace this function attribute with the module.
 _LAZY_API = {"calibrate": "qdeploy.calibration", "compile": "qdeploy.api", "run": "qdeploy.api",
-             "inspect": "qdeploy.api", "lower_model": "qdeploy.api"}
+             "inspect": "qdeploy.api", "lower_model": "qdeploy.api", "report": "qdeploy.api"}
 
 
 def __getattr__(name: str):

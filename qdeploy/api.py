@@ -34,8 +34,9 @@ def inspect(model: str | os.PathLike, input_shapes: InputShapes | None = None) -
 def lower_model(model: str | os.PathLike, input_shapes: InputShapes | None = None) -> LoweringResult:
     """Import, simplify and lower an ONNX model to GEMM-unit instructions."""
     path = Path(model)
+    graph = import_onnx(path, input_shapes).graph  # its errors name the file already
     try:
-        return lower(import_onnx(path, input_shapes).graph)
+        return lower(graph)
     except BadInput as error:
         raise BadInput(f"{path}: {error}") from error
 
@@ -62,8 +63,8 @@ def load_target_file(path: str | os.PathLike | None) -> Target:
 
 def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTable,
             target: str | os.PathLike | Target | None = None, *, per_tensor: bool = False,
-            allow_host_fallback: bool = False, output: str | os.PathLike | None = None,
-            input_shapes: InputShapes | None = None) -> CompileResult:
+            allow_host_fallback: bool = False, bias_correction: bool = True,
+            output: str | os.PathLike | None = None, input_shapes: InputShapes | None = None) -> CompileResult:
     """Lower `model`, quantize it with the calibration table and the target, and (with `output`) write the
     .qdp program (atomically)."""
     path = Path(model)
@@ -72,9 +73,10 @@ def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTabl
     lowering = lower_model(path, input_shapes)
     require_lowered(lowering, allow_host_fallback)
     options = CompileOptions(per_channel_weights=target.arithmetic.per_channel_weights and not per_tensor,
-                             allow_host_fallback=allow_host_fallback)
+                             allow_host_fallback=allow_host_fallback, bias_correction=bias_correction)
+    means = {name: r.channel_mean for name, r in table.records.items() if r.channel_mean is not None}
     try:
-        program, layers = compile_graph(lowering, table.thresholds, target, options)
+        program, layers = compile_graph(lowering, table.thresholds, target, options, means)
     except BadInput as error:
         raise BadInput(f"{path}: {error}") from error
     program.manifest["model"] = path.name
@@ -147,3 +149,38 @@ def run(model: str | os.PathLike | Program, inputs: dict[str, np.ndarray] | np.n
     path = Path(model)
     graph = lower_model(path, input_shapes).graph if lowered else import_onnx(path, input_shapes).graph
     return run_graph(graph, bind_inputs(graph, inputs, str(path)))
+
+
+from qdeploy.export_onnx import ExportResult, export_program, write_onnx  # noqa: E402 (the export API)
+
+
+def export_onnx(program: str | os.PathLike | Program, output: str | os.PathLike, *,
+                float_outputs: bool = False, tensor_outputs: bool = False) -> ExportResult:
+    """Export a compiled program (or .qdp path) as a standard quantized ONNX model (opset 13; QLinearConv,
+    QuantizeLinear/DequantizeLinear) with the program's integers and scales, written atomically to `output`.
+    Outputs are int8 unless `float_outputs`; `tensor_outputs` adds every instruction's int8 output as a graph
+    output. Returns the model, its warnings and the tensor-name map (qdeploy/export_onnx.py)."""
+    from qdeploy.errors import Unsupported
+
+    source = str(program) if not isinstance(program, Program) else "program"
+    program = program if isinstance(program, Program) else read_program(program)
+    try:
+        result = export_program(program, float_outputs=float_outputs, tensor_outputs=tensor_outputs)
+    except Unsupported as error:
+        raise Unsupported(f"{source}: {error}") from error
+    write_onnx(result, output)
+    return result
+
+
+def report(model: str | os.PathLike, program: str | os.PathLike | Program, data, output: str | os.PathLike, *,
+           labels=None, calib: str | os.PathLike | CalibrationTable | None = None,
+           peer: str | os.PathLike | None = None, num_samples: int | None = None, batch_size: int | None = None,
+           preprocess=None, input_shapes: InputShapes | None = None, progress=None, command: str | None = None):
+    """Accuracy-drop report of the int8 `program` against the float `model` on `data`, written to the folder
+    `output` (report.md, report.json, PNG figures); returns a qdeploy.reports.ReportResult (its `document` is
+    report.json). See qdeploy/reports/build.py for the arguments."""
+    from qdeploy.reports import DEFAULT_BATCH_SIZE, build_report
+
+    return build_report(model, program, data, output, labels=labels, calib=calib, peer=peer,
+                        num_samples=num_samples, batch_size=batch_size or DEFAULT_BATCH_SIZE, preprocess=preprocess,
+                        input_shapes=input_shapes, progress=progress, command=command)

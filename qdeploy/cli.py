@@ -12,9 +12,10 @@ from typing import Callable, Optional
 import typer
 
 from qdeploy import api
-from qdeploy.errors import BadInput, QdeployError, Unsupported
-from qdeploy.fileio import load_arrays, save_arrays
+from qdeploy.errors import BadInput, QdeployError, one_line
+from qdeploy.fileio import check_samples, load_arrays, save_arrays
 from qdeploy.program import read_program
+from simulator.config import TargetError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Deploy float ONNX CNNs onto int8 matrix-only accelerators.")
@@ -24,15 +25,21 @@ app.add_typer(vectors_app, name="vectors")
 app.add_typer(target_app, name="target")
 
 
+# Errors a user can cause: ours, and a target file's or a program's target table with a bad value (the
+# simulator's config checks raise TargetError, one line naming the source, key and value).
+USER_ERRORS = (QdeployError, TargetError)
+
+
 def user_errors(command: Callable) -> Callable:
-    """Turn a QdeployError into `error: <message>` on stderr and exit code 2."""
+    """Turn a user error (USER_ERRORS) into `error: <message>` on stderr, on one line even when the message
+    quotes names holding control characters, and exit code 2."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         try:
             return command(*args, **kwargs)
-        except QdeployError as error:
-            typer.echo(f"error: {error}", err=True)
+        except USER_ERRORS as error:
+            typer.echo(f"error: {one_line(str(error))}", err=True)
             raise typer.Exit(2)
 
     return wrapper
@@ -54,10 +61,6 @@ def parse_input_shapes(specs: list[str] | None) -> dict[str, tuple[int | None, .
 
 INPUT_SHAPE = typer.Option(None, "--input-shape", help="Fix symbolic dims: NAME:N,3,224,224 (repeatable).")
 JSON = typer.Option(False, "--json", help="Print machine-readable JSON instead of tables.")
-
-
-def _not_built(command: str, issue: str) -> None:
-    raise Unsupported(f"`qdeploy {command}` is not available in this version yet ({issue})")
 
 
 def _format_shape(shape: list) -> str:
@@ -190,8 +193,9 @@ def run(model: Path = typer.Argument(..., help="An .onnx model (float reference 
     """Run a model on arrays and write its outputs: a .qdp program on the bit-accurate simulator (int8 out, or
     float with --dequantize; float inputs are quantized with the program's input scale), an .onnx model with
     the float reference executor (--lowered: the lowered float graph)."""
-    outputs = api.run(model, load_arrays(input), parse_input_shapes(input_shape), lowered=lowered,
-                      dequantize=dequantize)
+    arrays = load_arrays(input)
+    check_samples(arrays, str(input))
+    outputs = api.run(model, arrays, parse_input_shapes(input_shape), lowered=lowered, dequantize=dequantize)
     save_arrays(output, outputs)
     typer.echo(f"wrote {output} ({', '.join(f'{k} {v.shape}' for k, v in outputs.items())})")
 
@@ -299,18 +303,23 @@ def compile(model: Path = typer.Argument(..., help="An .onnx model."),
             per_tensor: bool = typer.Option(False, "--per-tensor", help="One weight scale per tensor, not per channel."),
             allow_host_fallback: bool = typer.Option(False, "--allow-host-fallback",
                                                      help="Run ops that cannot be lowered in float on the host."),
+            bias_correction: bool = typer.Option(True, "--bias-correction/--no-bias-correction",
+                                                 help="Correct each channel's bias for the weights' rounding "
+                                                      "(uses the channel means in the calibration table)."),
             input_shape: Optional[list[str]] = INPUT_SHAPE,
             json_output: bool = JSON) -> None:
     """Quantize the lowered graph with the calibration table and write the integer program (.qdp)."""
     result = api.compile(model, calib, target, per_tensor=per_tensor, allow_host_fallback=allow_host_fallback,
-                         output=output, input_shapes=parse_input_shapes(input_shape))
+                         bias_correction=bias_correction, output=output, input_shapes=parse_input_shapes(input_shape))
+    perf = _perf_estimate(model, result, parse_input_shapes(input_shape))
     if json_output:
         layers = [{"name": r.name, "kind": r.kind, "m": r.m, "n": r.n, "k": r.k, "groups": r.groups,
                    "input_scale": r.input_scale, "output_scale": r.output_scale, "rounding": r.rounding,
                    "acc_bound_bits": r.acc_bound_bits, "warnings": r.warnings} for r in result.layers]
-        typer.echo(json.dumps({"layers": layers, "output": str(output)}, indent=2))
+        typer.echo(json.dumps({"layers": layers, "output": str(output), "perf": perf.to_json()}, indent=2))
         return
     _print_layers(result.layers)
+    _print_perf(perf)
     typer.echo(f"wrote {output} ({len(result.program.instructions)} instructions, "
                f"{len(result.layers)} on the GEMM unit)")
 
@@ -329,47 +338,310 @@ def _print_layers(layers) -> None:
             echo(f"  warning: {warning}")
 
 
+from qdeploy.reports import DEFAULT_BATCH_SIZE as REPORT_BATCH_SIZE  # noqa: E402  (light: a constant)
+
+
 @app.command()
 @user_errors
 def report(model: Path = typer.Argument(..., help="The float .onnx model."),
-           program: Path = typer.Argument(..., help="The compiled .qdp program."),
-           data: Path = typer.Option(..., help="Evaluation images or arrays."),
-           output: Path = typer.Option(..., "--output", "-o", help="Report directory.")) -> None:
-    """Write an accuracy-drop report of the int8 program against the float model (not built yet)."""
-    _not_built("report", "the reports issue")
+           program: Path = typer.Argument(..., help="The compiled .qdp program (from this model)."),
+           data: Path = typer.Option(..., help="Evaluation data: a folder of .jpg/.jpeg/.png images (recursive, "
+                                               "sorted by path) or .npy/.npz of preprocessed arrays."),
+           output: Path = typer.Option(..., "--output", "-o", help="Report folder (report.md, report.json, PNGs)."),
+           labels: Optional[Path] = typer.Option(None, help="True classes, one per sample in data order: .npy of "
+                                                            "integers or .txt with one integer per line."),
+           calib: Optional[Path] = typer.Option(None, help="The calibration table, for the histogram figure."),
+           peer: Optional[Path] = typer.Option(None, help="JSON naming another toolkit's int8 logits on the same "
+                                                          "data, to compare (qdeploy/reports/inputs.py)."),
+           num_samples: Optional[int] = typer.Option(None, help="Use the first N samples (default: all)."),
+           batch_size: int = typer.Option(REPORT_BATCH_SIZE, help="Samples per pass; memory holds one batch's "
+                                                                  "tensors."),
+           size: Optional[str] = typer.Option(None, help="H,W: resize the shorter side, centre-crop "
+                                                         "(default: the model input's H,W)."),
+           mean: Optional[str] = typer.Option(None, help="Mean on 0..255 values, per channel: a or a,b,c."),
+           std: Optional[str] = typer.Option(None, help="Std on 0..255 values, per channel: a or a,b,c."),
+           layout: str = typer.Option(Preprocess.layout, help="NCHW | NHWC."),
+           channels: str = typer.Option(Preprocess.channels, help="RGB | BGR | GRAY."),
+           input_shape: Optional[list[str]] = INPUT_SHAPE,
+           json_output: bool = JSON) -> None:
+    """Accuracy-drop report of the int8 program (simulator) against the float model on evaluation data:
+    top-1/top-5 agreement, accuracy and drop with --labels, logits SQNR and cosine, per-layer SQNR cumulative
+    and isolated, calibration histograms, host-fallback ops and node counts. Prints the headline (or, with
+    --json, report.json)."""
+    from calib.data import parse_floats, parse_size
+
+    preprocess = Preprocess(parse_size(size), parse_floats(mean, "--mean", Preprocess.mean),
+                            parse_floats(std, "--std", Preprocess.std), layout.upper(), channels.upper())
+    import shlex
+
+    options = [("--data", data), ("--labels", labels), ("--calib", calib), ("--peer", peer),
+               ("--num-samples", num_samples),
+               ("--batch-size", batch_size if batch_size != REPORT_BATCH_SIZE else None),
+               ("--size", size), ("--mean", mean), ("--std", std),
+               ("--layout", layout if layout != Preprocess.layout else None),
+               ("--channels", channels if channels != Preprocess.channels else None)]
+    options += [("--input-shape", spec) for spec in input_shape or []] + [("-o", output)]
+    command = " ".join(["qdeploy report", shlex.quote(str(model)), shlex.quote(str(program))] +
+                       [f"{flag} {shlex.quote(str(value))}" for flag, value in options if value is not None])
+    progress = _BatchProgress("evaluating")
+    try:
+        result = api.report(model, program, data, output, labels=labels, calib=calib, peer=peer,
+                            num_samples=num_samples, batch_size=batch_size, preprocess=preprocess,
+                            input_shapes=parse_input_shapes(input_shape), progress=progress, command=command)
+    finally:
+        progress.close()
+    for warning in result.warnings:
+        typer.echo(f"warning: {warning}", err=True)
+    if json_output:
+        typer.echo(json.dumps(result.document, indent=2))
+        return
+    typer.echo(result.headline())
 
 
 @app.command("export-onnx")
 @user_errors
 def export_onnx(program: Path = typer.Argument(..., help="A compiled .qdp program."),
-                output: Path = typer.Option(..., "--output", "-o", help="Quantized ONNX model.")) -> None:
-    """Export a compiled program as a standard quantized ONNX model (not built yet)."""
-    _not_built("export-onnx", "the ONNX Runtime interop issue")
+                output: Path = typer.Option(..., "--output", "-o", help="Quantized ONNX model."),
+                float_outputs: bool = typer.Option(False, "--float-outputs",
+                                                   help="Dequantize the outputs to float32 (default: int8)."),
+                tensor_outputs: bool = typer.Option(False, "--tensor-outputs",
+                                                    help="Also output every instruction's int8 tensor."),
+                json_output: bool = JSON) -> None:
+    """Export a compiled program as a standard quantized ONNX model (opset 13: QuantizeLinear, QLinearConv,
+    Clip, MaxPool, DequantizeLinear/Add/QuantizeLinear) with exactly the program's int8 weights, int32 biases
+    and scales. With rounding float32_rne, ONNX Runtime runs it bit-exactly like the simulator."""
+    result = api.export_onnx(program, output, float_outputs=float_outputs, tensor_outputs=tensor_outputs)
+    for warning in result.warnings:
+        typer.echo(f"warning: {warning}", err=True)
+    ops = result.op_counts()
+    if json_output:
+        typer.echo(json.dumps({"output": str(output), "opset": 13, "ops": ops, "warnings": result.warnings},
+                              indent=2))
+        return
+    typer.echo(f"wrote {output} (opset 13; " + ", ".join(f"{op} {n}" for op, n in ops.items()) + ")")
 
 
 @vectors_app.command("export")
 @user_errors
 def vectors_export(program: Path = typer.Argument(..., help="A compiled .qdp program."),
-                   input: Path = typer.Option(..., "--input", "-i", help="Input .npy."),
-                   output: Path = typer.Option(..., "--output", "-o", help="Vector directory.")) -> None:
-    """Export per-layer golden vectors ($readmemh hex + .npy) (not built yet)."""
-    _not_built("vectors export", "the hardware-features issue")
+                   input: Path = typer.Option(..., "--input", "-i", help=".npy (single input) or .npz (one array "
+                                                                         "per input); float or already int8."),
+                   output: Path = typer.Option(..., "--output", "-o",
+                                               help="Vector directory (written atomically; a previous vectors "
+                                                    "directory is replaced)."),
+                   per_tile: bool = typer.Option(False, "--per-tile", help="Also write each output tile's files."),
+                   json_output: bool = JSON) -> None:
+    """Run the program on the simulator and write per-layer golden vectors for RTL verification: the int8 input
+    after im2col as the array sees it, weights, int32 bias, multipliers/shifts and float32 scales, accumulators
+    before requantization and int8 outputs, as $readmemh hex files with .npy twins and manifest.json
+    (format: docs/hardware.md)."""
+    from simulator.machine import ProgramInputError
+    from simulator.vectors import VectorError, export_vectors
+
+    loaded = read_program(program)
+    arrays = load_arrays(input)
+    if not isinstance(arrays, dict):
+        if len(loaded.inputs) != 1:
+            raise BadInput(f"{input}: the program has {len(loaded.inputs)} inputs; give an .npz by input name")
+        arrays = {loaded.inputs[0]: arrays}
+    missing = [name for name in loaded.inputs if name not in arrays]
+    if missing:
+        raise BadInput(f"{input}: no array for program input '{missing[0]}'")
+    try:
+        result = export_vectors(loaded, arrays, output, per_tile=per_tile, host=getattr(api, "run_host_op", None),
+                                source={"program": str(program), "input": str(input)})
+    except (VectorError, ProgramInputError) as error:
+        raise BadInput(f"{program}: {error}") from error
+    layers = [{"index": r["index"], "name": r["name"], "kind": r["kind"], "dir": r["dir"], "groups": r["groups"],
+               "m": r["m"], "n": r["n"], "k": r["k"], "tiles": r["tiles"], "files": sorted(r["files"]),
+               "tile_files": len(r.get("tile_files", []))} for r in result.layers]
+    if json_output:
+        typer.echo(json.dumps({"output": str(output), "batch": result.manifest["source"]["batch"],
+                               "layers": layers, "skipped": result.manifest["skipped"]}, indent=2))
+        return
+    width = max((len(r["name"]) for r in layers), default=4)
+    typer.echo(f"{'#':>3} {'layer':<{width}} {'kind':<9} {'G x (M x K).(K x N)':>24} {'tiles':>6}  files")
+    for r in layers:
+        gemm = f"{r['groups']} x ({r['m']} x {r['k']}).({r['k']} x {r['n']})"
+        count = r["tiles"]["grid"][0] * r["tiles"]["grid"][1] * r["tiles"]["grid"][2]
+        typer.echo(f"{r['index']:>3} {r['name']:<{width}} {r['kind']:<9} {gemm:>24} {count:>6}  "
+                   f"{' '.join(r['files'])}" + (f" + {r['tile_files']} tiles" if r["tile_files"] else ""))
+    for skipped in result.manifest["skipped"]:
+        typer.echo(f"{skipped['index']:>3} {skipped['name']:<{width}} {skipped['kind']:<9} skipped: "
+                   f"{skipped['reason']}")
+    typer.echo(f"wrote {output}/ ({len(layers)} layers, batch {result.manifest['source']['batch']}; "
+               f"manifest {output / 'manifest.json'})")
 
 
 @vectors_app.command("compare")
 @user_errors
-def vectors_compare(expected: Path = typer.Argument(..., help="Directory from `vectors export`."),
-                    actual: Path = typer.Argument(..., help="RTL dump directory.")) -> None:
-    """Compare RTL dumps with golden vectors, layer by layer (not built yet)."""
-    _not_built("vectors compare", "the hardware-features issue")
+def vectors_compare(expected: Path = typer.Argument(..., help="Directory from `vectors export` or `vectors stress`."),
+                    actual: Path = typer.Argument(..., help="RTL dump directory: acc/out/stored .hex files at the "
+                                                            "same relative paths."),
+                    json_output: bool = JSON) -> None:
+    """Compare RTL dumps with the golden vectors, layer by layer: match/mismatch counts, the first mismatch
+    (layer, tile, row, col, expected, actual) and its likely cause (rounding-mode mismatch?, saturation
+    mismatch?, data mismatch). Exit 0 when everything dumped matches, 3 on any mismatch, 2 on bad input."""
+    from simulator.vectors import VectorError, compare_vectors
+
+    try:
+        report = compare_vectors(expected, actual)
+    except VectorError as error:
+        raise BadInput(str(error)) from error
+    if json_output:
+        typer.echo(json.dumps(report.to_json(), indent=2))
+    else:
+        _print_comparison(report)
+    if not report.ok:
+        raise typer.Exit(VECTORS_MISMATCH_EXIT)
+
+
+@vectors_app.command("stress")
+@user_errors
+def vectors_stress(target: Optional[Path] = typer.Option(None, help="Accelerator target (TOML); default: built-in."),
+                   output: Path = typer.Option(..., "--output", "-o", help="Vector directory (written atomically)."),
+                   json_output: bool = JSON) -> None:
+    """Write GEMM stress cases for unit-level RTL tests in the vectors format: rounding ties (positive and
+    negative), clamp saturation, accumulator limits (wrap/saturate) and extreme multipliers and shifts, with the
+    expected accumulators and outputs from the Python-int twins (simulator/reference.py)."""
+    from simulator.vectors import VectorError, export_stress
+
+    try:
+        result = export_stress(api.load_target_file(target), output)
+    except VectorError as error:
+        raise BadInput(str(error)) from error
+    cases = [{"index": r["index"], "name": r["name"], "m": r["m"], "n": r["n"], "k": r["k"],
+              "purpose": r["purpose"], "dir": r["dir"]} for r in result.layers]
+    if json_output:
+        typer.echo(json.dumps({"output": str(output), "cases": cases, "skipped": result.manifest["skipped"]},
+                              indent=2))
+        return
+    for case in cases:
+        typer.echo(f"{case['index']:>3} {case['name']:<25} M={case['m']:<4} N={case['n']:<3} K={case['k']:<6} "
+                   f"{case['purpose']}")
+    for skipped in result.manifest["skipped"]:
+        typer.echo(f"    {skipped['name']:<25} skipped: {skipped['reason']}")
+    typer.echo(f"wrote {output}/ ({len(cases)} cases)")
 
 
 @target_app.command("header")
 @user_errors
 def target_header(target: Path = typer.Argument(..., help="A target.toml."),
-                  output: Path = typer.Option(..., "--output", "-o", help=".h or .svh file.")) -> None:
-    """Emit the target's parameters as a C or SystemVerilog header (not built yet)."""
-    _not_built("target header", "the hardware-features issue")
+                  output: Path = typer.Option(..., "--output", "-o", help=".h (C #define) or .svh (SystemVerilog "
+                                                                          "localparam) file, by suffix."),
+                  json_output: bool = JSON) -> None:
+    """Emit every target parameter as C `#define`s (.h) or SystemVerilog `localparam`s (.svh), so the RTL and
+    the simulator read the same target.toml."""
+    from qdeploy.fileio import atomic_write
+    from simulator.header import HEADER_SUFFIXES, language_for, render_header
+
+    language = language_for(output.suffix)
+    if language is None:
+        raise BadInput(f"{output}: unknown header suffix {output.suffix!r} (expected "
+                       f"{', '.join(HEADER_SUFFIXES)})")
+    text = render_header(api.load_target_file(target), language, source=target.name)
+    atomic_write(output, lambda tmp: tmp.write_text(text))
+    count = sum(1 for line in text.splitlines() if line.startswith(("#define ACCEL_", "localparam")))
+    if json_output:
+        typer.echo(json.dumps({"output": str(output), "language": language, "parameters": count}))
+        return
+    typer.echo(f"wrote {output} ({'C' if language == 'c' else 'SystemVerilog'}, {count} parameters)")
+
+
+VECTORS_MISMATCH_EXIT = 3  # `vectors compare`: some dumped value differs (2 stays bad input, 1 internal error)
+
+
+def _perf_estimate(model: Path, result, input_shapes):
+    """The cycle ESTIMATE of a compiled program (simulator/perf.py), with the fused ops traced in the ONNX model
+    as loaded (so a BatchNormalization folded into the weights counts in the unfused graph)."""
+    from types import SimpleNamespace
+
+    import onnx
+
+    from simulator.perf import estimate_program, trace_fused_ops
+
+    graph = onnx.load(str(model), load_external_data=False).graph
+    constants = {tensor.name for tensor in graph.initializer}
+    nodes = []
+    for node in graph.node:  # ONNX lists nodes in topological order
+        record = SimpleNamespace(op=node.op_type, inputs=list(node.input), outputs=list(node.output))
+        if all(name in constants or not name for name in record.inputs):
+            constants.update(record.outputs)  # Constant nodes and what is computed from constants only
+        nodes.append(record)
+    fused = trace_fused_ops(nodes, constants, result.program.instructions)
+    return estimate_program(result.program.manifest, result.program.arrays, fused_ops=fused)
+
+
+def _size(nbytes: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(nbytes) < 1024 or unit == "GB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return str(nbytes)
+
+
+def _print_perf(perf) -> None:
+    echo = typer.echo
+    array = perf.array
+    echo("")
+    echo(f"performance ESTIMATE (simple model of docs/hardware.md, not a measurement): {array['rows']}x{array['cols']} "
+         f"array, {array['clock_mhz']:g} MHz, DRAM {array['dram_bytes_per_cycle']:g} B/cycle, batch {perf.batch}")
+    width = max((len(layer.name) for layer in perf.layers), default=5)
+    short = {"BatchNormalization": "BN", "BiasAdd": "Bias"}
+    fused = ["+".join(short.get(op, op) for op in layer.fused_ops) or "-" for layer in perf.layers]
+    ops_width = max([len(text) for text in fused] + [9])
+    echo(f"{'layer':<{width}} {'tiles tm x tn x tk':>18} {'#':>5} {'MACs':>12} {'util':>6} {'DRAM rd':>9} "
+         f"{'DRAM wr':>9} {'est.cycles':>11} {'est.us':>8} {'bound':>7}  {'fused ops':<{ops_width}} | unfused: "
+         f"{'launches':>8} {'DRAM wr':>9} {'est.cycles':>11}")
+    for layer, ops in zip(perf.layers, fused):
+        tiles = f"{layer.tiles['m']} x {layer.tiles['n']} x {layer.tiles['k']}"
+        echo(f"{layer.name:<{width}} {tiles:>18} {layer.tile_count:>5} {layer.macs:>12,} {layer.utilisation:>6.1%} "
+             f"{_size(layer.read_bytes):>9} {_size(layer.write_bytes):>9} {layer.cycles:>11,} "
+             f"{layer.time_us:>8,.2f} {layer.bound:>7}  {ops:<{ops_width}} |          {layer.unfused_launches:>8} "
+             f"{_size(layer.unfused_write_bytes):>9} {layer.unfused_cycles:>11,}")
+    t = perf.totals
+    echo(f"{'total':<{width}} {'':>18} {t['tile_count']:>5} {t['macs']:>12,} {t['utilisation']:>6.1%} "
+         f"{_size(t['read_bytes']):>9} {_size(t['write_bytes']):>9} {t['cycles']:>11,} {t['time_us']:>8,.2f} "
+         f"{'':>7}  {'':<{ops_width}} |          {t['unfused_launches']:>8} {_size(t['unfused_write_bytes']):>9} "
+         f"{t['unfused_cycles']:>11,}")
+
+    def change(fused: float, unfused: float) -> str:
+        return f"{100 * (fused - unfused) / unfused:+.0f}%" if unfused else "n/a"
+
+    echo(f"fusion ({perf.fusion_source}): {t['launches']} kernel launches instead of {t['unfused_launches']}; DRAM "
+         f"writes {_size(t['write_bytes'])} instead of {_size(t['unfused_write_bytes'])} "
+         f"({change(t['write_bytes'], t['unfused_write_bytes'])}), reads {_size(t['read_bytes'])} instead of "
+         f"{_size(t['unfused_read_bytes'])} ({change(t['read_bytes'], t['unfused_read_bytes'])})")
+    echo(f"ESTIMATED total: {t['cycles']:,} cycles = {t['time_us']:,.1f} us at {array['clock_mhz']:g} MHz "
+         f"(unfused {t['unfused_cycles']:,} cycles = {t['unfused_time_us']:,.1f} us)"
+         + (f"; {len(perf.host_ops)} host op(s) not included" if perf.host_ops else ""))
+
+
+def _print_comparison(report) -> None:
+    echo = typer.echo
+    for layer in report.layers:
+        if not layer.files:
+            echo(f"  not dumped {layer.index:>3} {layer.name}")
+            continue
+        counts = "  ".join(f"{f.file}{'' if '/tiles/' not in f.path else '[' + f.path.rsplit('/', 1)[1][:6] + ']'} "
+                           f"{f.elements - f.mismatches}/{f.elements}" for f in layer.files)
+        status = "MISMATCH" if layer.status == "mismatch" else "match"
+        echo(f"  {status:<10} {layer.index:>3} {layer.name}  {counts}")
+        for f in layer.files:
+            if f.first is None:
+                continue
+            m = f.first
+            tile = "" if m.tile is None else " tile " + str(m.tile["index"]) + \
+                (f" (g {m.tile['g']}, m {m.tile['m']}, n {m.tile['n']})" if "m" in m.tile else "")
+            classes = ", ".join(f"{n} {label}" for label, n in f.classes.items())
+            echo(f"             first mismatch: layer {layer.index} {layer.name}, {m.file}{tile}, row {m.row}, col "
+                 f"{m.col}: expected {m.expected}, actual {m.actual} -> {m.classification}"
+                 + (f" ({m.detail})" if m.detail else ""))
+            echo(f"             {f.mismatches} mismatch(es): {classes}")
+    dumped = sum(1 for layer in report.layers if layer.files)
+    bad = sum(1 for layer in report.layers if layer.status == "mismatch")
+    verdict = "all match" if report.ok else f"{report.mismatches} mismatch(es) in {bad} layer(s) (exit 3)"
+    echo(f"compared {report.compared_files} file(s) of {dumped} layer(s): {verdict}")
 
 
 def main() -> None:  # pragma: no cover - entry point for `python -m qdeploy`

@@ -13,3 +13,9 @@ class BadInput(QdeployError):
 
 class Unsupported(QdeployError):
     """A valid model that uses something qdeploy does not handle (op, attribute value, opset)."""
+
+
+def one_line(message: str) -> str:
+    """`message` with every non-printable character (a newline or NUL inside a name read from a damaged file)
+    written as its escape, so that the CLI's `error: ...` stays on one line."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)

@@ -12,6 +12,11 @@ import numpy as np
 
 from qdeploy.errors import BadInput
 
+# The largest tensor, in elements, that a model or program may declare or compute (8 GiB of float32): the ONNX
+# shape probe (shape_inference.py, at its probe batch sizes) and the program reader (program.py, per sample)
+# refuse anything larger before allocating it.
+MAX_TENSOR_ELEMENTS = 1 << 31
+
 
 def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
     """Call write(tmp) on a temporary file beside `path`, then rename it over `path`; on any failure the
@@ -19,6 +24,8 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path
     path = Path(path)
     if not path.parent.exists():
         raise BadInput(f"{path}: directory {path.parent} does not exist")
+    if path.is_dir():
+        raise BadInput(f"{path}: is a directory; give a file name")
     handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(handle)
     try:
@@ -62,3 +69,19 @@ def load_arrays(path: str | os.PathLike) -> dict[str, np.ndarray] | np.ndarray:
         return loaded
     except (ValueError, OSError, EOFError, zipfile.BadZipFile) as error:
         raise BadInput(f"{path}: not a readable .npy/.npz array file ({error})") from error
+
+
+def check_samples(arrays: dict[str, np.ndarray] | np.ndarray, source: str) -> None:
+    """BadInput unless every array holds at least one sample (a non-empty first axis) and, if floating point,
+    only finite values; the message names the array and the first bad sample."""
+    named = arrays if isinstance(arrays, dict) else {None: arrays}
+    for name, array in named.items():
+        what = f"array '{name}'" if name is not None else "the array"
+        if array.ndim == 0 or array.shape[0] == 0 or array.size == 0:
+            raise BadInput(f"{source}: {what} has shape {array.shape}: no samples")
+        if array.dtype.kind in "fc":
+            finite = np.isfinite(array.reshape(array.shape[0], -1)).all(axis=1)
+            if not finite.all():
+                sample = int(np.flatnonzero(~finite)[0])
+                bad = array[sample][~np.isfinite(array[sample])].flat[0]
+                raise BadInput(f"{source}: {what} has {bad} in sample {sample} (inputs must be finite)")

@@ -15,12 +15,49 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from qdeploy.errors import BadInput, Unsupported
+from qdeploy.errors import BadInput, QdeployError, Unsupported
 from qdeploy.ir import Graph, Node, Tensor, constant, validate
 from qdeploy.reference import supported_ops
 
 MIN_OPSET, MAX_OPSET = 11, 21
 DEFAULT_DOMAINS = ("", "ai.onnx")
+
+
+def _text(data: bytes, node: onnx.NodeProto, attribute: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise BadInput(f"node '{node.name}' ({node.op_type}): attribute '{attribute}' is not UTF-8 text "
+                       f"({data[:20]!r})") from None
+
+
+def check_against_schema(node: onnx.NodeProto, name: str, opset: int) -> None:
+    """BadInput when the node does not fit its op's ONNX schema (at `opset`): a required input omitted (""),
+    too few or too many inputs or outputs, or an attribute of another type than declared (e.g. FLOATS strides).
+    The op functions would fail on them in unforeseeable ways. Attributes the schema does not know are left to
+    the op (which refuses them)."""
+    try:
+        schema = onnx.defs.get_schema(node.op_type, opset, "")
+    except onnx.defs.SchemaError:
+        return
+    inputs, outputs = list(node.input), list(node.output)
+    if not schema.min_input <= len(inputs) <= schema.max_input:
+        raise BadInput(f"node '{name}' ({node.op_type}) has {len(inputs)} inputs; the ONNX spec "
+                       f"({node.op_type}-{schema.since_version}) takes {schema.min_input}..{schema.max_input}")
+    single = onnx.defs.OpSchema.FormalParameterOption.Single
+    for index, formal in enumerate(schema.inputs):
+        if formal.option == single and index < len(inputs) and not inputs[index]:
+            raise BadInput(f"node '{name}' ({node.op_type}): required input {index} ('{formal.name}') is omitted")
+    if not schema.min_output <= len(outputs) <= schema.max_output:
+        raise BadInput(f"node '{name}' ({node.op_type}) has {len(outputs)} outputs; the ONNX spec "
+                       f"({node.op_type}-{schema.since_version}) gives {schema.min_output}..{schema.max_output}")
+    for attr in node.attribute:
+        expected = schema.attributes.get(attr.name)
+        if expected is not None and int(expected.type) != int(attr.type):
+            raise BadInput(f"node '{name}' ({node.op_type}): attribute '{attr.name}' has type "
+                           f"{onnx.AttributeProto.AttributeType.Name(attr.type)}, the ONNX spec "
+                           f"({node.op_type}-{schema.since_version}) says "
+                           f"{onnx.AttributeProto.AttributeType.Name(int(expected.type))}")
 
 
 def node_attributes(node: onnx.NodeProto) -> dict[str, Any]:
@@ -33,19 +70,33 @@ def node_attributes(node: onnx.NodeProto) -> dict[str, Any]:
         elif kind == onnx.AttributeProto.FLOAT:
             result[attr.name] = float(attr.f)
         elif kind == onnx.AttributeProto.STRING:
-            result[attr.name] = attr.s.decode("utf-8")
+            result[attr.name] = _text(attr.s, node, attr.name)
         elif kind == onnx.AttributeProto.INTS:
             result[attr.name] = [int(v) for v in attr.ints]
         elif kind == onnx.AttributeProto.FLOATS:
             result[attr.name] = [float(v) for v in attr.floats]
         elif kind == onnx.AttributeProto.STRINGS:
-            result[attr.name] = [s.decode("utf-8") for s in attr.strings]
+            result[attr.name] = [_text(s, node, attr.name) for s in attr.strings]
         elif kind == onnx.AttributeProto.TENSOR:
-            result[attr.name] = numpy_helper.to_array(attr.t)
+            result[attr.name] = tensor_array(attr.t, f"node '{node.name}' ({node.op_type}): attribute '{attr.name}'")
         else:
             raise Unsupported(f"node '{node.name}' ({node.op_type}): attribute '{attr.name}' has type "
                               f"{onnx.AttributeProto.AttributeType.Name(kind)}, which is not supported")
     return result
+
+
+def tensor_array(proto: onnx.TensorProto, what: str) -> np.ndarray:
+    """A TensorProto as an array; BadInput naming `what` when it is damaged or declares more elements than
+    fileio.MAX_TENSOR_ELEMENTS (checked before anything is allocated)."""
+    from qdeploy.shape_inference import check_elements
+
+    if any(d < 0 for d in proto.dims):
+        raise BadInput(f"{what} has negative dimensions {list(proto.dims)}")
+    check_elements(proto.dims, what)
+    try:
+        return numpy_helper.to_array(proto)
+    except Exception as error:  # onnx raises ValueError, TypeError, KeyError... on damaged tensors
+        raise BadInput(f"{what} is damaged ({type(error).__name__}: {error})") from error
 
 
 def _constant_node_value(node: onnx.NodeProto, attrs: dict[str, Any]) -> np.ndarray:
@@ -83,6 +134,36 @@ def _opset(model: onnx.ModelProto, path: Path) -> int:
     return version
 
 
+# Where an infinite constant is meaningful (a bound or a comparison operand, never a weight): op -> the input
+# positions that may hold one (None: any).
+INFINITY_OK: dict[str, tuple[int, ...] | None] = {"Clip": (1, 2), "Max": None, "Min": None, "Less": None,
+                                                  "Greater": None, "Equal": None, "Where": None, "Pad": (2,)}
+
+
+def check_finite_constants(graph: Graph, path: Path) -> None:
+    """BadInput naming the first float constant (initializer or Constant node) holding a NaN, or an infinity
+    anywhere but where INFINITY_OK allows one: such weights make the float results NaN/inf and have no int8
+    scale (design.md section 3)."""
+    uses: dict[str, list[tuple[str, int]]] = {}
+    for node in graph.nodes:
+        for position, name in enumerate(node.inputs):
+            uses.setdefault(name, []).append((node.op, position))
+    for name, tensor in graph.tensors.items():
+        data = tensor.data
+        if data is None or data.dtype.kind != "f":
+            continue
+        bad = ~np.isfinite(data)
+        if not bad.any():
+            continue
+        if not np.isnan(data).any() and uses.get(name) and all(
+                op in INFINITY_OK and (INFINITY_OK[op] is None or position in INFINITY_OK[op])
+                for op, position in uses[name]):
+            continue
+        first = tuple(int(i) for i in np.unravel_index(int(np.flatnonzero(bad)[0]), data.shape))
+        raise BadInput(f"{path}: initializer '{name}' has {int(bad.sum())} non-finite value(s) (first: "
+                       f"{data[first]} at index {list(first)}); weights must be finite numbers")
+
+
 def _input_shape(value: onnx.ValueInfoProto, override: tuple[int | None, ...] | None, path: Path
                  ) -> tuple[int | None, ...]:
     """Dim 0 is the free batch (None); other symbolic dims must come from `override` (--input-shape)."""
@@ -91,10 +172,13 @@ def _input_shape(value: onnx.ValueInfoProto, override: tuple[int | None, ...] | 
     else:
         if not value.type.HasField("tensor_type") or not value.type.tensor_type.HasField("shape"):
             raise BadInput(f"{path}: input '{value.name}' has no shape; give it with --input-shape")
-        shape = tuple(d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None
-                      for d in value.type.tensor_type.shape.dim)
+        shape = tuple(d.dim_value if d.HasField("dim_value") and (d.dim_value > 0 or axis > 0) else None
+                      for axis, d in enumerate(value.type.tensor_type.shape.dim))
     if len(shape) == 0:
         return shape
+    if any(d is not None and d <= 0 for d in shape[1:]):
+        raise BadInput(f"{path}: input '{value.name}' has shape {shape}: every dimension after the batch must be "
+                       f"a positive size")
     if any(d is None for d in shape[1:]):
         raise BadInput(f"{path}: input '{value.name}' has free dimensions {shape} beyond the batch; "
                        f"fix them with --input-shape {value.name}:N,C,H,W")
@@ -116,10 +200,7 @@ def load_onnx(path: str | os.PathLike, input_shapes: dict[str, tuple[int | None,
     for init in onnx_graph.initializer:
         if init.data_location == onnx.TensorProto.EXTERNAL:
             raise Unsupported(f"{path}: initializer '{init.name}' uses external data, which is not supported")
-        try:
-            tensors[init.name] = constant(init.name, numpy_helper.to_array(init))
-        except Exception as error:
-            raise BadInput(f"{path}: initializer '{init.name}' is damaged ({error})") from error
+        tensors[init.name] = constant(init.name, tensor_array(init, f"{path}: initializer '{init.name}'"))
     input_shapes = dict(input_shapes or {})
     inputs = []
     for value in onnx_graph.input:
@@ -128,7 +209,10 @@ def load_onnx(path: str | os.PathLike, input_shapes: dict[str, tuple[int | None,
         elem = value.type.tensor_type.elem_type
         if elem == 0:
             raise BadInput(f"{path}: input '{value.name}' is not a tensor")
-        dtype = onnx.helper.tensor_dtype_to_np_dtype(elem)
+        try:
+            dtype = onnx.helper.tensor_dtype_to_np_dtype(elem)
+        except (KeyError, ValueError, TypeError):
+            raise BadInput(f"{path}: input '{value.name}' has unknown element type {elem}") from None
         tensors[value.name] = Tensor(value.name, _input_shape(value, input_shapes.pop(value.name, None), path),
                                      np.dtype(dtype))
         inputs.append(value.name)
@@ -149,12 +233,18 @@ def load_onnx(path: str | os.PathLike, input_shapes: dict[str, tuple[int | None,
         if proto.domain not in DEFAULT_DOMAINS:
             raise Unsupported(f"{path}: node '{name}' uses op {proto.domain}.{proto.op_type}; only the default "
                               f"ONNX domain is supported")
-        attrs = node_attributes(proto)
-        if proto.op_type == "Constant":
-            tensors[proto.output[0]] = constant(proto.output[0], _constant_node_value(proto, attrs))
-            continue
-        if proto.op_type not in known_ops:
+        if proto.op_type not in known_ops or not onnx.defs.has(proto.op_type):  # not our instruction ops
             raise Unsupported(f"{path}: node '{name}' has op {proto.op_type}, which qdeploy does not support")
+        try:
+            check_against_schema(proto, name, opset)
+            attrs = node_attributes(proto)
+            if proto.op_type == "Constant":
+                if len(proto.output) != 1 or not proto.output[0]:
+                    raise BadInput(f"node '{name}' (Constant) has {len(proto.output)} outputs, expected 1")
+                tensors[proto.output[0]] = constant(proto.output[0], _constant_node_value(proto, attrs))
+                continue
+        except QdeployError as error:
+            raise type(error)(f"{path}: {error}") from error
         nodes.append(Node(name, proto.op_type, list(proto.input), list(proto.output), attrs))
     outputs = [value.name for value in onnx_graph.output]
     graph = Graph(onnx_graph.name or path.stem, nodes, tensors, inputs, outputs, opset)
@@ -162,10 +252,11 @@ def load_onnx(path: str | os.PathLike, input_shapes: dict[str, tuple[int | None,
         validate(graph)
     except BadInput as error:
         raise BadInput(f"{path}: {error}") from error
+    check_finite_constants(graph, path)
     try:
         return infer_shapes(graph)
-    except BadInput as error:
-        raise BadInput(f"{path}: {error}") from error
+    except QdeployError as error:
+        raise type(error)(f"{path}: {error}") from error
 
 
 @dataclass

@@ -15,8 +15,10 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import os
 import zipfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -107,6 +109,246 @@ def _read_member(archive: zipfile.ZipFile, member: str, limit: int, path: Path) 
     return data
 
 
+# ---- structure of a program ---------------------------------------------------------------------------------
+# The manifest has no checksum (it is plain JSON, meant to be read), so a program is checked against the
+# structure quantize.py writes and simulator/machine.py reads, before anything runs: every field an instruction
+# needs, with its type and range; every array it names, with its dtype and shape; every tensor defined before
+# it is read; and each instruction's output shape, per sample, recomputed from its input's (ONNX Conv / MaxPool
+# output-size formulas) and bounded by MAX_TENSOR_ELEMENTS, so that a damaged program fails here with one line
+# instead of inside the simulator. Fields not listed are allowed (later versions add some).
+
+TENSOR_DTYPES = {"int8": (-128, 127), "uint8": (0, 255)}
+GEMM_KINDS = ("ConvGemm", "DenseGemm")
+RESHAPE_KINDS = ("Reshape", "Flatten", "Squeeze", "Unsqueeze")
+
+
+class _Invalid(Exception):
+    """A structural problem; read_program turns it into BadInput naming the file."""
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _ints(value, where: str, count: int | None = None, low: int | None = None, high: int | None = None
+          ) -> list[int]:
+    if not isinstance(value, list) or not all(_is_int(v) for v in value) or (count is not None and len(value) != count):
+        raise _Invalid(f"{where} must be a list of {count or 'some'} integers, got {json.dumps(value)[:60]}")
+    if any((low is not None and v < low) or (high is not None and v > high) for v in value):
+        raise _Invalid(f"{where} = {value} is out of range [{low}, {high}]")
+    return value
+
+
+def _field(record: dict, key: str, where: str):
+    if key not in record:
+        raise _Invalid(f"{where} has no field '{key}'")
+    return record[key]
+
+
+def _array(program: Program, record: dict, key: str, where: str, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+    name = _field(record, key, where)
+    if not isinstance(name, str) or name not in program.arrays:
+        raise _Invalid(f"{where}: field '{key}' names array {json.dumps(name)[:60]}, which the program does not hold")
+    array = program.arrays[name]
+    if array.dtype != np.dtype(dtype) or array.shape != shape:
+        raise _Invalid(f"{where}: array '{name}' is {array.dtype} {array.shape}, expected {dtype} {shape}")
+    return array
+
+
+def _elements(shape, where: str) -> None:
+    from qdeploy.fileio import MAX_TENSOR_ELEMENTS
+
+    if math.prod(shape) > MAX_TENSOR_ELEMENTS:
+        raise _Invalid(f"{where} has {math.prod(shape):,} elements per sample, more than the limit "
+                       f"{MAX_TENSOR_ELEMENTS:,}")
+
+
+def _window_output(size: int, kernel: int, stride: int, pad_begin: int, pad_end: int, dilation: int,
+                   ceil_mode: bool) -> int:
+    """ONNX Conv/MaxPool output size: floor (or ceil, dropping a last window that starts past the input and
+    its leading padding) of (size + pads - dilation*(kernel-1) - 1) / stride, plus 1."""
+    span = size + pad_begin + pad_end - dilation * (kernel - 1) - 1
+    if not ceil_mode:
+        return span // stride + 1
+    out = -(-span // stride) + 1
+    return out - 1 if (out - 1) * stride >= size + pad_begin else out
+
+
+def _window_shape(spec, channels: int, height: int, width: int, where: str, conv: bool) -> tuple[int, ...]:
+    """The (C, OH, OW) after a window with kernel, strides, pads, dilations (and ceil_mode for a window-max)."""
+    kernel = _ints(_field(spec, "kernel", where), f"{where}: kernel", 2, 1, 1 << 16)
+    strides = _ints(_field(spec, "strides", where), f"{where}: strides", 2, 1, 1 << 16)
+    pads = _ints(_field(spec, "pads", where), f"{where}: pads", 4, 0, 1 << 16)
+    dilations = _ints(_field(spec, "dilations", where), f"{where}: dilations", 2, 1, 1 << 16)
+    ceil_mode = False if conv else _field(spec, "ceil_mode", where)
+    if ceil_mode not in (0, 1, False, True):
+        raise _Invalid(f"{where}: ceil_mode must be 0 or 1, got {json.dumps(ceil_mode)[:20]}")
+    out = tuple(_window_output(size, kernel[i], strides[i], pads[i], pads[i + 2], dilations[i], bool(ceil_mode))
+                for i, size in enumerate((height, width)))
+    if min(out) < 1:
+        raise _Invalid(f"{where}: the window {kernel} leaves no output on a {height}x{width} input")
+    return (channels,) + out
+
+
+def _check_epilogue(program: Program, instr: dict, channels: int, where: str, out_dtype: str, rounding: str
+                    ) -> None:
+    """clamp within the output's integer range; per-channel mult, shift, scale_f32 (design.md section 3)."""
+    lo, hi = TENSOR_DTYPES[out_dtype]
+    clamp = _ints(_field(instr, "clamp", where), f"{where}: clamp", 2, lo, hi)
+    for key in ("k", "acc_bound_bits"):  # reported by `qdeploy inspect`
+        _ints([_field(instr, key, where)], f"{where}: {key}", 1, 0)
+    if clamp[0] > clamp[1]:
+        raise _Invalid(f"{where}: clamp range {clamp} is empty")
+    mult = _array(program, instr, "mult", where, "int64", (channels,))
+    if mult.size and (mult.min() < 0 or mult.max() >= 1 << 31):
+        raise _Invalid(f"{where}: a requantization multiplier is outside [0, 2^31)")
+    shift = _array(program, instr, "shift", where, "int64", (channels,))
+    if rounding == "tflite" and shift.size and shift.min() < 0:
+        raise _Invalid(f"{where}: rounding tflite needs shifts >= 0")
+    scale = _array(program, instr, "scale_f32", where, "float32", (channels,))
+    if not np.all(np.isfinite(scale)) or np.any(scale < 0):
+        raise _Invalid(f"{where}: scale_f32 must hold finite numbers >= 0")
+
+
+def _instruction_shape(program: Program, instr: dict, where: str, shapes: dict[str, tuple[int, ...]],
+                       rounding: str) -> tuple[int, ...]:
+    """Check one instruction and return its output's per-sample shape."""
+    kind = instr["kind"]
+    inputs = instr["inputs"]
+    out_dtype = program.tensors[instr["output"]]["dtype"]
+    arity = {"ConvGemm": 1, "DenseGemm": 1, "AddGemm": 2, **{k: 1 for k in RESHAPE_KINDS}}.get(kind)
+    if arity is not None and len(inputs) != arity:
+        raise _Invalid(f"{where} has {len(inputs)} inputs, expected {arity}")
+    in_shapes = [shapes[name] for name in inputs]
+    if kind in GEMM_KINDS:
+        weight_name = _field(instr, "weight", where)
+        weight = program.arrays.get(weight_name) if isinstance(weight_name, str) else None
+        if weight is None or weight.dtype != np.int8 or weight.ndim != 2 or 0 in weight.shape:
+            raise _Invalid(f"{where}: field 'weight' must name an int8 (M, K) array")
+        channels, k = weight.shape
+        _array(program, instr, "bias", where, "int32", (channels,))
+        _array(program, instr, "weight_scale", where, "float32", (channels,))
+        _check_epilogue(program, instr, channels, where, out_dtype, rounding)
+        x = in_shapes[0]
+        if kind == "DenseGemm":
+            if x != (k,):
+                raise _Invalid(f"{where}: input of shape {x} does not fit weight (M={channels}, K={k})")
+            return (channels,)
+        group = _field(instr, "group", where)
+        if not _is_int(group) or group < 1 or len(x) != 3 or x[0] % group or channels % group:
+            raise _Invalid(f"{where}: group {json.dumps(group)[:20]} does not divide input {x} and {channels} "
+                           f"output channels")
+        out = _window_shape(instr, channels, x[1], x[2], where, conv=True)
+        kernel = instr["kernel"]
+        if k != x[0] // group * kernel[0] * kernel[1]:
+            raise _Invalid(f"{where}: weight K = {k} is not C/group*kh*kw = {x[0] // group * kernel[0] * kernel[1]}")
+        _elements((out[1] * out[2], k * group), f"{where}: its im2col matrix")
+    elif kind == "AddGemm":
+        if in_shapes[0] != in_shapes[1]:
+            raise _Invalid(f"{where}: adds tensors of shapes {in_shapes[0]} and {in_shapes[1]}")
+        _ints(_field(instr, "add_weights", where), f"{where}: add_weights", 2, 0, (1 << 31) - 1)
+        ratio = _array(program, instr, "add_ratio_f32", where, "float32", (2,))
+        if not np.all(np.isfinite(ratio)):
+            raise _Invalid(f"{where}: add_ratio_f32 must be finite")
+        _check_epilogue(program, instr, 1, where, out_dtype, rounding)
+        out = in_shapes[0]
+    elif kind == "Concat":
+        if not in_shapes or any(len(s) != 3 or s[1:] != in_shapes[0][1:] for s in in_shapes):
+            raise _Invalid(f"{where}: concatenates tensors of shapes {in_shapes} along the channels")
+        return (sum(s[0] for s in in_shapes),) + in_shapes[0][1:]
+    elif kind in RESHAPE_KINDS:
+        shape = _field(instr, "shape", where)
+        if not isinstance(shape, list) or not shape or shape[0] is not None:
+            raise _Invalid(f"{where}: shape must be [null, ...], got {json.dumps(shape)[:60]}")
+        dims = tuple(_ints(shape[1:], f"{where}: shape", None, 1))
+        if math.prod(dims) != math.prod(in_shapes[0]):
+            raise _Invalid(f"{where}: reshapes {in_shapes[0]} to {dims}")
+        return dims
+    elif kind == "Host":
+        for key, kind_ in (("op", str), ("opset", int), ("operands", list), ("attrs", dict)):
+            if not isinstance(_field(instr, key, where), kind_):
+                raise _Invalid(f"{where}: field '{key}' must be {kind_.__name__}")
+        tensors = []
+        for operand in instr["operands"]:
+            if operand is None:
+                continue
+            if not isinstance(operand, dict) or len(operand) != 1 or not isinstance(next(iter(operand.values())), str):
+                raise _Invalid(f"{where}: an operand must be null, {{\"tensor\": name}} or {{\"array\": name}}")
+            ((key, name),) = operand.items()
+            if key == "tensor":
+                tensors.append(name)
+            elif key != "array" or name not in program.arrays:
+                raise _Invalid(f"{where}: operand {json.dumps(operand)[:60]} names nothing the program holds")
+        if tensors != list(inputs):
+            raise _Invalid(f"{where}: its tensor operands {tensors} are not its inputs {inputs}")
+        for value in instr["attrs"].values():
+            if isinstance(value, dict) and not (isinstance(value.get("array"), str) and value["array"] in program.arrays):
+                raise _Invalid(f"{where}: attribute {json.dumps(value)[:60]} names no array of the program")
+        return tuple(program.tensors[instr["output"]]["shape"][1:])
+    else:
+        raise _Invalid(f"{where} has unknown kind {json.dumps(kind)[:40]}")
+    window = instr.get("window")
+    if window is not None:
+        if not isinstance(window, dict) or len(out) != 3:
+            raise _Invalid(f"{where}: window must be an object on an NCHW output")
+        out = _window_shape(window, *out, f"{where}: window", conv=False)
+    return tuple(out)
+
+
+def validate_program(program: Program) -> None:
+    """Raise _Invalid with the first structural problem of `program` (see the comment above)."""
+    manifest = program.manifest
+    for key, kind in (("inputs", list), ("outputs", list), ("tensors", dict), ("instructions", list),
+                      ("target", dict), ("toolkit_version", str)):
+        if not isinstance(manifest.get(key), kind):
+            raise _Invalid(f"field '{key}' must be a {kind.__name__}, got {json.dumps(manifest.get(key))[:40]}")
+    target = manifest["target"]
+    if not isinstance(target.get("arithmetic"), dict) or not all(isinstance(t, dict) for t in target.values()):
+        raise _Invalid("field 'target' must be a table of tables, with [arithmetic]")
+    rounding = target["arithmetic"].get("rounding")
+    for name, record in manifest["tensors"].items():
+        where = f"tensor '{name}'"
+        if not isinstance(record, dict):
+            raise _Invalid(f"{where} must be an object")
+        shape, scale, dtype = (_field(record, key, where) for key in ("shape", "scale", "dtype"))
+        if not isinstance(shape, list) or not shape or shape[0] is not None:
+            raise _Invalid(f"{where}: shape must be [null, ...] (the free batch first), got {json.dumps(shape)[:60]}")
+        _elements(_ints(shape[1:], f"{where}: shape", None, 1), where)
+        if not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale) and scale > 0):
+            raise _Invalid(f"{where}: scale must be a finite number > 0, got {json.dumps(scale)[:40]}")
+        if not isinstance(dtype, str) or dtype not in TENSOR_DTYPES:
+            raise _Invalid(f"{where}: dtype must be int8 or uint8, got {json.dumps(dtype)[:40]}")
+    for key in ("inputs", "outputs"):
+        for name in manifest[key]:
+            if not isinstance(name, str) or name not in manifest["tensors"]:
+                raise _Invalid(f"{key[:-1]} {json.dumps(name)[:60]} has no tensor record")
+    defined = {name: tuple(manifest["tensors"][name]["shape"][1:]) for name in manifest["inputs"]}
+    names = set()
+    for index, instr in enumerate(manifest["instructions"]):
+        if not isinstance(instr, dict):
+            raise _Invalid(f"instruction {index} must be an object")
+        name = _field(instr, "name", f"instruction {index}")
+        if not isinstance(name, str) or name in names:
+            raise _Invalid(f"instruction {index} has name {json.dumps(name)[:40]}, not a new string")
+        names.add(name)
+        where = f"instruction '{name}' ({json.dumps(instr.get('kind'))[:30]})"
+        if not isinstance(instr.get("kind"), str):
+            raise _Invalid(f"{where} has no kind")
+        inputs, output = _field(instr, "inputs", where), _field(instr, "output", where)
+        if not isinstance(inputs, list) or not all(isinstance(i, str) and i in defined for i in inputs):
+            raise _Invalid(f"{where} reads {json.dumps(inputs)[:60]}: not all of them are defined before it")
+        if not isinstance(output, str) or output in defined or output not in manifest["tensors"]:
+            raise _Invalid(f"{where} writes {json.dumps(output)[:60]}: not a new tensor with a record")
+        shape = _instruction_shape(program, instr, where, defined, rounding)
+        if list(shape) != manifest["tensors"][output]["shape"][1:]:
+            raise _Invalid(f"{where} computes shape {list(shape)} per sample, but tensor '{output}' records "
+                           f"{manifest['tensors'][output]['shape'][1:]}")
+        defined[output] = shape
+    missing = [name for name in manifest["outputs"] if name not in defined]
+    if missing:
+        raise _Invalid(f"output '{missing[0]}' is computed by no instruction")
+
+
 def read_program(path: str | os.PathLike) -> Program:
     """Read and verify a `.qdp` file; BadInput on anything damaged, foreign or of another version."""
     path = Path(path)
@@ -114,7 +356,7 @@ def read_program(path: str | os.PathLike) -> Program:
         raise BadInput(f"{path}: no such file")
     try:
         archive = zipfile.ZipFile(path)
-    except (zipfile.BadZipFile, OSError) as error:
+    except (zipfile.BadZipFile, OSError, NotImplementedError, ValueError) as error:
         raise BadInput(f"{path}: not a qdeploy program (not a zip file)") from error
     try:
         with archive:
@@ -125,7 +367,7 @@ def read_program(path: str | os.PathLike) -> Program:
                     raise BadInput(f"{path}: unexpected member '{name}' in the program")
             try:
                 manifest = json.loads(_read_member(archive, MANIFEST, MAX_MANIFEST_BYTES, path))
-            except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as error:
                 raise BadInput(f"{path}: damaged program manifest ({error})") from error
             if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
                 raise BadInput(f"{path}: not a qdeploy program (manifest format is "
@@ -143,6 +385,15 @@ def read_program(path: str | os.PathLike) -> Program:
                     raise BadInput(f"{path}: array '{name}' fails its SHA-256 check (the file was altered "
                                    f"or damaged)")
                 arrays[name] = np.load(io.BytesIO(data), allow_pickle=False)
-    except (zipfile.BadZipFile, EOFError, OSError, ValueError) as error:
+                if [str(arrays[name].dtype), list(arrays[name].shape)] != [record.get("dtype"), record.get("shape")]:
+                    raise BadInput(f"{path}: damaged program: array '{name}' is {arrays[name].dtype} "
+                                   f"{arrays[name].shape}, the manifest says {record.get('dtype')} {record.get('shape')}")
+    except (zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError, NotImplementedError,
+            RuntimeError) as error:  # zipfile: a damaged stream, an unsupported or encrypted member
         raise BadInput(f"{path}: damaged program ({type(error).__name__}: {error})") from error
-    return Program(manifest, arrays)
+    program = Program(manifest, arrays)
+    try:
+        validate_program(program)
+    except _Invalid as error:
+        raise BadInput(f"{path}: damaged program: {error}") from None
+    return program

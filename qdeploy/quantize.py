@@ -161,12 +161,14 @@ def _requant_params(real: np.ndarray, target: Target) -> dict[str, np.ndarray]:
 
 def _clamp_bounds(attrs: dict, scale: float, qrange: tuple[int, int]) -> tuple[int, int]:
     """Fused activation bounds in the output's integers: ReLU gives lo = 0, ReLU6 hi = round(6 / s_out)."""
-    lo, hi = qrange
+    q_min, q_max = qrange
+    lo, hi = q_min, q_max
     if attrs["act_min"] != -math.inf:
-        lo = max(lo, int(np.round(attrs["act_min"] / scale)))
+        lo = int(np.clip(np.round(attrs["act_min"] / scale), q_min, q_max))
     if attrs["act_max"] != math.inf:
-        hi = min(hi, int(np.round(attrs["act_max"] / scale)))
-    return lo, hi
+        hi = int(np.clip(np.round(attrs["act_max"] / scale), q_min, q_max))
+    # A clamp interval outside the calibrated range collapses to one value, as the float clamp does there.
+    return lo, max(lo, hi)
 
 
 def _window(attrs: dict) -> dict | None:
@@ -276,8 +278,14 @@ class _Compiler:
     def _requant(self, index: int, s_in: float, s_w: np.ndarray, s_out: float) -> dict:
         """Eq. (4) per channel: M = s_in * s_w[c] / s_out as (mult, shift); and the float32 multiplier of
         `float32_rne`, float32(float32(s_in * s_w) / s_out) as ONNX Runtime computes it (design.md 3)."""
-        params = _requant_params(s_in * s_w / s_out, self.target)
-        scale_f32 = np.array([float32_multiplier(s_in, w, s_out) for w in s_w], np.float32)
+        real = s_in * s_w / s_out
+        with np.errstate(over="ignore"):
+            scale_f32 = np.array([float32_multiplier(s_in, w, s_out) for w in s_w], np.float32)
+        if not (np.all(np.isfinite(real)) and np.all(np.isfinite(scale_f32)) and np.all(real < 2.0 ** 31)):
+            raise BadInput(f"layer {self.current}: requantization multiplier s_in * s_w / s_out = "
+                           f"{float(np.max(real)):.3g} is out of range (scales {s_in:.3g}, {float(np.max(s_w)):.3g}, "
+                           f"{s_out:.3g}); check the calibration table")
+        params = _requant_params(real, self.target)
         return {"mult": self.array(index, "mult", params["mult"]),
                 "shift": self.array(index, "shift", params["shift"]),
                 "scale_f32": self.array(index, "scale_f32", scale_f32)}
@@ -321,6 +329,7 @@ class _Compiler:
         graph = self.graph
         instructions = []
         for index, node in enumerate(graph.nodes):
+            self.current = f"'{node.name}' ({node.op})"
             base = {"kind": node.op, "name": node.name, "inputs": list(node.inputs[:1] if node.op in (
                 InstrKind.CONV_GEMM.value, InstrKind.DENSE_GEMM.value) else node.inputs), "output": node.outputs[0]}
             if node.op in (InstrKind.CONV_GEMM.value, InstrKind.DENSE_GEMM.value):

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from qdeploy.errors import BadInput
+from qdeploy.errors import BadInput, Unsupported
+from qdeploy.fileio import MAX_TENSOR_ELEMENTS
 from qdeploy.ir import Graph, Node, Tensor, topological_order
 from qdeploy.reference import run_node
 
@@ -30,6 +31,78 @@ BATCH_PRESERVING = {
 }
 # Ops whose outputs are static (batch-independent metadata) even when their input is an activation.
 SHAPE_OPS = {"Shape", "Size"}
+
+# A graph input, initializer or node output larger than MAX_TENSOR_ELEMENTS (fileio.py) at the probe batch sizes
+# is refused before anything is allocated: the output size of each op that can grow a tensor beyond its inputs
+# (a shape taken from a tensor's values, padding, broadcasting, products) is bounded from its input shapes and
+# values first (`_output_bound`).
+BROADCAST_OPS = {"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Sum", "Mean", "Equal", "Less", "Greater",
+                 "Where"}
+WINDOW_OPS = {"Conv", "MaxPool", "AveragePool", "ConvGemm"}
+
+
+def check_elements(shape, what: str) -> None:
+    """BadInput when a tensor of `shape` would have more than MAX_TENSOR_ELEMENTS elements."""
+    elements = 1
+    for dim in shape:
+        elements *= max(int(dim), 0)  # Python ints: no overflow whatever the dims
+    if elements > MAX_TENSOR_ELEMENTS:
+        raise BadInput(f"{what} would have {elements:,} elements (shape {list(map(int, shape))}), more than "
+                       f"the limit of {MAX_TENSOR_ELEMENTS:,}")
+
+
+def _ints(value) -> list[int] | None:
+    array = np.asarray(value) if value is not None else None
+    if array is None or array.dtype.kind not in "iu":
+        return None
+    return [int(v) for v in array.reshape(-1)]
+
+
+def _broadcast_bound(shapes: list[tuple[int, ...]]) -> list[int]:
+    rank = max((len(s) for s in shapes), default=0)
+    padded = [(1,) * (rank - len(s)) + tuple(s) for s in shapes]
+    return [max(dims) for dims in zip(*padded)] if padded else []
+
+
+def _output_bound(node: Node, inputs: list[np.ndarray | None]) -> list[int] | None:
+    """An upper bound on the output shape of `node` (elementwise: each dim at least the true one), for the
+    ops whose output can be larger than their inputs; None for the others (output <= the inputs)."""
+    op, attrs = node.op, node.attrs
+    present = [x for x in inputs if x is not None]
+    if op == "ConstantOfShape" and present:
+        return _ints(present[0])
+    if op == "Expand" and len(present) == 2 and _ints(present[1]) is not None:
+        return _broadcast_bound([present[0].shape, tuple(_ints(present[1]))])
+    if op == "Tile" and len(present) == 2 and _ints(present[1]) is not None:
+        return [d * r for d, r in zip(present[0].shape, _ints(present[1]))]
+    if op == "Range" and len(present) == 3 and all(x.size == 1 for x in present):
+        start, limit, delta = (float(x.reshape(-1)[0]) for x in present)
+        count = (limit - start) / delta if delta else 0.0
+        return [int(min(max(np.ceil(count), 0), 2.0 ** 62)) if np.isfinite(count) else 2 ** 62]
+    if op == "Pad" and present:
+        pads = _ints(inputs[1]) if len(inputs) > 1 else attrs.get("pads")
+        if not pads:
+            return None
+        extra = sum(max(int(p), 0) for p in pads)  # bound: every axis grows by all the padding
+        return [d + extra for d in present[0].shape]
+    if op in WINDOW_OPS and present and present[0].ndim >= 3:
+        pads = attrs.get("pads") or []
+        extra = sum(max(int(p), 0) for p in pads)
+        channels = present[1].shape[0] if op in ("Conv", "ConvGemm") and len(present) > 1 and present[1].ndim \
+            else present[0].shape[1]
+        return [present[0].shape[0], channels] + [d + extra for d in present[0].shape[2:]]
+    if op in BROADCAST_OPS and present:
+        return _broadcast_bound([x.shape for x in present])
+    if op == "MatMul" and len(present) == 2 and present[0].ndim and present[1].ndim:
+        a, b = present[0].shape, present[1].shape
+        return _broadcast_bound([a[:-2], b[:-2]]) + [a[-2] if len(a) > 1 else 1, b[-1] if len(b) > 1 else 1]
+    if op == "Gemm" and len(present) >= 2:
+        return [max(present[0].shape, default=1), max(present[1].shape, default=1)]
+    if op == "Gather" and len(present) == 2:
+        return list(present[1].shape) + list(present[0].shape)
+    if op == "Concat" and present:
+        return [sum(x.size for x in present)]
+    return None
 
 
 @dataclass
@@ -81,12 +154,19 @@ def probe(graph: Graph) -> Probe:
         env: dict[str, np.ndarray] = {}
         for name in graph.inputs:
             tensor = graph.tensors[name]
-            env[name] = np.zeros(_concrete_input_shape(tensor, batch), dtype=tensor.dtype)
+            shape = _concrete_input_shape(tensor, batch)
+            check_elements(shape, f"graph input '{name}' at batch {batch}")
+            env[name] = np.zeros(shape, dtype=tensor.dtype)
         for node in order:
             outputs = _evaluate(graph, node, env, static, index, batch_one_cache)
+            declared = [name for name in node.outputs if name]
+            if len(node.outputs) > len(outputs) and any(node.outputs[len(outputs):]):
+                raise Unsupported(f"node '{node.name}' ({node.op}) declares {len(declared)} outputs; qdeploy "
+                                  f"computes {len(outputs)} for this op")
             for name, value in zip(node.outputs, outputs):
                 if not name:
                     continue
+                check_elements(value.shape, f"output '{name}' of node '{node.name}' ({node.op})")
                 shapes.setdefault(name, []).append(tuple(value.shape))
                 dtypes[name] = value.dtype
                 is_static = node.op in SHAPE_OPS or all(
@@ -94,6 +174,10 @@ def probe(graph: Graph) -> Probe:
                 if is_static:
                     static.setdefault(name, []).append(value)
                 else:
+                    if value.size == 0:
+                        raise Unsupported(f"node '{node.name}' ({node.op}) produces '{name}' of shape "
+                                          f"{value.shape} at batch {batch}: zero-size activations are not "
+                                          f"supported")
                     env[name] = value
             # Static values are kept in `static`; activations in env (zeros, only their shape matters).
             for name, value in zip(node.outputs, outputs):
@@ -114,6 +198,9 @@ def _evaluate(graph: Graph, node: Node, env: dict[str, np.ndarray], static: dict
         raise BadInput(f"node '{node.name}' ({node.op}) reads '{name}', which has no value")
 
     inputs = [value(name) for name in node.inputs]
+    bound = _output_bound(node, inputs)
+    if bound is not None:  # refuse before the op allocates its output
+        check_elements(bound, f"output of node '{node.name}' ({node.op}) at batch {PROBE_BATCHES[index]}")
     with np.errstate(all="ignore"):
         if node.op in BATCH_PRESERVING and inputs and inputs[0] is not None and inputs[0].ndim > 0:
             batch = inputs[0].shape[0]

@@ -12,17 +12,34 @@ This module reads programs through qdeploy.program (numpy and stdlib only) and n
 
 from __future__ import annotations
 
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from qdeploy.program import Program
 from simulator.config import Arithmetic, Rounding, target_from_dict
-from simulator.kernels.gemm import gemm
-from simulator.kernels.im2col import im2col
+from simulator.kernels.depthwise import depthwise_conv
+from simulator.kernels.gemm import channel_max_abs, gemm, gemm_planar
+from simulator.kernels.im2col import im2col, im2col_planar
 from simulator.kernels.requantize import requantize
 from simulator.kernels.window_max import window_max
 from simulator.reference import conv_output_size
+
+try:  # optional, speed only: holds BLAS to one thread while the machine runs (see Machine.run)
+    from threadpoolctl import ThreadpoolController
+except ImportError:  # pragma: no cover - then a batch runs in one thread, with BLAS threads as configured
+    ThreadpoolController = None
+_blas_controller = None
+
+# Instructions that act on each image of the batch separately: a program made only of these may run slices
+# of the batch in parallel threads with the same integers (Host ops are left out: the host executor may not
+# be thread-safe).
+PER_IMAGE_KINDS = frozenset({"ConvGemm", "DenseGemm", "AddGemm", "Concat", "Reshape", "Flatten", "Squeeze",
+                             "Unsqueeze"})
 
 
 class ProgramInputError(ValueError):
@@ -42,8 +59,8 @@ def tensor_dtype(program: Program, name: str) -> np.dtype:
 
 
 def quantize_input(program: Program, name: str, x: np.ndarray) -> np.ndarray:
-    """Host side: q = clamp(rne(x / scale), lo, hi) for a float input; an integer input of the tensor's dtype
-    is taken as already quantized."""
+    """Host side: q = clamp(rne(float32(x) / float32(scale)), lo, hi) for a float input, in float32 as ONNX's
+    QuantizeLinear computes it; an integer input of the tensor's dtype is taken as already quantized."""
     record = program.tensors[name]
     dtype = np.dtype(record["dtype"])
     if x.dtype == dtype:
@@ -54,7 +71,7 @@ def quantize_input(program: Program, name: str, x: np.ndarray) -> np.ndarray:
     arithmetic = Arithmetic(**program.manifest["target"]["arithmetic"])
     lo, hi = (0, 255) if dtype == np.uint8 else (arithmetic.act_min, arithmetic.act_max)
     with np.errstate(invalid="ignore"):
-        q = np.round(x.astype(np.float64) / record["scale"])
+        q = np.round(x.astype(np.float32) / np.float32(record["scale"]))
     if not np.all(np.isfinite(q)):
         raise ProgramInputError(f"input '{name}' contains NaN or Inf")
     return np.clip(q, lo, hi).astype(dtype)
@@ -67,19 +84,26 @@ def dequantize(program: Program, name: str, q: np.ndarray) -> np.ndarray:
 class Machine:
     """Runs one program; construct once and call `run` for each batch."""
 
-    def __init__(self, program: Program):
+    def __init__(self, program: Program, threads: int | None = None):
+        """threads: worker threads for slices of a batch (default: the CPUs this process may use); results do
+        not depend on it."""
         self.program = program
         self.target = target_from_dict(program.manifest["target"])
         self.arithmetic = self.target.arithmetic
         self.arrays = program.arrays
-        # GEMM weight matrices per group, transposed to (G, K, N/G) once, as the array holds them.
-        self.weights: dict[str, np.ndarray] = {}
+        self.threads = max(1, len(os.sched_getaffinity(0)) if threads is None else int(threads))
+        # How each GEMM instruction is computed (every method gives the same integers; see _GemmPlan).
+        self.plans: dict[str, _GemmPlan] = {}
         for instr in program.instructions:
             if "weight" in instr:
-                w = self.arrays[instr["weight"]]
-                groups = instr.get("group", 1)
-                self.weights[instr["name"]] = np.ascontiguousarray(
-                    w.reshape(groups, w.shape[0] // groups, w.shape[1]).transpose(0, 2, 1))
+                self.plans[instr["name"]] = _plan(instr, self.arrays[instr["weight"]], program.tensors)
+        self.last_use: dict[str, int] = {}
+        for step, instr in enumerate(program.instructions):
+            for name in instr["inputs"]:
+                self.last_use[name] = step
+        self.per_image = all(instr["kind"] in PER_IMAGE_KINDS for instr in program.instructions)
+        self._local = threading.local()  # per-thread scratch buffers (kernels.gemm._scratch)
+        self._pool: ThreadPoolExecutor | None = None
 
     def _check_input(self, name: str, x: np.ndarray) -> np.ndarray:
         record = self.program.tensors[name]
@@ -91,17 +115,38 @@ class Machine:
         return np.ascontiguousarray(x)
 
     def run(self, inputs: dict[str, np.ndarray], dump: bool = False) -> RunResult:
+        """Run the program on a batch. BLAS is held to one thread meanwhile (measured on 2 cores: OpenBLAS's own
+        threads spin against each other and against other processes, up to 8x slower per GEMM). Without dump,
+        a batch of several images is cut into slices that worker threads run through the whole program (the
+        kernels release the GIL); outputs are concatenated and event counts summed, so the result is the
+        single-thread result bit for bit (every instruction acts on each image separately)."""
         program = self.program
         env = {name: self._check_input(name, inputs[name]) for name in program.inputs}
+        batch = min((x.shape[0] for x in env.values()), default=0)
+        pieces = min(batch, 2 * self.threads)  # two slices per thread: a slow thread delays the end less
+        if dump or pieces < 2 or not self.per_image or ThreadpoolController is None:
+            with _one_blas_thread():
+                return self._run_images(env, dump)
+        bounds = [batch * i // pieces for i in range(pieces + 1)]
+        slices = [{name: x[a:b] for name, x in env.items()} for a, b in zip(bounds[:-1], bounds[1:])]
+        with _one_blas_thread():
+            results = list(self._executor().map(lambda part: self._run_images(part, False), slices))
+        outputs = {name: np.concatenate([r.outputs[name] for r in results]) for name in program.outputs}
+        events = {name: sum(r.overflow_events[name] for r in results) for name in results[0].overflow_events}
+        return RunResult(outputs, events)
+
+    def _run_images(self, env: dict[str, np.ndarray], dump: bool) -> RunResult:
+        program = self.program
         events: dict[str, int] = {}
         accumulators: dict[str, np.ndarray] = {}
-        last_use = {}
-        for step, instr in enumerate(program.instructions):
-            for name in instr["inputs"]:
-                last_use[name] = step
         for step, instr in enumerate(program.instructions):
             args = [env[name] for name in instr["inputs"]]
-            out, acc, count = self.execute(instr, args)
+            if instr["kind"] == "ConvGemm":
+                out, acc, count = self._conv(instr, args[0])  # acc (N, OH*OW, M), maybe a scratch view
+                if dump:
+                    acc = np.ascontiguousarray(acc).reshape(-1, acc.shape[-1])
+            else:
+                out, acc, count = self.execute(instr, args)
             env[instr["output"]] = out
             if count is not None:
                 events[instr["name"]] = count
@@ -109,10 +154,22 @@ class Machine:
                 accumulators[instr["name"]] = acc
             if not dump:
                 for name in instr["inputs"]:
-                    if last_use[name] == step and name not in program.outputs:
+                    if self.last_use[name] == step and name not in program.outputs:
                         env.pop(name, None)
         outputs = {name: env[name] for name in program.outputs}
         return RunResult(outputs, events, env if dump else {}, accumulators)
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="qdeploy-machine")
+        return self._pool
+
+    def _scratch(self) -> dict:
+        """This thread's reusable buffers (kernels.gemm._scratch): big arrays are allocated once, not per call."""
+        buffers = getattr(self._local, "buffers", None)
+        if buffers is None:
+            buffers = self._local.buffers = {}
+        return buffers
 
     # --- instructions ------------------------------------------------------------------------------------
     def execute(self, instr: dict, args: list[np.ndarray]):
@@ -170,30 +227,58 @@ class Machine:
                           window["ceil_mode"])
 
     def conv_gemm(self, instr: dict, x: np.ndarray):
-        groups = instr["group"]
-        n, _, _, _ = x.shape
-        cols = im2col(x, instr["kernel"], instr["strides"], instr["pads"], instr["dilations"], groups)
-        w = self.weights[instr["name"]]  # (G, K, M/G)
-        bias = self.arrays[instr["bias"]].reshape(groups, -1)
-        result = gemm(cols, w, self.arithmetic.acc_bits, self.arithmetic.overflow, bias=bias)
-        acc = result.acc  # (G, N*OH*OW, M/G)
-        rows = acc.shape[1]
-        acc = np.ascontiguousarray(acc.transpose(1, 0, 2)).reshape(rows, -1)  # (N*OH*OW, M), channel c = g*M/G + j
-        y = self._requantize(instr, acc)
-        kh, kw = instr["kernel"]
-        pads, strides, dilations = instr["pads"], instr["strides"], instr["dilations"]
-        oh = conv_output_size(x.shape[2], kh, strides[0], pads[0], pads[2], dilations[0])
-        ow = conv_output_size(x.shape[3], kw, strides[1], pads[1], pads[3], dilations[1])
-        y = np.ascontiguousarray(y.reshape(n, oh, ow, -1).transpose(0, 3, 1, 2))
-        return self._store(instr, y), acc, result.events
+        """(y NCHW, acc (N*OH*OW, M) before requantization, events)."""
+        y, acc, events = self._conv(instr, x)
+        return y, np.ascontiguousarray(acc).reshape(-1, acc.shape[-1]), events
+
+    def _conv(self, instr: dict, x: np.ndarray):
+        """(y NCHW, acc (N, OH*OW, M), events). acc of the depthwise and planar methods is a view of NCHW-ordered
+        memory (requantize keeps that layout, so y needs no transpose) and may be this thread's scratch."""
+        plan = self.plans[instr["name"]]
+        n = x.shape[0]
+        kernel, strides, pads, dilations = instr["kernel"], instr["strides"], instr["pads"], instr["dilations"]
+        oh = conv_output_size(x.shape[2], kernel[0], strides[0], pads[0], pads[2], dilations[0])
+        ow = conv_output_size(x.shape[3], kernel[1], strides[1], pads[1], pads[3], dilations[1])
+        bias = self.arrays[instr["bias"]]
+        acc_bits, overflow = self.arithmetic.acc_bits, self.arithmetic.overflow
+        if plan.method == "depthwise":
+            acc4, events = depthwise_conv(x, plan.weight, bias, kernel, strides, pads, dilations, acc_bits, overflow,
+                                          x_max_abs=_dtype_bound(x), w_max_abs=plan.weight_max)
+            acc = acc4.transpose(0, 2, 3, 1).reshape(n, oh * ow, -1)  # a view: acc4 is NCHW or NHWC in memory
+        elif plan.method == "planar":
+            cols = im2col_planar(x, kernel, strides, pads, dilations)  # (N, K, OH*OW); 1x1: a view of x
+            result = gemm_planar(plan.weight, cols, acc_bits, overflow, bias=bias, w_float=plan.weight_f32,
+                                 w_max_abs=plan.weight_max, scratch=self._scratch())
+            acc, events = result.acc.transpose(0, 2, 1), result.events
+        else:  # grouped: im2col + one GEMM per group, (G, N*OH*OW, M/G) -> (N, OH*OW, M), channel c = g*M/G + j
+            groups = instr["group"]
+            cols = im2col(x, kernel, strides, pads, dilations, groups)
+            result = gemm(cols, plan.weight, acc_bits, overflow, bias=bias.reshape(groups, -1))
+            acc, events = np.ascontiguousarray(result.acc.transpose(1, 0, 2)).reshape(n, oh * ow, -1), result.events
+        y = self._requantize(instr, acc)  # (N, OH*OW, M), in acc's memory order
+        y = np.ascontiguousarray(y.transpose(0, 2, 1)).reshape(n, -1, oh, ow)  # no copy when acc was NCHW
+        return self._store(instr, y), acc, events
 
     def dense_gemm(self, instr: dict, x: np.ndarray):
-        w = self.weights[instr["name"]][0]  # (K, M)
-        result = gemm(x, w, self.arithmetic.acc_bits, self.arithmetic.overflow, bias=self.arrays[instr["bias"]])
-        return self._requantize(instr, result.acc), result.acc, result.events
+        """(y (N, M), acc (N, M), events): the planar GEMM of w (M, K) with x^T, requantized in that layout."""
+        plan = self.plans[instr["name"]]
+        if plan.method != "planar":
+            result = gemm(x, plan.weight[0], self.arithmetic.acc_bits, self.arithmetic.overflow,
+                          bias=self.arrays[instr["bias"]])
+            return self._requantize(instr, result.acc), result.acc, result.events
+        result = gemm_planar(plan.weight, np.ascontiguousarray(x.T)[None], self.arithmetic.acc_bits,
+                             self.arithmetic.overflow, bias=self.arrays[instr["bias"]], w_float=plan.weight_f32,
+                             w_max_abs=plan.weight_max, scratch=self._scratch())
+        acc = result.acc[0].T  # (N, M) view of (M, N) memory
+        y = np.ascontiguousarray(self._requantize(instr, acc))
+        return y, np.ascontiguousarray(acc), result.events
 
     def add_gemm(self, instr: dict, a: np.ndarray, b: np.ndarray):
-        """acc = a * w_a + b * w_b: a K = 2 GEMM per element, [a b] . [w_a w_b]^T, in the accumulator."""
+        """acc = a * w_a + b * w_b: a K = 2 GEMM per element, [a b] . [w_a w_b]^T, in the accumulator.
+        With rounding float32_rne: the float32 output-stage add of ONNX Runtime's QLinearAdd (add_float32_rne)."""
+        if self.arithmetic.rounding == Rounding.FLOAT32_RNE and "add_ratio_f32" in instr:
+            y, value = add_float32_rne(a, b, self.arrays[instr["add_ratio_f32"]], *instr["clamp"])
+            return self._store(instr, y), value, 0
         w_a, w_b = instr["add_weights"]
         acc, events = np.zeros(a.size, np.int64), 0
         for x, w in ((a, w_a), (b, w_b)):  # k ascending, as the GEMM accumulates
@@ -202,6 +287,78 @@ class Machine:
         acc = acc.reshape(-1, 1)
         y = self._requantize(instr, acc).reshape(a.shape)
         return self._store(instr, y), acc.reshape(a.shape), events
+
+
+def add_float32_rne(a: np.ndarray, b: np.ndarray, ratio: np.ndarray, lo: int, hi: int
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """AddGemm in float32_rne mode (qdeploy/quantize.py eq. 6-7): y = clamp(rne(fma(a, r_a, f32(b * r_b))), lo, hi)
+    with the float32 ratios r = (r_a, r_b) = f32(s_a / s_out), f32(s_b / s_out). This is ONNX Runtime's QLinearAdd
+    on x86-64 AVX2 (MLAS MlasQLinearAddKernelAvx2Helper: _mm256_fmadd_ps(b, r_b, 0), then
+    _mm256_fmadd_ps(a, r_a, .), _mm256_cvtps_epi32, saturating packs), which its default graph optimizations
+    make of the exported DequantizeLinear -> Add -> QuantizeLinear. Returns (y, the float32 value before rounding).
+
+    fma rounds once: a * r_a is exact in float64 (8-bit integer times a 24-bit significand), t = f32(b * r_b)
+    is a float32; their float64 sum is rounded to odd (TwoSum error, then one ulp toward it when inexact and
+    even), and round-to-odd at 53 bits followed by round-to-nearest-even at 24 bits is the correctly rounded
+    float32 sum (53 >= 24 + 2). rne ties to even; |value| >= 2^31 converts to INT32_MIN (cvtps2dq's
+    "integer indefinite") and then clamps to lo, as MLAS does."""
+    r_a, r_b = np.float32(ratio[0]), np.float32(ratio[1])
+    x = a.astype(np.float64) * np.float64(r_a)
+    t = (b.astype(np.float32) * r_b).astype(np.float64)
+    total = x + t
+    b_virtual = total - x
+    error = (x - (total - b_virtual)) + (t - b_virtual)
+    to_odd = (error != 0) & ((total.view(np.int64) & 1) == 0)
+    total = np.where(to_odd, np.nextafter(total, np.where(error > 0, np.inf, -np.inf)), total)
+    value = total.astype(np.float32)
+    rounded = np.where(np.abs(value) < np.float32(2 ** 31), np.rint(value), -(2.0 ** 31))
+    dtype = np.uint8 if lo >= 0 and hi > 127 else np.int8
+    return np.clip(rounded, lo, hi).astype(dtype), value
+
+
+@dataclass(frozen=True)
+class _GemmPlan:
+    """How the machine computes one ConvGemm/DenseGemm instruction; every method gives the same integers
+    (tests/test_sim_depthwise.py, tests/test_sim_planar.py):
+    - "depthwise" (group = C = M, one filter per channel): kernels.depthwise, no im2col; weight (M, kh*kw);
+    - "planar" (group 1): im2col_planar + gemm_planar, weights on the left so acc comes out NCHW-ordered and a
+      1x1 convolution needs no im2col at all; weight (M, K), also kept as float32 for the BLAS path;
+    - "grouped" (other groups; weights that are not int8): im2col + grouped gemm; weight (G, K, M/G)."""
+
+    method: str
+    weight: np.ndarray
+    weight_f32: np.ndarray | None = None
+    weight_max: np.ndarray | None = None  # max |w| per output channel (depthwise, planar)
+
+
+def _plan(instr: dict, w: np.ndarray, tensors: dict) -> _GemmPlan:
+    groups = instr.get("group", 1)
+    if w.dtype == np.int8 and groups == 1:
+        w = np.ascontiguousarray(w)
+        return _GemmPlan("planar", w, w.astype(np.float32), channel_max_abs(w))
+    if instr["kind"] == "ConvGemm" and w.dtype == np.int8:
+        channels = tensors[instr["inputs"][0]]["shape"][1]
+        kh, kw = instr["kernel"]
+        if groups == channels == w.shape[0] and w.shape[1] == kh * kw:
+            w = np.ascontiguousarray(w)
+            return _GemmPlan("depthwise", w, None, channel_max_abs(w))
+    return _GemmPlan("grouped", np.ascontiguousarray(
+        w.reshape(groups, w.shape[0] // groups, w.shape[1]).transpose(0, 2, 1)))
+
+
+def _one_blas_thread():
+    """Context that limits BLAS to one thread (threadpoolctl), or does nothing without threadpoolctl."""
+    global _blas_controller
+    if ThreadpoolController is None:
+        return nullcontext()
+    if _blas_controller is None:
+        _blas_controller = ThreadpoolController()  # scans the loaded libraries once (~2 ms)
+    return _blas_controller.limit(limits=1, user_api="blas")
+
+
+def _dtype_bound(x: np.ndarray) -> int:
+    """max |x| that x's dtype allows (128 for int8, 255 for uint8): a bound without a pass over the data."""
+    return 255 if x.dtype == np.uint8 else 128
 
 
 def accumulate_step(acc: np.ndarray, term: np.ndarray, arithmetic: Arithmetic) -> tuple[np.ndarray, int]:

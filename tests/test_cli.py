@@ -107,12 +107,6 @@ def test_bad_model_files_give_one_line_errors(tmp_path):
                    "--input-shape")
 
 
-@pytest.mark.parametrize("args", [["report", "m.onnx", "m.qdp", "--data", "d", "-o", "r"],
-                                  ["export-onnx", "m.qdp", "-o", "m.onnx"]])
-def test_commands_not_built_yet_say_so(args):
-    one_line_error(runner.invoke(app, args), "not available in this version yet")
-
-
 def test_installed_console_script_exits_2_without_traceback(tmp_path):
     """The real entry point, as a user runs it: exit code 2 and one line on stderr."""
     result = subprocess.run([sys.executable, "-m", "qdeploy", "inspect", str(tmp_path / "nope.onnx")],

@@ -63,7 +63,7 @@ def test_conv_instruction_equals_the_python_int_twin(tmp_path, rounding):
 
     # Independent computation from the program's integers: Python-int im2col, GEMM and requantize.
     qx = run.tensors["x"]
-    assert np.array_equal(qx, np.clip(np.round(x / (2.5 / 127)), -127, 127).astype(np.int8))
+    assert np.array_equal(qx, np.clip(np.round(x / np.float32(2.5 / 127)), -127, 127).astype(np.int8))  # float32, as QuantizeLinear
     w = program.arrays[instr["weight"]].astype(np.int64)
     bias = program.arrays[instr["bias"]].astype(np.int64)
     cols = reference.im2col(qx, instr["kernel"], instr["strides"], instr["pads"], instr["dilations"], 2)

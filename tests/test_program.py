@@ -12,12 +12,21 @@ from qdeploy.program import FORMAT_VERSION, Program, read_program, write_program
 
 
 def sample_program():
+    """One DenseGemm y = requantize(x . W^T + b), with every field the simulator reads (read_program checks
+    the structure)."""
     arrays = {"0000_weight": np.arange(-6, 6, dtype=np.int8).reshape(3, 4),
               "0000_bias": np.array([1, -2, 2 ** 31 - 1], np.int32),
+              "0000_weight_scale": np.array([0.01, 0.02, 0.03], np.float32),
+              "0000_mult": np.array([1 << 30, 1 << 30, (1 << 31) - 1], np.int64),
+              "0000_shift": np.array([31, 40, 62], np.int64),
               "0000_scale_f32": np.array([0.5, 1e-9, 3.25], np.float32)}
-    manifest = {"toolkit_version": "test", "inputs": ["x"], "outputs": ["y"],
-                "tensors": {"x": {"shape": [None, 4], "scale": 0.1, "dtype": "int8"}},
-                "instructions": [{"kind": "DenseGemm", "name": "fc", "weight": "0000_weight"}]}
+    manifest = {"toolkit_version": "test", "target": {"arithmetic": {}}, "inputs": ["x"], "outputs": ["y"],
+                "tensors": {"x": {"shape": [None, 4], "scale": 0.1, "dtype": "int8"},
+                            "y": {"shape": [None, 3], "scale": 0.2, "dtype": "int8"}},
+                "instructions": [{"kind": "DenseGemm", "name": "fc", "inputs": ["x"], "output": "y",
+                                  "weight": "0000_weight", "bias": "0000_bias", "weight_scale": "0000_weight_scale",
+                                  "mult": "0000_mult", "shift": "0000_shift", "scale_f32": "0000_scale_f32",
+                                  "clamp": [-127, 127], "k": 4, "acc_bound_bits": 18}]}
     return Program(manifest, arrays)
 
 
@@ -33,8 +42,10 @@ def test_round_trip_is_exact_and_bytes_are_deterministic(tmp_path):
     assert loaded.manifest["format_version"] == FORMAT_VERSION
     assert loaded.instructions == sample_program().manifest["instructions"]
     with zipfile.ZipFile(first) as archive:  # readable by anyone: plain JSON and .npy, no pickle
-        assert sorted(archive.namelist()) == ["arrays/0000_bias.npy", "arrays/0000_scale_f32.npy",
-                                              "arrays/0000_weight.npy", "manifest.json"]
+        assert sorted(archive.namelist()) == ["arrays/0000_bias.npy", "arrays/0000_mult.npy",
+                                              "arrays/0000_scale_f32.npy", "arrays/0000_shift.npy",
+                                              "arrays/0000_weight.npy", "arrays/0000_weight_scale.npy",
+                                              "manifest.json"]
 
 
 def rewrite(path, out, change):

@@ -138,7 +138,12 @@ def lower(graph: Graph) -> LoweringResult:
 
 
 def require_lowered(result: LoweringResult, allow_host_fallback: bool) -> None:
-    """Refuse a graph with host ops unless the user allowed host fallback; the message names each node."""
+    """Refuse a graph with host ops unless the user allowed host fallback, and one with an output no instruction
+    computes (a constant of the model: the program has nothing to run for it); the message names each."""
+    constants = [name for name in result.graph.outputs if result.graph.tensors[name].is_constant]
+    if constants:
+        raise Unsupported(f"graph output '{constants[0]}' is a constant of the model: no instruction computes it, "
+                          f"so the int8 program cannot produce it")
     if result.host_ops and not allow_host_fallback:
         names = "; ".join(h.reason for h in result.host_ops)
         raise Unsupported(f"{len(result.host_ops)} op(s) cannot run on the GEMM unit: {names} "

@@ -15,7 +15,7 @@ from qdeploy.errors import Unsupported
 from qdeploy.ir import Graph, Node, Tensor, constant
 from qdeploy.lowering.instructions import INSTRUCTION_OPS, POOL_ATTRS, InstrKind, has_window_max
 from qdeploy.lowering.rules import (EPILOGUE_OPS, LOWERING, affine_of, batchnorm_scale_shift,
-                                    identity_gemm)
+                                    finite_weights, identity_gemm)
 
 GEMM_OPS = ("Conv", "Gemm", "MatMul")
 INF = float("inf")
@@ -76,8 +76,10 @@ def _fold_affine_into(graph: Graph, producer: Node, scale: np.ndarray, shift: np
     bias = graph.constant_data(producer.inputs[2]).astype(np.float64)
     weight = weight * scale.reshape((-1,) + (1,) * (weight.ndim - 1))
     bias = scale * bias + shift
-    w = constant(graph.unique_name(f"{producer.name}_weight_folded"), weight.astype(np.float32))
-    b = constant(graph.unique_name(f"{producer.name}_bias_folded"), bias.astype(np.float32))
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused by finite_weights
+        weight, bias = weight.astype(np.float32), bias.astype(np.float32)
+    w = constant(graph.unique_name(f"{producer.name}_weight_folded"), finite_weights(producer, "weight", weight))
+    b = constant(graph.unique_name(f"{producer.name}_bias_folded"), finite_weights(producer, "bias", bias))
     return producer.replace(inputs=[producer.inputs[0], w.name, b.name], outputs=[output]), [w, b]
 
 
@@ -229,7 +231,11 @@ def lower_standalone_epilogues(graph: Graph) -> Graph:
             nodes.append(node)
             continue
         (instr,) = lowered.nodes
-        nodes.append(instr.replace(attrs=merge_epilogue(instr.attrs, epilogue)))
+        merged = merge_epilogue(instr.attrs, epilogue)
+        if merged is None:  # Clip with min > max: no clamp interval; stays a host op
+            nodes.append(node)
+            continue
+        nodes.append(instr.replace(attrs=merged))
         tensors.extend(lowered.tensors)
         graph = graph.with_nodes(graph.nodes, lowered.tensors)
     return graph.with_nodes(nodes, tensors)

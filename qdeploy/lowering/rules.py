@@ -14,7 +14,7 @@ from typing import Callable
 
 import numpy as np
 
-from qdeploy.errors import Unsupported
+from qdeploy.errors import BadInput, Unsupported
 from qdeploy.ir import Graph, Node, Tensor, constant
 from qdeploy.lowering.instructions import InstrKind
 
@@ -48,14 +48,28 @@ def _rank(graph: Graph, name: str) -> int:
     return -1 if shape is None else len(shape)
 
 
+def finite_weights(node: Node, what: str, value: np.ndarray) -> np.ndarray:
+    """`value` if every element is finite; BadInput naming the node otherwise. The folds (BN, affines, alpha)
+    multiply finite float32 weights and can overflow to inf; the import already refused non-finite
+    initializers."""
+    if not np.all(np.isfinite(value)):
+        raise BadInput(f"node '{node.name}' ({node.op}): its {what} is not finite after folding (float32 "
+                       f"overflow of weights up to {np.max(np.abs(value[np.isfinite(value)]), initial=0):.3g})")
+    return value
+
+
 def _new_constants(graph: Graph, node: Node, **arrays: np.ndarray) -> dict[str, Tensor]:
-    return {key: constant(graph.unique_name(f"{node.name}_{key}"), value) for key, value in arrays.items()}
+    """float32 constants named after the node, refused (finite_weights) when the cast overflows."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        arrays = {key: np.asarray(value).astype(np.float32) for key, value in arrays.items()}
+    return {key: constant(graph.unique_name(f"{node.name}_{key}"), finite_weights(node, key, value))
+            for key, value in arrays.items()}
 
 
 def conv_gemm(graph: Graph, node: Node, x: str, weight: np.ndarray, bias: np.ndarray, *, group: int,
               strides: list[int], pads: list[int], dilations: list[int], output: str | None = None) -> Lowered:
     """A ConvGemm instruction computing `output` (default: the node's output) from `x`."""
-    consts = _new_constants(graph, node, weight=weight.astype(np.float32), bias=bias.astype(np.float32))
+    consts = _new_constants(graph, node, weight=weight, bias=bias)
     instr = Node(node.name, InstrKind.CONV_GEMM.value, [x, consts["weight"].name, consts["bias"].name],
                  [output or node.outputs[0]],
                  dict(group=group, strides=list(strides), pads=list(pads), dilations=list(dilations),
@@ -65,7 +79,7 @@ def conv_gemm(graph: Graph, node: Node, x: str, weight: np.ndarray, bias: np.nda
 
 def dense_gemm(graph: Graph, node: Node, x: str, weight: np.ndarray, bias: np.ndarray) -> Lowered:
     """A DenseGemm instruction y = x @ weight^T + bias with weight (out, K)."""
-    consts = _new_constants(graph, node, weight=weight.astype(np.float32), bias=bias.astype(np.float32))
+    consts = _new_constants(graph, node, weight=weight, bias=bias)
     instr = Node(node.name, InstrKind.DENSE_GEMM.value, [x, consts["weight"].name, consts["bias"].name],
                  [node.outputs[0]], no_epilogue())
     return Lowered([instr], list(consts.values()))
@@ -96,9 +110,9 @@ def lower_gemm(graph: Graph, node: Node) -> Lowered:
     if node.attrs.get("transA", 0):
         raise Unsupported(f"node '{node.name}' (Gemm): transA=1 (activation transposed) is not supported")
     b = _weight(graph, node, 1, "B")
-    weight = float(node.attrs.get("alpha", 1.0)) * (b if node.attrs.get("transB", 0) else b.T)
+    weight = float(node.attrs.get("alpha", 1.0)) * (b if node.attrs.get("transB", 0) else b.T).astype(np.float64)
     out_features = weight.shape[0]
-    bias = np.zeros(out_features, np.float32)
+    bias = np.zeros(out_features, np.float64)
     if len(node.inputs) > 2 and node.inputs[2]:
         c = _weight(graph, node, 2, "C")
         if c.size not in (1, out_features) or (c.ndim == 2 and c.shape[0] != 1):
@@ -142,7 +156,11 @@ def batchnorm_scale_shift(graph: Graph, node: Node) -> tuple[np.ndarray, np.ndar
         raise Unsupported(f"node '{node.name}' (BatchNormalization): training_mode=1 is not supported")
     gamma, beta, mean, var = (_weight(graph, node, i, what).astype(np.float64)
                               for i, what in ((1, "scale"), (2, "B"), (3, "mean"), (4, "var")))
-    scale = gamma / np.sqrt(var + float(node.attrs.get("epsilon", 1e-5)))
+    epsilon = float(node.attrs.get("epsilon", 1e-5))
+    if not np.all(var + epsilon > 0):
+        raise BadInput(f"node '{node.name}' (BatchNormalization): var + epsilon must be > 0, got "
+                       f"{float(np.min(var + epsilon)):.3g} (var '{node.inputs[4]}', epsilon {epsilon:g})")
+    scale = gamma / np.sqrt(var + epsilon)
     return scale, beta - scale * mean
 
 

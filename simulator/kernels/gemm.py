@@ -14,10 +14,15 @@ Two methods, equal bit for bit wherever both apply (tests/test_sim_arithmetic.py
   chunk, whatever order BLAS adds in and with or without FMA, is an integer of magnitude
   <= K_chunk * max|a| * max|b| <= 2^24, and float32 represents every such integer. Used for wrap, and for
   saturate when the worst-case bound proves that no addition can saturate (then all orders agree).
+
+`gemm_planar` is the same GEMM for a convolution with the weights on the left, acc[n] = w @ cols[n] + bias,
+so the result comes out in NCHW order (no transpose before or after; a 1x1 convolution needs no im2col). It
+uses the fast method where it is exact and the ordered one otherwise (tests/test_sim_planar.py).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +33,7 @@ from simulator.config import ACC_BITS_RANGE, Overflow
 # float32 has a 24-bit significand: every integer n with |n| <= 2^24 is exactly representable (2^24 + 1 is
 # the first that is not). A sum of integers stays exact while every partial sum stays within this bound.
 FLOAT32_EXACT_INT = 1 << 24
+INT32_MAX = (1 << 31) - 1
 
 
 def max_exact_chunk(a_max_abs: int, b_max_abs: int) -> int:
@@ -77,7 +83,7 @@ def wrapping_add(acc, v, lo, width):
     return ((acc + v - lo) & width) + lo
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, nogil=True)
 def gemm_ordered_kernel(a, bt, bias, lo, hi, saturate, out):
     """out[g, i, j] = the acc_bits register after adding a[g, i, k] * bt[g, j, k] for k = 0..K-1, then
     bias[g, j]; a (G, M, K) int8/uint8, bt (G, N, K) int8 (b transposed), bias (G, N) int64, lo = -2^(b-1),
@@ -190,7 +196,7 @@ def gemm(a, b, acc_bits: int = 32, overflow: str | Overflow = Overflow.WRAP, *, 
 # ---------------------------------------------------------------------------------------------------------
 # Fast float32 path
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def add_float32_chunk(product, exact):
     """exact += product elementwise; product (G, M, N) float32 holds exact integers (|.| <= 2^24)."""
     for g in range(product.shape[0]):
@@ -199,7 +205,7 @@ def add_float32_chunk(product, exact):
                 exact[g, i, j] += np.int64(product[g, i, j])
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def finish_fast_gemm(product, exact, use_exact, bias, lo, hi, out):
     """out[g, i, j] = wrap_b(sum + bias[g, j]) with sum = exact[g, i, j] (several chunks) or product[g, i, j]
     (one chunk, an exact float32 integer); returns the outputs whose exact value lies outside [lo, hi].
@@ -238,3 +244,160 @@ def _gemm_fast(a3, b3, bias3, lo, hi, a_max, b_max):
     out = product.view(np.int32) if hi <= np.iinfo(np.int32).max else np.empty((groups, m, n), np.int64)
     events = finish_fast_gemm(product, exact, exact.size > 0, bias3, np.int64(lo), np.int64(hi), out)
     return out, int(events)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Channel-planar GEMM: the convolution's GEMM with the weights on the left, result in NCHW order
+
+@njit(cache=True, nogil=True)
+def int_to_float32(src, dst):
+    """dst[i] = float32(src[i]) over flat arrays (exact for int8/uint8)."""
+    for i in range(src.shape[0]):
+        dst[i] = src[i]
+
+
+@njit(cache=True, nogil=True)
+def add_float32_planes(product, first, exact):
+    """exact = product (first chunk) or exact + product, elementwise over (N, M, S), in int64; product holds
+    exact integers (|.| <= 2^24)."""
+    src, dst = product.reshape(-1), exact.reshape(-1)
+    if first:
+        for i in range(src.shape[0]):
+            dst[i] = np.int64(src[i])
+    else:
+        for i in range(src.shape[0]):
+            dst[i] += np.int64(src[i])
+
+
+@njit(cache=True, nogil=True)
+def finish_planar(product, bias, lo, hi, narrow, in_range, out):
+    """out[n, m, s] = wrap_b(product[n, m, s] + bias[m]) for product (N, M, S) holding the exact sums: float32
+    (one K chunk; narrow = True: |sums| <= 2^24, so they are converted through int32, which vectorises) or
+    int64 (several chunks; narrow = False).
+    Returns the outputs whose exact value lies outside [lo, hi]. in_range[m]: the caller's worst-case bound
+    proves every exact value of channel m lies in [lo, hi] and int32 (no wrap, no event): then
+    out = sum + bias directly.
+    out may be product's own bytes viewed as int32: element (n, m, s) is read before it is written."""
+    width = hi - lo
+    full64 = hi == 9223372036854775807
+    events = 0
+    for n in range(product.shape[0]):
+        for m in range(product.shape[1]):
+            src, dst, b = product[n, m], out[n, m], bias[m]
+            if in_range[m] and narrow:
+                b32 = np.int32(b)
+                for s in range(src.shape[0]):
+                    dst[s] = np.int32(src[s]) + b32
+            elif in_range[m]:
+                for s in range(src.shape[0]):
+                    dst[s] = src[s] + b
+            else:
+                for s in range(src.shape[0]):
+                    v = (np.int64(np.int32(src[s])) if narrow else np.int64(src[s])) + b
+                    events += (v < lo) | (v > hi)
+                    dst[s] = v if full64 else ((v - lo) & width) + lo
+    return events
+
+
+def _scratch(scratch: dict | None, key: str, shape: tuple, dtype) -> np.ndarray:
+    """An uninitialised array of `shape`: a view of scratch[key] when that buffer is large enough (reused across
+    calls: a fresh large array costs a page fault per 4 KiB on first touch), else a new one stored there."""
+    dtype = np.dtype(dtype)
+    size = math.prod(shape) * dtype.itemsize
+    if scratch is None:
+        return np.empty(shape, dtype)
+    buffer = scratch.get(key)
+    if buffer is None or buffer.nbytes < size:
+        buffer = scratch[key] = np.empty(size, np.uint8)
+    return buffer[:size].view(dtype).reshape(shape)
+
+
+def channel_max_abs(w: np.ndarray) -> np.ndarray:
+    """max |w[m, :]| per row m of a 2-D weight (M, K), int64 (gemm_planar's and depthwise_conv's w_max_abs)."""
+    return np.abs(w.astype(np.int64)).max(axis=1) if w.size else np.zeros(w.shape[0], np.int64)
+
+
+@njit(cache=True, nogil=True)
+def _channels_in_range(taps_max, w_max_abs, bias, limit, out):
+    for m in range(out.shape[0]):
+        room = limit - taps_max * np.int64(w_max_abs[m])  # |products term| < 2^40, limit < 2^63: no overflow
+        out[m] = room >= 0 and -room <= bias[m] <= room
+
+
+def channels_in_range(k: int, a_max_abs: int, w_max_abs: np.ndarray, bias: np.ndarray, limit: int) -> np.ndarray:
+    """in_range[m]: K * max|a| * max|w[m]| + |bias[m]| <= limit, i.e. no partial or final sum of output channel m,
+    in any order, can leave [-limit, limit] (int64 throughout: the products term is < 2^40, limit < 2^63)."""
+    out = np.empty(len(w_max_abs), np.bool_)
+    _channels_in_range(np.int64(k * a_max_abs), w_max_abs, bias, np.int64(limit), out)
+    return out
+
+
+def gemm_planar(w, cols, acc_bits: int = 32, overflow: str | Overflow = Overflow.WRAP, *, bias=None,
+                w_float: np.ndarray | None = None, w_max_abs: np.ndarray | None = None,
+                scratch: dict | None = None) -> GemmResult:
+    """acc[n, m, s] = sum_k cols[n, k, s] * w[m, k] + bias[m] in an acc_bits register (eq. 1), stored
+    channel-planar: for image n, the GEMM of the rows s of cols[n]^T (S, K) with w^T (K, M), written as
+    (M, S), i.e. in NCHW order when s runs over output pixels. The same sums as
+    gemm(cols[n].T, w.T, bias=bias)[s, m], so the same acc and events (tests/test_sim_planar.py).
+
+    w (M, K) int8; cols (N, K, S) int8/uint8; bias (M,) integers. w_float: w as float32 (M, K), if the caller
+    keeps it; w_max_abs: max|w[m, :]| per row (channel_max_abs), if known (else measured). |cols| is bounded
+    by its dtype (128 or 255), so no pass over the data is needed to bound it. scratch: a dict of reusable
+    buffers (see _scratch); the returned acc may then be a view of one of them, valid until the next call
+    with the same dict.
+
+    Method: the fast float32 path of gemm (module docstring: chunks of K <= max_exact_chunk, exact) when it is
+    exact (wrap, or saturate with the worst-case bound <= 2^(b-1) - 1), with one BLAS matmul per image and K
+    chunk; otherwise the K-ordered kernel on the transposed operands (gemm(method="ordered"))."""
+    overflow = overflow if isinstance(overflow, Overflow) else Overflow(overflow)
+    w, cols = np.asarray(w), np.asarray(cols)
+    if w.dtype != np.int8 or w.ndim != 2:
+        raise ValueError(f"w has shape {w.shape} and dtype {w.dtype}, expected int8 (M, K)")
+    if cols.dtype not in (np.int8, np.uint8) or cols.ndim != 3 or cols.shape[1] != w.shape[1]:
+        raise ValueError(f"cols has shape {cols.shape} and dtype {cols.dtype}, expected int8/uint8 "
+                         f"(N, {w.shape[1]}, S)")
+    m_dim, k_dim = w.shape
+    n_dim, _, s_dim = cols.shape
+    if bias is None:
+        bias_m = np.zeros(m_dim, np.int64)
+    else:
+        bias_m = np.asarray(bias)
+        if bias_m.dtype.kind not in "iu" or bias_m.size != m_dim:
+            raise ValueError(f"bias has shape {bias_m.shape} and dtype {bias_m.dtype}, expected ({m_dim},) integers")
+    bias_wide = bias_m.dtype.itemsize > 4
+    if bias_m.dtype not in (np.int32, np.int64) or bias_m.ndim != 1 or not bias_m.flags.c_contiguous:
+        bias_m = np.ascontiguousarray(bias_m.reshape(m_dim), dtype=np.int64)  # int32/int64 are used as they are
+    if not ACC_BITS_RANGE[0] <= acc_bits <= ACC_BITS_RANGE[1]:
+        raise ValueError(f"acc_bits = {acc_bits}: expected {ACC_BITS_RANGE[0]}..{ACC_BITS_RANGE[1]}")
+    lo, hi = -(1 << (acc_bits - 1)), (1 << (acc_bits - 1)) - 1
+    a_max = 255 if cols.dtype == np.uint8 else 128
+    w_rows_max = channel_max_abs(w) if w_max_abs is None else np.asarray(w_max_abs, np.int64)
+    b_max = int(w_rows_max.max()) if m_dim else 0
+    # The worst case decides saturation and int64 overflow; with wrap below 64 bits and an int32 bias neither
+    # can arise (|sums| <= K * 2^16 + 2^31), so the pass over the bias is skipped.
+    bound = (worst_case_bound(k_dim, a_max, b_max, _max_abs(bias_m))
+             if overflow == Overflow.SATURATE or acc_bits == 64 or bias_wide else 0)
+    if overflow == Overflow.SATURATE and bound > hi:  # clamping possible: k order matters, use the ordered kernel
+        rows = np.ascontiguousarray(cols.transpose(0, 2, 1)).reshape(n_dim * s_dim, k_dim)
+        result = gemm(rows, np.ascontiguousarray(w.T), acc_bits, overflow, bias=bias_m, method="ordered")
+        acc = np.ascontiguousarray(result.acc.reshape(n_dim, s_dim, m_dim).transpose(0, 2, 1))
+        return GemmResult(acc, result.events, "ordered")
+    if bound > np.iinfo(np.int64).max:
+        raise ValueError(f"the exact sums may reach {bound}, beyond int64: events could not be counted")
+    chunk = max_exact_chunk(a_max, b_max)
+    w_f = w.astype(np.float32) if w_float is None else w_float
+    cols_f = _scratch(scratch, "cols_f32", cols.shape, np.float32)
+    int_to_float32(np.ascontiguousarray(cols).reshape(-1), cols_f.reshape(-1))
+    product = _scratch(scratch, "product", (n_dim, m_dim, s_dim), np.float32)
+    if k_dim <= chunk:
+        np.matmul(w_f, cols_f, out=product)
+        sums = product
+    else:
+        sums = _scratch(scratch, "exact", (n_dim, m_dim, s_dim), np.int64)
+        for k0 in range(0, k_dim, chunk):  # each chunk: |partial sums| <= chunk * a_max * b_max <= 2^24
+            np.matmul(w_f[:, k0:k0 + chunk], cols_f[:, k0:k0 + chunk, :], out=product)
+            add_float32_planes(product, k0 == 0, sums)
+    acc = product.view(np.int32) if acc_bits <= 32 else _scratch(scratch, "acc64", product.shape, np.int64)
+    in_range = channels_in_range(k_dim, a_max, w_rows_max, bias_m, min(hi, INT32_MAX))  # no wrap, no events
+    events = finish_planar(sums, bias_m, np.int64(lo), np.int64(hi), sums.dtype == np.float32, in_range, acc)
+    return GemmResult(acc, int(events), "fast")

@@ -53,6 +53,8 @@ def im2col_kernel(x, kh, kw, sh, sw, pt, pl, dh, dw, groups, oh_dim, ow_dim, out
 
 
 def _pairs(name: str, values, default) -> tuple[int, ...]:
+    if type(values) is tuple and len(values) == len(default) and all(type(v) is int for v in values):
+        return values  # already normalised (the common case of a second check)
     values = tuple(int(v) for v in (default if values is None else values))
     if len(values) != len(default):
         raise ValueError(f"{name} has {len(values)} values, expected {len(default)}")
@@ -93,4 +95,53 @@ def im2col(x: np.ndarray, kernel_shape: Sequence[int], strides: Sequence[int] | 
         return np.ascontiguousarray(cols).reshape(group, n_dim * h_dim * w_dim, c_dim // group)
     out = np.empty((group, n_dim * oh_dim * ow_dim, c_dim // group * kh * kw), x.dtype)
     im2col_kernel(x, kh, kw, sh, sw, pt, pl, dh, dw, group, oh_dim, ow_dim, out)
+    return out
+
+
+@njit(cache=True, nogil=True)
+def im2col_planar_kernel(x, kh, kw, sh, sw, pt, pl, dh, dw, oh_dim, ow_dim, out):
+    """out (N, C*kh*kw, OH*OW) from x (N, C, H, W): out[n, (c*kh + i)*kw + j, oh*OW + ow] =
+    x[n, c, oh*sh - pt + i*dh, ow*sw - pl + j*dw], 0 at padding. One output row (n, column k, oh) at a time:
+    the padded ends are written outside the copy loop, as in im2col_kernel."""
+    n_dim, c_dim, h_dim, w_dim = x.shape
+    for n in range(n_dim):
+        for c in range(c_dim):
+            for i in range(kh):
+                for j in range(kw):
+                    row = out[n, (c * kh + i) * kw + j]
+                    offset = j * dw - pl  # iw = ow * sw + offset
+                    first = min(max(-(offset // sw), 0), ow_dim)
+                    last = min(max(-((offset - w_dim) // sw), first), ow_dim)
+                    for oh in range(oh_dim):
+                        ih = oh * sh - pt + i * dh
+                        dst = row[oh * ow_dim:(oh + 1) * ow_dim]
+                        if ih < 0 or ih >= h_dim:
+                            dst[:] = 0
+                            continue
+                        src = x[n, c, ih]
+                        for ow in range(first):
+                            dst[ow] = 0
+                        for ow in range(first, last):
+                            dst[ow] = src[ow * sw + offset]
+                        for ow in range(last, ow_dim):
+                            dst[ow] = 0
+
+
+def im2col_planar(x: np.ndarray, kernel_shape: Sequence[int], strides: Sequence[int] | None = None,
+                  pads: Sequence[int] | None = None, dilations: Sequence[int] | None = None) -> np.ndarray:
+    """cols (N, C*kh*kw, OH*OW), same dtype as x, group 1: per image, the transpose of im2col's rows,
+    cols[n, k, oh*OW + ow] = im2col(x)[0, (n*OH + oh)*OW + ow, k] (eq. 9), the right operand of the
+    channel-planar GEMM (kernels.gemm.gemm_planar), whose result is then NCHW. A 1x1 convolution with stride 1
+    and no padding needs no copy: cols is x viewed as (N, C, H*W)."""
+    x = np.ascontiguousarray(x)
+    (kh, kw), (sh, sw), (pt, pl, pb, pr), (dh, dw) = check_window(x, kernel_shape, strides, pads, dilations)
+    n_dim, c_dim, h_dim, w_dim = x.shape
+    oh_dim = conv_output_size(h_dim, kh, sh, pt, pb, dh)
+    ow_dim = conv_output_size(w_dim, kw, sw, pl, pr, dw)
+    if oh_dim < 1 or ow_dim < 1:
+        raise ValueError(f"output size {oh_dim} x {ow_dim} is empty for input {h_dim} x {w_dim}")
+    if (kh, kw, sh, sw, pt, pl, pb, pr) == (1, 1, 1, 1, 0, 0, 0, 0):
+        return x.reshape(n_dim, c_dim, h_dim * w_dim)
+    out = np.empty((n_dim, c_dim * kh * kw, oh_dim * ow_dim), x.dtype)
+    im2col_planar_kernel(x, kh, kw, sh, sw, pt, pl, dh, dw, oh_dim, ow_dim, out)
     return out

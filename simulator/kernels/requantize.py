@@ -35,7 +35,7 @@ SATURATED = 1 << 40
 #   q = floor(p / 2^n), g = bit n-1 of p (the half bit), s = any of the bits below n-1 is set (sticky);
 # then p / 2^n - q = g/2 + (something in (0, 1/2) if s else 0), so "above half" = g and s, "tie" = g and not s.
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _shift_parts(p, n):
     """(q, g, s) of p / 2^n for int64 p with |p| < 2^62 and any int n (n <= 0 is an exact left shift)."""
     if n <= 0:
@@ -49,7 +49,7 @@ def _shift_parts(p, n):
     return p >> n, (p >> (n - 1)) & 1, (p & ((np.int64(1) << (n - 1)) - 1)) != 0
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _product_parts(acc, mult, n):
     """(q, g, s) of p / 2^n with p = acc * mult, exactly, for int64 acc and 0 <= mult < 2^31.
 
@@ -75,14 +75,14 @@ def _product_parts(acc, mult, n):
     return z >> k, (z >> (k - 1)) & 1, low != 0 or (z & ((np.int64(1) << (k - 1)) - 1)) != 0
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def round_half_up(acc, mult, n):
     """(3) floor((acc*mult + 2^(n-1)) / 2^n): ties toward +inf. Twin: reference.round_half_up."""
     q, g, s = _product_parts(acc, mult, n)
     return q + g
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def round_half_away(acc, mult, n):
     """(4) nearest to acc*mult / 2^n, ties away from zero. Twin: reference.round_half_away."""
     q, g, s = _product_parts(acc, mult, n)
@@ -91,7 +91,7 @@ def round_half_away(acc, mult, n):
     return q
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def round_half_even(acc, mult, n):
     """(5) nearest to acc*mult / 2^n, ties to even. Twin: reference.round_half_even."""
     q, g, s = _product_parts(acc, mult, n)
@@ -100,7 +100,7 @@ def round_half_even(acc, mult, n):
     return q
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def saturating_rounding_doubling_high_mul(a, b):
     """gemmlowp SaturatingRoundingDoublingHighMul on int32 values (held in int64): (a*b + nudge) / 2^31,
     C division (truncating toward zero), nudge = 2^30 if a*b >= 0 else 1 - 2^30; INT32_MIN * INT32_MIN
@@ -113,7 +113,7 @@ def saturating_rounding_doubling_high_mul(a, b):
     return v >> 31 if v >= 0 else -((-v) >> 31)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def rounding_divide_by_pot(x, exponent):
     """gemmlowp RoundingDivideByPOT, int32 x (held in int64), 0 <= exponent <= 31: x >> exponent, plus 1 when
     x & mask > (mask >> 1) + (x < 0): nearest, ties away from zero. Twin: reference.rounding_divide_by_pot."""
@@ -123,7 +123,7 @@ def rounding_divide_by_pot(x, exponent):
     return (x >> exponent) + (1 if remainder > threshold else 0)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def tflite_multiply(acc, mult, n):
     """(6) TFLite MultiplyByQuantizedMultiplier with exponent e = 31 - n: RDBPOT(SRDHM(wrap32(acc << max(e,0)),
     mult), max(-e,0)); int32 acc, n >= 0 (left shift <= 31, wrapping at 32 bits as TFLite's `x * (1 << l)`
@@ -143,7 +143,7 @@ def tflite_multiply(acc, mult, n):
 # Matrix kernels: acc (rows, C) int32/int64; mult, shift (C,) int64; scale (C,) float32; out (rows, C)
 # int8/uint8; lo <= hi within out's range.
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def requantize_half_up(acc, mult, shift, lo, hi, out):
     """out[i, c] = clamp(floor((acc[i, c] * mult[c] + 2^(n-1)) / 2^n), lo, hi), n = shift[c].
     Ties toward +inf (the arithmetic shift floors). acc*mult exact (int64, or split when |acc| > 2^31).
@@ -154,7 +154,7 @@ def requantize_half_up(acc, mult, shift, lo, hi, out):
             out[i, c] = min(max(v, lo), hi)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def requantize_half_away(acc, mult, shift, lo, hi, out):
     """out[i, c] = clamp(sign(p) * floor((|p| + 2^(n-1)) / 2^n), lo, hi), p = acc[i, c] * mult[c],
     n = shift[c]: nearest, ties away from zero. Twin: reference.requantize(mode="half_away")."""
@@ -164,7 +164,7 @@ def requantize_half_away(acc, mult, shift, lo, hi, out):
             out[i, c] = min(max(v, lo), hi)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def requantize_half_even(acc, mult, shift, lo, hi, out):
     """out[i, c] = clamp(nearest(acc[i, c] * mult[c] / 2^n), lo, hi), n = shift[c], ties to even.
     Twin: reference.requantize(mode="half_even")."""
@@ -174,7 +174,7 @@ def requantize_half_even(acc, mult, shift, lo, hi, out):
             out[i, c] = min(max(v, lo), hi)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def requantize_tflite(acc, mult, shift, lo, hi, out):
     """out[i, c] = clamp(RDBPOT(SRDHM(acc << l, mult[c]), r), lo, hi) with l = max(31 - n, 0),
     r = max(n - 31, 0), n = shift[c]: gemmlowp's double rounding (the high multiply rounds half away from
@@ -186,7 +186,7 @@ def requantize_tflite(acc, mult, shift, lo, hi, out):
             out[i, c] = min(max(v, lo), hi)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def requantize_float32_rne(acc, scale, lo, hi, out):
     """out[i, c] = clamp(rne(float32(acc[i, c]) * scale[c]), lo, hi): acc converted to float32 (round to
     nearest even), one float32 multiply (rounded to float32), then to the nearest integer, ties to even.
@@ -211,7 +211,7 @@ def requantize_float32_rne(acc, scale, lo, hi, out):
 #   half_away floor((p + h - [p < 0]) / 2^n)              a negative tie p = (q + 1/2) 2^n stays at q
 #   half_even floor((p + h - 1 + [bit n of p]) / 2^n)     a tie goes up exactly when q = floor(p / 2^n) is odd
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def requantize_half_up_fast(acc, mult, shift, lo, hi, out):
     """requantize_half_up for |acc| <= 2^31, 1 <= shift <= 62: out = clamp((p + 2^(n-1)) >> n, lo, hi)."""
     for i in range(acc.shape[0]):
@@ -221,7 +221,7 @@ def requantize_half_up_fast(acc, mult, shift, lo, hi, out):
             out[i, c] = min(max(v, lo), hi)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def requantize_half_away_fast(acc, mult, shift, lo, hi, out):
     """requantize_half_away for |acc| <= 2^31, 1 <= shift <= 62: out = clamp((p + 2^(n-1) - [p<0]) >> n)."""
     for i in range(acc.shape[0]):
@@ -232,7 +232,7 @@ def requantize_half_away_fast(acc, mult, shift, lo, hi, out):
             out[i, c] = min(max(v, lo), hi)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def requantize_half_even_fast(acc, mult, shift, lo, hi, out):
     """requantize_half_even for |acc| <= 2^31, 1 <= shift <= 62: out = clamp((p + 2^(n-1) - 1 + bit_n(p)) >> n)."""
     for i in range(acc.shape[0]):
@@ -243,7 +243,7 @@ def requantize_half_even_fast(acc, mult, shift, lo, hi, out):
             out[i, c] = min(max(v, lo), hi)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def requantize_tflite_fast(acc, mult, shift, lo, hi, out):
     """requantize_tflite for int32 acc and 31 <= shift <= 62 (no left shift, right shift r = n - 31 in 0..31),
     0 <= mult < 2^31 (so SRDHM's INT32_MIN * INT32_MIN case cannot occur). The C truncating division by
@@ -258,6 +258,123 @@ def requantize_tflite_fast(acc, mult, shift, lo, hi, out):
             threshold = (mask >> 1) + ((high >> 63) & 1)  # + 1 when high < 0
             result = (high >> right) + np.int64((high & mask) > threshold)  # RDBPOT
             out[i, c] = min(max(result, lo), hi)
+
+
+# Channel-planar kernel: acc (B, C, S) with the channel on the middle axis (an NCHW accumulator viewed as
+# (N, C, H*W)), out (B, C, S). The same formulas as the kernels above, one (b, c) plane at a time, so mult[c]
+# and shift[c] are constants of the inner loop (which then vectorises). requantize() uses it for an acc whose
+# last two axes are swapped in memory (np.swapaxes(acc, -1, -2) C-contiguous), with no transpose.
+
+_MODE_CODES = {Rounding.HALF_UP: 0, Rounding.HALF_AWAY: 1, Rounding.HALF_EVEN: 2, Rounding.TFLITE: 3,
+               Rounding.FLOAT32_RNE: 4}
+
+
+@njit(cache=True, nogil=True)
+def _plane_general(acc, mode, mult, n, lo, hi, out):
+    """out[s] = clamp(round(acc[s] * mult / 2^n), lo, hi) with the general scalar rounding of `mode` (0-3)."""
+    for s in range(acc.shape[0]):
+        a = np.int64(acc[s])
+        if mode == 0:
+            v = round_half_up(a, mult, n)
+        elif mode == 1:
+            v = round_half_away(a, mult, n)
+        elif mode == 2:
+            v = round_half_even(a, mult, n)
+        else:
+            v = tflite_multiply(a, mult, n)
+        out[s] = min(max(v, lo), hi)
+
+
+@njit(cache=True, nogil=True)
+def _plane_fast(acc, mode, mult, n, lo, hi, out):
+    """The fast kernels' formulas (see above; same preconditions) for one channel: mode 0 half_up, 1 half_away,
+    2 half_even, 3 tflite."""
+    half = np.int64(1) << (n - 1)
+    m = np.int64(np.int32(mult))  # exact (0 <= mult < 2^31); with an int32 acc, a 32 x 32 -> 64-bit product
+    if mode == 0:
+        for s in range(acc.shape[0]):
+            out[s] = min(max((np.int64(acc[s]) * m + half) >> n, lo), hi)
+    elif mode == 1:
+        for s in range(acc.shape[0]):
+            p = np.int64(acc[s]) * m
+            out[s] = min(max((p + half + (p >> 63)) >> n, lo), hi)
+    elif mode == 2:
+        for s in range(acc.shape[0]):
+            p = np.int64(acc[s]) * m
+            out[s] = min(max((p + half - 1 + ((p >> n) & 1)) >> n, lo), hi)
+    else:
+        right = n - 31
+        mask = (np.int64(1) << right) - 1
+        for s in range(acc.shape[0]):
+            ab = np.int64(acc[s]) * m
+            v = ab + (np.int64(1) << 30) + (ab >> 63) * 0x7FFFFFFF
+            high = (v + ((v >> 63) & 0x7FFFFFFF)) >> 31
+            threshold = (mask >> 1) + ((high >> 63) & 1)
+            out[s] = min(max((high >> right) + np.int64((high & mask) > threshold), lo), hi)
+
+
+@njit(cache=True, nogil=True)
+def _plane_float32_rne(acc, scale, lo, hi, out):
+    """requantize_float32_rne for one channel."""
+    f_lo, f_hi = np.float32(lo), np.float32(hi)
+    for s in range(acc.shape[0]):
+        y = np.float32(acc[s]) * scale
+        if y < f_lo:
+            y = f_lo
+        elif y > f_hi:
+            y = f_hi
+        out[s] = np.int64(np.rint(y))
+
+
+@njit(cache=True, nogil=True)
+def requantize_planar(acc, mode, fast, mult, shift, scale, lo, hi, out):
+    """out[b, c, s] = clamp(round_mode(acc[b, c, s], channel c), lo, hi): mode as _MODE_CODES (4: float32_rne
+    with scale[c]; else mult[c], shift[c], and fast[c] = channel c takes the fast formulas, whose
+    preconditions the caller checked). Equal to the (rows, C) kernels element for element."""
+    for b in range(acc.shape[0]):
+        for c in range(acc.shape[1]):
+            if mode == 4:
+                _plane_float32_rne(acc[b, c], scale[c], lo, hi, out[b, c])
+            elif fast[c]:
+                _plane_fast(acc[b, c], mode, mult[c], shift[c], lo, hi, out[b, c])
+            else:
+                _plane_general(acc[b, c], mode, mult[c], shift[c], lo, hi, out[b, c])
+
+
+@njit(cache=True, nogil=True)
+def requantize_rows_mixed(acc, mode, fast, mult, shift, lo, hi, out):
+    """(rows, C) layout with a per-channel choice: out[i, c] by the fast formula of `mode` (0-3) where fast[c]
+    (its preconditions checked by the caller for that channel), else by the general scalar rounding. For a
+    layer where only some channels qualify (a zero multiplier has shift 0), so the others keep the fast path."""
+    for i in range(acc.shape[0]):
+        for c in range(acc.shape[1]):
+            a, m, n = np.int64(acc[i, c]), mult[c], shift[c]
+            if not fast[c]:
+                if mode == 0:
+                    v = round_half_up(a, m, n)
+                elif mode == 1:
+                    v = round_half_away(a, m, n)
+                elif mode == 2:
+                    v = round_half_even(a, m, n)
+                else:
+                    v = tflite_multiply(a, m, n)
+            elif mode == 0:
+                v = (a * m + (np.int64(1) << (n - 1))) >> n
+            elif mode == 1:
+                p = a * m
+                v = (p + (np.int64(1) << (n - 1)) + (p >> 63)) >> n
+            elif mode == 2:
+                p = a * m
+                v = (p + (np.int64(1) << (n - 1)) - 1 + ((p >> n) & 1)) >> n
+            else:
+                ab = a * m
+                t = ab + (np.int64(1) << 30) + (ab >> 63) * 0x7FFFFFFF
+                high = (t + ((t >> 63) & 0x7FFFFFFF)) >> 31
+                right = n - 31
+                mask = (np.int64(1) << right) - 1
+                threshold = (mask >> 1) + ((high >> 63) & 1)
+                v = (high >> right) + np.int64((high & mask) > threshold)
+            out[i, c] = min(max(v, lo), hi)
 
 
 _INTEGER_KERNELS = {  # mode: (general kernel, fast kernel, shift range of the fast kernel)
@@ -281,6 +398,8 @@ def output_dtype(lo: int, hi: int) -> np.dtype:
 
 def _per_channel(values, channels: int, dtype, name: str) -> np.ndarray:
     array = np.asarray(values)
+    if array.shape == (channels,) and array.dtype == dtype and array.flags.c_contiguous:
+        return array  # the common case (a program's own arrays): no copy
     if array.ndim > 1 or (array.ndim == 1 and array.shape[0] not in (1, channels)):
         raise ValueError(f"{name} has shape {array.shape}, expected a scalar or ({channels},)")
     if dtype == np.int64 and array.dtype.kind not in "iu":
@@ -296,7 +415,7 @@ def requantize(acc, mult=None, shift=None, mode: str | Rounding = Rounding.HALF_
     Integer modes: mult, shift scalars or (C,) arrays (0 <= mult < 2^31; tflite: shift >= 0 and int32 acc).
     float32_rne: scale, a float32 scalar or (C,) array (finite, >= 0); mult and shift are not used.
     The defaults of lo and hi are the default activation range (config.Arithmetic)."""
-    mode = Rounding(mode)
+    mode = mode if isinstance(mode, Rounding) else Rounding(mode)
     acc = np.asarray(acc)
     if acc.dtype.kind not in "iu":
         raise ValueError(f"acc has dtype {acc.dtype}, expected integers")
@@ -304,26 +423,44 @@ def requantize(acc, mult=None, shift=None, mode: str | Rounding = Rounding.HALF_
         acc = acc.astype(np.int64)
     shape = acc.shape
     channels = shape[-1] if acc.ndim else 1
-    acc2 = np.ascontiguousarray(acc).reshape(-1, channels)
     dtype = output_dtype(int(lo), int(hi))
-    if out is None:
-        out = np.empty(shape, dtype)
-    elif out.shape != shape or out.dtype != dtype or not out.flags.c_contiguous:
-        raise ValueError(f"out must be a C-contiguous {dtype} array of shape {shape}")
-    out2 = out.reshape(-1, channels)
+    # Channel-planar input (the last two axes swapped in memory, as an NCHW accumulator viewed as (N, H*W, C)):
+    # computed in place of the transpose, and the result has the same memory layout (a view, no copy).
+    planar = (out is None and acc.ndim >= 2 and not acc.flags.c_contiguous
+              and np.swapaxes(acc, -1, -2).flags.c_contiguous)
+    if planar:
+        swapped = np.swapaxes(acc, -1, -2)
+        acc2 = swapped.reshape(-1, channels, shape[-2])  # (B, C, S), a view
+        out_swapped = np.empty(swapped.shape, dtype)
+        out = np.swapaxes(out_swapped, -1, -2)
+        out2 = out_swapped.reshape(acc2.shape)
+    else:
+        acc2 = np.ascontiguousarray(acc).reshape(-1, channels)
+        if out is None:
+            out = np.empty(shape, dtype)
+        elif out.shape != shape or out.dtype != dtype or not out.flags.c_contiguous:
+            raise ValueError(f"out must be a C-contiguous {dtype} array of shape {shape}")
+        out2 = out.reshape(-1, channels)
+        if channels == 1:  # one channel: the planar kernel, whose inner loop then runs over every row
+            planar, acc2, out2 = True, acc2.reshape(1, 1, -1), out2.reshape(1, 1, -1)
     if mode == Rounding.FLOAT32_RNE:
         if scale is None:
             raise ValueError("mode float32_rne needs scale (the float32 multiplier per channel)")
         scale_c = _per_channel(scale, channels, np.float32, "scale")
         if not np.all(np.isfinite(scale_c)) or np.any(scale_c < 0):
             raise ValueError("scale must be finite and >= 0")
-        requantize_float32_rne(acc2, scale_c, np.int64(lo), np.int64(hi), out2)
+        if planar:
+            unused = np.zeros(channels, np.int64)
+            requantize_planar(acc2, 4, np.zeros(channels, np.bool_), unused, unused, scale_c, np.int64(lo),
+                              np.int64(hi), out2)
+        else:
+            requantize_float32_rne(acc2, scale_c, np.int64(lo), np.int64(hi), out2)
         return out
     if mult is None or shift is None:
         raise ValueError(f"mode {mode} needs mult and shift")
     mult_c = _per_channel(mult, channels, np.int64, "mult")
     shift_c = _per_channel(shift, channels, np.int64, "shift")
-    if np.any(mult_c < 0) or np.any(mult_c >= MULT_LIMIT):
+    if channels and (mult_c.min() < 0 or mult_c.max() >= MULT_LIMIT):
         raise ValueError("mult must be in [0, 2^31)")
     narrow = acc2.dtype == np.int32 or acc2.size == 0 or (acc2.min() >= INT32_MIN and acc2.max() <= MULT_LIMIT)
     if mode == Rounding.TFLITE:
@@ -332,6 +469,12 @@ def requantize(acc, mult=None, shift=None, mode: str | Rounding = Rounding.HALF_
         if not narrow or (acc2.size and acc2.max() > INT32_MAX):
             raise ValueError("mode tflite needs int32 accumulator values (gemmlowp is defined on int32)")
     general, fast, (fast_min, fast_max) = _INTEGER_KERNELS[mode]
-    use_fast = narrow and (shift_c.size == 0 or (fast_min <= shift_c.min() and shift_c.max() <= fast_max))
-    (fast if use_fast else general)(acc2, mult_c, shift_c, np.int64(lo), np.int64(hi), out2)
+    fast_c = (shift_c >= fast_min) & (shift_c <= fast_max) & narrow  # the channels whose fast formula applies
+    if planar:
+        requantize_planar(acc2, _MODE_CODES[mode], fast_c, mult_c, shift_c, np.zeros(channels, np.float32),
+                          np.int64(lo), np.int64(hi), out2)
+    elif fast_c.all() or not fast_c.any():
+        (fast if fast_c.all() else general)(acc2, mult_c, shift_c, np.int64(lo), np.int64(hi), out2)
+    else:
+        requantize_rows_mixed(acc2, _MODE_CODES[mode], fast_c, mult_c, shift_c, np.int64(lo), np.int64(hi), out2)
     return out

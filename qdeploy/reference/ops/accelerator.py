@@ -28,8 +28,10 @@ def ConvGemm(x, w, b, *, group=1, strides=(1, 1), pads=(0, 0, 0, 0), dilations=(
 
 
 def DenseGemm(x, w, b, *, act_min=-np.inf, act_max=np.inf):
-    """y = clamp(x @ w^T + b, act_min, act_max) with w of shape (out, K)."""
-    y = np.matmul(x, w.T) + b
+    """y = clamp(x @ w^T + b, act_min, act_max) with w of shape (out, K). Row by row: BLAS sums a matrix
+    product in an order that depends on the number of rows, and a sample's result must not depend on the
+    batch it came in (calibration promises batch-size independence)."""
+    y = np.stack([w @ row for row in x]) + b if len(x) else np.matmul(x, w.T) + b
     return _epilogue(y, act_min, act_max)
 
 

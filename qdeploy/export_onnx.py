@@ -1,0 +1,323 @@
+"""Export a compiled program as a standard quantized ONNX model (design.md sections 3 and 6, issue 7).
+
+The exported model is the program, not a re-quantization of the float model: every int8 weight, int32 bias
+and scale is the program's array, bit for bit. It uses only default-domain ops of opset 13 (QOperator format
+for the GEMMs, QDQ for the residual add), runs in ONNX Runtime's CPU provider and passes `onnx.checker`.
+Activations keep zero point 0; a tensor's scale is `float32(scale)` of its program record.
+
+How each instruction is exported (x = the input tensor, y = the output; s_x, s_y their float32 scales):
+
+- input: QuantizeLinear(x_float, s_x, 0), then Clip when act_min > -128.
+- ConvGemm: QLinearConv(x, s_x, 0, W, s_w, 0, s_y, 0, bias) [-> Clip(lo, hi)] [-> MaxPool], with W int8
+  (M, C/g, kh, kw) = the program's (M, C/g*kh*kw) matrix, s_w = `weight_scale` (per output channel), bias
+  int32 = `bias`; MaxPool (int8) is the fused window-max.
+- DenseGemm: Reshape(N, K, 1, 1) -> QLinearConv 1x1 -> Reshape(N, M) [-> Clip]. QLinearMatMul has no int32
+  bias input; a 1x1 QLinearConv has, and is the same GEMM.
+- AddGemm: DequantizeLinear(a), DequantizeLinear(b) -> Add -> QuantizeLinear(s_y) [-> Clip] [-> MaxPool].
+  The default domain has no QLinearAdd (com.microsoft has, and ONNX Runtime fuses this pattern into it).
+- Reshape, Flatten, Squeeze, Unsqueeze: Reshape(x, [0, d1, ...]) (0 copies the free batch dimension).
+- Concat: Concat(axis=1); the inputs share the output's scale.
+- outputs: the int8 tensors; with `float_outputs`, DequantizeLinear(y, s_y, 0).
+
+QLinearConv saturates to the int8 range only, so a narrower clamp [lo, hi] of a fused ReLU/ReLU6 (or
+act_min = -127) is a Clip on the int8 tensor (Clip accepts int8 from opset 12); MaxPool accepts int8 from
+opset 12. Clip and MaxPool commute with the requantization (both are monotonic), so the chain equals the
+program's epilogue `requantize -> clamp -> window-max`.
+
+Arithmetic of ONNX Runtime on this model (onnxruntime 1.31, x86-64 with AVX2 and FMA), measured by
+tests/test_export_onnx.py and read from MLAS:
+
+- QLinearConv: int32 accumulation (exact, no int16 saturation for int8 x int8), bias added, then
+  `rne(f32(f32(acc) * M))` with `M = f32(f32(s_x * s_w[c]) / s_y)`, saturated to int8: exactly the program's
+  `float32_rne` requantization with its `scale_f32` (simulator/README.md eq. 7).
+- QuantizeLinear (input): `rne(f32(x / s_x))`, saturated. The simulator quantizes the input on the host
+  in float64 (`x / scale` in double); the two agree except where x / s_x lies within a float32 rounding
+  of a half-integer (none in the tests' real images). The per-layer check compares the quantized input too.
+- The residual add is where the optimization level matters:
+  - ORT_ENABLE_EXTENDED and ORT_ENABLE_ALL (the default): DequantizeLinear -> Add -> QuantizeLinear is
+    fused into com.microsoft.QLinearAdd, whose AVX2 kernel (MlasQLinearAddKernelAvx2Helper) computes
+    `rne(fma(q_a, r_a, f32(q_b * r_b)))` with `r = f32(s_in / s_y)`, a = the Add's first input (for
+    same-shape inputs; a one-element input is broadcast as the scalar B, swapping the roles);
+  - ORT_DISABLE_ALL and ORT_ENABLE_BASIC: the three ops run as written (DequantizeLinear `f32(q * s)`, a
+    float32 Add, QuantizeLinear `rne(f32(x / s_y))`), `rne(f32(f32(q_a * s_a) + f32(q_b * s_b)) / s_y)`.
+  The two differ in about one element in 500,000 (a different rounding near a tie). The simulator's AddGemm in
+  `float32_rne` mode computes the first (qdeploy/quantize.py eq. 6-7, simulator/machine.py
+  `add_float32_rne`), so the simulator is bit-exact with ONNX Runtime at its default optimization level;
+  with ORT_DISABLE_ALL every instruction but the add is bit-exact, and the adds (and what follows them)
+  match the second formula instead. On other CPUs MLAS's QLinearAdd differs again (SSE2 without FMA:
+  `f32(f32(0 + f32(q_a*r_a)) + f32(q_b*r_b))`; ARM NEON: a fixed-point kernel), so bit-exactness of the add is a
+  property of x86-64 AVX2 machines.
+
+Not exact in standard ONNX:
+- Programs compiled with a rounding mode other than `float32_rne` export with a warning: ONNX Runtime
+  requantizes with the float32 multiplier, not the program's integer (mult, shift), and adds in float, so
+  outputs may differ by one unit where the roundings differ (the integer weights, biases and scales are the
+  same). Compile with `rounding = "float32_rne"` for a model ONNX Runtime runs bit-exactly.
+- Unsigned (uint8) activations (`unsigned_activations = true`) are not exported (Unsupported): ONNX
+  Runtime implements QLinearConv only with the same input and output type, and such programs mix int8 (the
+  network input, tensors that can be negative) with uint8 tensors.
+- Host-fallback instructions (`--allow-host-fallback`) are not exported (Unsupported): their float op runs
+  in qdeploy's numpy executor, which ONNX Runtime's kernels would not reproduce bit for bit anyway.
+- Other accumulators (acc_bits != 32, or saturating): ONNX Runtime accumulates in int32, so such a program
+  exports with a warning naming the layers whose worst-case bound (`acc_bound_bits`) exceeds
+  min(acc_bits, 32) bits; the other layers cannot overflow and stay exact.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from qdeploy import __version__
+from qdeploy.errors import Unsupported
+from qdeploy.fileio import atomic_write
+from qdeploy.program import Program
+from simulator.config import Rounding, target_from_dict
+
+OPSET = 13  # per-axis QuantizeLinear/DequantizeLinear; int8 Clip and MaxPool need 12
+LAYOUT_KINDS = ("Reshape", "Flatten", "Squeeze", "Unsqueeze")
+_ONNX_TYPE = {"int8": TensorProto.INT8, "uint8": TensorProto.UINT8}
+_DTYPE_RANGE = {"int8": (-128, 127), "uint8": (0, 255)}
+
+
+@dataclass
+class ExportResult:
+    """The exported model, what the user should know about it, and where program tensors went."""
+
+    model: onnx.ModelProto
+    warnings: list[str] = field(default_factory=list)
+    tensor_names: dict[str, str] = field(default_factory=dict)  # program tensor -> ONNX int8 tensor
+    output: Path | None = None
+
+    def op_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for node in self.model.graph.node:
+            counts[node.op_type] = counts.get(node.op_type, 0) + 1
+        return counts
+
+
+class _Builder:
+    """Collects nodes and initializers; one scale/zero-point initializer pair per program tensor.
+    `names` maps each program tensor to the ONNX tensor holding its integers (decided before building:
+    `<name>_quantized` for inputs, and for outputs when they are dequantized; the program's name otherwise)."""
+
+    def __init__(self, program: Program, names: dict[str, str]):
+        self.program = program
+        self.names = names
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers: dict[str, onnx.TensorProto] = {}
+
+    def constant(self, name: str, array: np.ndarray) -> str:
+        if name in self.initializers:
+            raise ValueError(f"duplicate initializer '{name}'")
+        self.initializers[name] = numpy_helper.from_array(np.asarray(array), name)
+        return name
+
+    def node(self, op: str, inputs: list[str], output: str, name: str, **attrs) -> str:
+        self.nodes.append(helper.make_node(op, inputs, [output], name=name, **attrs))
+        return output
+
+    def dtype(self, tensor: str) -> str:
+        return self.program.tensors[tensor]["dtype"]
+
+    def qparams(self, tensor: str) -> tuple[str, str]:
+        """(scale, zero point) initializers of a program tensor: float32(scale), 0 of the tensor's dtype."""
+        scale, zero = f"{tensor}/scale", f"{tensor}/zero_point"
+        if scale not in self.initializers:
+            self.constant(scale, np.array(self.program.tensors[tensor]["scale"], np.float32))
+            self.constant(zero, np.zeros((), np.dtype(self.dtype(tensor))))
+        return scale, zero
+
+    def clip(self, value: str, lo: int, hi: int, dtype: str, output: str, name: str) -> str:
+        """Clip on the integer tensor (int8/uint8 Clip: opset 12+)."""
+        bounds = [self.constant(f"{name}/clip_{side}", np.array(v, np.dtype(dtype)))
+                  for side, v in (("min", lo), ("max", hi))]
+        return self.node("Clip", [value, *bounds], output, f"{name}/Clip")
+
+    def requantized_name(self, instr: dict) -> str:
+        """Name of the requantizing op's output: the final tensor when no clamp or window follows."""
+        return f"{instr['output']}/requantized" if self.needs_clip(instr) or instr.get("window") else \
+            self.names[instr["output"]]
+
+    def needs_clip(self, instr: dict) -> bool:
+        return tuple(instr["clamp"]) != _DTYPE_RANGE[self.dtype(instr["output"])]
+
+    def epilogue(self, instr: dict, value: str) -> str:
+        """Clip to the program's [lo, hi] where it is narrower than the dtype, then the fused window-max."""
+        final, window = self.names[instr["output"]], instr.get("window")
+        if self.needs_clip(instr):
+            value = self.clip(value, *instr["clamp"], self.dtype(instr["output"]),
+                              f"{instr['output']}/clipped" if window else final, instr["name"])
+        if window is not None:
+            value = self.node("MaxPool", [value], final, f"{instr['name']}/MaxPool",
+                              kernel_shape=window["kernel"], strides=window["strides"], pads=window["pads"],
+                              dilations=window["dilations"], ceil_mode=window["ceil_mode"])
+        return value
+
+
+def _qlinear_conv(b: _Builder, instr: dict, x: str, kernel: list[int], attrs: dict, output: str) -> str:
+    """QLinearConv with the program's weight (reshaped to (M, C/g, kh, kw)), per-channel weight scales and
+    int32 bias; its output is saturated to the dtype range (the clamp follows in the epilogue)."""
+    program, name = b.program, instr["name"]
+    x_dtype, y_dtype = b.dtype(instr["inputs"][0]), b.dtype(instr["output"])
+    if x_dtype != y_dtype:
+        raise Unsupported(f"instruction '{name}' ({instr['kind']}): {x_dtype} input and {y_dtype} output; ONNX "
+                          f"Runtime's QLinearConv takes and gives one type (compile without unsigned_activations "
+                          f"to export)")
+    weight = program.arrays[instr["weight"]]
+    m, k = weight.shape
+    taps = int(np.prod(kernel))
+    w = b.constant(f"{name}/weight", weight.reshape(m, k // taps, *kernel))
+    w_scale = b.constant(f"{name}/weight_scale", program.arrays[instr["weight_scale"]].astype(np.float32))
+    w_zero = b.constant(f"{name}/weight_zero_point", np.zeros(m, np.int8))
+    bias = b.constant(f"{name}/bias", program.arrays[instr["bias"]].astype(np.int32))
+    x_scale, x_zero = b.qparams(instr["inputs"][0])
+    y_scale, y_zero = b.qparams(instr["output"])
+    return b.node("QLinearConv", [x, x_scale, x_zero, w, w_scale, w_zero, y_scale, y_zero, bias], output,
+                  f"{name}/QLinearConv", kernel_shape=kernel, **attrs)
+
+
+def _conv_gemm(b: _Builder, instr: dict) -> str:
+    y = _qlinear_conv(b, instr, b.names[instr["inputs"][0]], list(instr["kernel"]),
+                      {"strides": instr["strides"], "pads": instr["pads"], "dilations": instr["dilations"],
+                       "group": instr["group"]}, b.requantized_name(instr))
+    return b.epilogue(instr, y)
+
+
+def _dense_gemm(b: _Builder, instr: dict) -> str:
+    name, x = instr["name"], instr["inputs"][0]
+    shape = b.program.tensors[x]["shape"]
+    if len(shape) != 2:
+        raise Unsupported(f"instruction '{name}' (DenseGemm): input '{x}' has shape {shape}; the ONNX export "
+                          f"handles (N, K) inputs")
+    k, m = shape[1], b.program.arrays[instr["weight"]].shape[0]
+    as_image = b.node("Reshape", [b.names[x], b.constant(f"{name}/shape_in", np.array([0, k, 1, 1], np.int64))],
+                      f"{name}/input_nchw", f"{name}/Reshape_in")
+    y = _qlinear_conv(b, instr, as_image, [1, 1], {}, f"{name}/output_nchw")
+    y = b.node("Reshape", [y, b.constant(f"{name}/shape_out", np.array([0, m], np.int64))],
+               b.requantized_name(instr), f"{name}/Reshape_out")
+    return b.epilogue(instr, y)
+
+
+def _add_gemm(b: _Builder, instr: dict) -> str:
+    """DequantizeLinear -> Add -> QuantizeLinear; ONNX Runtime fuses it into QLinearAdd (module docstring).
+    The program's first input is the Add's first input (the fused kernel treats A and B differently)."""
+    name = instr["name"]
+    floats = []
+    for side, tensor in zip("ab", instr["inputs"]):
+        scale, zero = b.qparams(tensor)
+        floats.append(b.node("DequantizeLinear", [b.names[tensor], scale, zero], f"{name}/{side}_dequantized",
+                             f"{name}/DequantizeLinear_{side}"))
+    total = b.node("Add", floats, f"{name}/sum", f"{name}/Add")
+    y_scale, y_zero = b.qparams(instr["output"])
+    y = b.node("QuantizeLinear", [total, y_scale, y_zero], b.requantized_name(instr), f"{name}/QuantizeLinear")
+    return b.epilogue(instr, y)
+
+
+def _layout(b: _Builder, instr: dict) -> str:
+    shape = np.array([0, *instr["shape"][1:]], np.int64)  # 0: copy the (free) batch dimension
+    return b.node("Reshape", [b.names[instr["inputs"][0]], b.constant(f"{instr['name']}/shape", shape)],
+                  b.names[instr["output"]], instr["name"])
+
+
+def _concat(b: _Builder, instr: dict) -> str:
+    return b.node("Concat", [b.names[t] for t in instr["inputs"]], b.names[instr["output"]], instr["name"],
+                  axis=1)
+
+
+EXPORTERS = {"ConvGemm": _conv_gemm, "DenseGemm": _dense_gemm, "AddGemm": _add_gemm, "Concat": _concat,
+             **{kind: _layout for kind in LAYOUT_KINDS}}
+
+
+def _value_info(name: str, elem_type: int, shape: list) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(name, elem_type, ["N" if d is None else d for d in shape])
+
+
+def _warnings(program: Program) -> list[str]:
+    arithmetic = target_from_dict(program.manifest["target"]).arithmetic
+    warnings = []
+    if arithmetic.rounding != Rounding.FLOAT32_RNE:
+        warnings.append(f"the program was compiled with rounding = \"{arithmetic.rounding}\"; ONNX Runtime "
+                        f"requantizes in float32 (\"float32_rne\"), so its outputs may differ from the "
+                        f"simulator's by one unit where the roundings differ; compile with rounding = "
+                        f"\"float32_rne\" for a bit-exact model")
+    if (arithmetic.acc_bits, arithmetic.overflow) != (32, "wrap"):
+        limit = min(arithmetic.acc_bits, 32)
+        deep = [i["name"] for i in program.instructions if i.get("acc_bound_bits", 0) > limit]
+        if deep:
+            shown = ", ".join(deep[:3]) + (", ..." if len(deep) > 3 else "")
+            warnings.append(f"the program's accumulator is {arithmetic.acc_bits}-bit {arithmetic.overflow} and "
+                            f"ONNX Runtime's is 32-bit wrap; {len(deep)} layer(s) may differ ({shown})")
+    return warnings
+
+
+def export_program(program: Program, *, float_outputs: bool = False,
+                   tensor_outputs: bool = False) -> ExportResult:
+    """Build the quantized ONNX model of `program` (module docstring). Outputs are the int8 tensors named as
+    the program's outputs, or with `float_outputs` their DequantizeLinear (the int8 tensor is then
+    `<name>_quantized`). `tensor_outputs` also makes every instruction's output and the quantized inputs graph
+    outputs (per-layer comparison); `ExportResult.tensor_names` maps program tensors to ONNX tensors."""
+    arithmetic = target_from_dict(program.manifest["target"]).arithmetic
+    names = {t: t for t in program.tensors}
+    names.update({t: f"{t}_quantized" for t in program.inputs})
+    if float_outputs:
+        names.update({t: f"{t}_quantized" for t in program.outputs})
+    b = _Builder(program, names)
+    graph_inputs = []
+    for name in program.inputs:
+        record = program.tensors[name]
+        if record["dtype"] != "int8":
+            raise Unsupported(f"program input '{name}' is {record['dtype']}; the ONNX export quantizes float "
+                              f"inputs to int8")
+        graph_inputs.append(_value_info(name, TensorProto.FLOAT, record["shape"]))
+        scale, zero = b.qparams(name)
+        narrow = arithmetic.act_min > -128 or arithmetic.act_max < 127  # QuantizeLinear saturates to int8
+        quantized = b.node("QuantizeLinear", [name, scale, zero], f"{name}/quantized" if narrow else names[name],
+                           f"{name}/QuantizeLinear")
+        if narrow:
+            b.clip(quantized, arithmetic.act_min, arithmetic.act_max, "int8", names[name], name)
+    for instr in program.instructions:
+        exporter = EXPORTERS.get(instr["kind"])
+        if exporter is None:
+            raise Unsupported(f"instruction '{instr['name']}': kind {instr['kind']!r} has no ONNX export "
+                              f"(supported: {', '.join(EXPORTERS)})")
+        exporter(b, instr)
+    graph_outputs = []
+    for name in program.outputs:
+        record = program.tensors[name]
+        if float_outputs:
+            scale, zero = b.qparams(name)
+            b.node("DequantizeLinear", [names[name], scale, zero], name, f"{name}/DequantizeLinear")
+            graph_outputs.append(_value_info(name, TensorProto.FLOAT, record["shape"]))
+        else:
+            graph_outputs.append(_value_info(name, _ONNX_TYPE[record["dtype"]], record["shape"]))
+    if tensor_outputs:
+        listed = {v.name for v in graph_outputs}
+        for tensor in [*program.inputs, *(i["output"] for i in program.instructions)]:
+            if names[tensor] not in listed:
+                record = program.tensors[tensor]
+                graph_outputs.append(_value_info(names[tensor], _ONNX_TYPE[record["dtype"]], record["shape"]))
+                listed.add(names[tensor])
+    opset = [helper.make_opsetid("", OPSET)]
+    graph = helper.make_graph(b.nodes, str(program.manifest.get("model") or "qdeploy_program"), graph_inputs,
+                              graph_outputs, list(b.initializers.values()))
+    model = helper.make_model(graph, opset_imports=opset, ir_version=helper.find_min_ir_version_for(opset),
+                              producer_name="qdeploy", producer_version=__version__,
+                              doc_string="int8 program exported by `qdeploy export-onnx`")
+    helper.set_model_props(model, {"qdeploy.rounding": str(arithmetic.rounding),
+                                   "qdeploy.model": str(program.manifest.get("model", ""))})
+    onnx.checker.check_model(model, full_check=True)
+    return ExportResult(model, _warnings(program), {t: names[t] for t in
+                                                    [*program.inputs, *(i["output"] for i in program.instructions)]})
+
+
+def write_onnx(result: ExportResult, path: str | os.PathLike) -> Path:
+    """Save the exported model atomically (temporary file beside `path`, then rename)."""
+    data = result.model.SerializeToString()
+    result.output = atomic_write(path, lambda tmp: tmp.write_bytes(data))
+    return result.output

@@ -1,0 +1,311 @@
+"""`build_report`: the accuracy-drop report of an int8 program against its float model (design.md section 6,
+issue 6). It checks its inputs, streams the data through qdeploy/reports/evaluate.py, then writes into the
+report folder, each file atomically: the figures (plots.py), report.json (the `document` below) and report.md
+(markdown.py), in that order, so report.md never links a figure that is not there."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from calib.data import Preprocess, open_data
+from calib.table import CalibrationTable
+from qdeploy import __version__
+from qdeploy.errors import BadInput
+from qdeploy.program import Program, read_program
+from qdeploy.reports import DEFAULT_BATCH_SIZE, metrics
+from qdeploy.reports.evaluate import Evaluator, check_original
+from qdeploy.reports.files import write_file
+from qdeploy.reports.inputs import check_program_matches, load_labels, load_peer
+
+CHECK_ORIGINAL_SAMPLES = 8  # samples of the first batch also run through the original (unlowered) graph
+WORST_LAYERS = 3
+REPORT_FORMAT = "qdeploy-report"
+REPORT_VERSION = 1
+SQNR_PNG, HISTOGRAMS_PNG = "sqnr.png", "histograms.png"
+
+Progress = Callable[[int, int], None]
+
+
+@dataclass
+class ReportResult:
+    document: dict  # the content of report.json
+    output: Path  # the report folder
+    files: list[Path] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    def headline(self) -> str:
+        """What `qdeploy report` prints: the figures a reader wants first."""
+        d = self.document
+        lines = [f"report on {d['samples']} samples of {d['data']}: float model (reference executor) vs int8 "
+                 f"program (simulator)",
+                 f"  top-1 agreement {_percent(d['top1_agreement'])}   top-5 agreement {_percent(d['top5_agreement'])}",
+                 f"  logits SQNR {metrics.format_db(_db(d['logits_sqnr_db']))}   cosine {d['cosine']:.4f} "
+                 f"(min {d['cosine_min']:.4f})"]
+        if d["accuracy_float"] is not None:
+            lines.append(f"  accuracy float {_percent(d['accuracy_float'])}   int8 {_percent(d['accuracy_int8'])}   "
+                         f"drop {d['accuracy_drop_points']:+.2f} points")
+        worst = ", ".join(f"{w['name']} {metrics.format_db(_db(w['sqnr_isolated_db']))}"
+                          for w in d["worst_layers"]["isolated"])
+        if worst:
+            lines.append(f"  worst layers (isolated SQNR): {worst}")
+        peer = d.get("peer")
+        if peer:
+            best = next(e for e in peer["entries"] if e["best"])
+            sqnr = metrics.format_db(_db(best["logits_sqnr_db"]))
+            lines.append(f"  peer {peer['name']} ({best['label']}, its best): top-1 agreement "
+                         f"{_percent(best['top1_agreement'])}, logits SQNR {sqnr}")
+        if d["host_ops"]:
+            lines.append(f"  host-fallback ops: {', '.join(h['node'] for h in d['host_ops'])}")
+        lines.append(f"wrote {self.output / 'report.md'} (+ report.json, {len(d['plots'])} PNG)")
+        return "\n".join(lines)
+
+
+def _percent(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.1f}%"
+
+
+def _db(value: float | None) -> float:
+    """A report.json SQNR back to a float (null is an exact result: +inf)."""
+    return math.inf if value is None else value
+
+
+def _op_counts(graph) -> dict[str, int]:
+    return dict(sorted(collections.Counter(node.op for node in graph.nodes).items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def _calibration_summary(table: CalibrationTable, program: Program) -> tuple[list[dict], list[dict], list[str]]:
+    """Per calibrated tensor of the program: threshold, amax and the share of |x| above |T| (clipped); the
+    histograms for the figure; and a warning when the program's scales do not come from this table."""
+    concat_inputs = {name for instr in program.instructions if instr["kind"] == "Concat" for name in instr["inputs"]}
+    rows, plots, differing = [], [], []
+    for name, record in table.records.items():
+        if name not in program.tensors:
+            continue
+        tensor = program.tensors[name]
+        qmax = 255.0 if tensor["dtype"] == "uint8" else 127.0
+        if name not in concat_inputs and not math.isclose(tensor["scale"], record.threshold / qmax, rel_tol=1e-6):
+            differing.append(name)
+        clipped = None
+        if record.counts is not None and record.amax:
+            counts = np.asarray(record.counts, np.float64)
+            first_above = int(math.floor(record.threshold / record.bin_width)) + 1
+            clipped = float(counts[first_above:].sum() / counts.sum()) if counts.sum() else 0.0
+            plots.append({"name": name, "counts": counts, "amax": record.amax, "threshold": record.threshold})
+        rows.append({"name": name, "method": record.method, "threshold": record.threshold, "amax": record.amax,
+                     "scale": tensor["scale"], "clipped_fraction": clipped})
+    warnings = []
+    if differing:
+        warnings.append(f"the program's scales of {len(differing)} tensor(s) are not |T|/127 of the calibration "
+                        f"table (e.g. '{differing[0]}'): the table is not the one the program was compiled with")
+    return rows, plots, warnings
+
+
+def _summarise_peer(peer, evaluator: Evaluator, labels: np.ndarray | None, ours_top1: float,
+                    ours_sqnr: float) -> dict:
+    entries = []
+    for stats, entry in zip(evaluator.peers, peer.entries):
+        top = np.concatenate(stats.top)
+        top1, top5 = metrics.agreement(evaluator.output.concatenated(evaluator.output.float_top), top)
+        cosine = np.concatenate(stats.cosine)
+        record = {"label": entry.label, "top1_agreement": top1, "top5_agreement": top5,
+                  "logits_sqnr_db": metrics.json_number(stats.sqnr.db), "cosine": float(np.mean(cosine)),
+                  "accuracy_int8": None, "settings": entry.settings, "best": False}
+        if labels is not None:
+            record["accuracy_int8"] = metrics.accuracy(top, labels)[0]
+        entries.append(record)
+    best = max(entries, key=lambda e: (e["top1_agreement"], _db(e["logits_sqnr_db"])))
+    best["best"] = True
+    return {"name": peer.name, "description": peer.description, "entries": entries, "best": best["label"],
+            "ours_minus_best": {"top1_agreement_points": 100 * (ours_top1 - best["top1_agreement"]),
+                                "logits_sqnr_db": metrics.json_number(ours_sqnr - _db(best["logits_sqnr_db"]))}}
+
+
+def build_report(model: str | os.PathLike, program: str | os.PathLike | Program, data, output: str | os.PathLike,
+                 *, labels: str | os.PathLike | np.ndarray | None = None,
+                 calib: str | os.PathLike | CalibrationTable | None = None, peer: str | os.PathLike | None = None,
+                 num_samples: int | None = None, batch_size: int = DEFAULT_BATCH_SIZE,
+                 preprocess: Preprocess | None = None, input_shapes=None, progress: Progress | None = None,
+                 command: str | None = None) -> ReportResult:
+    """Evaluate `program` against `model` on `data` and write the report folder `output` (module docstring).
+
+    data: an image folder (with `preprocess`), a .npy/.npz file, an array or {input: array}, as for calibration.
+    labels: integer classes, one per sample of `data` (a .npy/.txt path or an array): adds accuracy and drop.
+    calib: the calibration table, for the histogram figure and the calibration settings.
+    peer: a peer file of another toolkit's int8 logits on the same data (qdeploy/reports/inputs.py).
+    num_samples: the first N samples (default: all). command: the command line, recorded in the report."""
+    from qdeploy.api import bind_inputs
+    from qdeploy.lowering import lower
+    from qdeploy.onnx_import import import_onnx
+    from qdeploy.summary import summarize
+
+    start_time = time.perf_counter()
+    model = Path(model)
+    output = Path(output)
+    if output.exists() and not output.is_dir():
+        raise BadInput(f"{output}: exists and is not a folder; give the report folder")
+    if batch_size < 1:
+        raise BadInput(f"--batch-size {batch_size}: must be at least 1")
+    if num_samples is not None and num_samples < 1:
+        raise BadInput(f"--num-samples {num_samples}: must be at least 1")
+    program_source = str(program) if not isinstance(program, Program) else "program"
+    program = program if isinstance(program, Program) else read_program(program)
+    try:
+        imported = import_onnx(model, input_shapes)
+        lowering = lower(imported.graph)
+    except BadInput as error:
+        if str(error).startswith(str(model)):
+            raise
+        raise BadInput(f"{model}: {error}") from error
+    graph = lowering.graph
+    check_program_matches(program, graph, str(model), program_source)
+
+    label_array = None
+    if labels is not None:
+        label_array = (np.asarray(labels, np.int64).reshape(-1) if isinstance(labels, np.ndarray)
+                       else load_labels(labels))
+    table = calib if isinstance(calib, CalibrationTable) or calib is None else CalibrationTable.load(calib)
+    peer_file = load_peer(peer) if peer is not None else None
+
+    source = open_data(data, num_samples=sys.maxsize, input_names=graph.inputs,
+                       input_shapes=[graph.tensors[n].shape for n in graph.inputs], preprocess=preprocess,
+                       strict=label_array is not None or peer_file is not None)
+    available = source.samples
+    if label_array is not None and len(label_array) != available:
+        raise BadInput(f"{labels if not isinstance(labels, np.ndarray) else 'labels'}: {len(label_array)} labels "
+                       f"for {available} samples in {source.source}")
+    if peer_file is not None:
+        for entry in peer_file.entries:
+            if entry.logits.shape[0] != available:
+                raise BadInput(f"{peer}: entry '{entry.label}' has logits for {entry.logits.shape[0]} samples, "
+                               f"the data {source.source} has {available}")
+    source.samples = min(available, num_samples or available)
+
+    evaluator = Evaluator(program, graph, {e.label: e.logits for e in peer_file.entries} if peer_file else None)
+    lowering_error = None
+    walk_start = time.perf_counter()
+    with contextlib.closing(source.batches(batch_size)) as batches:
+        for batch in batches:
+            feeds = bind_inputs(graph, batch.arrays, source.source)
+            float_logits, _ = evaluator.run_batch(feeds, batch.start)
+            if lowering_error is None:
+                head = {name: array[:CHECK_ORIGINAL_SAMPLES] for name, array in feeds.items()}
+                lowering_error = check_original(imported.graph, head, float_logits[:CHECK_ORIGINAL_SAMPLES],
+                                                program.outputs[0])
+            if progress is not None:
+                progress(evaluator.samples, source.samples)
+    walk_seconds = time.perf_counter() - walk_start
+    if evaluator.samples == 0:
+        raise BadInput(f"{source.source}: no samples to evaluate")
+    warnings = list(source.warnings)
+    if lowering_error is not None and lowering_error > 1e-3:
+        warnings.append(f"the lowered float graph differs from the original model by {lowering_error:.2e} "
+                        f"(relative) on the first samples: a lowering problem, not quantization")
+
+    # ---- figures ---------------------------------------------------------------------------------------------
+    logits = evaluator.output
+    float_top, int8_top = logits.concatenated(logits.float_top), logits.concatenated(logits.int8_top)
+    top1, top5 = metrics.agreement(float_top, int8_top)
+    cosine = np.concatenate(logits.cosine)
+    used_labels = label_array[:evaluator.samples] if label_array is not None else None
+    accuracy = {"accuracy_float": None, "accuracy_int8": None, "accuracy_drop_points": None,
+                "top5_accuracy_float": None, "top5_accuracy_int8": None}
+    if used_labels is not None:
+        acc_f, acc5_f = metrics.accuracy(float_top, used_labels)
+        acc_q, acc5_q = metrics.accuracy(int8_top, used_labels)
+        accuracy = {"accuracy_float": acc_f, "accuracy_int8": acc_q, "accuracy_drop_points": 100 * (acc_f - acc_q),
+                    "top5_accuracy_float": acc5_f, "top5_accuracy_int8": acc5_q}
+
+    layers = []
+    for layer in evaluator.layers:
+        layers.append({"index": layer.index, "name": layer.name, "kind": layer.kind, "output": layer.output,
+                       "sqnr_cumulative_db": metrics.json_number(layer.cumulative.db),
+                       "sqnr_isolated_db": metrics.json_number(layer.isolated.db),
+                       "overflow_events": layer.overflow_events, "clipped_fraction": layer.clipped_fraction,
+                       "scale": layer.scale})
+    by_isolated = sorted(layers, key=lambda l: _db(l["sqnr_isolated_db"]))[:WORST_LAYERS]
+    by_cumulative = sorted(layers, key=lambda l: _db(l["sqnr_cumulative_db"]))[:WORST_LAYERS]
+
+    tensors, histogram_plots = [], []
+    if table is not None:
+        tensors, histogram_plots, calib_warnings = _calibration_summary(table, program)
+        warnings += calib_warnings
+    arithmetic = program.manifest["target"]["arithmetic"]
+    summary = summarize(imported.original, imported.graph, imported.passes)
+    host_ops = [{"node": h.node, "op": h.op, "reason": h.reason} for h in lowering.host_ops]
+    lowered_host = {h["node"] for h in host_ops}
+    host_ops += [{"node": i["name"], "op": i.get("op", "?"), "reason": "runs on the host in float (program)"}
+                 for i in program.instructions if i["kind"] == "Host" and i["name"] not in lowered_host]
+
+    document = {
+        "format": REPORT_FORMAT, "version": REPORT_VERSION, "toolkit_version": __version__,
+        "model": str(model), "program": program_source, "data": source.source, "samples": evaluator.samples,
+        "labels": None if labels is None or isinstance(labels, np.ndarray) else str(labels),
+        "output": logits.name,
+        "top1_agreement": top1, "top5_agreement": top5,
+        "logits_sqnr_db": metrics.json_number(logits.sqnr.db),
+        "cosine": float(np.mean(cosine)), "cosine_min": float(np.min(cosine)),
+        **accuracy,
+        "input_sqnr_db": {name: metrics.json_number(acc.db) for name, acc in evaluator.inputs.items()},
+        "layers": layers,
+        "worst_layers": {"isolated": [{"name": l["name"], "sqnr_isolated_db": l["sqnr_isolated_db"]}
+                                      for l in by_isolated],
+                         "cumulative": [{"name": l["name"], "sqnr_cumulative_db": l["sqnr_cumulative_db"]}
+                                        for l in by_cumulative]},
+        "tensors": tensors,
+        "host_ops": host_ops,
+        "nodes": {"as_exported": len(imported.original.nodes), "simplified": len(imported.graph.nodes),
+                  "lowered": len(graph.nodes), "ops_as_exported": summary.ops_before,
+                  "ops_simplified": summary.ops_after, "ops_lowered": _op_counts(graph),
+                  "passes": summary.passes + [{"name": p.name, "nodes_before": p.nodes_before,
+                                               "nodes_after": p.nodes_after} for p in lowering.passes],
+                  "gemm_mac_fraction": lowering.gemm_mac_fraction, "macs_per_sample": summary.macs},
+        "settings": {"calibration_method": table.method if table is not None else None,
+                     "calibration_samples": table.samples if table is not None else None,
+                     "calibration_table": None if calib is None or isinstance(calib, CalibrationTable) else str(calib),
+                     "per_channel_weights": bool(program.manifest.get("options", {}).get("per_channel_weights", True)),
+                     "arithmetic": arithmetic,
+                     "preprocess": None if preprocess is None or not Path(str(source.source)).is_dir() else {
+                         "size": preprocess.size, "mean": preprocess.mean, "std": preprocess.std,
+                         "layout": preprocess.layout, "channels": preprocess.channels},
+                     "batch_size": batch_size},
+        "lowering_check": {"samples": min(CHECK_ORIGINAL_SAMPLES, evaluator.samples),
+                           "max_relative_error": lowering_error},
+        "peer": None,
+        "plots": {},
+        "seconds": {"evaluate": walk_seconds},
+        "command": command,
+        "warnings": warnings,
+    }
+    if peer_file is not None:
+        document["peer"] = _summarise_peer(peer_file, evaluator, used_labels, top1, _db(document["logits_sqnr_db"]))
+
+    # ---- files -----------------------------------------------------------------------------------------------
+    from qdeploy.reports import plots
+    from qdeploy.reports.markdown import render_markdown
+
+    output.mkdir(parents=True, exist_ok=True)
+    files = [plots.sqnr_bars(layers, output / SQNR_PNG)]
+    document["plots"]["sqnr"] = SQNR_PNG
+    stale = output / HISTOGRAMS_PNG
+    if histogram_plots:
+        files.append(plots.histogram_grid(histogram_plots, output / HISTOGRAMS_PNG))
+        document["plots"]["histograms"] = HISTOGRAMS_PNG
+    elif stale.exists():
+        stale.unlink()  # from an earlier report with --calib: it would not describe this one
+    document["seconds"]["total"] = time.perf_counter() - start_time
+    text = json.dumps(document, indent=1, allow_nan=False) + "\n"
+    files.append(write_file(output / "report.json", lambda tmp: tmp.write_text(text)))
+    markdown = render_markdown(document)
+    files.append(write_file(output / "report.md", lambda tmp: tmp.write_text(markdown)))
+    return ReportResult(document, output, files, warnings)

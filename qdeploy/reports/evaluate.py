@@ -1,0 +1,185 @@
+"""Run the float model and the int8 program side by side over a data set, one batch at a time, and collect the
+report's statistics (qdeploy/reports/metrics.py).
+
+The walk, per batch, in the program's instruction order (the order Machine.run executes):
+
+  float       the lowered float graph's node of the same name runs in the reference executor on float
+              tensors: the float reference of every tensor the program holds (same names, same meaning);
+  cumulative  Machine.execute runs the instruction on the int8 tensors the program itself produced, exactly as
+              Machine.run does: errors of earlier layers propagate, as deployed;
+  isolated    Machine.execute runs the same instruction on its float reference inputs quantized with the
+              program's tensor scales (simulator.machine.quantize_input): only this layer's own error is left.
+
+Each instruction's int8 output is dequantized with its tensor's scale and compared with the float output
+(eq. 1 of metrics.py, sums over every sample). Tensors are released after their last use, so memory holds one
+batch's live tensors of the two walks, never the data set: per sample only the top-k indices, the cosine and
+(with a peer) nothing more are kept.
+
+The lowered float graph is the reference because its tensors are the ones the program quantizes; it equals the
+original ONNX model to float rounding (tests/test_real_models.py), and `check_original` measures that on the
+first batch of every report."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from qdeploy.errors import BadInput
+from qdeploy.ir import Graph
+from qdeploy.lowering.instructions import LAYOUT_OPS
+from qdeploy.program import Program
+from qdeploy.reference.executor import run_node
+from qdeploy.reports.metrics import SqnrAccumulator, as_logits, cosine_per_sample, top_k
+from simulator.machine import Machine, dequantize, quantize_input
+
+LAYOUT_KINDS = LAYOUT_OPS  # instructions that only move data: no error of their own, not a report "layer"
+
+
+@dataclass
+class LayerStats:
+    """One instruction of the program that computes (not a layout step)."""
+
+    index: int  # position in the program's instruction list
+    name: str
+    kind: str
+    output: str
+    scale: float  # the output tensor's scale
+    cumulative: SqnrAccumulator = field(default_factory=SqnrAccumulator)
+    isolated: SqnrAccumulator = field(default_factory=SqnrAccumulator)
+    overflow_events: int = 0  # accumulator overflow/saturation events (cumulative walk)
+    clipped: int = 0  # float reference values beyond the int8 range, i.e. beyond |T| (clipped by int8)
+    elements: int = 0
+
+    @property
+    def clipped_fraction(self) -> float:
+        return self.clipped / self.elements if self.elements else 0.0
+
+
+@dataclass
+class PeerStats:
+    """Logits of another int8 model on the same samples, compared with the same float reference."""
+
+    label: str
+    logits: np.ndarray  # (samples in the data, classes), read lazily (memory-mapped)
+    sqnr: SqnrAccumulator = field(default_factory=SqnrAccumulator)
+    top: list[np.ndarray] = field(default_factory=list)
+    cosine: list[np.ndarray] = field(default_factory=list)
+
+
+@dataclass
+class OutputStats:
+    """The first program output (the logits of a classifier), float vs int8."""
+
+    name: str
+    sqnr: SqnrAccumulator = field(default_factory=SqnrAccumulator)
+    float_top: list[np.ndarray] = field(default_factory=list)
+    int8_top: list[np.ndarray] = field(default_factory=list)
+    cosine: list[np.ndarray] = field(default_factory=list)
+
+    def concatenated(self, parts: list[np.ndarray]) -> np.ndarray:
+        return np.concatenate(parts) if parts else np.zeros((0, 1), np.int64)
+
+
+def _clipped(reference: np.ndarray, program: Program, name: str) -> int:
+    """Float reference values outside what the tensor's integers represent, i.e. beyond |T| (by more than half
+    a step): the values int8 clips. A fused ReLU6 whose ceiling is |T| clips nothing here."""
+    scale = float(program.tensors[name]["scale"])
+    if program.tensors[name]["dtype"] == "uint8":
+        lo, hi = 0, 255
+    else:
+        arithmetic = program.manifest["target"]["arithmetic"]
+        lo, hi = arithmetic["act_min"], arithmetic["act_max"]
+    return int(np.count_nonzero((reference > (hi + 0.5) * scale) | (reference < (lo - 0.5) * scale)))
+
+
+class Evaluator:
+    """The three walks of the module docstring over one program and its lowered float graph."""
+
+    def __init__(self, program: Program, graph: Graph, peers: dict[str, np.ndarray] | None = None):
+        self.program, self.graph = program, graph
+        self.machine = Machine(program)
+        self.nodes = {node.name: node for node in graph.nodes}
+        self.layers: list[LayerStats] = []
+        self.last_use: dict[str, int] = {}
+        for step, instr in enumerate(program.instructions):
+            for name in instr["inputs"]:
+                self.last_use[name] = step
+            if instr["kind"] not in LAYOUT_KINDS:
+                self.layers.append(LayerStats(step, instr["name"], instr["kind"], instr["output"],
+                                              float(program.tensors[instr["output"]]["scale"])))
+        self.by_index = {layer.index: layer for layer in self.layers}
+        self.inputs = {name: SqnrAccumulator() for name in program.inputs}
+        self.output = OutputStats(program.outputs[0])
+        self.peers = [PeerStats(label, logits) for label, logits in (peers or {}).items()]
+        self.samples = 0
+
+    def run_batch(self, feeds: dict[str, np.ndarray], start: int) -> tuple[np.ndarray, np.ndarray]:
+        """Walk one batch; returns the float and the dequantized int8 first output (for the caller's checks)."""
+        program, graph = self.program, self.graph
+        float_env: dict[str, np.ndarray] = {}
+        int_env: dict[str, np.ndarray] = {}
+        for name in program.inputs:
+            float_env[name] = feeds[name]
+            int_env[name] = quantize_input(program, name, feeds[name])
+            self.inputs[name].update(feeds[name], dequantize(program, name, int_env[name]))
+        keep = set(program.outputs)
+        for step, instr in enumerate(program.instructions):
+            node = self.nodes[instr["name"]]
+            operands = [None if not n else float_env[n] if n in float_env else graph.constant_data(n)
+                        for n in node.inputs]
+            reference = run_node(node, operands, graph.opset)[0]
+            del operands
+            output, _, events = self.machine.execute(instr, [int_env[n] for n in instr["inputs"]])
+            layer = self.by_index.get(step)
+            if layer is not None:
+                isolated, _, _ = self.machine.execute(
+                    instr, [quantize_input(program, n, float_env[n]) for n in instr["inputs"]])
+                layer.cumulative.update(reference, dequantize(program, instr["output"], output))
+                layer.isolated.update(reference, dequantize(program, instr["output"], isolated))
+                layer.overflow_events += int(events or 0)
+                layer.clipped += _clipped(reference, program, instr["output"])
+                layer.elements += output.size
+                del isolated
+            float_env[instr["output"]], int_env[instr["output"]] = reference, output
+            for name in dict.fromkeys(instr["inputs"]):
+                if self.last_use.get(name) == step and name not in keep:
+                    float_env.pop(name, None)
+                    int_env.pop(name, None)
+        name = self.output.name
+        f = as_logits(float_env[name])
+        q = as_logits(dequantize(program, name, int_env[name]))
+        self._update_output(f, q, start)
+        return f, q
+
+    def _update_output(self, f: np.ndarray, q: np.ndarray, start: int) -> None:
+        self.output.sqnr.update(f, q)
+        float_top = top_k(f)
+        self.output.float_top.append(float_top)
+        self.output.int8_top.append(top_k(q))
+        self.output.cosine.append(cosine_per_sample(f, q))
+        for peer in self.peers:
+            rows = np.asarray(peer.logits[start:start + len(f)], np.float32).reshape(len(f), -1)
+            if rows.shape[1] != f.shape[1]:
+                raise BadInput(f"peer '{peer.label}': logits have {rows.shape[1]} classes, the model "
+                               f"{f.shape[1]}")
+            if not np.all(np.isfinite(rows)):
+                raise BadInput(f"peer '{peer.label}': logits of samples {start}..{start + len(f) - 1} are not "
+                               f"all finite")
+            peer.sqnr.update(f, rows)
+            peer.top.append(top_k(rows))
+            peer.cosine.append(cosine_per_sample(f, rows))
+        self.samples += len(f)
+
+
+def check_original(original: Graph, feeds: dict[str, np.ndarray], lowered_output: np.ndarray,
+                   output: str) -> float:
+    """Max |original - lowered| / max |original| of the first output on `feeds` (the reference executor on the
+    imported, simplified graph vs the lowered float graph)."""
+    from qdeploy.reference import run_graph
+
+    reference = as_logits(run_graph(original, feeds, outputs=[output])[output]).astype(np.float64)
+    scale = float(np.max(np.abs(reference))) if reference.size else 0.0
+    difference = float(np.max(np.abs(reference - lowered_output))) if reference.size else 0.0
+    return difference / scale if scale > 0 else (0.0 if difference == 0 else math.inf)

@@ -1,0 +1,197 @@
+"""report.md from the report.json document: everything a reader needs without opening anything else."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from qdeploy.reports.metrics import format_db
+
+READING_GUIDE = (
+    "**How to read this report.** The int8 program runs on the bit-accurate simulator of the accelerator and is "
+    "compared with the float model on the same samples. *Top-1 agreement* is the share of samples whose int8 "
+    "top-1 class is the float model's (*top-5*: the float top-1 is among the int8 top 5); with labels, "
+    "*accuracy* and its *drop* (float minus int8, in percentage points) are the deployment figures. *SQNR* = "
+    "10 log10(sum float^2 / sum (float - int8)^2) in dB over all samples: each 6 dB is one more bit of "
+    "precision; int8 activations typically reach 25-40 dB per layer, and logits above about 20 dB rarely change "
+    "the top-1 class while below 10 dB they often do. Per layer, *cumulative* SQNR compares the program's own "
+    "tensors (errors of earlier layers included, as deployed) and *isolated* SQNR runs that one instruction on "
+    "its float input quantized with the program's scale, so what is left is the layer's own error: the "
+    "thresholds |T| of its input and its output and its int8 weights. A layer whose isolated SQNR is far below "
+    "the others is itself the problem: look at the histograms of its input and output tensors (a |T| well below "
+    "amax clips outliers, which a following 1x1 convolution sums over many channels; a |T| close to amax of a "
+    "long-tailed tensor spends the 127 levels on a few values) and at the *clipped* and *overflows* columns. A "
+    "steady fall of cumulative SQNR with depth is ordinary error accumulation. In report.json an SQNR of null "
+    "means infinite (the int8 result is exact)."
+)
+
+
+def _percent(value: float | None, digits: int = 1) -> str:
+    return "n/a" if value is None else f"{100 * value:.{digits}f}%"
+
+
+def _db(value: float | None) -> str:
+    return format_db(math.inf if value is None else value)
+
+
+def _number(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4g}"
+
+
+def _ops(counts: dict[str, int], limit: int = 14) -> str:
+    items = list(counts.items())
+    text = ", ".join(f"{op} {n}" for op, n in items[:limit])
+    return text + (f", ... ({len(items) - limit} more op types)" if len(items) > limit else "")
+
+
+def _table(header: list[str], rows: list[list[str]], align: str | None = None) -> list[str]:
+    align = align or "l" * len(header)
+    marks = ["---:" if a == "r" else "---" for a in align]
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(marks) + " |"]
+    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
+    return lines
+
+
+def _ours_label(d: dict) -> str:
+    method = d["settings"]["calibration_method"] or "calibration not given"
+    weights = "per-channel" if d["settings"]["per_channel_weights"] else "per-tensor"
+    return f"**qdeploy** ({method}, {weights} weights, {d['settings']['arithmetic']['rounding']})"
+
+
+def render_markdown(d: dict) -> str:
+    model, program = Path(d["model"]).name, Path(d["program"]).name
+    lines = [f"# Accuracy report: `{model}` as int8 (`{program}`)", "", READING_GUIDE, ""]
+
+    # ---- headline ------------------------------------------------------------------------------------------
+    lines += ["## Headline", ""]
+    rows = [["samples", f"{d['samples']} from `{d['data']}`"],
+            ["top-1 agreement with float", _percent(d["top1_agreement"])],
+            ["top-5 agreement with float", _percent(d["top5_agreement"])],
+            [f"logits SQNR (`{d['output']}`)", _db(d["logits_sqnr_db"])],
+            ["cosine similarity of logits (mean / min)", f"{d['cosine']:.4f} / {d['cosine_min']:.4f}"]]
+    if d["accuracy_float"] is not None:
+        rows += [["accuracy float / int8", f"{_percent(d['accuracy_float'], 2)} / {_percent(d['accuracy_int8'], 2)}"],
+                 ["accuracy drop", f"{d['accuracy_drop_points']:+.2f} percentage points"],
+                 ["top-5 accuracy float / int8",
+                  f"{_percent(d['top5_accuracy_float'], 2)} / {_percent(d['top5_accuracy_int8'], 2)}"]]
+    else:
+        rows.append(["accuracy", "n/a (no labels given)"])
+    for name, value in d["input_sqnr_db"].items():
+        rows.append([f"input `{name}` quantization SQNR", _db(value)])
+    worst = ", ".join(f"`{w['name']}` ({_db(w['sqnr_isolated_db'])})" for w in d["worst_layers"]["isolated"])
+    rows.append(["worst layers, isolated SQNR", worst or "-"])
+    worst = ", ".join(f"`{w['name']}` ({_db(w['sqnr_cumulative_db'])})" for w in d["worst_layers"]["cumulative"])
+    rows.append(["worst layers, cumulative SQNR", worst or "-"])
+    rows.append(["host-fallback ops", ", ".join(f"`{h['node']}` ({h['op']})" for h in d["host_ops"]) or "none"])
+    lines += _table(["", ""], rows) + [""]
+
+    # ---- peer ----------------------------------------------------------------------------------------------
+    peer = d.get("peer")
+    if peer:
+        lines += ["## Peer", "", f"{peer['name']}: {peer['description']}".rstrip(": "), "",
+                  "Every row is measured on the same samples against the same float reference, with the formulas "
+                  "above.", ""]
+        labels = d["accuracy_float"] is not None
+        header = ["model", "top-1 agreement", "top-5 agreement", "logits SQNR", "cosine"]
+        header += ["accuracy"] if labels else []
+        rows = [[_ours_label(d), _percent(d["top1_agreement"]), _percent(d["top5_agreement"]),
+                 _db(d["logits_sqnr_db"]), f"{d['cosine']:.4f}"]
+                + ([_percent(d["accuracy_int8"], 2)] if labels else [])]
+        for entry in peer["entries"]:
+            name = f"{peer['name']}, {entry['label']}" + (" (its best)" if entry["best"] else "")
+            rows.append([name, _percent(entry["top1_agreement"]), _percent(entry["top5_agreement"]),
+                         _db(entry["logits_sqnr_db"]), f"{entry['cosine']:.4f}"]
+                        + ([_percent(entry["accuracy_int8"], 2)] if labels else []))
+        lines += _table(header, rows, "l" + "r" * (len(header) - 1)) + [""]
+        diff = peer["ours_minus_best"]
+        sqnr = diff["logits_sqnr_db"]
+        lines += [f"qdeploy minus the peer's best ({peer['best']}): top-1 agreement "
+                  f"{diff['top1_agreement_points']:+.1f} points, logits SQNR "
+                  f"{'n/a' if sqnr is None else f'{sqnr:+.1f} dB'}.", ""]
+        settings = [e for e in peer["entries"] if e["settings"]]
+        if settings:
+            lines += ["Peer settings: " + "; ".join(
+                f"{e['label']}: " + ", ".join(f"{k}={v}" for k, v in e["settings"].items()) for e in settings), ""]
+
+    # ---- layers --------------------------------------------------------------------------------------------
+    lines += ["## Per-layer SQNR", "",
+              f"Every instruction of the program that computes, in execution order ({len(d['layers'])} layers; "
+              "layout steps move data and add no error). *clipped* is the share of the layer's float outputs beyond "
+              "|T|, which int8 cannot represent; *overflows* counts accumulator overflow events.",
+              "", f"![per-layer SQNR, cumulative and isolated]({d['plots']['sqnr']})", ""]
+    rows = [[str(i), f"`{layer['name']}`", layer["kind"], _db(layer["sqnr_cumulative_db"]),
+             _db(layer["sqnr_isolated_db"]), _percent(layer["clipped_fraction"], 3), str(layer["overflow_events"])]
+            for i, layer in enumerate(d["layers"])]
+    lines += _table(["#", "layer", "kind", "SQNR cumulative", "SQNR isolated", "clipped", "overflows"], rows,
+                    "rllrrrr") + [""]
+    overflowing = [layer for layer in d["layers"] if layer["overflow_events"]]
+    if overflowing:
+        arithmetic = d["settings"]["arithmetic"]
+        lines += [f"**Accumulator overflows** in {len(overflowing)} layer(s) (first: `{overflowing[0]['name']}`, "
+                  f"{overflowing[0]['overflow_events']:,} events): the {arithmetic.get('acc_bits', 32)}-bit "
+                  f"accumulator {'wrapped' if arithmetic.get('overflow', 'wrap') == 'wrap' else 'saturated'}. "
+                  "`qdeploy compile` warns about these layers (worst-case accumulator bound, int32 bias "
+                  "saturation: a channel whose weights are almost zero gets a tiny weight scale, so its bias "
+                  "does not fit in int32).", ""]
+
+    # ---- calibration ---------------------------------------------------------------------------------------
+    lines += ["## Calibration histograms", ""]
+    if "histograms" in d["plots"]:
+        samples = d["settings"]["calibration_samples"]
+        lines += [f"The |x| histogram of every quantized tensor over the calibration data ({samples} "
+                  f"samples), log counts, with the chosen threshold |T| (red) and amax (dashed); int8 covers "
+                  f"[-|T|, |T|] in 127 steps and clips the rest. *clipped* is the share of calibration values above "
+                  f"|T| (to the histogram's bin).", "", f"![calibration histograms]({d['plots']['histograms']})", ""]
+    else:
+        lines += ["Not drawn: give the calibration table (`--calib CALIB.json`) to see the histograms.", ""]
+    if d["tensors"]:
+        rows = [[str(i), f"`{t['name']}`", t["method"], _number(t["amax"]), _number(t["threshold"]),
+                 "-" if not t["amax"] else f"{t['threshold'] / t['amax']:.3f}", _number(t["scale"]),
+                 "-" if t["clipped_fraction"] is None else f"{100 * t['clipped_fraction']:.3f}%"]
+                for i, t in enumerate(d["tensors"])]
+        lines += _table(["#", "tensor", "method", "amax", "abs T", "T/amax", "scale", "clipped"], rows,
+                        "lllrrrrr") + [""]
+
+    # ---- lowering ------------------------------------------------------------------------------------------
+    nodes = d["nodes"]
+    lines += ["## Lowering", "",
+              f"{100 * nodes['gemm_mac_fraction']:.2f}% of the {nodes['macs_per_sample']:,} multiply-accumulates per "
+              f"sample run on the GEMM unit.", ""]
+    lines += _table(["stage", "nodes", "ops"], [
+        ["as exported", str(nodes["as_exported"]), _ops(nodes["ops_as_exported"])],
+        ["simplified", str(nodes["simplified"]), _ops(nodes["ops_simplified"])],
+        ["lowered (instructions + layout)", str(nodes["lowered"]), _ops(nodes["ops_lowered"])]], "lrl") + [""]
+    if d["host_ops"]:
+        lines += ["Host-fallback ops (run in float on the host, not on the accelerator):", ""]
+        lines += [f"- `{h['node']}` ({h['op']}): {h['reason']}" for h in d["host_ops"]] + [""]
+    else:
+        lines += ["Host-fallback ops: none; every operator runs on the accelerator.", ""]
+
+    # ---- settings ------------------------------------------------------------------------------------------
+    s = d["settings"]
+    a = s["arithmetic"]
+    calibration = ("not given (`--calib`)" if s["calibration_method"] is None else
+                   f"{s['calibration_method']} on {s['calibration_samples']} samples (`{s['calibration_table']}`)")
+    check = d["lowering_check"]
+    lines += ["## Settings", "",
+              f"- model `{d['model']}`, program `{d['program']}`, data `{d['data']}`"
+              + (f", labels `{d['labels']}`" if d["labels"] else ""),
+              f"- calibration: {calibration}",
+              f"- weights: {'per-channel' if s['per_channel_weights'] else 'per-tensor'} max-abs, int8 [-127, 127]",
+              "- target arithmetic: " + ", ".join(f"{k} {v}" for k, v in a.items()),
+              f"- float reference: the lowered float graph in the reference executor; on the first "
+              f"{check['samples']} samples it differs from the original model by "
+              f"{'n/a' if check['max_relative_error'] is None else format(check['max_relative_error'], '.1e')} "
+              f"(max relative error of the output)"]
+    if s["preprocess"]:
+        p = s["preprocess"]
+        lines.append(f"- preprocessing: size {p['size'] or 'the model input'}, mean {p['mean']}, std {p['std']}, "
+                     f"{p['layout']}, {p['channels']}")
+    lines.append(f"- evaluated in batches of {s['batch_size']} in {d['seconds']['evaluate']:.1f} s "
+                 f"(qdeploy {d['toolkit_version']})")
+    if d["command"]:
+        lines += ["", "Regenerate with:", "", "```", d["command"], "```"]
+    lines.append("")
+    if d["warnings"]:
+        lines += ["## Warnings", ""] + [f"- {w}" for w in d["warnings"]] + [""]
+    return "\n".join(lines)

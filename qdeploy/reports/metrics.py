@@ -1,0 +1,119 @@
+"""The numbers of an accuracy report, each a small function of arrays (design.md section 6, `report`).
+
+Signal-to-quantization-noise ratio of a tensor y_q against its float reference y, over every element of every
+sample seen (one figure per tensor, not an average of per-sample figures):
+
+    (1) SQNR_dB = 10 log10( sum y^2 / sum (y - y_q)^2 )
+
++6.02 dB is one more bit; a full-scale uniform int8 signal gives about 6.02 * 8 + 1.76 = 50 dB, and real
+activations, which use a small part of [-|T|, |T|], 25-40 dB. Zero noise gives +inf (an exact result), zero
+signal with noise -inf; in report.json an infinite SQNR is written as null (JSON has no infinity).
+
+Classification figures, per sample i, with float logits f_i and int8 logits q_i (dequantized):
+
+    (2) top-1 agreement  = mean_i [ argmax q_i == argmax f_i ]
+    (3) top-5 agreement  = mean_i [ argmax f_i in top5(q_i) ]      (top-min(5, classes))
+    (4) cosine           = mean_i  f_i . q_i / (|f_i| |q_i|)         (1 when both are zero, 0 when one is)
+    (5) accuracy         = mean_i [ argmax f_i == label_i ], the same for q_i; drop = float - int8, in points.
+
+Ties in argmax go to the lowest class index (numpy's argmax), for both models alike.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+TOP_K = 5
+
+
+def sqnr_db(signal_energy: float, noise_energy: float) -> float:
+    """Eq. (1) from the two sums: +inf for zero noise, -inf for zero signal with noise."""
+    if noise_energy <= 0.0:
+        return math.inf
+    if signal_energy <= 0.0:
+        return -math.inf
+    return 10.0 * math.log10(signal_energy / noise_energy)
+
+
+@dataclass
+class SqnrAccumulator:
+    """Eq. (1) over a stream of batches: the two sums in float64, updated per batch."""
+
+    signal: float = 0.0
+    noise: float = 0.0
+    elements: int = 0
+
+    def update(self, reference: np.ndarray, test: np.ndarray) -> None:
+        reference = np.asarray(reference, np.float64)
+        error = reference - np.asarray(test, np.float64)
+        self.signal += float(np.vdot(reference, reference))
+        self.noise += float(np.vdot(error, error))
+        self.elements += reference.size
+
+    @property
+    def db(self) -> float:
+        return sqnr_db(self.signal, self.noise)
+
+
+def sqnr(reference: np.ndarray, test: np.ndarray) -> float:
+    """Eq. (1) on two arrays."""
+    accumulator = SqnrAccumulator()
+    accumulator.update(reference, test)
+    return accumulator.db
+
+
+def as_logits(array: np.ndarray) -> np.ndarray:
+    """(N, ...) -> (N, classes): a classifier's output with its trailing 1x1 dims flattened."""
+    array = np.asarray(array)
+    return array.reshape(array.shape[0], -1) if array.ndim != 2 else array
+
+
+def top_k(logits: np.ndarray, k: int = TOP_K) -> np.ndarray:
+    """(N, C) -> (N, min(k, C)) class indices, best first (stable: ties keep the lower index first)."""
+    logits = as_logits(logits)
+    k = min(k, logits.shape[1])
+    return np.argsort(-logits, axis=1, kind="stable")[:, :k]
+
+
+def cosine_per_sample(reference: np.ndarray, test: np.ndarray) -> np.ndarray:
+    """Eq. (4) for each sample, before the mean."""
+    f, q = as_logits(reference).astype(np.float64), as_logits(test).astype(np.float64)
+    norms = np.linalg.norm(f, axis=1) * np.linalg.norm(q, axis=1)
+    dots = np.einsum("ij,ij->i", f, q)
+    both_zero = (np.linalg.norm(f, axis=1) == 0) & (np.linalg.norm(q, axis=1) == 0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        cosine = np.where(norms > 0, dots / np.where(norms > 0, norms, 1.0), 0.0)
+    return np.where(both_zero, 1.0, cosine)
+
+
+def agreement(reference_top: np.ndarray, test_top: np.ndarray) -> tuple[float, float]:
+    """Eq. (2) and (3) from top-k index arrays (N, k) of the float and the int8 model."""
+    if len(reference_top) == 0:
+        return math.nan, math.nan
+    top1 = float(np.mean(test_top[:, 0] == reference_top[:, 0]))
+    top5 = float(np.mean(np.any(test_top == reference_top[:, :1], axis=1)))
+    return top1, top5
+
+
+def accuracy(top: np.ndarray, labels: np.ndarray) -> tuple[float, float]:
+    """Eq. (5): top-1 and top-5 accuracy of a model's top-k indices against integer labels."""
+    labels = np.asarray(labels).reshape(-1, 1)
+    return float(np.mean(top[:, 0] == labels[:, 0])), float(np.mean(np.any(top == labels, axis=1)))
+
+
+def json_number(value: float | None) -> float | None:
+    """A float for report.json: None for nan/inf (null; the reading guide says what null means)."""
+    if value is None or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def format_db(value: float | None) -> str:
+    if value is None or math.isnan(value):
+        return "n/a"
+    if math.isinf(value):
+        return "inf (exact)" if value > 0 else "-inf"
+    return f"{value:.1f} dB"

@@ -1,0 +1,218 @@
+"""`qdeploy report`: the formulas on hand-made arrays, a report of the seeded ResNet-style model on real
+photographs (files, keys, and figures recomputed from Machine.run and the float graph), isolated vs cumulative
+SQNR on a planted bad layer, labels, and the one-line errors (exit code 2)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+import qdeploy
+from qdeploy import api
+from qdeploy.cli import app
+from qdeploy.program import read_program, write_program
+from qdeploy.reports import metrics
+
+runner = CliRunner()
+EVAL_SAMPLES = 24
+REQUIRED_KEYS = {"top1_agreement", "top5_agreement", "logits_sqnr_db", "cosine", "accuracy_float", "accuracy_int8",
+                 "layers", "host_ops"}
+
+
+# ---- formulas ------------------------------------------------------------------------------------------------
+
+def test_sqnr_of_hand_made_arrays():
+    # signal 3^2 + 4^2 = 25, noise 0.5^2 = 0.25: 10 log10(100) = 20 dB exactly
+    assert metrics.sqnr(np.array([[3.0, 4.0]]), np.array([[3.0, 4.5]])) == pytest.approx(20.0, abs=1e-12)
+    # identical arrays: no noise, infinite SQNR, written as null in report.json and "inf (exact)" in report.md
+    same = np.array([[1.0, -2.0, 3.0]])
+    assert metrics.sqnr(same, same) == math.inf
+    assert metrics.json_number(metrics.sqnr(same, same)) is None
+    assert metrics.format_db(math.inf) == "inf (exact)"
+    assert metrics.sqnr(np.zeros(3), np.ones(3)) == -math.inf  # no signal, some noise
+    # streaming over batches equals one pass over everything
+    rng = np.random.default_rng(0)
+    reference, test = rng.normal(size=(10, 7)), rng.normal(size=(10, 7))
+    accumulator = metrics.SqnrAccumulator()
+    for start in range(0, 10, 3):
+        accumulator.update(reference[start:start + 3], test[start:start + 3])
+    assert accumulator.db == pytest.approx(metrics.sqnr(reference, test), abs=1e-12)
+
+
+def test_cosine_of_hand_made_arrays():
+    f = np.array([[1.0, 0.0], [1.0, 2.0], [0.0, 0.0], [0.0, 0.0], [3.0, 4.0]])
+    q = np.array([[0.0, 5.0], [2.0, 4.0], [0.0, 0.0], [1.0, 1.0], [-3.0, -4.0]])
+    # orthogonal 0; parallel 1 (scale does not matter); both zero 1; one zero 0; opposite -1
+    np.testing.assert_allclose(metrics.cosine_per_sample(f, q), [0.0, 1.0, 1.0, 0.0, -1.0], atol=1e-15)
+    assert metrics.cosine_per_sample(f[1:2], f[1:2])[0] == pytest.approx(1.0, abs=1e-15)
+
+
+def test_agreement_and_accuracy_of_hand_made_logits():
+    # 4 samples, 6 classes; float top-1 = 0, 1, 2, 3
+    f = np.eye(6)[[0, 1, 2, 3]] * 10 + np.arange(6) * 0.1
+    q = f.copy()
+    q[1] = [0, 1, 9, 0, 0, 0]  # top-1 moves to 2; float's class 1 is second: inside the top 5
+    q[3] = [9, 8, 7, 0, 6, 5]  # top-1 moves to 0; float's class 3 is sixth: outside the top 5
+    top1, top5 = metrics.agreement(metrics.top_k(f), metrics.top_k(q))
+    assert (top1, top5) == (0.5, 0.75)
+    labels = np.array([0, 2, 2, 5])
+    assert metrics.accuracy(metrics.top_k(f), labels) == (0.5, 1.0)  # top-1 right for samples 0, 2
+    assert metrics.accuracy(metrics.top_k(q), labels) == (0.75, 1.0)  # sample 3: label 5 is 5th of its top 5
+    # fewer than 5 classes: top-min(5, C); ties go to the lower class index for both models
+    assert metrics.top_k(np.array([[1.0, 1.0, 0.0]])).tolist() == [[0, 1, 2]]
+    assert metrics.agreement(metrics.top_k(f), metrics.top_k(f)) == (1.0, 1.0)
+
+
+# ---- a real report --------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def resnet_case(resnet_style_onnx, tmp_path_factory):
+    """resnet_style calibrated (KL) on 32 real calibration views and compiled; EVAL_SAMPLES evaluation views
+    (other source photographs) with arbitrary labels, as .npy."""
+    pytest.importorskip("skimage")
+    from examples import images
+
+    folder = tmp_path_factory.mktemp("report")
+    np.save(folder / "calib.npy", images.image_batch(32, seed=0, split="calib", size=64))
+    np.save(folder / "eval.npy", images.image_batch(EVAL_SAMPLES, seed=1, split="eval", size=64))
+    np.save(folder / "labels.npy", (np.arange(EVAL_SAMPLES) * 7) % 10)
+    qdeploy.calibrate(resnet_style_onnx, folder / "calib.npy").table.save(folder / "calib.json")
+    api.compile(resnet_style_onnx, folder / "calib.json", output=folder / "model.qdp")
+    return {"model": resnet_style_onnx, "folder": folder, "program": folder / "model.qdp"}
+
+
+@pytest.fixture(scope="module")
+def resnet_report(resnet_case):
+    """`qdeploy report ... --labels --calib --json` on the case, through the CLI."""
+    folder = resnet_case["folder"]
+    result = runner.invoke(app, ["report", str(resnet_case["model"]), str(resnet_case["program"]), "--data",
+                                 str(folder / "eval.npy"), "--labels", str(folder / "labels.npy"), "--calib",
+                                 str(folder / "calib.json"), "--batch-size", "10", "--json", "-o",
+                                 str(folder / "out")])
+    assert result.exit_code == 0, result.output
+    return {"stdout": json.loads(result.stdout), "dir": folder / "out", **resnet_case}
+
+
+def test_report_writes_markdown_json_and_figures(resnet_report):
+    out = resnet_report["dir"]
+    assert sorted(p.name for p in out.iterdir()) == ["histograms.png", "report.json", "report.md", "sqnr.png"]
+    document = json.loads((out / "report.json").read_text())
+    assert document == resnet_report["stdout"]  # --json prints report.json
+    assert REQUIRED_KEYS <= set(document)
+    assert document["samples"] == EVAL_SAMPLES and document["host_ops"] == []
+    program = read_program(resnet_report["program"])
+    gemm = [i["name"] for i in program.instructions if i["kind"] in ("ConvGemm", "DenseGemm", "AddGemm")]
+    assert [layer["name"] for layer in document["layers"]] == gemm
+    for layer in document["layers"]:
+        assert {"name", "sqnr_cumulative_db", "sqnr_isolated_db"} <= set(layer)
+        # a seeded ResNet on real photographs: every layer well quantized (measured 27-41 dB)
+        assert 20 < layer["sqnr_cumulative_db"] < 60 and 20 < layer["sqnr_isolated_db"] < 60
+    assert document["nodes"]["as_exported"] == 30 and document["nodes"]["lowered"] == 14
+    assert document["settings"]["calibration_method"] == "kl" and document["settings"]["per_channel_weights"]
+    assert len(document["tensors"]) == 14 and document["lowering_check"]["max_relative_error"] < 1e-4
+    for name in ("histograms.png", "sqnr.png"):
+        data = (out / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) < 400_000  # small enough to commit
+    markdown = (out / "report.md").read_text()
+    for fragment in ("How to read this report", "## Headline", "## Per-layer SQNR", "](sqnr.png)",
+                     "](histograms.png)", "## Lowering", "## Settings", "accuracy drop", "Regenerate with"):
+        assert fragment in markdown
+    assert markdown.count("| ConvGemm |") == 9
+
+
+def test_report_figures_match_machine_run_and_float_graph(resnet_report):
+    """Recompute the headline from Machine.run (api.run) and the lowered float graph."""
+    document = resnet_report["stdout"]
+    x = np.load(resnet_report["folder"] / "eval.npy")
+    labels = np.load(resnet_report["folder"] / "labels.npy")
+    f = api.run(resnet_report["model"], x, lowered=True)["logits"]
+    q = api.run(resnet_report["program"], x, dequantize=True)["logits"]
+    assert document["top1_agreement"] == np.mean(f.argmax(1) == q.argmax(1))
+    # The int8 logits are the same integers; the float ones come from batches of 10 here and 24 there, which
+    # BLAS rounds differently (float32, relative ~1e-7): that moves the SQNR by ~1e-6 dB, the cosine by ~1e-13.
+    assert document["logits_sqnr_db"] == pytest.approx(metrics.sqnr(f, q), abs=1e-4)
+    assert document["cosine"] == pytest.approx(float(np.mean(metrics.cosine_per_sample(f, q))), abs=1e-9)
+    assert document["accuracy_float"] == np.mean(f.argmax(1) == labels)
+    assert document["accuracy_int8"] == np.mean(q.argmax(1) == labels)
+    assert document["accuracy_drop_points"] == pytest.approx(
+        100 * (document["accuracy_float"] - document["accuracy_int8"]))
+
+
+def test_planted_bad_layer_stands_out_in_isolated_mode(resnet_case, tmp_path):
+    """Requantization multiplier of one middle layer scaled by 0.7 (a 30% gain error in every output): its
+    isolated SQNR collapses, the layers after it keep theirs (their inputs are the float reference), while
+    their cumulative SQNR inherits the error."""
+    program = read_program(resnet_case["program"])
+    names = [i["name"] for i in program.instructions]
+    planted = program.instructions[names.index("/blocks/blocks.1/conv1/Conv")]
+    program.arrays[planted["mult"]] = (program.arrays[planted["mult"]] * 7 // 10).astype(np.int64)
+    write_program(program, tmp_path / "planted.qdp")
+    document = api.report(resnet_case["model"], tmp_path / "planted.qdp", resnet_case["folder"] / "eval.npy",
+                          tmp_path / "out", num_samples=8).document
+    layers = {layer["name"]: layer for layer in document["layers"]}
+    bad = layers[planted["name"]]
+    assert bad["sqnr_isolated_db"] < 12  # a 30% gain error alone: about 10 log10(1 / 0.3^2) = 10.5 dB
+    assert document["worst_layers"]["isolated"][0]["name"] == planted["name"]
+    after = document["layers"][[l["name"] for l in document["layers"]].index(planted["name"]) + 1:]
+    assert min(layer["sqnr_isolated_db"] for layer in after) > 25
+    assert layers["/blocks/blocks.1/conv2/Conv"]["sqnr_cumulative_db"] < 15
+    assert "histograms" not in document["plots"]  # no --calib: no histogram figure
+
+
+# ---- errors ---------------------------------------------------------------------------------------------------
+
+def one_line_error(result, *fragments):
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "Traceback" not in result.output
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def _report(case, tmp_path, *extra, data=None, program=None):
+    return runner.invoke(app, ["report", str(case["model"]), str(program or case["program"]), "--data",
+                               str(data or case["folder"] / "eval.npy"), *map(str, extra), "-o",
+                               str(tmp_path / "out")])
+
+
+def test_wrong_number_of_labels(resnet_case, tmp_path):
+    np.save(tmp_path / "labels.npy", np.zeros(EVAL_SAMPLES - 1, np.int64))
+    (tmp_path / "labels.txt").write_text("# class per line\n" + "3\n" * (EVAL_SAMPLES + 1))
+    one_line_error(_report(resnet_case, tmp_path, "--labels", tmp_path / "labels.npy"),
+                   f"{EVAL_SAMPLES - 1} labels for {EVAL_SAMPLES} samples")
+    one_line_error(_report(resnet_case, tmp_path, "--labels", tmp_path / "labels.txt"),
+                   f"{EVAL_SAMPLES + 1} labels for {EVAL_SAMPLES} samples")
+    (tmp_path / "bad.txt").write_text("1\ncat\n")
+    one_line_error(_report(resnet_case, tmp_path, "--labels", tmp_path / "bad.txt"), "line 2", "'cat'")
+    assert not (tmp_path / "out").exists()
+
+
+def test_program_from_another_model(resnet_case, mobilenetv2_style_onnx, tmp_path):
+    folder = resnet_case["folder"]
+    calibration = qdeploy.calibrate(mobilenetv2_style_onnx, folder / "calib.npy", num_samples=4)
+    api.compile(mobilenetv2_style_onnx, calibration.table, output=tmp_path / "other.qdp")
+    one_line_error(_report(resnet_case, tmp_path, program=tmp_path / "other.qdp"), "other.qdp was not compiled from",
+                   "resnet_style.onnx")
+    # same tensor names, other weights: one layer's int8 weights changed
+    program = read_program(resnet_case["program"])
+    first = program.instructions[0]
+    program.arrays[first["weight"]] = (-program.arrays[first["weight"]]).astype(np.int8)
+    write_program(program, tmp_path / "edited.qdp")
+    one_line_error(_report(resnet_case, tmp_path, program=tmp_path / "edited.qdp"), "was not compiled from",
+                   "not the model's weights quantized")
+
+
+def test_empty_or_missing_data(resnet_case, tmp_path):
+    np.save(tmp_path / "empty.npy", np.zeros((0, 3, 64, 64), np.float32))
+    one_line_error(_report(resnet_case, tmp_path, data=tmp_path / "empty.npy"), "empty.npy", "no samples")
+    (tmp_path / "folder").mkdir()
+    one_line_error(_report(resnet_case, tmp_path, data=tmp_path / "folder"), "no images")
+    one_line_error(_report(resnet_case, tmp_path, data=tmp_path / "missing.npy"), "no such file")
+    np.save(tmp_path / "wrong.npy", np.zeros((2, 3, 32, 32), np.float32))
+    one_line_error(_report(resnet_case, tmp_path, data=tmp_path / "wrong.npy"), "shape (2, 3, 32, 32)")
+    one_line_error(_report(resnet_case, tmp_path, "--num-samples", "0"), "--num-samples 0")
