@@ -17,8 +17,8 @@ On the pretrained EfficientNet-Lite0 (examples/zoo.py export) with real photogra
   float, without ORT's int8 kernels).
 
 Speed: throughput at batch 32 (images/s, 32 / median wall time of --rounds runs) and latency at batch 1 (ms,
-median of --latency-runs runs), the engines interleaved round by round (the order rotating), so all three
-see the same machine load. The simulator's effective GOP/s is 2 x (MACs of the program's GEMM instructions)
+median of --latency-runs runs), the engines interleaved round by round (the order rotating), so every engine
+sees the same machine load. The simulator's effective GOP/s is 2 x (MACs of the program's GEMM instructions)
 x images / s, against this machine's float32 GEMM rate measured in the same run (numpy.matmul of 2048 x 2048
 float32 matrices, BLAS default threads, best of 5).
 
@@ -91,6 +91,20 @@ def _timed(function) -> float:
     start = time.perf_counter()
     function()
     return time.perf_counter() - start
+
+
+def machine_profile(machine, program, x: np.ndarray) -> dict[str, float]:
+    """CPU ms per image of each kind of instruction, from one profiled run (Machine.run(profile=True))."""
+    seconds = machine.run({program.inputs[0]: x}, profile=True).seconds
+    kinds: dict[str, float] = {}
+    for instr in program.instructions:
+        kind = instr["kind"]
+        if kind == "ConvGemm":
+            kh, kw = instr["kernel"]
+            channels = program.tensors[instr["inputs"][0]]["shape"][1]
+            kind = "depthwise" if instr["group"] == channels > 1 else f"conv {kh}x{kw}"
+        kinds[kind] = kinds.get(kind, 0.0) + 1e3 * seconds.get(instr["name"], 0.0) / len(x)
+    return kinds
 
 
 def machine_info() -> dict:
@@ -203,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         for label in order[shift:] + order[:shift]:
             single_times[label].append(_timed(lambda: engines[label](x1)))
     peak = gemm_peak_gflops()
+    profile = machine_profile(machine, program, x32)
 
     x_eval = images.image_batch(args.eval, seed=1, split="eval")
     unoptimized = ort.SessionOptions()
@@ -258,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     top1, sqnr = accuracy["ORT QDQ in float"]
     print(f"not targets: ORT's QDQ model with graph optimizations off (its arithmetic in float, no int8 kernels): "
           f"top-1 agreement {top1:.3f}, logits SQNR {sqnr:.2f} dB")
+    total = sum(profile.values())
+    print(f"ours, CPU time per image by instruction kind (Machine.run(profile=True), batch 32): {total:.1f} ms = "
+          + ", ".join(f"{kind} {ms:.1f}" for kind, ms in sorted(profile.items(), key=lambda kv: -kv[1])))
     return 0
 
 

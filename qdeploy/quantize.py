@@ -207,8 +207,9 @@ class _Compiler:
         rows = weight.reshape(weight.shape[0], -1)  # (M, C/g*kh*kw): the GEMM's weight matrix, k = (c, kh, kw)
         quantized = quantize_weights(rows, per_channel=self.options.per_channel_weights)
         q_w, s_w = quantized.q, quantized.scale.astype(np.float64).reshape(-1)
-        s_w = np.broadcast_to(s_w, (rows.shape[0],))
-        correction = self._bias_correction(node, weight, quantized.dequantize().reshape(weight.shape))
+        s_w = np.array(np.broadcast_to(s_w, (rows.shape[0],)))
+        q_w, s_w = self._fit_bias(node, rows, bias, q_w, s_w, s_in)
+        correction = self._bias_correction(node, weight, (q_w * s_w[:, None]).reshape(weight.shape))
         if correction is not None:
             bias = bias + correction
         q_bias = rne(bias / (s_in * s_w))
@@ -232,6 +233,23 @@ class _Compiler:
                           dilations=list(node.attrs["dilations"]), window=_window(node.attrs))
         self._report(node, record, s_in, s_w, s_out, saturated)
         return record
+
+    def _fit_bias(self, node: Node, rows: np.ndarray, bias: np.ndarray, q_w: np.ndarray, s_w: np.ndarray,
+                  s_in: float) -> tuple[np.ndarray, np.ndarray]:
+        """Widen s_w[c] where the bias would not fit the accumulator: a channel with near-zero weights and a
+        large bias (common after BatchNorm folding) has max|W[c]|/127 so small that b / (s_in * s_w) passes
+        2^(acc_bits-1) and the sum would overflow. Such a channel gets s_w[c] = |b[c]| / (s_in * B) with
+        B = 2^(acc_bits-1) - 1 - K * 255 * 127 the room the products leave, and its weights are re-rounded
+        (|q| < 127 then); every other channel keeps its max-abs scale."""
+        room = 2 ** (self.target.arithmetic.acc_bits - 1) - 1 - rows.shape[1] * 255 * 127
+        needed = np.abs(bias) / (s_in * room) if room > 0 else np.zeros_like(s_w)
+        widen = needed > s_w
+        if not np.any(widen):
+            return q_w, s_w
+        s_w = np.where(widen, needed, s_w)
+        q_w = q_w.copy()
+        q_w[widen] = np.clip(np.round(rows[widen] / s_w[widen, None]), -127, 127).astype(np.int8)
+        return q_w, s_w
 
     def _input_channel_means(self, name: str) -> np.ndarray | None:
         """The calibration table's per-channel mean of `name`, looking through layout steps that keep the

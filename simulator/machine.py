@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -52,6 +53,7 @@ class RunResult:
     overflow_events: dict[str, int]  # instruction name -> accumulator overflow/saturation events
     tensors: dict[str, np.ndarray] = field(default_factory=dict)  # every tensor, when dump=True
     accumulators: dict[str, np.ndarray] = field(default_factory=dict)  # before requantization, dump=True
+    seconds: dict[str, float] = field(default_factory=dict)  # instruction -> CPU seconds of its thread, profile=True
 
 
 def tensor_dtype(program: Program, name: str) -> np.dtype:
@@ -114,32 +116,36 @@ class Machine:
             raise ProgramInputError(f"input '{name}' has shape {x.shape}, the program expects {shown}")
         return np.ascontiguousarray(x)
 
-    def run(self, inputs: dict[str, np.ndarray], dump: bool = False) -> RunResult:
+    def run(self, inputs: dict[str, np.ndarray], dump: bool = False, profile: bool = False) -> RunResult:
         """Run the program on a batch. BLAS is held to one thread meanwhile (measured on 2 cores: OpenBLAS's own
         threads spin against each other and against other processes, up to 8x slower per GEMM). Without dump,
         a batch of several images is cut into slices that worker threads run through the whole program (the
         kernels release the GIL); outputs are concatenated and event counts summed, so the result is the
-        single-thread result bit for bit (every instruction acts on each image separately)."""
+        single-thread result bit for bit (every instruction acts on each image separately). profile: also
+        return each instruction's CPU time (time.thread_time of the thread running it, summed over slices)."""
         program = self.program
         env = {name: self._check_input(name, inputs[name]) for name in program.inputs}
         batch = min((x.shape[0] for x in env.values()), default=0)
         pieces = min(batch, 2 * self.threads)  # two slices per thread: a slow thread delays the end less
         if dump or pieces < 2 or not self.per_image or ThreadpoolController is None:
             with _one_blas_thread():
-                return self._run_images(env, dump)
+                return self._run_images(env, dump, profile)
         bounds = [batch * i // pieces for i in range(pieces + 1)]
         slices = [{name: x[a:b] for name, x in env.items()} for a, b in zip(bounds[:-1], bounds[1:])]
         with _one_blas_thread():
-            results = list(self._executor().map(lambda part: self._run_images(part, False), slices))
+            results = list(self._executor().map(lambda part: self._run_images(part, False, profile), slices))
         outputs = {name: np.concatenate([r.outputs[name] for r in results]) for name in program.outputs}
         events = {name: sum(r.overflow_events[name] for r in results) for name in results[0].overflow_events}
-        return RunResult(outputs, events)
+        seconds = {name: sum(r.seconds[name] for r in results) for name in results[0].seconds}
+        return RunResult(outputs, events, seconds=seconds)
 
-    def _run_images(self, env: dict[str, np.ndarray], dump: bool) -> RunResult:
+    def _run_images(self, env: dict[str, np.ndarray], dump: bool, profile: bool = False) -> RunResult:
         program = self.program
         events: dict[str, int] = {}
         accumulators: dict[str, np.ndarray] = {}
+        seconds: dict[str, float] = {}
         for step, instr in enumerate(program.instructions):
+            start = time.thread_time() if profile else 0.0
             args = [env[name] for name in instr["inputs"]]
             if instr["kind"] == "ConvGemm":
                 out, acc, count = self._conv(instr, args[0])  # acc (N, OH*OW, M), maybe a scratch view
@@ -152,12 +158,14 @@ class Machine:
                 events[instr["name"]] = count
             if dump and acc is not None:
                 accumulators[instr["name"]] = acc
+            if profile:
+                seconds[instr["name"]] = time.thread_time() - start
             if not dump:
                 for name in instr["inputs"]:
                     if self.last_use[name] == step and name not in program.outputs:
                         env.pop(name, None)
         outputs = {name: env[name] for name in program.outputs}
-        return RunResult(outputs, events, env if dump else {}, accumulators)
+        return RunResult(outputs, events, env if dump else {}, accumulators, seconds)
 
     def _executor(self) -> ThreadPoolExecutor:
         if self._pool is None:

@@ -265,3 +265,21 @@ def test_bias_correction_removes_the_mean_shift_of_weight_rounding(tmp_path):
     # What remains is the activation rounding's mean (about 0 +- s_out/sqrt(samples)) and the bias's own
     # rounding (s_in * s_w / 2): a small fraction of the weight-rounding shift.
     assert errors[True].mean() < 0.25 * errors[False].mean()
+
+
+def test_channel_with_tiny_weights_and_large_bias_does_not_overflow(tmp_path):
+    """After BN folding a channel can have weights near 0 and a large bias: max-abs alone would give
+    q_b = b / (s_in * s_w) far beyond 2^31. The compiler widens that channel's s_w so the sum fits."""
+    weight = rng_weights(3, 2, 3, 1, 1)
+    weight[1] *= 1e-7
+    nodes = [helper.make_node("Conv", ["x", "W", "B"], ["y"], name="conv")]
+    path = save(make_model(nodes, [("x", ["N", 3, 4, 4])], [("y", ["N", 2, 4, 4])],
+                           {"W": weight, "B": np.array([0.1, 5.0], np.float32)}), tmp_path / "conv.onnx")
+    result = api.compile(path, table_of({"x": 2.0, "y": 6.0}))
+    assert all(layer.acc_bound_bits <= 32 for layer in result.layers)
+    x = np.random.default_rng(4).standard_normal((3, 3, 4, 4)).astype(np.float32)
+    run = Machine(result.program).run({"x": x})
+    assert sum(run.overflow_events.values()) == 0
+    want = api.run(path, x)["y"]
+    got = api.run(result.program, x, dequantize=True)["y"]
+    np.testing.assert_allclose(got[:, 1], want[:, 1], atol=6.0 / 127)  # the bias-only channel: 5.0, one step

@@ -216,3 +216,28 @@ def test_empty_or_missing_data(resnet_case, tmp_path):
     np.save(tmp_path / "wrong.npy", np.zeros((2, 3, 32, 32), np.float32))
     one_line_error(_report(resnet_case, tmp_path, data=tmp_path / "wrong.npy"), "shape (2, 3, 32, 32)")
     one_line_error(_report(resnet_case, tmp_path, "--num-samples", "0"), "--num-samples 0")
+
+
+def test_host_fallback_op_is_listed_and_measured(tmp_path):
+    """A Sigmoid has no GEMM lowering: compiled with host fallback it runs in float on the host; the report
+    lists it under host ops and measures its output like any layer's."""
+    from onnx import helper
+
+    from builders import make_model, rng_weights, save
+
+    nodes = [helper.make_node("Conv", ["x", "W"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+             helper.make_node("Sigmoid", ["c"], ["s"], name="sigmoid"),
+             helper.make_node("GlobalAveragePool", ["s"], ["g"], name="gap"),
+             helper.make_node("Flatten", ["g"], ["f"], name="flat"),
+             helper.make_node("Gemm", ["f", "Wfc"], ["y"], name="fc", transB=1)]
+    model = save(make_model(nodes, [("x", ["N", 3, 8, 8])], [("y", ["N", 5])],
+                            {"W": rng_weights(0, 4, 3, 3, 3), "Wfc": rng_weights(1, 5, 4)}), tmp_path / "m.onnx")
+    x = np.random.default_rng(2).standard_normal((16, 3, 8, 8)).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    table = qdeploy.calibrate(model, tmp_path / "x.npy").table
+    api.compile(model, table, allow_host_fallback=True, output=tmp_path / "m.qdp")
+    document = api.report(model, tmp_path / "m.qdp", tmp_path / "x.npy", tmp_path / "out").document
+    assert [(h["node"], h["op"]) for h in document["host_ops"]] == [("sigmoid", "Sigmoid")]
+    host = next(layer for layer in document["layers"] if layer["name"] == "sigmoid")
+    assert host["kind"] == "Host" and host["sqnr_isolated_db"] > 25  # int8 in and out, float in between
+    assert "`sigmoid` (Sigmoid)" in (tmp_path / "out" / "report.md").read_text()

@@ -1,7 +1,20 @@
 """`build_report`: the accuracy-drop report of an int8 program against its float model (design.md section 6,
 issue 6). It checks its inputs, streams the data through qdeploy/reports/evaluate.py, then writes into the
 report folder, each file atomically: the figures (plots.py), report.json (the `document` below) and report.md
-(markdown.py), in that order, so report.md never links a figure that is not there."""
+(markdown.py), in that order, so report.md never links a figure that is not there.
+
+report.json (format "qdeploy-report", version 1; fractions in [0, 1], SQNR in dB, null for an infinite SQNR):
+  top1_agreement, top5_agreement, logits_sqnr_db, cosine, cosine_min, accuracy_float, accuracy_int8,
+  accuracy_drop_points, top5_accuracy_float, top5_accuracy_int8 (the accuracies null without labels),
+  samples, data, model, program, labels, output (the output measured), input_sqnr_db {input: dB},
+  layers [{index, name, kind, output, sqnr_cumulative_db, sqnr_isolated_db, overflow_events, clipped_fraction,
+  scale}], worst_layers {isolated, cumulative}, tensors [{name, method, threshold, amax, scale,
+  clipped_fraction}] (with a calibration table), host_ops [{node, op, reason}], nodes {as_exported, simplified,
+  lowered, ops_*, passes, gemm_mac_fraction, macs_per_sample}, settings {calibration_method,
+  calibration_samples, per_channel_weights, compile_options, arithmetic, preprocess, batch_size},
+  lowering_check {samples, max_relative_error}, peer (null, or {name, description, entries [{label,
+  top1_agreement, top5_agreement, logits_sqnr_db, cosine, accuracy_int8, settings, best}], best,
+  ours_minus_best}), plots {sqnr, histograms}, seconds, command, warnings."""
 
 from __future__ import annotations
 
@@ -194,7 +207,7 @@ def build_report(model: str | os.PathLike, program: str | os.PathLike | Program,
     evaluator = Evaluator(program, graph, {e.label: e.logits for e in peer_file.entries} if peer_file else None)
     lowering_error = None
     walk_start = time.perf_counter()
-    with contextlib.closing(source.batches(batch_size)) as batches:
+    with contextlib.closing(source.batches(batch_size)) as batches, contextlib.closing(evaluator):
         for batch in batches:
             feeds = bind_inputs(graph, batch.arrays, source.source)
             float_logits, _ = evaluator.run_batch(feeds, batch.start)
@@ -274,6 +287,7 @@ def build_report(model: str | os.PathLike, program: str | os.PathLike | Program,
                      "calibration_samples": table.samples if table is not None else None,
                      "calibration_table": None if calib is None or isinstance(calib, CalibrationTable) else str(calib),
                      "per_channel_weights": bool(program.manifest.get("options", {}).get("per_channel_weights", True)),
+                     "compile_options": dict(program.manifest.get("options", {})),
                      "arithmetic": arithmetic,
                      "preprocess": None if preprocess is None or not Path(str(source.source)).is_dir() else {
                          "size": preprocess.size, "mean": preprocess.mean, "std": preprocess.std,

@@ -8,12 +8,13 @@ The walk, per batch, in the program's instruction order (the order Machine.run e
   cumulative  Machine.execute runs the instruction on the int8 tensors the program itself produced, exactly as
               Machine.run does: errors of earlier layers propagate, as deployed;
   isolated    Machine.execute runs the same instruction on its float reference inputs quantized with the
-              program's tensor scales (simulator.machine.quantize_input): only this layer's own error is left.
+              program's tensor scales (simulator.machine.quantize_input): only this layer's own error is left
+              (the quantization of its input with the program's scale, its int8 weights, its requantization).
 
 Each instruction's int8 output is dequantized with its tensor's scale and compared with the float output
 (eq. 1 of metrics.py, sums over every sample). Tensors are released after their last use, so memory holds one
-batch's live tensors of the two walks, never the data set: per sample only the top-k indices, the cosine and
-(with a peer) nothing more are kept.
+batch's live tensors of the walks, never the data set: per sample only the top-5 indices and the cosine of the
+logits are kept (and the same for each peer, whose logits are read from disk batch by batch).
 
 The lowered float graph is the reference because its tensors are the ones the program quantizes; it equals the
 original ONNX model to float rounding (tests/test_real_models.py), and `check_original` measures that on the
@@ -22,10 +23,14 @@ first batch of every report."""
 from __future__ import annotations
 
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from qdeploy.api import run_host_op
 from qdeploy.errors import BadInput
 from qdeploy.ir import Graph
 from qdeploy.lowering.instructions import LAYOUT_OPS
@@ -33,6 +38,12 @@ from qdeploy.program import Program
 from qdeploy.reference.executor import run_node
 from qdeploy.reports.metrics import SqnrAccumulator, as_logits, cosine_per_sample, top_k
 from simulator.machine import Machine, dequantize, quantize_input
+
+try:  # optional, speed only, as in simulator/machine.py: BLAS held to one thread while slices run in threads
+    from threadpoolctl import ThreadpoolController
+except ImportError:  # pragma: no cover - then every batch is walked in one thread
+    ThreadpoolController = None
+_blas_controller = None
 
 LAYOUT_KINDS = LAYOUT_OPS  # instructions that only move data: no error of their own, not a report "layer"
 
@@ -55,6 +66,13 @@ class LayerStats:
     @property
     def clipped_fraction(self) -> float:
         return self.clipped / self.elements if self.elements else 0.0
+
+    def merge(self, other: LayerStats) -> None:
+        self.cumulative.merge(other.cumulative)
+        self.isolated.merge(other.isolated)
+        self.overflow_events += other.overflow_events
+        self.clipped += other.clipped
+        self.elements += other.elements
 
 
 @dataclass
@@ -94,12 +112,28 @@ def _clipped(reference: np.ndarray, program: Program, name: str) -> int:
     return int(np.count_nonzero((reference > (hi + 0.5) * scale) | (reference < (lo - 0.5) * scale)))
 
 
-class Evaluator:
-    """The three walks of the module docstring over one program and its lowered float graph."""
+@dataclass
+class _Walk:
+    """What one slice of a batch contributes: per-layer sums, input sums, and the first output (float, int8)."""
 
-    def __init__(self, program: Program, graph: Graph, peers: dict[str, np.ndarray] | None = None):
+    layers: dict[int, LayerStats]
+    inputs: dict[str, SqnrAccumulator]
+    float_output: np.ndarray
+    int8_output: np.ndarray
+
+
+class Evaluator:
+    """The three walks of the module docstring over one program and its lowered float graph.
+
+    A batch is cut into slices that worker threads walk side by side (the simulator's kernels and numpy's release
+    the GIL), with BLAS held to one thread meanwhile, as Machine.run does; the per-slice sums are added in slice
+    order. A program with host ops is walked in one thread (the host executor may not be thread-safe)."""
+
+    def __init__(self, program: Program, graph: Graph, peers: dict[str, np.ndarray] | None = None,
+                 threads: int | None = None):
         self.program, self.graph = program, graph
         self.machine = Machine(program)
+        self.machine.host = run_host_op  # host-fallback ops run in float, as `qdeploy run` runs them
         self.nodes = {node.name: node for node in graph.nodes}
         self.layers: list[LayerStats] = []
         self.last_use: dict[str, int] = {}
@@ -107,23 +141,62 @@ class Evaluator:
             for name in instr["inputs"]:
                 self.last_use[name] = step
             if instr["kind"] not in LAYOUT_KINDS:
-                self.layers.append(LayerStats(step, instr["name"], instr["kind"], instr["output"],
-                                              float(program.tensors[instr["output"]]["scale"])))
+                self.layers.append(self._new_layer(step))
         self.by_index = {layer.index: layer for layer in self.layers}
         self.inputs = {name: SqnrAccumulator() for name in program.inputs}
         self.output = OutputStats(program.outputs[0])
         self.peers = [PeerStats(label, logits) for label, logits in (peers or {}).items()]
         self.samples = 0
+        self.threads = max(1, len(os.sched_getaffinity(0)) if threads is None else int(threads))
+        if any(instr["kind"] == "Host" for instr in program.instructions) or ThreadpoolController is None:
+            self.threads = 1
+        self._pool: ThreadPoolExecutor | None = None
+
+    def _new_layer(self, step: int) -> LayerStats:
+        instr = self.program.instructions[step]
+        return LayerStats(step, instr["name"], instr["kind"], instr["output"],
+                          float(self.program.tensors[instr["output"]]["scale"]))
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
 
     def run_batch(self, feeds: dict[str, np.ndarray], start: int) -> tuple[np.ndarray, np.ndarray]:
-        """Walk one batch; returns the float and the dequantized int8 first output (for the caller's checks)."""
+        """Walk one batch (in slices, see the class docstring) and add its statistics; returns the float and the
+        dequantized int8 first output."""
+        batch = min(array.shape[0] for array in feeds.values())
+        pieces = min(batch, 2 * self.threads) if self.threads > 1 else 1  # two per thread: less waiting at the end
+        if pieces < 2:
+            walks = [self._walk(feeds)]
+        else:
+            bounds = [batch * i // pieces for i in range(pieces + 1)]
+            slices = [{name: array[a:b] for name, array in feeds.items()} for a, b in zip(bounds[:-1], bounds[1:])]
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="qdeploy-report")
+            with _one_blas_thread():
+                walks = list(self._pool.map(self._walk, slices))
+        for walk in walks:
+            for index, part in walk.layers.items():
+                self.by_index[index].merge(part)
+            for name, part in walk.inputs.items():
+                self.inputs[name].merge(part)
+        f = np.concatenate([walk.float_output for walk in walks])
+        q = np.concatenate([walk.int8_output for walk in walks])
+        self._update_output(f, q, start)
+        return f, q
+
+    def _walk(self, feeds: dict[str, np.ndarray]) -> _Walk:
+        """The float, cumulative and isolated walks of the module docstring over one slice of a batch."""
         program, graph = self.program, self.graph
+        layers = {layer.index: self._new_layer(layer.index) for layer in self.layers}
+        inputs = {name: SqnrAccumulator() for name in program.inputs}
         float_env: dict[str, np.ndarray] = {}
         int_env: dict[str, np.ndarray] = {}
         for name in program.inputs:
             float_env[name] = feeds[name]
             int_env[name] = quantize_input(program, name, feeds[name])
-            self.inputs[name].update(feeds[name], dequantize(program, name, int_env[name]))
+            inputs[name].update(feeds[name], dequantize(program, name, int_env[name]))
         keep = set(program.outputs)
         for step, instr in enumerate(program.instructions):
             node = self.nodes[instr["name"]]
@@ -132,7 +205,7 @@ class Evaluator:
             reference = run_node(node, operands, graph.opset)[0]
             del operands
             output, _, events = self.machine.execute(instr, [int_env[n] for n in instr["inputs"]])
-            layer = self.by_index.get(step)
+            layer = layers.get(step)
             if layer is not None:
                 isolated, _, _ = self.machine.execute(
                     instr, [quantize_input(program, n, float_env[n]) for n in instr["inputs"]])
@@ -148,10 +221,8 @@ class Evaluator:
                     float_env.pop(name, None)
                     int_env.pop(name, None)
         name = self.output.name
-        f = as_logits(float_env[name])
-        q = as_logits(dequantize(program, name, int_env[name]))
-        self._update_output(f, q, start)
-        return f, q
+        return _Walk(layers, inputs, as_logits(float_env[name]),
+                     as_logits(dequantize(program, name, int_env[name])))
 
     def _update_output(self, f: np.ndarray, q: np.ndarray, start: int) -> None:
         self.output.sqnr.update(f, q)
@@ -171,6 +242,15 @@ class Evaluator:
             peer.top.append(top_k(rows))
             peer.cosine.append(cosine_per_sample(f, rows))
         self.samples += len(f)
+
+
+def _one_blas_thread():
+    global _blas_controller
+    if ThreadpoolController is None:
+        return nullcontext()
+    if _blas_controller is None:
+        _blas_controller = ThreadpoolController()
+    return _blas_controller.limit(limits=1, user_api="blas")
 
 
 def check_original(original: Graph, feeds: dict[str, np.ndarray], lowered_output: np.ndarray,

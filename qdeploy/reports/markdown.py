@@ -39,7 +39,7 @@ def _number(value: float | None) -> str:
 
 
 def _ops(counts: dict[str, int], limit: int = 14) -> str:
-    items = list(counts.items())
+    items = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
     text = ", ".join(f"{op} {n}" for op, n in items[:limit])
     return text + (f", ... ({len(items) - limit} more op types)" if len(items) > limit else "")
 
@@ -178,6 +178,8 @@ def render_markdown(d: dict) -> str:
               + (f", labels `{d['labels']}`" if d["labels"] else ""),
               f"- calibration: {calibration}",
               f"- weights: {'per-channel' if s['per_channel_weights'] else 'per-tensor'} max-abs, int8 [-127, 127]",
+              "- compile options: " + (", ".join(f"{k} {v}" for k, v in s.get("compile_options", {}).items())
+                                       or "not recorded in the program"),
               "- target arithmetic: " + ", ".join(f"{k} {v}" for k, v in a.items()),
               f"- float reference: the lowered float graph in the reference executor; on the first "
               f"{check['samples']} samples it differs from the original model by "

@@ -53,6 +53,11 @@ class SqnrAccumulator:
         self.noise += float(np.vdot(error, error))
         self.elements += reference.size
 
+    def merge(self, other: SqnrAccumulator) -> None:
+        self.signal += other.signal
+        self.noise += other.noise
+        self.elements += other.elements
+
     @property
     def db(self) -> float:
         return sqnr_db(self.signal, self.noise)

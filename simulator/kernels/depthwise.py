@@ -37,7 +37,7 @@ import numpy as np
 from numba import njit
 
 from simulator.config import ACC_BITS_RANGE, Overflow
-from simulator.kernels.gemm import channel_max_abs, channels_in_range, saturating_add, worst_case_bound
+from simulator.kernels.gemm import INT64_MAX, channel_max_abs, channels_in_range, saturating_add, worst_case_bound
 from simulator.kernels.im2col import check_window
 from simulator.reference import conv_output_size
 
@@ -279,7 +279,7 @@ def depthwise_conv(x: np.ndarray, w: np.ndarray, bias=None, kernel_shape: Sequen
     # can arise, so the pass over the bias is skipped
     bound = (worst_case_bound(kh * kw, x_max, w_max, _max_abs(bias_c))
              if overflow == Overflow.SATURATE or acc_bits == 64 or bias_wide else 0)
-    if bound > np.iinfo(np.int64).max:
+    if bound > INT64_MAX:
         raise ValueError(f"the exact sums may reach {bound}, beyond int64: events could not be counted")
     args = (x, w, bias_c, kh, kw, sh, sw, pt, pl, dh, dw, np.int64(lo), np.int64(hi))
     acc_dtype = np.int32 if acc_bits <= 32 else np.int64

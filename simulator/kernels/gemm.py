@@ -34,6 +34,7 @@ from simulator.config import ACC_BITS_RANGE, Overflow
 # the first that is not). A sum of integers stays exact while every partial sum stays within this bound.
 FLOAT32_EXACT_INT = 1 << 24
 INT32_MAX = (1 << 31) - 1
+INT64_MAX = (1 << 63) - 1
 
 
 def max_exact_chunk(a_max_abs: int, b_max_abs: int) -> int:
@@ -174,7 +175,7 @@ def gemm(a, b, acc_bits: int = 32, overflow: str | Overflow = Overflow.WRAP, *, 
     lo, hi = -(1 << (acc_bits - 1)), (1 << (acc_bits - 1)) - 1
     a_max, b_max = _max_abs(a3), _max_abs(b3)
     bound = worst_case_bound(a3.shape[2], a_max, b_max, _max_abs(bias3))
-    if bound > np.iinfo(np.int64).max:  # only a 64-bit register with |bias| near 2^63 gets here
+    if bound > INT64_MAX:  # only a 64-bit register with |bias| near 2^63 gets here
         raise ValueError(f"the exact sums may reach {bound}, beyond int64: events could not be counted")
     fast_ok = overflow == Overflow.WRAP or bound <= hi
     if method == "auto":
@@ -382,7 +383,7 @@ def gemm_planar(w, cols, acc_bits: int = 32, overflow: str | Overflow = Overflow
         result = gemm(rows, np.ascontiguousarray(w.T), acc_bits, overflow, bias=bias_m, method="ordered")
         acc = np.ascontiguousarray(result.acc.reshape(n_dim, s_dim, m_dim).transpose(0, 2, 1))
         return GemmResult(acc, result.events, "ordered")
-    if bound > np.iinfo(np.int64).max:
+    if bound > INT64_MAX:
         raise ValueError(f"the exact sums may reach {bound}, beyond int64: events could not be counted")
     chunk = max_exact_chunk(a_max, b_max)
     w_f = w.astype(np.float32) if w_float is None else w_float

@@ -13,7 +13,10 @@ Two kernels per integer mode, equal wherever both apply: `requantize_<mode>` han
 int64 acc, any shift, left shifts included); `requantize_<mode>_fast` is branch-free straight-line int64
 arithmetic for the common case |acc| <= 2^31 and 1 <= shift <= 62 (tflite: 31 <= shift <= 62, i.e. M < 1),
 about 10x faster because it compiles without calls or data-dependent branches. `requantize()` checks the
-preconditions once per call and picks.
+preconditions once per call and per channel and picks (requantize_rows_mixed when only some channels qualify,
+e.g. a zero multiplier, stored with shift 0). An acc whose last two axes are swapped in memory (an NCHW
+accumulator viewed as (N, H*W, C)) is requantized in that layout by `requantize_planar`, one channel plane at a
+time with the same formulas, and the result has the same layout (no transpose).
 """
 
 from __future__ import annotations
@@ -407,6 +410,19 @@ def _per_channel(values, channels: int, dtype, name: str) -> np.ndarray:
     return np.ascontiguousarray(np.broadcast_to(array, (channels,)), dtype=dtype)
 
 
+@njit(cache=True, nogil=True)
+def _scan_parameters(mult, shift, fast_min, fast_max, narrow, fast):
+    """One pass over the per-channel parameters: (every 0 <= mult < 2^31, min shift); fast[c] = the fast
+    kernel's preconditions hold for channel c (narrow acc and fast_min <= shift[c] <= fast_max)."""
+    mult_ok = True
+    shift_min = np.int64(0)
+    for c in range(mult.shape[0]):
+        mult_ok = mult_ok and 0 <= mult[c] < MULT_LIMIT
+        shift_min = shift[c] if c == 0 or shift[c] < shift_min else shift_min
+        fast[c] = narrow and fast_min <= shift[c] <= fast_max
+    return mult_ok, shift_min
+
+
 def requantize(acc, mult=None, shift=None, mode: str | Rounding = Rounding.HALF_UP,
                lo: int = Arithmetic.act_min, hi: int = Arithmetic.act_max, *, scale=None,
                out: np.ndarray | None = None) -> np.ndarray:
@@ -460,16 +476,17 @@ def requantize(acc, mult=None, shift=None, mode: str | Rounding = Rounding.HALF_
         raise ValueError(f"mode {mode} needs mult and shift")
     mult_c = _per_channel(mult, channels, np.int64, "mult")
     shift_c = _per_channel(shift, channels, np.int64, "shift")
-    if channels and (mult_c.min() < 0 or mult_c.max() >= MULT_LIMIT):
-        raise ValueError("mult must be in [0, 2^31)")
     narrow = acc2.dtype == np.int32 or acc2.size == 0 or (acc2.min() >= INT32_MIN and acc2.max() <= MULT_LIMIT)
+    general, fast, (fast_min, fast_max) = _INTEGER_KERNELS[mode]
+    fast_c = np.empty(channels, np.bool_)  # the channels whose fast formula applies
+    mult_ok, shift_min = _scan_parameters(mult_c, shift_c, fast_min, fast_max, narrow, fast_c)
+    if not mult_ok:
+        raise ValueError("mult must be in [0, 2^31)")
     if mode == Rounding.TFLITE:
-        if np.any(shift_c < 0):
+        if shift_min < 0:
             raise ValueError("mode tflite needs shift >= 0 (TFLite's left shift is at most 31)")
         if not narrow or (acc2.size and acc2.max() > INT32_MAX):
             raise ValueError("mode tflite needs int32 accumulator values (gemmlowp is defined on int32)")
-    general, fast, (fast_min, fast_max) = _INTEGER_KERNELS[mode]
-    fast_c = (shift_c >= fast_min) & (shift_c <= fast_max) & narrow  # the channels whose fast formula applies
     if planar:
         requantize_planar(acc2, _MODE_CODES[mode], fast_c, mult_c, shift_c, np.zeros(channels, np.float32),
                           np.int64(lo), np.int64(hi), out2)
