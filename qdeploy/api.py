@@ -91,19 +91,26 @@ def run_host_op(op: str, opset: int, operands: list, attrs: dict) -> np.ndarray:
     return y
 
 
+def bind_program_inputs(program: Program, arrays: dict[str, np.ndarray] | np.ndarray, source: str
+                        ) -> dict[str, np.ndarray]:
+    """User arrays by program input name (a bare array feeds a single-input program)."""
+    if isinstance(arrays, np.ndarray):
+        if len(program.inputs) != 1:
+            raise BadInput(f"{source}: the program has {len(program.inputs)} inputs; give an .npz by input name")
+        arrays = {program.inputs[0]: arrays}
+    missing = [name for name in program.inputs if name not in arrays]
+    if missing:
+        raise BadInput(f"{source}: no array for program input '{missing[0]}'")
+    return arrays
+
+
 def run_program_file(program: str | os.PathLike | Program, inputs: dict[str, np.ndarray] | np.ndarray,
                      dequantize: bool = False) -> dict[str, np.ndarray]:
     """Run a compiled program on the simulator; int8/uint8 outputs, or float with `dequantize`.
     Float inputs are quantized with the program's input scale; integer inputs are taken as quantized."""
     source = str(program) if not isinstance(program, Program) else "program"
     program = program if isinstance(program, Program) else read_program(program)
-    if isinstance(inputs, np.ndarray):
-        if len(program.inputs) != 1:
-            raise BadInput(f"{source}: the program has {len(program.inputs)} inputs; give an .npz by input name")
-        inputs = {program.inputs[0]: inputs}
-    missing = [name for name in program.inputs if name not in inputs]
-    if missing:
-        raise BadInput(f"{source}: no array for program input '{missing[0]}'")
+    inputs = bind_program_inputs(program, inputs, source)
     machine = Machine(program)
     machine.host = run_host_op
     try:

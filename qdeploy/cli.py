@@ -439,16 +439,9 @@ def vectors_export(program: Path = typer.Argument(..., help="A compiled .qdp pro
     from simulator.vectors import VectorError, export_vectors
 
     loaded = read_program(program)
-    arrays = load_arrays(input)
-    if not isinstance(arrays, dict):
-        if len(loaded.inputs) != 1:
-            raise BadInput(f"{input}: the program has {len(loaded.inputs)} inputs; give an .npz by input name")
-        arrays = {loaded.inputs[0]: arrays}
-    missing = [name for name in loaded.inputs if name not in arrays]
-    if missing:
-        raise BadInput(f"{input}: no array for program input '{missing[0]}'")
+    arrays = api.bind_program_inputs(loaded, load_arrays(input), str(input))
     try:
-        result = export_vectors(loaded, arrays, output, per_tile=per_tile, host=getattr(api, "run_host_op", None),
+        result = export_vectors(loaded, arrays, output, per_tile=per_tile, host=api.run_host_op,
                                 source={"program": str(program), "input": str(input)})
     except (VectorError, ProgramInputError) as error:
         raise BadInput(f"{program}: {error}") from error

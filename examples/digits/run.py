@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,23 +24,9 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from examples.digits import train as digits  # noqa: E402
+from examples.commands import qdeploy  # noqa: E402
 
 MODEL_NAME = "digits_cnn"
-
-
-def _display(path: Path) -> str:
-    """A path as the user would type it: relative to the current folder when inside it."""
-    try:
-        return str(Path(path).resolve().relative_to(Path.cwd()))
-    except ValueError:
-        return str(path)
-
-
-def qdeploy(*args) -> None:
-    """Run one `qdeploy` command (printed first, as the user would type it) in this Python environment."""
-    shown = [_display(a) if isinstance(a, Path) else str(a) for a in args]
-    print("$ qdeploy " + " ".join(shlex.quote(a) for a in shown), flush=True)
-    subprocess.run([sys.executable, "-m", "qdeploy", *shown], check=True)
 
 
 def main(out: Path, report_dir: Path, seed: int = 0) -> dict:

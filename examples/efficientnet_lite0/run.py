@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,25 +32,11 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from examples import images, zoo  # noqa: E402
+from examples.commands import display, qdeploy  # noqa: E402
 
 N_CALIB, N_EVAL = 128, 64
 SIZE = 224
 PREPROCESS_FLAGS = ("--size", f"{SIZE},{SIZE}", "--mean", "127,127,127", "--std", "128,128,128")
-
-
-def _display(path: Path) -> str:
-    """A path as the user would type it: relative to the current folder when inside it."""
-    try:
-        return str(Path(path).resolve().relative_to(Path.cwd()))
-    except ValueError:
-        return str(path)
-
-
-def qdeploy(*args) -> None:
-    """Run one `qdeploy` command (printed first, as the user would type it) in this Python environment."""
-    shown = [_display(a) if isinstance(a, Path) else str(a) for a in args]
-    print("$ qdeploy " + " ".join(shlex.quote(a) for a in shown), flush=True)
-    subprocess.run([sys.executable, "-m", "qdeploy", *shown], check=True)
 
 
 def _folder_has(folder: Path, count: int) -> bool:
@@ -70,12 +54,12 @@ def main(out: Path, report_dir: Path, n_calib: int = N_CALIB, n_eval: int = N_EV
     out.mkdir(parents=True, exist_ok=True)
     model = out / "efficientnet_lite0.onnx"
     if not model.exists():
-        print(f"exporting the pretrained EfficientNet-Lite0 to {_display(model)}", flush=True)
+        print(f"exporting the pretrained EfficientNet-Lite0 to {display(model)}", flush=True)
         zoo.export("efficientnet_lite0", model)
     calib_dir, eval_dir, ort_dir = out / "calib_images", out / "eval_images", out / "onnxruntime"
     if not (_folder_has(calib_dir, n_calib) and _folder_has(eval_dir, n_eval)):
         print(f"writing {n_calib} calibration and {n_eval} evaluation photographs (disjoint source images) to "
-              f"{_display(calib_dir)}/ and {_display(eval_dir)}/", flush=True)
+              f"{display(calib_dir)}/ and {display(eval_dir)}/", flush=True)
         images.make_image_folders(calib_dir, eval_dir, n_calib, n_eval, size=SIZE)
     x = images.image_batch(8, seed=0, split="eval", size=SIZE)  # the first 8 evaluation views, before JPEG
     np.save(out / "x.npy", x)
@@ -100,8 +84,8 @@ def main(out: Path, report_dir: Path, n_calib: int = N_CALIB, n_eval: int = N_EV
     qdeploy("report", model, program, "--data", eval_dir, *PREPROCESS_FLAGS, "--calib", calib, *peer_args,
             "-o", report_dir)
     document = json.loads((report_dir / "report.json").read_text())
-    print(f"done in {time.perf_counter() - start:.0f} s. The report: {_display(report_dir / 'report.md')}; big "
-          f"artifacts (model, images, calibration table, program) in {_display(out)}/")
+    print(f"done in {time.perf_counter() - start:.0f} s. The report: {display(report_dir / 'report.md')}; big "
+          f"artifacts (model, images, calibration table, program) in {display(out)}/")
     return document
 
 
