@@ -36,8 +36,9 @@ from typing import Sequence
 import numpy as np
 from numba import njit
 
-from simulator.config import ACC_BITS_RANGE, Overflow
-from simulator.kernels.gemm import INT64_MAX, channel_max_abs, channels_in_range, saturating_add, worst_case_bound
+from simulator.config import Overflow
+from simulator.kernels.gemm import (INT64_MAX, channel_max_abs, channels_in_range, check_channel_bias,
+                                    saturating_add, worst_case_bound)
 from simulator.kernels.im2col import check_window
 from simulator.reference import conv_output_size
 
@@ -258,14 +259,7 @@ def depthwise_conv(x: np.ndarray, w: np.ndarray, bias=None, kernel_shape: Sequen
     w = np.ascontiguousarray(w)
     if w.dtype != np.int8 or w.shape != (c_dim, kh * kw):
         raise ValueError(f"w has shape {w.shape} and dtype {w.dtype}, expected int8 ({c_dim}, {kh * kw})")
-    bias_c = np.zeros(c_dim, np.int64) if bias is None else np.asarray(bias)
-    if bias_c.dtype.kind not in "iu" or bias_c.size != c_dim:
-        raise ValueError(f"bias has shape {bias_c.shape} and dtype {bias_c.dtype}, expected ({c_dim},) integers")
-    bias_wide = bias_c.dtype.itemsize > 4
-    if bias_c.dtype not in (np.int32, np.int64) or bias_c.ndim != 1 or not bias_c.flags.c_contiguous:
-        bias_c = np.ascontiguousarray(bias_c.reshape(c_dim), dtype=np.int64)  # int32/int64 are used as they are
-    if not ACC_BITS_RANGE[0] <= acc_bits <= ACC_BITS_RANGE[1]:
-        raise ValueError(f"acc_bits = {acc_bits}: expected {ACC_BITS_RANGE[0]}..{ACC_BITS_RANGE[1]}")
+    bias_c, bias_wide = check_channel_bias(bias, c_dim, acc_bits)
     oh_dim = conv_output_size(h_dim, kh, sh, pt, pb, dh)
     ow_dim = conv_output_size(w_dim, kw, sw, pl, pr, dw)
     if oh_dim < 1 or ow_dim < 1:

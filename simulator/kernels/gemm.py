@@ -333,6 +333,23 @@ def channels_in_range(k: int, a_max_abs: int, w_max_abs: np.ndarray, bias: np.nd
     return out
 
 
+def check_channel_bias(bias, channels: int, acc_bits: int) -> tuple[np.ndarray, bool]:
+    """The per-channel bias as a contiguous int32/int64 (channels,) array (zeros when None), whether it is
+    wider than 32 bits, and a check of acc_bits; ValueError on a wrong shape or dtype."""
+    if bias is None:
+        bias_c = np.zeros(channels, np.int64)
+    else:
+        bias_c = np.asarray(bias)
+        if bias_c.dtype.kind not in "iu" or bias_c.size != channels:
+            raise ValueError(f"bias has shape {bias_c.shape} and dtype {bias_c.dtype}, expected ({channels},) integers")
+    bias_wide = bias_c.dtype.itemsize > 4
+    if bias_c.dtype not in (np.int32, np.int64) or bias_c.ndim != 1 or not bias_c.flags.c_contiguous:
+        bias_c = np.ascontiguousarray(bias_c.reshape(channels), dtype=np.int64)  # int32/int64 are used as they are
+    if not ACC_BITS_RANGE[0] <= acc_bits <= ACC_BITS_RANGE[1]:
+        raise ValueError(f"acc_bits = {acc_bits}: expected {ACC_BITS_RANGE[0]}..{ACC_BITS_RANGE[1]}")
+    return bias_c, bias_wide
+
+
 def gemm_planar(w, cols, acc_bits: int = 32, overflow: str | Overflow = Overflow.WRAP, *, bias=None,
                 w_float: np.ndarray | None = None, w_max_abs: np.ndarray | None = None,
                 scratch: dict | None = None) -> GemmResult:
@@ -359,17 +376,7 @@ def gemm_planar(w, cols, acc_bits: int = 32, overflow: str | Overflow = Overflow
                          f"(N, {w.shape[1]}, S)")
     m_dim, k_dim = w.shape
     n_dim, _, s_dim = cols.shape
-    if bias is None:
-        bias_m = np.zeros(m_dim, np.int64)
-    else:
-        bias_m = np.asarray(bias)
-        if bias_m.dtype.kind not in "iu" or bias_m.size != m_dim:
-            raise ValueError(f"bias has shape {bias_m.shape} and dtype {bias_m.dtype}, expected ({m_dim},) integers")
-    bias_wide = bias_m.dtype.itemsize > 4
-    if bias_m.dtype not in (np.int32, np.int64) or bias_m.ndim != 1 or not bias_m.flags.c_contiguous:
-        bias_m = np.ascontiguousarray(bias_m.reshape(m_dim), dtype=np.int64)  # int32/int64 are used as they are
-    if not ACC_BITS_RANGE[0] <= acc_bits <= ACC_BITS_RANGE[1]:
-        raise ValueError(f"acc_bits = {acc_bits}: expected {ACC_BITS_RANGE[0]}..{ACC_BITS_RANGE[1]}")
+    bias_m, bias_wide = check_channel_bias(bias, m_dim, acc_bits)
     lo, hi = -(1 << (acc_bits - 1)), (1 << (acc_bits - 1)) - 1
     a_max = 255 if cols.dtype == np.uint8 else 128
     w_rows_max = channel_max_abs(w) if w_max_abs is None else np.asarray(w_max_abs, np.int64)
