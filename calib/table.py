@@ -10,6 +10,7 @@ back is equal to the one written, bit for bit):
       "model": "resnet_style.onnx",
       "method": "kl",
       "samples": 128,
+      "equalization": false,
       "tensors": [
         {"name": "input", "method": "kl", "threshold": 0.99, "scale": 0.0078, "amax": 1.0,
          "histogram": {"bin_width": 0.00048828125, "counts": [0, 12, ...]}},
@@ -20,6 +21,8 @@ back is equal to the one written, bit for bit):
 One line per tensor. `scale` = threshold / 127 (design.md section 3) is written for readers and checked on
 reading. `histogram` is the |x| histogram the threshold was chosen from: len(counts) bins of `bin_width` over
 [0, amax]. `amax` and `histogram` are null for thresholds imported from a TensorRT cache without data.
+`equalization` says the tensors were measured on the cross-layer-equalized graph (qdeploy/lowering/equalize.py;
+`qdeploy calibrate --equalize`), so the compiler lowers the model the same way; absent means false.
 
 TensorRT's cache: a header line `TRT-<version>-<algorithm>` (e.g. `TRT-8601-EntropyCalibration2`), then one
 line `tensor_name: <hex>` per tensor, <hex> the bits of the float32 scale = T / 127, big-endian, without
@@ -80,6 +83,7 @@ class CalibrationTable:
     method: str
     samples: int
     model: str | None = None
+    equalization: bool = False  # measured on the cross-layer-equalized graph (module docstring)
     extra: dict = field(default_factory=dict)  # unknown top-level keys of a read file, kept on rewrite
 
     @property
@@ -89,7 +93,7 @@ class CalibrationTable:
     # ---- JSON ------------------------------------------------------------------------------------------
     def to_text(self) -> str:
         head = {"format": FORMAT, "version": VERSION, "model": self.model, "method": self.method,
-                "samples": self.samples, **self.extra}
+                "samples": self.samples, "equalization": self.equalization, **self.extra}
         lines = ["{"] + [f"  {json.dumps(k)}: {json.dumps(v)}," for k, v in head.items()] + ['  "tensors": [']
         records = [_record_json(r) for r in self.records.values()]
         lines += [f"    {json.dumps(r, allow_nan=False)}{',' if i + 1 < len(records) else ''}"
@@ -128,6 +132,10 @@ class CalibrationTable:
         if samples < 0:
             raise BadInput(f"{source}: field \"samples\" must be >= 0, got {samples}")
         model = _typed(document, "model", (str, type(None)), source)
+        equalization = document.get("equalization", False)
+        if not isinstance(equalization, bool):
+            raise BadInput(f"{source}: field \"equalization\" must be true or false, got "
+                           f"{json.dumps(equalization)[:40]}")
         tensors = _typed(document, "tensors", list, source)
         records: dict[str, TensorRecord] = {}
         for index, entry in enumerate(tensors):
@@ -135,9 +143,9 @@ class CalibrationTable:
             if record.name in records:
                 raise BadInput(f"{source}: tensors[{index}]: tensor '{record.name}' is listed twice")
             records[record.name] = record
-        known = {"format", "version", "method", "samples", "model", "tensors"}
+        known = {"format", "version", "method", "samples", "model", "equalization", "tensors"}
         extra = {k: v for k, v in document.items() if k not in known}
-        return cls(records, method, samples, model, extra)
+        return cls(records, method, samples, model, equalization, extra)
 
     # ---- summaries -------------------------------------------------------------------------------------
     def summary_json(self) -> dict:

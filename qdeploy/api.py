@@ -31,12 +31,14 @@ def inspect(model: str | os.PathLike, input_shapes: InputShapes | None = None) -
     return summarize(result.original, result.graph, result.passes)
 
 
-def lower_model(model: str | os.PathLike, input_shapes: InputShapes | None = None) -> LoweringResult:
-    """Import, simplify and lower an ONNX model to GEMM-unit instructions."""
+def lower_model(model: str | os.PathLike, input_shapes: InputShapes | None = None,
+                equalize: bool = False) -> LoweringResult:
+    """Import, simplify and lower an ONNX model to GEMM-unit instructions (`equalize`: then cross-layer
+    equalization, lowering/equalize.py)."""
     path = Path(model)
     graph = import_onnx(path, input_shapes).graph  # its errors name the file already
     try:
-        return lower(graph)
+        return lower(graph, equalize)
     except BadInput as error:
         raise BadInput(f"{path}: {error}") from error
 
@@ -70,7 +72,7 @@ def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTabl
     path = Path(model)
     table = calib if isinstance(calib, CalibrationTable) else CalibrationTable.load(calib)
     target = target if isinstance(target, Target) else load_target_file(target)
-    lowering = lower_model(path, input_shapes)
+    lowering = lower_model(path, input_shapes, equalize=table.equalization)  # the graph it was calibrated on
     require_lowered(lowering, allow_host_fallback)
     options = CompileOptions(per_channel_weights=target.arithmetic.per_channel_weights and not per_tensor,
                              allow_host_fallback=allow_host_fallback, bias_correction=bias_correction)
@@ -80,6 +82,7 @@ def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTabl
     except BadInput as error:
         raise BadInput(f"{path}: {error}") from error
     program.manifest["model"] = path.name
+    program.manifest["options"]["equalization"] = table.equalization
     written = write_program(program, output) if output is not None else None
     return CompileResult(program, layers, lowering, written)
 
@@ -181,13 +184,13 @@ def export_onnx(program: str | os.PathLike | Program, output: str | os.PathLike,
 
 def report(model: str | os.PathLike, program: str | os.PathLike | Program, data, output: str | os.PathLike, *,
            labels=None, calib: str | os.PathLike | CalibrationTable | None = None,
-           peer: str | os.PathLike | None = None, num_samples: int | None = None, batch_size: int | None = None,
-           preprocess=None, input_shapes: InputShapes | None = None, progress=None, command: str | None = None):
+           peer: str | os.PathLike | None = None, ablation: str | os.PathLike | None = None,
+           num_samples: int | None = None, batch_size: int | None = None, preprocess=None, input_shapes: InputShapes | None = None, progress=None, command: str | None = None):
     """Accuracy-drop report of the int8 `program` against the float `model` on `data`, written to the folder
     `output` (report.md, report.json, PNG figures); returns a qdeploy.reports.ReportResult (its `document` is
     report.json). See qdeploy/reports/build.py for the arguments."""
     from qdeploy.reports import DEFAULT_BATCH_SIZE, build_report
 
-    return build_report(model, program, data, output, labels=labels, calib=calib, peer=peer,
+    return build_report(model, program, data, output, labels=labels, calib=calib, peer=peer, ablation=ablation,
                         num_samples=num_samples, batch_size=batch_size or DEFAULT_BATCH_SIZE, preprocess=preprocess,
                         input_shapes=input_shapes, progress=progress, command=command)

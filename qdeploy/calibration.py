@@ -139,7 +139,7 @@ def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD,
               num_samples: int = DEFAULT_NUM_SAMPLES, batch_size: int = DEFAULT_BATCH_SIZE,
               percentile: float = DEFAULT_PERCENTILE, preprocess: Preprocess | None = None, strict: bool = False,
               tensorrt_cache: str | os.PathLike | None = None, input_shapes: InputShapes | None = None,
-              progress: Progress | None = None) -> CalibrationResult:
+              equalize: bool = False, progress: Progress | None = None) -> CalibrationResult:
     """Choose an activation threshold |T| for every tensor the int8 program of `model` quantizes.
 
     data: a folder of images (preprocessed per `preprocess`; H, W default to the model input's), a .npy/.npz
@@ -152,6 +152,8 @@ def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD,
     strict: an image that cannot be decoded is an error instead of a skipped file with a warning.
     tensorrt_cache: a TensorRT calibration cache; its scales (T = 127 * scale) replace the computed thresholds
       of the tensors it names (records get method "tensorrt-cache"; amax and histogram still come from data).
+    equalize: measure the cross-layer-equalized graph (qdeploy/lowering/equalize.py); the table records it and
+      the compiler lowers the model the same way.
     progress: called as progress(samples_done, samples_total) after each batch."""
     start = time.perf_counter()
     if method not in THRESHOLD_METHODS:
@@ -164,7 +166,7 @@ def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD,
         raise BadInput("no calibration data: give --data (or --import-tensorrt-cache naming every tensor)")
     cache = read_tensorrt_cache(tensorrt_cache) if tensorrt_cache is not None else None
 
-    lowering = lower_model(model, input_shapes)
+    lowering = lower_model(model, input_shapes, equalize)
     graph = lowering.graph
     names = calibration_tensors(graph)
     timings = {"lower": time.perf_counter() - start}
@@ -218,5 +220,5 @@ def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD,
     timings["thresholds"] = time.perf_counter() - select_start
 
     table_method = TENSORRT_METHOD if data is None else method
-    table = CalibrationTable(records, table_method, samples, Path(model).name)
+    table = CalibrationTable(records, table_method, samples, Path(model).name, equalize)
     return CalibrationResult(table, samples, time.perf_counter() - start, timings, warnings)

@@ -261,6 +261,10 @@ def calibrate(model: Path = typer.Argument(..., help="An .onnx model."),
                   None, help="Also write the scales (T/127) as a TensorRT calibration cache."),
               import_tensorrt_cache: Optional[Path] = typer.Option(
                   None, help="Take |T| = 127 * scale from a TensorRT calibration cache for the tensors it names."),
+              equalize: bool = typer.Option(False, "--equalize/--no-equalize",
+                                            help="Cross-layer equalization of GEMM pairs joined by ReLU or no "
+                                                 "activation, before measuring (recorded in the table; compile "
+                                                 "follows it)."),
               input_shape: Optional[list[str]] = INPUT_SHAPE,
               json_output: bool = JSON) -> None:
     """Run the lowered float graph on calibration data, collect |x| histograms of every tensor the int8
@@ -278,7 +282,8 @@ def calibrate(model: Path = typer.Argument(..., help="An .onnx model."),
         result = run_calibration(model, data, method, num_samples=num_samples, batch_size=batch_size,
                                  percentile=percentile, preprocess=preprocess, strict=strict,
                                  tensorrt_cache=import_tensorrt_cache,
-                                 input_shapes=parse_input_shapes(input_shape), progress=progress)
+                                 input_shapes=parse_input_shapes(input_shape), equalize=equalize,
+                                 progress=progress)
     finally:
         progress.close()
     for warning in result.warnings:
@@ -353,6 +358,8 @@ def report(model: Path = typer.Argument(..., help="The float .onnx model."),
            calib: Optional[Path] = typer.Option(None, help="The calibration table, for the histogram figure."),
            peer: Optional[Path] = typer.Option(None, help="JSON naming another toolkit's int8 logits on the same "
                                                           "data, to compare (qdeploy/reports/inputs.py)."),
+           ablation: Optional[Path] = typer.Option(None, help="JSON in the peer format naming logits of qdeploy "
+                                                              "programs with other settings on the same data."),
            num_samples: Optional[int] = typer.Option(None, help="Use the first N samples (default: all)."),
            batch_size: int = typer.Option(REPORT_BATCH_SIZE, help="Samples per pass; memory holds one batch's "
                                                                   "tensors."),
@@ -375,7 +382,7 @@ def report(model: Path = typer.Argument(..., help="The float .onnx model."),
     import shlex
 
     options = [("--data", data), ("--labels", labels), ("--calib", calib), ("--peer", peer),
-               ("--num-samples", num_samples),
+               ("--ablation", ablation), ("--num-samples", num_samples),
                ("--batch-size", batch_size if batch_size != REPORT_BATCH_SIZE else None),
                ("--size", size), ("--mean", mean), ("--std", std),
                ("--layout", layout if layout != Preprocess.layout else None),
@@ -386,7 +393,7 @@ def report(model: Path = typer.Argument(..., help="The float .onnx model."),
     progress = _BatchProgress("evaluating")
     try:
         result = api.report(model, program, data, output, labels=labels, calib=calib, peer=peer,
-                            num_samples=num_samples, batch_size=batch_size, preprocess=preprocess,
+                            ablation=ablation, num_samples=num_samples, batch_size=batch_size, preprocess=preprocess,
                             input_shapes=parse_input_shapes(input_shape), progress=progress, command=command)
     finally:
         progress.close()

@@ -39,7 +39,8 @@ def test_json_is_versioned_and_readable(tmp_path):
     text = path.read_text()
     document = json.loads(text)
     assert document["format"] == "qdeploy-calibration" and document["version"] == 1
-    assert len(text.splitlines()) == 7 + 4 + 2  # header fields, one line per tensor, closing lines
+    assert len(text.splitlines()) == 8 + 4 + 2  # header fields, one line per tensor, closing lines
+    assert document["equalization"] is False
     first = document["tensors"][0]
     assert list(first) == ["name", "method", "threshold", "scale", "amax", "histogram"]
     assert len(first["histogram"]["counts"]) == 2048

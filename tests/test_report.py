@@ -241,3 +241,36 @@ def test_host_fallback_op_is_listed_and_measured(tmp_path):
     host = next(layer for layer in document["layers"] if layer["name"] == "sigmoid")
     assert host["kind"] == "Host" and host["sqnr_isolated_db"] > 25  # int8 in and out, float in between
     assert "`sigmoid` (Sigmoid)" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_peer_and_ablation_rows_are_measured_like_ours(resnet_case, tmp_path):
+    """A peer file and an ablation file in the same format: a row holding the program's own logits must get the
+    headline's figures, a row holding the float logits 100% agreement and an exact SQNR; the same label may
+    appear in both files."""
+    folder = resnet_case["folder"]
+    x = np.load(folder / "eval.npy")
+    np.save(tmp_path / "ours.npy", api.run(resnet_case["program"], x, dequantize=True)["logits"])
+    np.save(tmp_path / "float.npy", api.run(resnet_case["model"], x, lowered=True)["logits"])
+    for name, label in (("peer", "same"), ("ablation", "same")):
+        (tmp_path / f"{name}.json").write_text(json.dumps({
+            "name": name, "description": f"{name} rows",
+            "entries": [{"label": label, "logits": "ours.npy", "settings": {"k": 1}},
+                        {"label": "float", "logits": "float.npy"}]}))
+    result = _report(resnet_case, tmp_path, "--peer", tmp_path / "peer.json", "--ablation",
+                     tmp_path / "ablation.json")
+    assert result.exit_code == 0, result.output
+    document = json.loads((tmp_path / "out" / "report.json").read_text())
+    for section in ("peer", "ablation"):
+        same, exact = document[section]["entries"]
+        assert same["top1_agreement"] == document["top1_agreement"]
+        assert same["logits_sqnr_db"] == pytest.approx(document["logits_sqnr_db"], abs=1e-4)
+        # the float logits again, batched differently: BLAS rounding only (float32, ~1e-7 relative: ~140 dB)
+        assert exact["top1_agreement"] == 1.0 and (exact["logits_sqnr_db"] is None or exact["logits_sqnr_db"] > 120)
+    assert "best" not in document["ablation"]
+    markdown = (tmp_path / "out" / "report.md").read_text()
+    assert "## Peer" in markdown and "## Ablation" in markdown and "Settings: same: k=1" in markdown
+    # an ablation file with logits for fewer samples than the data: one-line error naming the file
+    np.save(tmp_path / "short.npy", np.zeros((EVAL_SAMPLES - 2, 10), np.float32))
+    (tmp_path / "short.json").write_text(json.dumps({"entries": [{"label": "a", "logits": "short.npy"}]}))
+    one_line_error(_report(resnet_case, tmp_path / "x", "--ablation", tmp_path / "short.json"), "short.json",
+                   f"{EVAL_SAMPLES - 2} samples")

@@ -2,6 +2,7 @@
 
     python examples/efficientnet_lite0/run.py [--out OUTDIR] [--report REPORT_DIR] [--calib N] [--eval N]
                                               [--method kl|max|percentile|mse] [--no-peer]
+                                              [--no-ablation]
         (defaults: out/efficientnet_lite0 for the big artifacts, reports/efficientnet_lite0 for the report,
          128 calibration and 64 evaluation photographs)
 
@@ -11,7 +12,9 @@
 3. runs the `qdeploy` commands a user would type, printing each: calibrate (KL, per-channel weights: the
    defaults), compile, run on the simulator, and report;
 4. before the report, measures the peer, ONNX Runtime's quantize_static (ort_peer.py), on the same images, so
-   the report's "Peer" section puts its figures next to ours.
+   the report's "Peer" section puts its figures next to ours;
+5. and the ablation: one program per fidelity option (bias correction, unsigned activations, cross-layer
+   equalization) alone and all together, run on the same images, for the report's "Ablation" section.
 
 The report (report.md, report.json, PNGs) goes to REPORT_DIR; the model, images, calibration table, program and
 ONNX Runtime's models to OUTDIR (git-ignored). About 4 minutes on 2 CPU cores, 2 of them ONNX Runtime's
@@ -48,8 +51,47 @@ def _folder_has(folder: Path, count: int) -> bool:
     return len(entries) == count and all((folder / e["file"]).exists() for e in entries)
 
 
+# (label, calibrate --equalize, compile --bias-correction, target with unsigned activations): each fidelity option
+# of issue 10 alone on top of plain post-training quantization, then all of them.
+ABLATION = [("plain (KL, max-abs weights)", False, False, False),
+            ("+ bias correction (the default)", False, True, False),
+            ("+ unsigned activations", False, False, True),
+            ("+ cross-layer equalization", True, False, False),
+            ("all three", True, True, True)]
+
+
+def ablation(model: Path, calib_dir: Path, eval_dir: Path, calib: Path, folder: Path) -> Path:
+    """Compile and run one program per ABLATION row on the evaluation photographs with the `qdeploy` commands;
+    write their logits and a file in the report's peer format (`qdeploy report --ablation`)."""
+    from calib.data import Preprocess, open_data
+
+    folder.mkdir(parents=True, exist_ok=True)
+    print("ablation: each fidelity option alone, then all (programs run on the evaluation photographs)", flush=True)
+    source = open_data(eval_dir, num_samples=10 ** 9, input_names=["input"], input_shapes=[(None, 3, SIZE, SIZE)],
+                       preprocess=Preprocess((SIZE, SIZE), (127.0,) * 3, (128.0,) * 3))
+    np.save(folder / "eval.npy", np.concatenate([batch.arrays for batch in source.batches(16)]))
+    (folder / "unsigned.toml").write_text("[arithmetic]\nunsigned_activations = true\n")
+    calib_equalized = folder / "calib_equalized.json"
+    qdeploy("calibrate", model, "--data", calib_dir, *PREPROCESS_FLAGS, "--equalize", "-o", calib_equalized)
+    entries = []
+    for index, (label, equalize, bias_correction, unsigned) in enumerate(ABLATION):
+        program, logits = folder / f"variant{index}.qdp", folder / f"logits{index}.npy"
+        qdeploy("compile", model, "--calib", calib_equalized if equalize else calib, "-o", program,
+                "--bias-correction" if bias_correction else "--no-bias-correction",
+                *(["--target", folder / "unsigned.toml"] if unsigned else []))
+        qdeploy("run", program, "--input", folder / "eval.npy", "--dequantize", "-o", logits)
+        entries.append({"label": label, "logits": logits.name,
+                        "settings": {"equalization": equalize, "bias_correction": bias_correction,
+                                     "unsigned_activations": unsigned}})
+    document = {"name": "qdeploy ablation", "description": "KL thresholds and max-abs per-channel weights in every "
+                "row; each row switches on the fidelity options it names (calibrate --equalize, compile "
+                "--bias-correction, a target with unsigned_activations = true).", "entries": entries}
+    (folder / "ablation.json").write_text(json.dumps(document, indent=1) + "\n")
+    return folder / "ablation.json"
+
+
 def main(out: Path, report_dir: Path, n_calib: int = N_CALIB, n_eval: int = N_EVAL, peer: bool = True,
-         method: str = "kl") -> dict:
+         method: str = "kl", run_ablation: bool = True) -> dict:
     start = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     model = out / "efficientnet_lite0.onnx"
@@ -81,8 +123,11 @@ def main(out: Path, report_dir: Path, n_calib: int = N_CALIB, n_eval: int = N_EV
                                      log=lambda text: print(text, flush=True))
         peer_args = ["--peer", peer_file]
 
+    ablation_file = ablation(model, calib_dir, eval_dir, calib, out / "ablation") if run_ablation else None
+    ablation_args = ["--ablation", ablation_file] if ablation_file else []
+
     qdeploy("report", model, program, "--data", eval_dir, *PREPROCESS_FLAGS, "--calib", calib, *peer_args,
-            "-o", report_dir)
+            *ablation_args, "-o", report_dir)
     document = json.loads((report_dir / "report.json").read_text())
     print(f"done in {time.perf_counter() - start:.0f} s. The report: {display(report_dir / 'report.md')}; big "
           f"artifacts (model, images, calibration table, program) in {display(out)}/")
@@ -97,5 +142,8 @@ if __name__ == "__main__":
     parser.add_argument("--eval", type=int, default=N_EVAL, help="held-out evaluation photographs")
     parser.add_argument("--method", default="kl", help="threshold method of `qdeploy calibrate` (default: kl)")
     parser.add_argument("--no-peer", dest="peer", action="store_false", help="skip ONNX Runtime's quantization")
+    parser.add_argument("--no-ablation", dest="ablation", action="store_false",
+                        help="skip the ablation (one program per fidelity option)")
     arguments = parser.parse_args()
-    main(arguments.out, arguments.report, arguments.calib, arguments.eval, arguments.peer, arguments.method)
+    main(arguments.out, arguments.report, arguments.calib, arguments.eval, arguments.peer, arguments.method,
+         arguments.ablation)

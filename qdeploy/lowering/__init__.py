@@ -117,11 +117,13 @@ def host_reason(graph: Graph, node: Node) -> str:
             f"(lowered: {', '.join(sorted(LOWERING))}, Relu, Clip, MaxPool; layout: {', '.join(sorted(LAYOUT_OPS))})")
 
 
-def lower(graph: Graph) -> LoweringResult:
-    """Run the LOWER passes on a simplified graph and describe the result."""
+def lower(graph: Graph, equalize: bool = False) -> LoweringResult:
+    """Run the LOWER passes on a simplified graph (then cross-layer equalization, with `equalize`) and describe
+    the result."""
+    from qdeploy.lowering.equalize import equalize_cross_layer
     from qdeploy.passes.pipeline import LOWER, run_pipeline
 
-    lowered, records = run_pipeline(graph, LOWER)
+    lowered, records = run_pipeline(graph, LOWER + ([equalize_cross_layer] if equalize else []))
     instructions, layout, host_ops = [], [], []
     host_macs = 0
     for node in lowered.nodes:

@@ -14,7 +14,8 @@ report.json (format "qdeploy-report", version 1; fractions in [0, 1], SQNR in dB
   calibration_samples, per_channel_weights, compile_options, arithmetic, preprocess, batch_size},
   lowering_check {samples, max_relative_error}, peer (null, or {name, description, entries [{label,
   top1_agreement, top5_agreement, logits_sqnr_db, cosine, accuracy_int8, settings, best}], best,
-  ours_minus_best}), plots {sqnr, histograms}, seconds, command, warnings."""
+  ours_minus_best}), ablation (null, or {name, description, entries} as peer's, without best), plots {sqnr,
+  histograms}, seconds, command, warnings."""
 
 from __future__ import annotations
 
@@ -124,10 +125,10 @@ def _calibration_summary(table: CalibrationTable, program: Program) -> tuple[lis
     return rows, plots, warnings
 
 
-def _summarise_peer(peer, evaluator: Evaluator, labels: np.ndarray | None, ours_top1: float,
-                    ours_sqnr: float) -> dict:
+def _summarise_entries(peer, stats_list, evaluator: Evaluator, labels: np.ndarray | None) -> list[dict]:
+    """Agreement, SQNR and cosine of each entry of a peer-format file against the float model."""
     entries = []
-    for stats, entry in zip(evaluator.peers, peer.entries):
+    for stats, entry in zip(stats_list, peer.entries):
         top = np.concatenate(stats.top)
         top1, top5 = metrics.agreement(evaluator.output.concatenated(evaluator.output.float_top), top)
         cosine = np.concatenate(stats.cosine)
@@ -137,6 +138,12 @@ def _summarise_peer(peer, evaluator: Evaluator, labels: np.ndarray | None, ours_
         if labels is not None:
             record["accuracy_int8"] = metrics.accuracy(top, labels)[0]
         entries.append(record)
+    return entries
+
+
+def _summarise_peer(peer, stats_list, evaluator: Evaluator, labels: np.ndarray | None, ours_top1: float,
+                    ours_sqnr: float) -> dict:
+    entries = _summarise_entries(peer, stats_list, evaluator, labels)
     best = max(entries, key=lambda e: (e["top1_agreement"], _db(e["logits_sqnr_db"])))
     best["best"] = True
     return {"name": peer.name, "description": peer.description, "entries": entries, "best": best["label"],
@@ -147,7 +154,7 @@ def _summarise_peer(peer, evaluator: Evaluator, labels: np.ndarray | None, ours_
 def build_report(model: str | os.PathLike, program: str | os.PathLike | Program, data, output: str | os.PathLike,
                  *, labels: str | os.PathLike | np.ndarray | None = None,
                  calib: str | os.PathLike | CalibrationTable | None = None, peer: str | os.PathLike | None = None,
-                 num_samples: int | None = None, batch_size: int = DEFAULT_BATCH_SIZE,
+                 ablation: str | os.PathLike | None = None, num_samples: int | None = None, batch_size: int = DEFAULT_BATCH_SIZE,
                  preprocess: Preprocess | None = None, input_shapes=None, progress: Progress | None = None,
                  command: str | None = None) -> ReportResult:
     """Evaluate `program` against `model` on `data` and write the report folder `output` (module docstring).
@@ -156,6 +163,8 @@ def build_report(model: str | os.PathLike, program: str | os.PathLike | Program,
     labels: integer classes, one per sample of `data` (a .npy/.txt path or an array): adds accuracy and drop.
     calib: the calibration table, for the histogram figure and the calibration settings.
     peer: a peer file of another toolkit's int8 logits on the same data (qdeploy/reports/inputs.py).
+    ablation: a file in the same format with logits of other qdeploy settings on the same data (each option off
+      and on); its rows form the report's "Ablation" section.
     num_samples: the first N samples (default: all). command: the command line, recorded in the report."""
     from qdeploy.api import bind_inputs
     from qdeploy.lowering import lower
@@ -175,7 +184,7 @@ def build_report(model: str | os.PathLike, program: str | os.PathLike | Program,
     program = program if isinstance(program, Program) else read_program(program)
     try:
         imported = import_onnx(model, input_shapes)
-        lowering = lower(imported.graph)
+        lowering = lower(imported.graph, bool(program.manifest.get("options", {}).get("equalization", False)))
     except BadInput as error:
         if str(error).startswith(str(model)):
             raise
@@ -189,22 +198,24 @@ def build_report(model: str | os.PathLike, program: str | os.PathLike | Program,
                        else load_labels(labels))
     table = calib if isinstance(calib, CalibrationTable) or calib is None else CalibrationTable.load(calib)
     peer_file = load_peer(peer) if peer is not None else None
+    ablation_file = load_peer(ablation) if ablation is not None else None
+    compared = [(path, f) for path, f in ((peer, peer_file), (ablation, ablation_file)) if f is not None]
 
     source = open_data(data, num_samples=sys.maxsize, input_names=graph.inputs,
                        input_shapes=[graph.tensors[n].shape for n in graph.inputs], preprocess=preprocess,
-                       strict=label_array is not None or peer_file is not None)
+                       strict=label_array is not None or bool(compared))
     available = source.samples
     if label_array is not None and len(label_array) != available:
         raise BadInput(f"{labels if not isinstance(labels, np.ndarray) else 'labels'}: {len(label_array)} labels "
                        f"for {available} samples in {source.source}")
-    if peer_file is not None:
-        for entry in peer_file.entries:
+    for path, compared_file in compared:
+        for entry in compared_file.entries:
             if entry.logits.shape[0] != available:
-                raise BadInput(f"{peer}: entry '{entry.label}' has logits for {entry.logits.shape[0]} samples, "
+                raise BadInput(f"{path}: entry '{entry.label}' has logits for {entry.logits.shape[0]} samples, "
                                f"the data {source.source} has {available}")
     source.samples = min(available, num_samples or available)
 
-    evaluator = Evaluator(program, graph, {e.label: e.logits for e in peer_file.entries} if peer_file else None)
+    evaluator = Evaluator(program, graph, [(e.label, e.logits) for _, f in compared for e in f.entries])
     lowering_error = None
     walk_start = time.perf_counter()
     with contextlib.closing(source.batches(batch_size)) as batches, contextlib.closing(evaluator):
@@ -296,13 +307,20 @@ def build_report(model: str | os.PathLike, program: str | os.PathLike | Program,
         "lowering_check": {"samples": min(CHECK_ORIGINAL_SAMPLES, evaluator.samples),
                            "max_relative_error": lowering_error},
         "peer": None,
+        "ablation": None,
         "plots": {},
         "seconds": {"evaluate": walk_seconds},
         "command": command,
         "warnings": warnings,
     }
+    peer_stats = evaluator.peers[:len(peer_file.entries) if peer_file else 0]
     if peer_file is not None:
-        document["peer"] = _summarise_peer(peer_file, evaluator, used_labels, top1, _db(document["logits_sqnr_db"]))
+        document["peer"] = _summarise_peer(peer_file, peer_stats, evaluator, used_labels, top1,
+                                           _db(document["logits_sqnr_db"]))
+    if ablation_file is not None:
+        document["ablation"] = {"name": ablation_file.name, "description": ablation_file.description,
+                                "entries": _summarise_entries(ablation_file, evaluator.peers[len(peer_stats):],
+                                                              evaluator, used_labels)}
 
     # ---- files -----------------------------------------------------------------------------------------------
     from qdeploy.reports import plots

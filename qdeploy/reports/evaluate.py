@@ -129,7 +129,7 @@ class Evaluator:
     the GIL), with BLAS held to one thread meanwhile, as Machine.run does; the per-slice sums are added in slice
     order. A program with host ops is walked in one thread (the host executor may not be thread-safe)."""
 
-    def __init__(self, program: Program, graph: Graph, peers: dict[str, np.ndarray] | None = None,
+    def __init__(self, program: Program, graph: Graph, peers: list[tuple[str, np.ndarray]] | None = None,
                  threads: int | None = None):
         self.program, self.graph = program, graph
         self.machine = Machine(program)
@@ -145,7 +145,7 @@ class Evaluator:
         self.by_index = {layer.index: layer for layer in self.layers}
         self.inputs = {name: SqnrAccumulator() for name in program.inputs}
         self.output = OutputStats(program.outputs[0])
-        self.peers = [PeerStats(label, logits) for label, logits in (peers or {}).items()]
+        self.peers = [PeerStats(label, logits) for label, logits in peers or []]
         self.samples = 0
         self.threads = max(1, len(os.sched_getaffinity(0)) if threads is None else int(threads))
         if any(instr["kind"] == "Host" for instr in program.instructions) or ThreadpoolController is None:

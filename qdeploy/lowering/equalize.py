@@ -1,0 +1,111 @@
+"""Cross-layer equalization (Nagel et al., "Data-Free Quantization Through Weight Equalization and Bias
+Correction", ICCV 2019, section 4.1), on the lowered graph.
+
+For a pair of GEMM instructions A -> B where B is A's only reader and the activation between them is
+positively homogeneous, f(x / s) = f(x) / s for s > 0 (none, ReLU, and a window-max on top of either), output
+channel i of A and input channel i of B can be rescaled without changing the function:
+
+    W_A[i] <- W_A[i] / s_i,   b_A[i] <- b_A[i] / s_i,   W_B[:, i] <- W_B[:, i] * s_i.
+
+With r_A[i] = max|W_A[i]| and r_B[i] = max|W_B[:, i]| (over every output channel and tap of B that reads
+channel i), s_i = sqrt(r_A[i] / r_B[i]) makes both ranges sqrt(r_A[i] r_B[i]) (the paper's eq. 10 solution
+for a pair). A chain A -> B -> C shares B, so the pass sweeps every pair until the scales settle
+(EQUALIZE_SWEEPS at most, each sweep in graph order, as the paper iterates).
+
+Pairs joined by ReLU6 or any clamp with a finite upper bound are left alone: clip(x / s, 0, 6) is not
+clip(x, 0, 6) / s, and keeping the function would need a per-channel clamp bound 6 / s_i that the output stage
+(one clamp per instruction, design.md section 3) does not have."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from qdeploy.ir import Graph, Node, constant
+from qdeploy.lowering.instructions import InstrKind
+
+EQUALIZE_SWEEPS = 20
+SETTLED = 1e-3  # stop when every |log s_i| of a sweep is below this (ranges equal to 0.1%)
+GEMM_OPS = (InstrKind.CONV_GEMM.value, InstrKind.DENSE_GEMM.value)
+
+
+def _homogeneous(node: Node) -> bool:
+    """f(x / s) = f(x) / s for every s > 0: no clamp, or ReLU (clamp at 0 below, none above)."""
+    return node.attrs["act_max"] == math.inf and node.attrs["act_min"] in (0.0, -math.inf)
+
+
+def equalizable_pairs(graph: Graph) -> list[tuple[str, str]]:
+    """(A, B) node names of every pair the pass rescales (module docstring), in graph order."""
+    consumers = graph.consumers()
+    pairs = []
+    for node in graph.nodes:
+        if node.op not in GEMM_OPS or not _homogeneous(node) or node.outputs[0] in graph.outputs:
+            continue
+        readers = consumers.get(node.outputs[0], [])
+        if len(readers) != 1 or readers[0].op not in GEMM_OPS or readers[0].inputs.count(node.outputs[0]) != 1 \
+                or readers[0].inputs[0] != node.outputs[0]:
+            continue
+        channels = graph.constant_data(node.inputs[1]).shape[0]
+        reader = readers[0]
+        weight = graph.constant_data(reader.inputs[1])
+        groups = int(reader.attrs.get("group", 1))
+        if weight.shape[1] * groups != channels:
+            continue  # B reads A's output through a shape it does not expect; leave it
+        pairs.append((node.name, reader.name))
+    return pairs
+
+
+def _input_channel_ranges(weight: np.ndarray, groups: int) -> np.ndarray:
+    """max |W_B[:, i]| for every input channel i of B (grouped conv: channel i is column i mod C/g of the
+    output channels of group i // (C/g))."""
+    out_channels, per_group = weight.shape[:2]
+    magnitude = np.abs(weight).reshape(groups, out_channels // groups, per_group, -1)
+    return magnitude.max(axis=(1, 3)).reshape(-1)
+
+
+def _scale_input_channels(weight: np.ndarray, groups: int, scale: np.ndarray) -> np.ndarray:
+    out_channels, per_group = weight.shape[:2]
+    shaped = weight.reshape(groups, out_channels // groups, per_group, -1) * \
+        scale.reshape(groups, 1, per_group, 1)
+    return shaped.reshape(weight.shape)
+
+
+def equalize_cross_layer(graph: Graph) -> Graph:
+    """Rescale every equalizable pair (module docstring) until the weight ranges match; exact in real
+    arithmetic (float64 here, stored as float32)."""
+    pairs = equalizable_pairs(graph)
+    if not pairs:
+        return graph
+    nodes = {node.name: node for node in graph.nodes}
+    weights = {name: graph.constant_data(nodes[name].inputs[1]).astype(np.float64)
+               for pair in pairs for name in pair}
+    biases = {a: graph.constant_data(nodes[a].inputs[2]).astype(np.float64) for a, _ in pairs}
+    for _ in range(EQUALIZE_SWEEPS):
+        largest = 0.0
+        for a, b in pairs:
+            w_a, w_b = weights[a], weights[b]
+            groups = int(nodes[b].attrs.get("group", 1))
+            r_a = np.abs(w_a).reshape(w_a.shape[0], -1).max(axis=1)
+            r_b = _input_channel_ranges(w_b, groups)
+            both = (r_a > 0) & (r_b > 0)  # a dead channel (all-zero weights) keeps s = 1
+            scale = np.ones_like(r_a)
+            scale[both] = np.sqrt(r_a[both] / r_b[both])
+            weights[a] = w_a / scale.reshape((-1,) + (1,) * (w_a.ndim - 1))
+            biases[a] = biases[a] / scale
+            weights[b] = _scale_input_channels(w_b, groups, scale)
+            largest = max(largest, float(np.max(np.abs(np.log(scale)))))
+        if largest < SETTLED:
+            break
+    replaced, tensors = {}, []
+    for name, weight in weights.items():
+        node = replaced.get(name, nodes[name])
+        w = constant(graph.unique_name(f"{name}_weight_equalized"), weight.astype(np.float32))
+        inputs = [node.inputs[0], w.name, *node.inputs[2:]]
+        tensors.append(w)
+        if name in biases:
+            b = constant(graph.unique_name(f"{name}_bias_equalized"), biases[name].astype(np.float32))
+            inputs[2] = b.name
+            tensors.append(b)
+        replaced[name] = node.replace(inputs=inputs)
+    return graph.with_nodes([replaced.get(node.name, node) for node in graph.nodes], tensors)
