@@ -53,6 +53,8 @@ Not exact in standard ONNX:
   requantizes with the float32 multiplier, not the program's integer (mult, shift), and adds in float, so
   outputs may differ by one unit where the roundings differ (the integer weights, biases and scales are the
   same). Compile with `rounding = "float32_rne"` for a model ONNX Runtime runs bit-exactly.
+- Per-channel clamp bounds (`clamp_hi`, from `calibrate --equalize` through a ReLU6) are not exported
+  (Unsupported): no int8 op of ONNX Runtime clamps per channel.
 - Unsigned (uint8) activations (`unsigned_activations = true`) are not exported (Unsupported): ONNX
   Runtime implements QLinearConv only with the same input and output type, and such programs mix int8 (the
   network input, tensors that can be negative) with uint8 tensors.
@@ -165,6 +167,9 @@ def _qlinear_conv(b: _Builder, instr: dict, x: str, kernel: list[int], attrs: di
     int32 bias; its output is saturated to the dtype range (the clamp follows in the epilogue)."""
     program, name = b.program, instr["name"]
     x_dtype, y_dtype = b.dtype(instr["inputs"][0]), b.dtype(instr["output"])
+    if "clamp_hi" in instr:
+        raise Unsupported(f"instruction '{name}' ({instr['kind']}): per-channel clamp bounds (an equalized ReLU6) "
+                          f"have no ONNX Runtime int8 op (calibrate without --equalize to export)")
     if x_dtype != y_dtype:
         raise Unsupported(f"instruction '{name}' ({instr['kind']}): {x_dtype} input and {y_dtype} output; ONNX "
                           f"Runtime's QLinearConv takes and gives one type (compile without unsigned_activations "

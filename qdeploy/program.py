@@ -192,7 +192,8 @@ def _window_shape(spec, channels: int, height: int, width: int, where: str, conv
 
 def _check_epilogue(program: Program, instr: dict, channels: int, where: str, out_dtype: str, rounding: str
                     ) -> None:
-    """clamp within the output's integer range; per-channel mult, shift, scale_f32 (design.md section 3)."""
+    """clamp within the output's integer range; per-channel mult, shift, scale_f32 (design.md section 3), and
+    clamp_hi (optional) within the clamp."""
     lo, hi = TENSOR_DTYPES[out_dtype]
     clamp = _ints(_field(instr, "clamp", where), f"{where}: clamp", 2, lo, hi)
     for key in ("k", "acc_bound_bits"):  # reported by `qdeploy inspect`
@@ -208,6 +209,10 @@ def _check_epilogue(program: Program, instr: dict, channels: int, where: str, ou
     scale = _array(program, instr, "scale_f32", where, "float32", (channels,))
     if not np.all(np.isfinite(scale)) or np.any(scale < 0):
         raise _Invalid(f"{where}: scale_f32 must hold finite numbers >= 0")
+    if "clamp_hi" in instr:  # per-channel upper bounds (an equalized ReLU6), inside the clamp range
+        bounds = _array(program, instr, "clamp_hi", where, "int32", (channels,))
+        if bounds.size and (bounds.min() < clamp[0] or bounds.max() > clamp[1]):
+            raise _Invalid(f"{where}: clamp_hi must lie within the clamp range {clamp}")
 
 
 def _instruction_shape(program: Program, instr: dict, where: str, shapes: dict[str, tuple[int, ...]],

@@ -10,7 +10,8 @@ channel c:
                rounding (bias correction; E[x] per channel from the calibration table; off: delta = 0)
   (3) acc[c]   = sum_k q_x[k] * q_w[c, k] + q_b[c]                     (acc_bits, wrap or saturate)
   (4) M[c]     = s_in * s_w[c] / s_out  -> integer mult[c] (Q(mult_bits-1)) and right shift[c]
-  (5) y        = clamp(requantize(acc, M), lo, hi), lo/hi from the fused activation, then window-max
+  (5) y        = clamp(requantize(acc, M), lo, hi), lo/hi from the fused activation, then min(y, hi[c]) with
+               hi[c] = round(act_max[c] / s_out) where equalization made the bound per channel, then window-max
 
 AddGemm (the residual add) is the output stage's two-input GEMM, K = 2 per channel, with 16-bit pre-scale
 weights on a common scale s_acc = max(s_a, s_b) / 2^14: acc = q_a * w_a + q_b * w_b with
@@ -227,6 +228,9 @@ class _Compiler:
             **self._requant(index, s_in, s_w, s_out),
             "clamp": [lo, hi], "acc_bound_bits": _bits_for(bound), "k": k,
         }
+        if "act_max_channels" in node.attrs:  # per-channel bounds of an equalized ReLU6 (lowering/equalize.py)
+            channel_hi = np.clip(np.round(np.asarray(node.attrs["act_max_channels"]) / s_out), lo, hi)
+            record["clamp_hi"] = self.array(index, "clamp_hi", channel_hi.astype(np.int32))
         if node.op == InstrKind.CONV_GEMM.value:
             record.update(kernel=list(weight.shape[2:]), group=int(node.attrs["group"]),
                           strides=list(node.attrs["strides"]), pads=list(node.attrs["pads"]),

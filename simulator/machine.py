@@ -223,9 +223,13 @@ class Machine:
         """acc (..., C) -> stored integers with the program's per-channel parameters (eq. 2-8)."""
         lo, hi = instr["clamp"]
         if self.arithmetic.rounding == Rounding.FLOAT32_RNE:
-            return requantize(acc, mode=Rounding.FLOAT32_RNE, lo=lo, hi=hi, scale=self.arrays[instr["scale_f32"]])
-        return requantize(acc, self.arrays[instr["mult"]], self.arrays[instr["shift"]],
-                          self.arithmetic.rounding, lo, hi)
+            y = requantize(acc, mode=Rounding.FLOAT32_RNE, lo=lo, hi=hi, scale=self.arrays[instr["scale_f32"]])
+        else:
+            y = requantize(acc, self.arrays[instr["mult"]], self.arrays[instr["shift"]], self.arithmetic.rounding,
+                           lo, hi)
+        if "clamp_hi" in instr:  # per-channel upper bounds (channel = last axis), within [lo, hi]
+            np.minimum(y, self.arrays[instr["clamp_hi"]].astype(y.dtype), out=y)
+        return y
 
     def _store(self, instr: dict, y: np.ndarray) -> np.ndarray:
         window = instr.get("window")

@@ -251,6 +251,9 @@ def layer_vectors(program, target: Target, index: int, instr: dict, run, machine
         info["output_stage"] = "float32 add (qdeploy/quantize.py eq. 6-7)"
     elif acc is not None:
         acc = _channels_last(acc)
+    if "clamp_hi" in instr:  # an equalized ReLU6: out = min(clamp(requantize(acc), lo, hi), clamp_hi[c])
+        extra["clamp_hi"] = (arrays[instr["clamp_hi"]].astype(np.int64).reshape(1, -1), 16, True, "cols",
+                             "per-channel upper bound applied after the clamp (1 x channels)")
     if instr.get("window") is None:
         out = _channels_last(stored)
         stored_matrix = None

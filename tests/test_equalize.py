@@ -23,24 +23,28 @@ from tests.builders import make_model, rng_weights, run_onnxruntime, save
 
 def _conv_pair_model(path, activation: str, second_group: int = 1):
     """x -> Conv 3->8 (3x3, pad 1) -> activation -> Conv 8->8 (3x3, group second_group) -> y. Channel ranges
-    of the first conv differ by a factor up to 100, so the pass has work to do."""
+    of the first conv differ by a factor up to 100, so the pass has work to do; with x ~ N(0, 1) the large
+    channels pass 6, so a ReLU6 bound is active."""
     w1 = rng_weights(1, 8, 3, 3, 3) * np.logspace(-1, 1, 8, dtype=np.float32)[:, None, None, None]
     w2 = rng_weights(2, 8, 8 // second_group, 3, 3)
     nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["h"], pads=[1, 1, 1, 1])]
     if activation == "relu":
         nodes.append(helper.make_node("Relu", ["h"], ["a"]))
     elif activation == "relu6":
-        nodes.append(helper.make_node("Clip", ["h", "lo", "hi"], ["a"]))
+        nodes.append(helper.make_node("Clip", ["h", "zero", "six"], ["a"]))
+    elif activation == "clip-1,6":
+        nodes.append(helper.make_node("Clip", ["h", "minus_one", "six"], ["a"]))
     else:
         nodes.append(helper.make_node("Identity", ["h"], ["a"]))
     nodes.append(helper.make_node("Conv", ["a", "w2", "b2"], ["y"], pads=[1, 1, 1, 1], group=second_group))
     model = make_model(nodes, [("x", ["N", 3, 12, 12])], [("y", ["N", 8, 12, 12])],
                        {"w1": w1, "b1": rng_weights(3, 8), "w2": w2, "b2": rng_weights(4, 8),
-                        "lo": np.float32(0), "hi": np.float32(6)})
+                        "zero": np.float32(0), "six": np.float32(6), "minus_one": np.float32(-1)})
     return save(model, path)
 
 
-@pytest.mark.parametrize("activation,group", [("relu", 1), ("relu", 8), ("none", 1), ("none", 2)])
+@pytest.mark.parametrize("activation,group", [("relu", 1), ("relu", 8), ("none", 1), ("none", 2), ("relu6", 1),
+                                              ("relu6", 8)])
 def test_equalized_graph_equals_the_original_in_onnxruntime(tmp_path, activation, group):
     path = _conv_pair_model(tmp_path / "m.onnx", activation, group)
     x = rng_weights(5, 4, 3, 12, 12, scale=1.0)
@@ -54,24 +58,75 @@ def test_equalized_graph_equals_the_original_in_onnxruntime(tmp_path, activation
     assert np.max(np.abs(got - expected)) <= 1e-5 * np.max(np.abs(expected))
     # the weights did change, and every pair now has matching ranges (DFQ eq. 10)
     nodes = {n.name: n for n in equalized.nodes}
+    plain_nodes = {n.name: n for n in plain.nodes}
     (a, b), = equalizable_pairs(equalized)
     w_a = equalized.constant_data(nodes[a].inputs[1])
     w_b = equalized.constant_data(nodes[b].inputs[1])
-    plain_nodes = {n.name: n for n in plain.nodes}
     assert not np.array_equal(w_a, plain.constant_data(plain_nodes[a].inputs[1]))
     r_a = np.abs(w_a).reshape(8, -1).max(axis=1)
     r_b = _input_channel_ranges(w_b, group)
     np.testing.assert_allclose(r_a, r_b, rtol=1e-3)
+    if activation == "relu6":  # the bound became per channel: 6 / s_i, s_i = old range / new range
+        scale = np.abs(plain.constant_data(plain_nodes[a].inputs[1])).reshape(8, -1).max(axis=1) / r_a
+        np.testing.assert_allclose(nodes[a].attrs["act_max_channels"], 6 / scale, rtol=1e-6)
+        # and the bound is active on this input: some values of `a` sit at a channel's bound
+        h = run_graph(equalized, {"x": x}, [nodes[a].outputs[0]])[nodes[a].outputs[0]]
+        bounds = np.float32(nodes[a].attrs["act_max_channels"]).reshape(1, -1, 1, 1)
+        assert np.any(h == np.broadcast_to(bounds, h.shape))
 
 
-def test_relu6_pairs_are_left_alone(tmp_path):
-    """clip(x / s, 0, 6) is not clip(x, 0, 6) / s: the pass must not touch a ReLU6 pair."""
-    path = _conv_pair_model(tmp_path / "m.onnx", "relu6")
+def test_clamp_with_a_negative_lower_bound_is_left_alone(tmp_path):
+    """clip(x / s, -1, 6) / ... would need per-channel lower bounds too: the pass must not touch the pair."""
+    path = _conv_pair_model(tmp_path / "m.onnx", "clip-1,6")
     plain = api.lower_model(path).graph
     assert equalizable_pairs(plain) == []
     equalized = api.lower_model(path, equalize=True).graph
     for node_a, node_b in zip(plain.nodes, equalized.nodes):
         assert node_a.inputs == node_b.inputs
+
+
+def test_per_channel_clamp_in_the_program(tmp_path):
+    """An equalized ReLU6 compiles to a per-channel `clamp_hi` that the simulator applies (a bound moved to the
+    clamp's low end zeroes exactly that channel), that the program check bounds, and that export-onnx refuses
+    with one line naming the instruction."""
+    from qdeploy.program import read_program, write_program
+
+    path = _conv_pair_model(tmp_path / "m.onnx", "relu6")
+    x = rng_weights(6, 16, 3, 12, 12, scale=1.0)
+    np.save(tmp_path / "x.npy", x)
+    table = qdeploy_calibrate(path, x, equalize=True)
+    program = api.compile(path, table).program
+    first = program.instructions[0]
+    bounds = program.arrays[first["clamp_hi"]]
+    lo, hi = first["clamp"]
+    assert bounds.dtype == np.int32 and bounds.shape == (8,) and lo <= bounds.min() and bounds.max() <= hi
+    assert len(set(bounds.tolist())) > 1  # really per channel
+    from simulator.machine import Machine
+
+    hidden = first["output"]
+    before = Machine(program).run({"x": x}, dump=True).tensors[hidden]
+    assert np.all(before.max(axis=(0, 2, 3)) <= bounds)  # every channel within its own bound
+    program.arrays[first["clamp_hi"]] = np.where(np.arange(8) == 3, lo, bounds).astype(np.int32)
+    after = Machine(program).run({"x": x}, dump=True).tensors[hidden]
+    assert np.all(after[:, 3] == lo) and np.array_equal(np.delete(after, 3, 1), np.delete(before, 3, 1))
+    assert before[:, 3].max() > lo  # the channel had something to lose
+    program.arrays[first["clamp_hi"]] = np.full(8, hi + 1, np.int32)
+    write_program(program, tmp_path / "bad.qdp")
+    with pytest.raises(BadInput, match="damaged program: .*clamp_hi must lie within the clamp range"):
+        read_program(tmp_path / "bad.qdp")
+    program.arrays[first["clamp_hi"]] = bounds
+    write_program(program, tmp_path / "m.qdp")
+    result = CliRunner().invoke(app, ["export-onnx", str(tmp_path / "m.qdp"), "-o", str(tmp_path / "m.int8.onnx")])
+    assert result.exit_code == 2 and "per-channel clamp bounds" in result.output
+    assert first["name"] in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "m.int8.onnx").exists()
+    assert read_program(tmp_path / "m.qdp").instructions[0]["clamp_hi"] == first["clamp_hi"]
+
+
+def qdeploy_calibrate(path, x, **options) -> CalibrationTable:
+    from qdeploy.calibration import calibrate
+
+    return calibrate(path, {"x": x}, **options).table
 
 
 def test_resnet_style_equalized_matches_onnxruntime(resnet_style_onnx, real_images):

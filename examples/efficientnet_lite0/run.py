@@ -26,6 +26,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -51,13 +52,27 @@ def _folder_has(folder: Path, count: int) -> bool:
     return len(entries) == count and all((folder / e["file"]).exists() for e in entries)
 
 
-# (label, calibrate --equalize, compile --bias-correction, target with unsigned activations): each fidelity option
-# of issue 10 alone on top of plain post-training quantization, then all of them.
-ABLATION = [("plain (KL, max-abs weights)", False, False, False),
-            ("+ bias correction (the default)", False, True, False),
-            ("+ unsigned activations", False, False, True),
-            ("+ cross-layer equalization", True, False, False),
-            ("all three", True, True, True)]
+@dataclass(frozen=True)
+class AblationRow:
+    label: str
+    calibrate: tuple[str, ...] = ()  # extra `qdeploy calibrate` flags (the main table when empty)
+    compile: tuple[str, ...] = ("--no-bias-correction",)  # `qdeploy compile` flags
+    unsigned: bool = False  # a target with unsigned_activations = true
+
+
+# Each fidelity option of issue 10 alone on top of plain post-training quantization (the main table's thresholds,
+# max-abs per-channel weights), then all of them; then per-tensor weights, where equalization is made for; then
+# MSE thresholds instead of KL.
+ABLATION = [AblationRow("plain: no bias correction, int8"),
+            AblationRow("+ bias correction (the default)", compile=()),
+            AblationRow("+ unsigned activations", unsigned=True),
+            AblationRow("+ cross-layer equalization", calibrate=("--equalize",)),
+            AblationRow("all three", calibrate=("--equalize",), compile=(), unsigned=True),
+            AblationRow("per-tensor weights", compile=("--per-tensor",)),
+            AblationRow("per-tensor weights + equalization", calibrate=("--equalize",), compile=("--per-tensor",)),
+            AblationRow("MSE thresholds (calibrate --method mse)", calibrate=("--method", "mse"), compile=()),
+            AblationRow("MSE thresholds + unsigned activations", calibrate=("--method", "mse"), compile=(),
+                        unsigned=True)]
 
 
 def ablation(model: Path, calib_dir: Path, eval_dir: Path, calib: Path, folder: Path) -> Path:
@@ -66,26 +81,28 @@ def ablation(model: Path, calib_dir: Path, eval_dir: Path, calib: Path, folder: 
     from calib.data import Preprocess, open_data
 
     folder.mkdir(parents=True, exist_ok=True)
-    print("ablation: each fidelity option alone, then all (programs run on the evaluation photographs)", flush=True)
+    print("ablation: each fidelity option alone, then together, per-tensor weights, MSE thresholds (each program "
+          "runs on the evaluation photographs)", flush=True)
     source = open_data(eval_dir, num_samples=10 ** 9, input_names=["input"], input_shapes=[(None, 3, SIZE, SIZE)],
                        preprocess=Preprocess((SIZE, SIZE), (127.0,) * 3, (128.0,) * 3))
     np.save(folder / "eval.npy", np.concatenate([batch.arrays for batch in source.batches(16)]))
     (folder / "unsigned.toml").write_text("[arithmetic]\nunsigned_activations = true\n")
-    calib_equalized = folder / "calib_equalized.json"
-    qdeploy("calibrate", model, "--data", calib_dir, *PREPROCESS_FLAGS, "--equalize", "-o", calib_equalized)
+    tables = {(): calib}
     entries = []
-    for index, (label, equalize, bias_correction, unsigned) in enumerate(ABLATION):
+    for index, row in enumerate(ABLATION):
+        if row.calibrate not in tables:
+            tables[row.calibrate] = folder / f"calib{len(tables)}.json"
+            qdeploy("calibrate", model, "--data", calib_dir, *PREPROCESS_FLAGS, *row.calibrate,
+                    "-o", tables[row.calibrate])
         program, logits = folder / f"variant{index}.qdp", folder / f"logits{index}.npy"
-        qdeploy("compile", model, "--calib", calib_equalized if equalize else calib, "-o", program,
-                "--bias-correction" if bias_correction else "--no-bias-correction",
-                *(["--target", folder / "unsigned.toml"] if unsigned else []))
+        qdeploy("compile", model, "--calib", tables[row.calibrate], "-o", program, *row.compile,
+                *(["--target", folder / "unsigned.toml"] if row.unsigned else []))
         qdeploy("run", program, "--input", folder / "eval.npy", "--dequantize", "-o", logits)
-        entries.append({"label": label, "logits": logits.name,
-                        "settings": {"equalization": equalize, "bias_correction": bias_correction,
-                                     "unsigned_activations": unsigned}})
-    document = {"name": "qdeploy ablation", "description": "KL thresholds and max-abs per-channel weights in every "
-                "row; each row switches on the fidelity options it names (calibrate --equalize, compile "
-                "--bias-correction, a target with unsigned_activations = true).", "entries": entries}
+        settings = {"calibrate": " ".join(row.calibrate) or "(main table)", "compile": " ".join(row.compile) or
+                    "(defaults)", "unsigned_activations": row.unsigned}
+        entries.append({"label": row.label, "logits": logits.name, "settings": settings})
+    document = {"name": "qdeploy ablation", "description": "the main calibration table's thresholds unless a row "
+                "calibrates again; per-channel max-abs weights unless --per-tensor.", "entries": entries}
     (folder / "ablation.json").write_text(json.dumps(document, indent=1) + "\n")
     return folder / "ablation.json"
 

@@ -69,6 +69,8 @@ def _epilogue(node: Node) -> dict:
     result = {"bias": node.op != InstrKind.ADD_GEMM.value}
     if attrs["act_min"] != float("-inf") or attrs["act_max"] != float("inf"):
         result["clamp"] = [attrs["act_min"], attrs["act_max"]]
+    if "act_max_channels" in attrs:
+        result["clamp_max_channels"] = list(attrs["act_max_channels"])
     if has_window_max(attrs):
         result["window_max"] = {"kernel": attrs["pool_kernel_shape"], "strides": attrs["pool_strides"],
                                 "pads": attrs["pool_pads"], "dilations": attrs["pool_dilations"],

@@ -1,20 +1,21 @@
 """Cross-layer equalization (Nagel et al., "Data-Free Quantization Through Weight Equalization and Bias
 Correction", ICCV 2019, section 4.1), on the lowered graph.
 
-For a pair of GEMM instructions A -> B where B is A's only reader and the activation between them is
-positively homogeneous, f(x / s) = f(x) / s for s > 0 (none, ReLU, and a window-max on top of either), output
-channel i of A and input channel i of B can be rescaled without changing the function:
+For a pair of GEMM instructions A -> B where B is A's only reader and the activation between them is none,
+ReLU or a clamp [0, c] (ReLU6), with or without a window-max, output channel i of A and input channel i of B can
+be rescaled without changing the function:
 
-    W_A[i] <- W_A[i] / s_i,   b_A[i] <- b_A[i] / s_i,   W_B[:, i] <- W_B[:, i] * s_i.
+    W_A[i] <- W_A[i] / s_i,   b_A[i] <- b_A[i] / s_i,   c_i <- c_i / s_i,   W_B[:, i] <- W_B[:, i] * s_i,
+
+as clip(x / s, 0, c / s) = clip(x, 0, c) / s and max commutes with a positive scale. A ReLU6 so becomes a
+per-channel upper bound (the instruction's `act_max_channels`), which the output stage applies per channel.
 
 With r_A[i] = max|W_A[i]| and r_B[i] = max|W_B[:, i]| (over every output channel and tap of B that reads
 channel i), s_i = sqrt(r_A[i] / r_B[i]) makes both ranges sqrt(r_A[i] r_B[i]) (the paper's eq. 10 solution
 for a pair). A chain A -> B -> C shares B, so the pass sweeps every pair until the scales settle
 (EQUALIZE_SWEEPS at most, each sweep in graph order, as the paper iterates).
 
-Pairs joined by ReLU6 or any clamp with a finite upper bound are left alone: clip(x / s, 0, 6) is not
-clip(x, 0, 6) / s, and keeping the function would need a per-channel clamp bound 6 / s_i that the output stage
-(one clamp per instruction, design.md section 3) does not have."""
+A clamp with a negative lower bound is left alone (it would need per-channel lower bounds too)."""
 
 from __future__ import annotations
 
@@ -30,9 +31,10 @@ SETTLED = 1e-3  # stop when every |log s_i| of a sweep is below this (ranges equ
 GEMM_OPS = (InstrKind.CONV_GEMM.value, InstrKind.DENSE_GEMM.value)
 
 
-def _homogeneous(node: Node) -> bool:
-    """f(x / s) = f(x) / s for every s > 0: no clamp, or ReLU (clamp at 0 below, none above)."""
-    return node.attrs["act_max"] == math.inf and node.attrs["act_min"] in (0.0, -math.inf)
+def _rescalable(node: Node) -> bool:
+    """The activation commutes with a per-channel positive scale once its upper bound is scaled too: none, ReLU,
+    or a clamp [0, c]."""
+    return node.attrs["act_min"] == -math.inf and node.attrs["act_max"] == math.inf or node.attrs["act_min"] == 0.0
 
 
 def equalizable_pairs(graph: Graph) -> list[tuple[str, str]]:
@@ -40,7 +42,7 @@ def equalizable_pairs(graph: Graph) -> list[tuple[str, str]]:
     consumers = graph.consumers()
     pairs = []
     for node in graph.nodes:
-        if node.op not in GEMM_OPS or not _homogeneous(node) or node.outputs[0] in graph.outputs:
+        if node.op not in GEMM_OPS or not _rescalable(node) or node.outputs[0] in graph.outputs:
             continue
         readers = consumers.get(node.outputs[0], [])
         if len(readers) != 1 or readers[0].op not in GEMM_OPS or readers[0].inputs.count(node.outputs[0]) != 1 \
@@ -81,6 +83,7 @@ def equalize_cross_layer(graph: Graph) -> Graph:
     weights = {name: graph.constant_data(nodes[name].inputs[1]).astype(np.float64)
                for pair in pairs for name in pair}
     biases = {a: graph.constant_data(nodes[a].inputs[2]).astype(np.float64) for a, _ in pairs}
+    total_scale = {a: np.ones(len(biases[a])) for a, _ in pairs}
     for _ in range(EQUALIZE_SWEEPS):
         largest = 0.0
         for a, b in pairs:
@@ -93,6 +96,7 @@ def equalize_cross_layer(graph: Graph) -> Graph:
             scale[both] = np.sqrt(r_a[both] / r_b[both])
             weights[a] = w_a / scale.reshape((-1,) + (1,) * (w_a.ndim - 1))
             biases[a] = biases[a] / scale
+            total_scale[a] = total_scale[a] * scale
             weights[b] = _scale_input_channels(w_b, groups, scale)
             largest = max(largest, float(np.max(np.abs(np.log(scale)))))
         if largest < SETTLED:
@@ -107,5 +111,9 @@ def equalize_cross_layer(graph: Graph) -> Graph:
             b = constant(graph.unique_name(f"{name}_bias_equalized"), biases[name].astype(np.float32))
             inputs[2] = b.name
             tensors.append(b)
-        replaced[name] = node.replace(inputs=inputs)
+        attrs = node.attrs
+        if name in total_scale and attrs["act_max"] != math.inf:
+            bounds = np.asarray(attrs.get("act_max_channels", attrs["act_max"]), np.float64) / total_scale[name]
+            attrs = {**attrs, "act_max": float(bounds.max()), "act_max_channels": tuple(float(v) for v in bounds)}
+        replaced[name] = node.replace(inputs=inputs, attrs=attrs)
     return graph.with_nodes([replaced.get(node.name, node) for node in graph.nodes], tensors)

@@ -8,6 +8,8 @@ checked against the original model before anything is quantized.
 Epilogue attributes shared by every instruction (design.md section 3, epilogue order):
   act_min, act_max   clamp bounds in float (-inf/inf when no activation is fused; ReLU sets act_min = 0,
                      ReLU6 act_max = 6)
+  act_max_channels   per output channel upper bounds, applied after [act_min, act_max] (absent unless cross-layer
+                     equalization rescaled a ReLU6's channels: lowering/equalize.py)
   pool_kernel_shape, pool_strides, pool_pads, pool_dilations, pool_ceil_mode
                      window-max on store (a fused MaxPool; absent when none)
 """

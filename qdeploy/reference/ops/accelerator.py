@@ -11,9 +11,12 @@ from qdeploy.reference.ops.pool import MaxPool
 
 
 def _epilogue(y: np.ndarray, act_min: float, act_max: float, pool_kernel_shape=None, pool_strides=None,
-              pool_pads=None, pool_dilations=None, pool_ceil_mode=0) -> np.ndarray:
+              pool_pads=None, pool_dilations=None, pool_ceil_mode=0, act_max_channels=None) -> np.ndarray:
     if act_min != -np.inf or act_max != np.inf:
         y = np.clip(y, np.float32(act_min), np.float32(act_max))
+    if act_max_channels is not None:  # per output channel (axis 1) upper bounds, from cross-layer equalization
+        bounds = np.asarray(act_max_channels, np.float32).reshape((-1,) + (1,) * (y.ndim - 2))
+        y = np.minimum(y, bounds)
     if pool_kernel_shape is not None:
         y = MaxPool(y, kernel_shape=pool_kernel_shape, strides=pool_strides, pads=pool_pads,
                     dilations=pool_dilations, ceil_mode=pool_ceil_mode)
@@ -27,12 +30,12 @@ def ConvGemm(x, w, b, *, group=1, strides=(1, 1), pads=(0, 0, 0, 0), dilations=(
     return _epilogue(y, act_min, act_max, **window)
 
 
-def DenseGemm(x, w, b, *, act_min=-np.inf, act_max=np.inf):
+def DenseGemm(x, w, b, *, act_min=-np.inf, act_max=np.inf, act_max_channels=None):
     """y = clamp(x @ w^T + b, act_min, act_max) with w of shape (out, K). Row by row: BLAS sums a matrix
     product in an order that depends on the number of rows, and a sample's result must not depend on the
     batch it came in (calibration promises batch-size independence)."""
     y = np.stack([w @ row for row in x]) + b if len(x) else np.matmul(x, w.T) + b
-    return _epilogue(y, act_min, act_max)
+    return _epilogue(y, act_min, act_max, act_max_channels=act_max_channels)
 
 
 def AddGemm(a, b, *, act_min=-np.inf, act_max=np.inf, **window):
