@@ -34,6 +34,7 @@ from calib.table import (TENSORRT_METHOD, CalibrationTable, TensorRecord, read_t
 from qdeploy.api import InputShapes, bind_inputs, lower_model
 from qdeploy.errors import BadInput
 from qdeploy.ir import Graph, topological_order
+from qdeploy.lowering.equalize import equalizable_pairs
 from qdeploy.lowering.instructions import LAYOUT_OPS
 from qdeploy.reference.executor import run_node
 
@@ -47,6 +48,7 @@ class CalibrationResult:
     seconds: float  # wall time of calibrate()
     timings: dict[str, float] = field(default_factory=dict)  # seconds: "lower", "collect", "thresholds"
     warnings: list[str] = field(default_factory=list)  # skipped images, ignored cache entries
+    equalized_pairs: int = 0  # GEMM pairs cross-layer equalization rescaled (with equalize)
 
     @property
     def method(self) -> str:
@@ -55,6 +57,7 @@ class CalibrationResult:
     def to_json(self) -> dict:
         """design.md section 6, `calibrate --json`."""
         return {"method": self.method, "samples": self.samples, "seconds": self.seconds,
+                "equalization": self.table.equalization, "equalized_pairs": self.equalized_pairs,
                 "tensors": self.table.summary_json(), "timings": self.timings, "warnings": self.warnings}
 
 
@@ -221,4 +224,5 @@ def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD,
 
     table_method = TENSORRT_METHOD if data is None else method
     table = CalibrationTable(records, table_method, samples, Path(model).name, equalize)
-    return CalibrationResult(table, samples, time.perf_counter() - start, timings, warnings)
+    pairs = len(equalizable_pairs(graph)) if equalize else 0
+    return CalibrationResult(table, samples, time.perf_counter() - start, timings, warnings, pairs)

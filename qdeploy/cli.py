@@ -228,6 +228,9 @@ def _print_calibration(result, output: Path) -> None:
     table = result.table
     typer.echo(f"calibrated {len(table.records)} tensors on {result.samples} samples in {result.seconds:.1f} s "
                f"(method {table.method})")
+    if table.equalization:
+        typer.echo(f"  on the cross-layer-equalized graph: {result.equalized_pairs} GEMM pairs rescaled "
+                   f"(compile follows the table)")
     width = max((len(name) for name in table.records), default=6)
     typer.echo(f"  {'tensor':<{width}} {'amax':>10} {'|T|':>10} {'T/amax':>7}  method")
     for record in table.records.values():

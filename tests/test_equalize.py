@@ -150,6 +150,7 @@ def test_flag_goes_from_calibrate_to_program_and_report(tmp_path, resnet_style_o
     result = runner.invoke(app, ["calibrate", str(resnet_style_onnx), "--data", str(data), "--equalize",
                                  "-o", str(table_path)])
     assert result.exit_code == 0, result.output
+    assert "on the cross-layer-equalized graph: 3 GEMM pairs rescaled" in result.output
     table = CalibrationTable.load(table_path)
     assert table.equalization is True
     result = runner.invoke(app, ["compile", str(resnet_style_onnx), "--calib", str(table_path), "-o", str(program)])
@@ -181,3 +182,27 @@ def test_table_equalization_field(tmp_path):
         CalibrationTable.from_json({**document, "equalization": "yes"})
     table = CalibrationTable({}, "kl", 0, None, True)
     assert CalibrationTable.from_json(json.loads(table.to_text())).equalization is True
+
+
+def test_golden_vectors_carry_the_per_channel_bounds(tmp_path):
+    """`vectors export` of an equalized ReLU6 pair writes clamp_hi, and the layer's `out` recomputes from its
+    `acc` hex file with the twins plus min(., clamp_hi[c])."""
+    from simulator import reference
+    from tests.test_hw_vectors import read_hex
+
+    path = _conv_pair_model(tmp_path / "m.onnx", "relu6")
+    x = rng_weights(6, 16, 3, 12, 12, scale=1.0)
+    api.compile(path, qdeploy_calibrate(path, x, equalize=True), output=tmp_path / "m.qdp")
+    np.save(tmp_path / "x.npy", x[:2])
+    result = CliRunner().invoke(app, ["vectors", "export", str(tmp_path / "m.qdp"), "--input",
+                                      str(tmp_path / "x.npy"), "-o", str(tmp_path / "vec")])
+    assert result.exit_code == 0, result.output
+    layer = json.loads((tmp_path / "vec" / "manifest.json").read_text())["layers"][0]
+    read = {key: read_hex(tmp_path / "vec" / record["hex"], record) for key, record in layer["files"].items()}
+    bounds = read["clamp_hi"].reshape(-1)
+    lo, hi = layer["clamp"]
+    mult, shift = read["mult"].reshape(-1), read["shift"].reshape(-1)
+    out = np.array([[min(reference.requantize(int(a), int(mult[c]), int(shift[c]), layer["rounding"], lo, hi),
+                         int(bounds[c])) for c, a in enumerate(row)] for row in read["acc"]])
+    assert np.array_equal(out, read["out"])
+    assert np.any((out == bounds[None, :]) & (bounds[None, :] < hi))  # a per-channel bound did bite

@@ -268,7 +268,8 @@ def test_peer_and_ablation_rows_are_measured_like_ours(resnet_case, tmp_path):
         assert exact["top1_agreement"] == 1.0 and (exact["logits_sqnr_db"] is None or exact["logits_sqnr_db"] > 120)
     assert "best" not in document["ablation"]
     markdown = (tmp_path / "out" / "report.md").read_text()
-    assert "## Peer" in markdown and "## Ablation" in markdown and "Settings: same: k=1" in markdown
+    assert "## Peer" in markdown and "## Ablation" in markdown and "Peer settings: same: k=1" in markdown
+    assert "| k `1` |" in markdown  # the ablation's settings: a column of its table
     # an ablation file with logits for fewer samples than the data: one-line error naming the file
     np.save(tmp_path / "short.npy", np.zeros((EVAL_SAMPLES - 2, 10), np.float32))
     (tmp_path / "short.json").write_text(json.dumps({"entries": [{"label": "a", "logits": "short.npy"}]}))

@@ -98,8 +98,9 @@ def ablation(model: Path, calib_dir: Path, eval_dir: Path, calib: Path, folder: 
         qdeploy("compile", model, "--calib", tables[row.calibrate], "-o", program, *row.compile,
                 *(["--target", folder / "unsigned.toml"] if row.unsigned else []))
         qdeploy("run", program, "--input", folder / "eval.npy", "--dequantize", "-o", logits)
-        settings = {"calibrate": " ".join(row.calibrate) or "(main table)", "compile": " ".join(row.compile) or
-                    "(defaults)", "unsigned_activations": row.unsigned}
+        settings = {"calibrate": " ".join(row.calibrate), "compile": " ".join(row.compile),
+                    "target": "unsigned_activations = true" if row.unsigned else ""}
+        settings = {key: value for key, value in settings.items() if value}
         entries.append({"label": row.label, "logits": logits.name, "settings": settings})
     document = {"name": "qdeploy ablation", "description": "the main calibration table's thresholds unless a row "
                 "calibrates again; per-channel max-abs weights unless --per-tensor.", "entries": entries}

@@ -118,14 +118,11 @@ def render_markdown(d: dict) -> str:
     if ablation:
         lines += ["## Ablation", "", f"{ablation['name']}: {ablation['description']}".rstrip(": "), "",
                   "Each row is a qdeploy program compiled with other settings, measured like the rows above.", ""]
-        header = ["settings", "top-1 agreement", "top-5 agreement", "logits SQNR", "cosine"]
+        header = ["settings", "top-1 agreement", "top-5 agreement", "logits SQNR", "cosine", "flags"]
         rows = [[entry["label"], _percent(entry["top1_agreement"]), _percent(entry["top5_agreement"]),
-                 _db(entry["logits_sqnr_db"]), f"{entry['cosine']:.4f}"] for entry in ablation["entries"]]
-        lines += _table(header, rows, "l" + "r" * (len(header) - 1)) + [""]
-        settings = [e for e in ablation["entries"] if e["settings"]]
-        if settings:
-            lines += ["Settings: " + "; ".join(
-                f"{e['label']}: " + ", ".join(f"{k}={v}" for k, v in e["settings"].items()) for e in settings), ""]
+                 _db(entry["logits_sqnr_db"]), f"{entry['cosine']:.4f}",
+                 "; ".join(f"{k} `{v}`" for k, v in entry["settings"].items())] for entry in ablation["entries"]]
+        lines += _table(header, rows, "l" + "r" * (len(header) - 2) + "l") + [""]
 
     # ---- layers --------------------------------------------------------------------------------------------
     lines += ["## Per-layer SQNR", "",
