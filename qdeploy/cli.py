@@ -328,6 +328,10 @@ def compile(model: Path = typer.Argument(..., help="An .onnx model."),
         return
     _print_layers(result.layers)
     _print_perf(perf)
+    options = result.program.manifest["options"]
+    if not options["per_channel_weights"] and not options["equalization"]:
+        typer.echo("note: per-tensor weights: a table from `qdeploy calibrate --equalize` usually does better "
+                   "(cross-layer equalization; EfficientNet-Lite0: 8.4 -> 11.1 dB logits SQNR)")
     typer.echo(f"wrote {output} ({len(result.program.instructions)} instructions, "
                f"{len(result.layers)} on the GEMM unit)")
 

@@ -171,6 +171,12 @@ def test_flag_goes_from_calibrate_to_program_and_report(tmp_path, resnet_style_o
     assert not all(np.array_equal(plain.program.arrays[k], compiled.arrays[k]) for k in compiled.arrays
                    if k.endswith("_weight"))
     assert table.to_text() != dataclasses.replace(table, equalization=False).to_text()
+    # per-tensor weights without equalization: compile points to --equalize; with it, it does not
+    dataclasses.replace(table, equalization=False).save(tmp_path / "plain.json")
+    for calib, noted in ((tmp_path / "plain.json", True), (table_path, False)):
+        result = runner.invoke(app, ["compile", str(resnet_style_onnx), "--calib", str(calib), "--per-tensor",
+                                     "-o", str(tmp_path / "pt.qdp")])
+        assert result.exit_code == 0 and ("calibrate --equalize` usually does better" in result.output) == noted
 
 
 def test_table_equalization_field(tmp_path):
