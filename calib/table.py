@@ -277,6 +277,9 @@ def write_tensorrt_cache(table: CalibrationTable, path: str | os.PathLike,
     """Write the table's scales (float32(threshold / 127)) as a TensorRT calibration cache, atomically."""
     if not _TENSORRT_HEADER.match(header):
         raise BadInput(f"TensorRT cache header {header!r} is not like '{TENSORRT_CACHE_HEADER}'")
+    if table.equalization:
+        raise BadInput(f"{path}: the table was calibrated with --equalize: its scales belong to qdeploy's "
+                       f"rescaled graph, not to the model TensorRT would build; calibrate without --equalize")
     lines = [header] + [f"{r.name}: {float32_hex(r.scale)}" for r in table.records.values()]
     text = "\n".join(lines) + "\n"
     return atomic_write(path, lambda tmp: tmp.write_text(text))

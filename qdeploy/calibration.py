@@ -167,6 +167,9 @@ def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD,
         raise BadInput(f"--batch-size {batch_size}: must be at least 1")
     if data is None and tensorrt_cache is None:
         raise BadInput("no calibration data: give --data (or --import-tensorrt-cache naming every tensor)")
+    if equalize and tensorrt_cache is not None:
+        raise BadInput(f"{tensorrt_cache}: a TensorRT cache holds scales of the model's own tensors, and --equalize "
+                       f"rescales them; use one or the other")
     cache = read_tensorrt_cache(tensorrt_cache) if tensorrt_cache is not None else None
 
     lowering = lower_model(model, input_shapes, equalize)

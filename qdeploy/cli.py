@@ -278,6 +278,9 @@ def calibrate(model: Path = typer.Argument(..., help="An .onnx model."),
 
     if output.is_dir():
         raise BadInput(f"{output}: is a folder; give the calibration table's file name")
+    if equalize and export_tensorrt_cache is not None:
+        raise BadInput(f"{export_tensorrt_cache}: --equalize rescales the model's tensors, so their scales cannot "
+                       f"go to a TensorRT cache; use one or the other")
     preprocess = Preprocess(parse_size(size), parse_floats(mean, "--mean", Preprocess.mean),
                             parse_floats(std, "--std", Preprocess.std), layout.upper(), channels.upper())
     progress = _BatchProgress("calibrating")

@@ -212,3 +212,26 @@ def test_golden_vectors_carry_the_per_channel_bounds(tmp_path):
                          int(bounds[c])) for c, a in enumerate(row)] for row in read["acc"]])
     assert np.array_equal(out, read["out"])
     assert np.any((out == bounds[None, :]) & (bounds[None, :] < hi))  # a per-channel bound did bite
+
+
+def test_tensorrt_caches_and_equalization_do_not_mix(tmp_path, resnet_style_onnx, real_images):
+    """A TensorRT cache holds scales of the unequalized tensors: importing one into an equalized calibration, or
+    exporting an equalized table as one, is a one-line error (exit 2) that writes nothing."""
+    np.save(tmp_path / "x.npy", np.ascontiguousarray(real_images[:4, :, :64, :64]))
+    (tmp_path / "cache.txt").write_text("TRT-8601-EntropyCalibration2\ninput: 3c010a14\n")
+    runner = CliRunner()
+    result = runner.invoke(app, ["calibrate", str(resnet_style_onnx), "--data", str(tmp_path / "x.npy"),
+                                 "--equalize", "--import-tensorrt-cache", str(tmp_path / "cache.txt"),
+                                 "-o", str(tmp_path / "a.json")])
+    assert result.exit_code == 2 and "--equalize rescales them" in result.output
+    assert not (tmp_path / "a.json").exists()
+    result = runner.invoke(app, ["calibrate", str(resnet_style_onnx), "--data", str(tmp_path / "x.npy"),
+                                 "--equalize", "--export-tensorrt-cache", str(tmp_path / "out.cache"),
+                                 "-o", str(tmp_path / "b.json")])
+    assert result.exit_code == 2 and "cannot go to a TensorRT cache" in result.output
+    assert not (tmp_path / "out.cache").exists() and not (tmp_path / "b.json").exists()
+    with pytest.raises(BadInput, match="calibrated with --equalize"):  # the same through the Python API
+        from calib.table import write_tensorrt_cache
+
+        write_tensorrt_cache(CalibrationTable({}, "kl", 0, None, True), tmp_path / "c.cache")
+    assert "Traceback" not in result.output
