@@ -275,3 +275,50 @@ def test_peer_and_ablation_rows_are_measured_like_ours(resnet_case, tmp_path):
     (tmp_path / "short.json").write_text(json.dumps({"entries": [{"label": "a", "logits": "short.npy"}]}))
     one_line_error(_report(resnet_case, tmp_path / "x", "--ablation", tmp_path / "short.json"), "short.json",
                    f"{EVAL_SAMPLES - 2} samples")
+
+
+def test_error_split_matches_graphs_built_by_hand(resnet_report):
+    """The weights-only and activations-only figures, recomputed outside the report: the lowered float graph
+    with the program's dequantized weights and biases put in as constants (weights only), and the graph run
+    node by node with every program tensor rounded to its integers (activations only)."""
+    from qdeploy.ir import constant
+    from qdeploy.reference.executor import run_graph, run_node
+
+    document = resnet_report["stdout"]
+    x = np.load(resnet_report["folder"] / "eval.npy")
+    program = read_program(resnet_report["program"])
+    graph = api.lower_model(resnet_report["model"]).graph
+    f = api.run(resnet_report["model"], x, lowered=True)["logits"]
+    by_name = {instr["name"]: instr for instr in program.instructions}
+    nodes, tensors = [], []
+    for node in graph.nodes:
+        instr = by_name[node.name]
+        if instr["kind"] in ("ConvGemm", "DenseGemm"):
+            s_w = program.arrays[instr["weight_scale"]].astype(np.float64)
+            s_in = program.tensors[instr["inputs"][0]]["scale"]
+            shape = graph.tensors[node.inputs[1]].shape
+            w = constant(f"{node.name}_wq", (program.arrays[instr["weight"]] * s_w[:, None]).reshape(shape)
+                         .astype(np.float32))
+            b = constant(f"{node.name}_bq", (program.arrays[instr["bias"]] * s_in * s_w).astype(np.float32))
+            tensors += [w, b]
+            node = node.replace(inputs=[node.inputs[0], w.name, b.name])
+        nodes.append(node)
+    weights_only = run_graph(graph.with_nodes(nodes, tensors), {graph.inputs[0]: x})["logits"]
+    env = {graph.inputs[0]: x}
+    for name in program.inputs:
+        step = program.tensors[name]["scale"]
+        env[name] = np.clip(np.round(x / np.float32(step)), -127, 127) * step
+    for node in graph.nodes:
+        (y,) = run_node(node, [env[n] if n in env else graph.constant_data(n) for n in node.inputs], graph.opset)
+        record = program.tensors[node.outputs[0]]
+        q_lo, q_hi = (0, 255) if record["dtype"] == "uint8" else (-127, 127)
+        env[node.outputs[0]] = np.clip(np.round(y / np.float32(record["scale"])), q_lo, q_hi) * record["scale"]
+    activations_only = env["logits"]
+    split = document["error_split"]
+    for name, y in (("weights_only", weights_only), ("activations_only", activations_only)):
+        # float32 sums in other batch sizes and rne of float32 quotients: ~1e-6 relative, far below 0.05 dB
+        assert split[name]["logits_sqnr_db"] == pytest.approx(metrics.sqnr(f, y), abs=0.05), name
+        assert split[name]["top1_agreement"] == np.mean(f.argmax(1) == y.argmax(1)), name
+        # each source alone costs less than both together (the program)
+        assert split[name]["logits_sqnr_db"] > document["logits_sqnr_db"]
+    assert "only the weights quantized" in (resnet_report["dir"] / "report.md").read_text()

@@ -12,7 +12,8 @@ report.json (format "qdeploy-report", version 1; fractions in [0, 1], SQNR in dB
   clipped_fraction}] (with a calibration table), host_ops [{node, op, reason}], nodes {as_exported, simplified,
   lowered, ops_*, passes, gemm_mac_fraction, macs_per_sample}, settings {calibration_method,
   calibration_samples, per_channel_weights, compile_options, arithmetic, preprocess, batch_size},
-  lowering_check {samples, max_relative_error}, peer (null, or {name, description, entries [{label,
+  lowering_check {samples, max_relative_error}, error_split {weights_only, activations_only: {logits_sqnr_db,
+  top1_agreement}} (qdeploy/reports/evaluate.py), peer (null, or {name, description, entries [{label,
   top1_agreement, top5_agreement, logits_sqnr_db, cosine, accuracy_int8, settings, best}], best,
   ours_minus_best}), ablation (null, or {name, description, entries} as peer's, without best), plots {sqnr,
   histograms}, seconds, command, warnings."""
@@ -73,6 +74,10 @@ class ReportResult:
                           for w in d["worst_layers"]["isolated"])
         if worst:
             lines.append(f"  worst layers (isolated SQNR): {worst}")
+        split = d["error_split"]
+        lines.append(f"  logits SQNR with only the weights quantized "
+                     f"{metrics.format_db(_db(split['weights_only']['logits_sqnr_db']))}, only the activations "
+                     f"{metrics.format_db(_db(split['activations_only']['logits_sqnr_db']))}")
         peer = d.get("peer")
         if peer:
             best = next(e for e in peer["entries"] if e["best"])
@@ -306,6 +311,9 @@ def build_report(model: str | os.PathLike, program: str | os.PathLike | Program,
                      "batch_size": batch_size},
         "lowering_check": {"samples": min(CHECK_ORIGINAL_SAMPLES, evaluator.samples),
                            "max_relative_error": lowering_error},
+        "error_split": {name: {"logits_sqnr_db": metrics.json_number(stats.sqnr.db),
+                               "top1_agreement": metrics.agreement(float_top, np.concatenate(stats.top))[0]}
+                        for name, stats in evaluator.split.items()},
         "peer": None,
         "ablation": None,
         "plots": {},

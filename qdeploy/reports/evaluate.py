@@ -11,6 +11,13 @@ The walk, per batch, in the program's instruction order (the order Machine.run e
               program's tensor scales (simulator.machine.quantize_input): only this layer's own error is left
               (the quantization of its input with the program's scale, its int8 weights, its requantization).
 
+and two float walks split the program's error into its two sources (the "where the error comes from" figures):
+
+  weights only      the float graph with every GEMM's weights and bias replaced by the program's integers
+                    times their scales (q_w s_w and q_b s_in s_w, bias correction included); activations float;
+  activations only  the float graph with its own weights, every tensor the program quantizes rounded to the
+                    program's integers and back (quantize_input, then dequantize); weights float.
+
 Each instruction's int8 output is dequantized with its tensor's scale and compared with the float output
 (eq. 1 of metrics.py, sums over every sample). Tensors are released after their last use, so memory holds one
 batch's live tensors of the walks, never the data set: per sample only the top-5 indices and the cosine of the
@@ -113,13 +120,37 @@ def _clipped(reference: np.ndarray, program: Program, name: str) -> int:
 
 
 @dataclass
+class SplitStats:
+    """The first output of one of the error-split walks (module docstring) against the float reference."""
+
+    sqnr: SqnrAccumulator = field(default_factory=SqnrAccumulator)
+    top: list[np.ndarray] = field(default_factory=list)
+
+
+@dataclass
 class _Walk:
-    """What one slice of a batch contributes: per-layer sums, input sums, and the first output (float, int8)."""
+    """What one slice of a batch contributes: per-layer sums, input sums, and the first output (float, int8, and
+    of the two error-split walks)."""
 
     layers: dict[int, LayerStats]
     inputs: dict[str, SqnrAccumulator]
     float_output: np.ndarray
     int8_output: np.ndarray
+    split_outputs: dict[str, np.ndarray]
+
+
+SPLIT_WALKS = ("weights_only", "activations_only")
+
+
+def dequantized_parameters(program: Program, instr: dict, weight_shape: tuple[int, ...]
+                           ) -> tuple[np.ndarray, np.ndarray]:
+    """The float weight (in the lowered node's `weight_shape`) and bias a GEMM instruction's integers stand for:
+    q_w[c] * s_w[c] and q_b[c] * s_in * s_w[c]."""
+    s_w = program.arrays[instr["weight_scale"]].astype(np.float64)
+    s_in = float(program.tensors[instr["inputs"][0]]["scale"])
+    weight = program.arrays[instr["weight"]].astype(np.float64) * s_w[:, None]
+    bias = program.arrays[instr["bias"]].astype(np.float64) * s_in * s_w
+    return weight.reshape(weight_shape).astype(np.float32), bias.astype(np.float32)
 
 
 class Evaluator:
@@ -146,6 +177,11 @@ class Evaluator:
         self.inputs = {name: SqnrAccumulator() for name in program.inputs}
         self.output = OutputStats(program.outputs[0])
         self.peers = [PeerStats(label, logits) for label, logits in peers or []]
+        self.split = {walk: SplitStats() for walk in SPLIT_WALKS}
+        self.dequantized = {  # per GEMM instruction: the float weight and bias of the weights-only walk
+            instr["name"]: dequantized_parameters(
+                program, instr, graph.tensors[self.nodes[instr["name"]].inputs[1]].shape)
+            for instr in program.instructions if instr["kind"] in ("ConvGemm", "DenseGemm")}
         self.samples = 0
         self.threads = max(1, len(os.sched_getaffinity(0)) if threads is None else int(threads))
         if any(instr["kind"] == "Host" for instr in program.instructions) or ThreadpoolController is None:
@@ -184,6 +220,10 @@ class Evaluator:
         f = np.concatenate([walk.float_output for walk in walks])
         q = np.concatenate([walk.int8_output for walk in walks])
         self._update_output(f, q, start)
+        for name, stats in self.split.items():
+            y = np.concatenate([walk.split_outputs[name] for walk in walks])
+            stats.sqnr.update(f, y)
+            stats.top.append(top_k(y))
         return f, q
 
     def _walk(self, feeds: dict[str, np.ndarray]) -> _Walk:
@@ -193,17 +233,17 @@ class Evaluator:
         inputs = {name: SqnrAccumulator() for name in program.inputs}
         float_env: dict[str, np.ndarray] = {}
         int_env: dict[str, np.ndarray] = {}
+        weights_env: dict[str, np.ndarray] = {}  # the error-split walks (module docstring)
+        acts_env: dict[str, np.ndarray] = {}
         for name in program.inputs:
-            float_env[name] = feeds[name]
+            float_env[name] = weights_env[name] = feeds[name]
             int_env[name] = quantize_input(program, name, feeds[name])
-            inputs[name].update(feeds[name], dequantize(program, name, int_env[name]))
+            acts_env[name] = dequantize(program, name, int_env[name])
+            inputs[name].update(feeds[name], acts_env[name])
         keep = set(program.outputs)
         for step, instr in enumerate(program.instructions):
             node = self.nodes[instr["name"]]
-            operands = [None if not n else float_env[n] if n in float_env else graph.constant_data(n)
-                        for n in node.inputs]
-            reference = run_node(node, operands, graph.opset)[0]
-            del operands
+            reference = self._run_float(node, float_env)
             output, _, events = self.machine.execute(instr, [int_env[n] for n in instr["inputs"]])
             layer = layers.get(step)
             if layer is not None:
@@ -216,13 +256,24 @@ class Evaluator:
                 layer.elements += output.size
                 del isolated
             float_env[instr["output"]], int_env[instr["output"]] = reference, output
+            weights_env[instr["output"]] = self._run_float(node, weights_env, self.dequantized.get(node.name))
+            y = self._run_float(node, acts_env)
+            acts_env[instr["output"]] = dequantize(program, instr["output"],
+                                                   quantize_input(program, instr["output"], y))
             for name in dict.fromkeys(instr["inputs"]):
                 if self.last_use.get(name) == step and name not in keep:
-                    float_env.pop(name, None)
-                    int_env.pop(name, None)
+                    for env in (float_env, int_env, weights_env, acts_env):
+                        env.pop(name, None)
         name = self.output.name
-        return _Walk(layers, inputs, as_logits(float_env[name]),
-                     as_logits(dequantize(program, name, int_env[name])))
+        return _Walk(layers, inputs, as_logits(float_env[name]), as_logits(dequantize(program, name, int_env[name])),
+                     {"weights_only": as_logits(weights_env[name]), "activations_only": as_logits(acts_env[name])})
+
+    def _run_float(self, node, env: dict[str, np.ndarray], parameters=None) -> np.ndarray:
+        """The lowered node in float on `env`, with its weight and bias replaced by `parameters` if given."""
+        operands = [None if not n else env[n] if n in env else self.graph.constant_data(n) for n in node.inputs]
+        if parameters is not None:
+            operands[1], operands[2] = parameters
+        return run_node(node, operands, self.graph.opset)[0]
 
     def _update_output(self, f: np.ndarray, q: np.ndarray, start: int) -> None:
         self.output.sqnr.update(f, q)

@@ -82,6 +82,14 @@ def render_markdown(d: dict) -> str:
     rows.append(["worst layers, isolated SQNR", worst or "-"])
     worst = ", ".join(f"`{w['name']}` ({_db(w['sqnr_cumulative_db'])})" for w in d["worst_layers"]["cumulative"])
     rows.append(["worst layers, cumulative SQNR", worst or "-"])
+    split = d.get("error_split")
+    if split:
+        rows.append(["where the error comes from: logits SQNR / top-1 agreement with only the weights quantized "
+                     "(activations float) and with only the activations quantized (weights float)",
+                     f"weights only {_db(split['weights_only']['logits_sqnr_db'])} / "
+                     f"{_percent(split['weights_only']['top1_agreement'])}; activations only "
+                     f"{_db(split['activations_only']['logits_sqnr_db'])} / "
+                     f"{_percent(split['activations_only']['top1_agreement'])}"])
     rows.append(["host-fallback ops", ", ".join(f"`{h['node']}` ({h['op']})" for h in d["host_ops"]) or "none"])
     lines += _table(["", ""], rows) + [""]
 
