@@ -321,4 +321,8 @@ def test_error_split_matches_graphs_built_by_hand(resnet_report):
         assert split[name]["top1_agreement"] == np.mean(f.argmax(1) == y.argmax(1)), name
         # each source alone costs less than both together (the program)
         assert split[name]["logits_sqnr_db"] > document["logits_sqnr_db"]
-    assert "only the weights quantized" in (resnet_report["dir"] / "report.md").read_text()
+    markdown = (resnet_report["dir"] / "report.md").read_text()
+    assert "only the weights quantized" in markdown
+    weights, activations = (split[k]["logits_sqnr_db"] for k in ("weights_only", "activations_only"))
+    assert ("The activations cost more than the weights" in markdown) == (activations + 6 < weights)
+    assert ("The weights cost more than the activations" in markdown) == (weights + 6 < activations)

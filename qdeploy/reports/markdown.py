@@ -52,6 +52,13 @@ def _table(header: list[str], rows: list[list[str]], align: str | None = None) -
     return lines
 
 
+SPLIT_MARGIN_DB = 6.0  # one source of error is named the larger when it costs 4x the other's noise power
+
+
+def _db_value(value: float | None) -> float:
+    return math.inf if value is None else float(value)
+
+
 def _ours_label(d: dict) -> str:
     method = d["settings"]["calibration_method"] or "calibration not given"
     weights = "per-channel" if d["settings"]["per_channel_weights"] else "per-tensor"
@@ -92,6 +99,16 @@ def render_markdown(d: dict) -> str:
                      f"{_percent(split['activations_only']['top1_agreement'])}"])
     rows.append(["host-fallback ops", ", ".join(f"`{h['node']}` ({h['op']})" for h in d["host_ops"]) or "none"])
     lines += _table(["", ""], rows) + [""]
+    if split:
+        weights, activations = (_db_value(split[k]["logits_sqnr_db"]) for k in ("weights_only", "activations_only"))
+        if activations + SPLIT_MARGIN_DB < weights:
+            lines += [f"The activations cost more than the weights ({activations:.1f} dB against {weights:.1f} dB "
+                      "with each alone): look at the thresholds of the worst layers' inputs below; a method that "
+                      "clips less (`qdeploy calibrate --method mse` or `--method percentile`) may keep more.", ""]
+        elif weights + SPLIT_MARGIN_DB < activations:
+            lines += [f"The weights cost more than the activations ({weights:.1f} dB against {activations:.1f} dB "
+                      "with each alone): per-channel weights (the default target) and bias correction (compile's "
+                      "default) are the levers; with per-tensor weights, `qdeploy calibrate --equalize`.", ""]
 
     # ---- peer ----------------------------------------------------------------------------------------------
     peer = d.get("peer")
