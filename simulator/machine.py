@@ -24,7 +24,7 @@ import numpy as np
 from qdeploy.program import Program
 from simulator.config import Arithmetic, Rounding, target_from_dict
 from simulator.kernels.depthwise import depthwise_conv
-from simulator.kernels.gemm import channel_max_abs, gemm, gemm_planar
+from simulator.kernels.gemm import add_gemm_kernel, channel_max_abs, gemm, gemm_planar
 from simulator.kernels.im2col import im2col, im2col_planar
 from simulator.kernels.requantize import requantize
 from simulator.kernels.window_max import window_max
@@ -292,10 +292,10 @@ class Machine:
             y, value = add_float32_rne(a, b, self.arrays[instr["add_ratio_f32"]], *instr["clamp"])
             return self._store(instr, y), value, 0
         w_a, w_b = instr["add_weights"]
-        acc, events = np.zeros(a.size, np.int64), 0
-        for x, w in ((a, w_a), (b, w_b)):  # k ascending, as the GEMM accumulates
-            acc, more = accumulate_step(acc, x.reshape(-1).astype(np.int64) * w, self.arithmetic)
-            events += more
+        acc = np.empty(a.size, np.int64)
+        events = add_gemm_kernel(np.ascontiguousarray(a).reshape(-1), np.ascontiguousarray(b).reshape(-1),
+                                 int(w_a), int(w_b), self.arithmetic.acc_min, self.arithmetic.acc_max,
+                                 self.arithmetic.overflow == "saturate", acc)
         acc = acc.reshape(-1, 1)
         y = self._requantize(instr, acc).reshape(a.shape)
         return self._store(instr, y), acc.reshape(a.shape), events
@@ -371,18 +371,6 @@ def _one_blas_thread():
 def _dtype_bound(x: np.ndarray) -> int:
     """max |x| that x's dtype allows (128 for int8, 255 for uint8): a bound without a pass over the data."""
     return 255 if x.dtype == np.uint8 else 128
-
-
-def accumulate_step(acc: np.ndarray, term: np.ndarray, arithmetic: Arithmetic) -> tuple[np.ndarray, int]:
-    """acc + term in the acc_bits register: wrap (two's complement) or saturate; returns the new register and
-    the number of elements that overflowed. Exact in int64 for acc_bits <= 62 and |term| < 2^62."""
-    lo, hi = arithmetic.acc_min, arithmetic.acc_max
-    exact = acc + term
-    outside = (exact < lo) | (exact > hi)
-    if arithmetic.overflow == "saturate":
-        return np.clip(exact, lo, hi), int(outside.sum())
-    span = 1 << arithmetic.acc_bits
-    return ((exact - lo) % span) + lo, int(outside.sum())
 
 
 def run_program(program: Program, inputs: dict[str, np.ndarray], dump: bool = False) -> RunResult:

@@ -443,3 +443,26 @@ def test_readme_example_runs():
     text = (Path(__file__).resolve().parents[1] / "simulator" / "README.md").read_text()
     code = text.split("```python\n", 1)[1].split("```", 1)[0]
     exec(compile(code, "simulator/README.md", "exec"), {})
+
+
+@pytest.mark.parametrize("overflow", ["wrap", "saturate"])
+@pytest.mark.parametrize("acc_bits", [16, 20, 32, 64])
+def test_add_gemm_kernel_equals_twin(overflow, acc_bits):
+    """The residual add's K = 2 accumulation (a * w_a, then b * w_b) equals reference.accumulate element by
+    element, register value and events, including sums that leave a 16- or 20-bit register and come back."""
+    from simulator.kernels.gemm import add_gemm_kernel
+
+    rng = np.random.default_rng(acc_bits)
+    a = rng.integers(-128, 128, 4000).astype(np.int8)
+    b = rng.integers(-128, 128, 4000).astype(np.int8)
+    a[:4], b[:4] = [127, -128, 127, -128], [-128, 127, 127, -128]  # extremes, opposite and equal signs
+    lo, hi = -(1 << (acc_bits - 1)), (1 << (acc_bits - 1)) - 1
+    total = 0
+    for w_a, w_b in ((16384, 16384), (16384, -9000), (255, 1), (-16384, 16383)):
+        out = np.empty(a.size, np.int64)
+        events = add_gemm_kernel(a, b, w_a, w_b, lo, hi, overflow == "saturate", out)
+        twins = [ref.accumulate([int(x) * w_a, int(y) * w_b], acc_bits, overflow) for x, y in zip(a, b)]
+        assert_array_equal(out, [t[0] for t in twins])
+        assert events == sum(t[1] for t in twins)
+        total += events
+    assert (total > 0) == (acc_bits <= 20)  # 127 * 16384 is about 2^21: the small registers overflow

@@ -125,6 +125,34 @@ def gemm_ordered_kernel(a, bt, bias, lo, hi, saturate, out):
     return events
 
 
+@njit(cache=True, nogil=True)
+def add_gemm_kernel(a, b, w_a, w_b, lo, hi, saturate, out):
+    """The AddGemm's K = 2 GEMM per element: out[i] = the acc_bits register after adding a[i] * w_a, then
+    b[i] * w_b (a, b int8/uint8 1-D, w_a, w_b the pre-scale weights, |product| < 2^24). Events as the twin
+    (reference.accumulate): saturate counts clamping additions, wrap counts outputs whose exact sum is outside
+    [lo, hi]. Returns the events."""
+    width = hi - lo
+    full64 = hi == 9223372036854775807
+    events = 0
+    for i in range(a.size):
+        first = np.int64(a[i]) * np.int64(w_a)
+        second = np.int64(b[i]) * np.int64(w_b)
+        if saturate:
+            acc, clamped_first = saturating_add(np.int64(0), first, lo, hi)
+            acc, clamped_second = saturating_add(acc, second, lo, hi)
+            events += clamped_first + clamped_second
+        else:
+            exact = first + second
+            if full64:
+                acc = exact
+            else:
+                acc = wrapping_add(wrapping_add(np.int64(0), first, lo, width), second, lo, width)
+            if exact < lo or exact > hi:
+                events += 1
+        out[i] = acc
+    return events
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Public entry
 
