@@ -235,3 +235,35 @@ def test_tensorrt_caches_and_equalization_do_not_mix(tmp_path, resnet_style_onnx
 
         write_tensorrt_cache(CalibrationTable({}, "kl", 0, None, True), tmp_path / "c.cache")
     assert "Traceback" not in result.output
+
+
+def test_per_channel_bounds_on_a_depthwise_producer(tmp_path):
+    """Expand 1x1 -> ReLU6 -> depthwise 3x3 -> ReLU6 -> project 1x1: both ReLU6 tensors get per-channel bounds,
+    and the depthwise instruction (its own kernel and memory order) applies them to the right channels: its
+    output equals the unbounded instruction's output capped channel by channel, and some bound below the clamp
+    is reached."""
+    from simulator.machine import Machine
+
+    w1 = rng_weights(1, 8, 3, 1, 1) * np.logspace(-0.5, 1, 8, dtype=np.float32)[:, None, None, None]
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["h1"]),
+             helper.make_node("Clip", ["h1", "zero", "six"], ["a1"]),
+             helper.make_node("Conv", ["a1", "w2", "b2"], ["h2"], pads=[1, 1, 1, 1], group=8),
+             helper.make_node("Clip", ["h2", "zero", "six"], ["a2"]),
+             helper.make_node("Conv", ["a2", "w3", "b3"], ["y"])]
+    model = make_model(nodes, [("x", ["N", 3, 12, 12])], [("y", ["N", 4, 12, 12])],
+                       {"w1": w1, "b1": rng_weights(2, 8), "w2": rng_weights(3, 8, 1, 3, 3) * 2,
+                        "b2": rng_weights(4, 8), "w3": rng_weights(5, 4, 8, 1, 1), "b3": rng_weights(6, 4),
+                        "zero": np.float32(0), "six": np.float32(6)})
+    path = save(model, tmp_path / "m.onnx")
+    x = rng_weights(7, 16, 3, 12, 12, scale=2.0)
+    program = api.compile(path, qdeploy_calibrate(path, x, equalize=True)).program
+    bounded = [instr for instr in program.instructions if "clamp_hi" in instr]
+    assert [instr["group"] for instr in bounded] == [1, 8]
+    machine = Machine(program)
+    run = machine.run({"x": x}, dump=True)
+    depthwise = bounded[1]
+    args = [run.tensors[name] for name in depthwise["inputs"]]
+    free = machine.execute({k: v for k, v in depthwise.items() if k != "clamp_hi"}, args)[0]
+    bounds = program.arrays[depthwise["clamp_hi"]].reshape(1, -1, 1, 1)
+    assert np.array_equal(run.tensors[depthwise["output"]], np.minimum(free, bounds))
+    assert np.any((free > bounds) & (bounds < depthwise["clamp"][1]))
