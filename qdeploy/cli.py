@@ -137,6 +137,9 @@ def _inspect_program(path: Path, json_output: bool) -> None:
     for instr in program.instructions:
         extra = f"clamp {instr['clamp']} k={instr['k']} acc bound {instr['acc_bound_bits']} bits" \
             if "clamp" in instr else f"shape {instr.get('shape', '')}"
+        if "clamp_hi" in instr:
+            bounds = program.arrays[instr["clamp_hi"]]
+            extra += f" per-channel upper bounds {int(bounds.min())}..{int(bounds.max())}"
         typer.echo(f"  {instr['kind']:<9} {instr['name']:<{width}} {extra}")
 
 
@@ -150,6 +153,9 @@ def _format_epilogue(epilogue: dict) -> str:
         low, high = epilogue["clamp"]
         parts.append("relu" if (low, high) == (0.0, float("inf")) else
                      "relu6" if (low, high) == (0.0, 6.0) else f"clamp[{low:g},{high:g}]")
+    if "clamp_max_channels" in epilogue:  # an equalized ReLU6: one upper bound per channel
+        bounds = epilogue["clamp_max_channels"]
+        parts.append(f"per-channel max {min(bounds):.3g}..{max(bounds):.3g}")
     if "window_max" in epilogue:
         window = epilogue["window_max"]
         parts.append(f"maxpool{window['kernel'][0]}x{window['kernel'][1]}/{window['strides'][0]}")
