@@ -121,6 +121,8 @@ def test_per_channel_clamp_in_the_program(tmp_path):
     assert first["name"] in result.output and "Traceback" not in result.output
     assert not (tmp_path / "m.int8.onnx").exists()
     assert read_program(tmp_path / "m.qdp").instructions[0]["clamp_hi"] == first["clamp_hi"]
+    shown = CliRunner().invoke(app, ["inspect", str(tmp_path / "m.qdp")])
+    assert f"per-channel upper bounds {bounds.min()}..{bounds.max()}" in shown.output
 
 
 def qdeploy_calibrate(path, x, **options) -> CalibrationTable:
