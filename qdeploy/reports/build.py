@@ -64,39 +64,32 @@ class ReportResult:
         d = self.document
         lines = [f"report on {d['samples']} samples of {d['data']}: float model (reference executor) vs int8 "
                  f"program (simulator)",
-                 f"  top-1 agreement {_percent(d['top1_agreement'])}   top-5 agreement {_percent(d['top5_agreement'])}",
-                 f"  logits SQNR {metrics.format_db(_db(d['logits_sqnr_db']))}   cosine {d['cosine']:.4f} "
+                 f"  top-1 agreement {metrics.format_percent(d['top1_agreement'])}   top-5 agreement {metrics.format_percent(d['top5_agreement'])}",
+                 f"  logits SQNR {metrics.format_json_db(d['logits_sqnr_db'])}   cosine {d['cosine']:.4f} "
                  f"(min {d['cosine_min']:.4f})"]
         if d["accuracy_float"] is not None:
-            lines.append(f"  accuracy float {_percent(d['accuracy_float'])}   int8 {_percent(d['accuracy_int8'])}   "
+            lines.append(f"  accuracy float {metrics.format_percent(d['accuracy_float'])}   int8 {metrics.format_percent(d['accuracy_int8'])}   "
                          f"drop {d['accuracy_drop_points']:+.2f} points")
-        worst = ", ".join(f"{w['name']} {metrics.format_db(_db(w['sqnr_isolated_db']))}"
+        worst = ", ".join(f"{w['name']} {metrics.format_json_db(w['sqnr_isolated_db'])}"
                           for w in d["worst_layers"]["isolated"])
         if worst:
             lines.append(f"  worst layers (isolated SQNR): {worst}")
         split = d["error_split"]
         lines.append(f"  logits SQNR with only the weights quantized "
-                     f"{metrics.format_db(_db(split['weights_only']['logits_sqnr_db']))}, only the activations "
-                     f"{metrics.format_db(_db(split['activations_only']['logits_sqnr_db']))}")
+                     f"{metrics.format_json_db(split['weights_only']['logits_sqnr_db'])}, only the activations "
+                     f"{metrics.format_json_db(split['activations_only']['logits_sqnr_db'])}")
         peer = d.get("peer")
         if peer:
             best = next(e for e in peer["entries"] if e["best"])
-            sqnr = metrics.format_db(_db(best["logits_sqnr_db"]))
+            sqnr = metrics.format_json_db(best["logits_sqnr_db"])
             lines.append(f"  peer {peer['name']} ({best['label']}, its best): top-1 agreement "
-                         f"{_percent(best['top1_agreement'])}, logits SQNR {sqnr}")
+                         f"{metrics.format_percent(best['top1_agreement'])}, logits SQNR {sqnr}")
         if d["host_ops"]:
             lines.append(f"  host-fallback ops: {', '.join(h['node'] for h in d['host_ops'])}")
         lines.append(f"wrote {self.output / 'report.md'} (+ report.json, {len(d['plots'])} PNG)")
         return "\n".join(lines)
 
 
-def _percent(value: float | None) -> str:
-    return "n/a" if value is None else f"{100 * value:.1f}%"
-
-
-def _db(value: float | None) -> float:
-    """A report.json SQNR back to a float (null is an exact result: +inf)."""
-    return math.inf if value is None else value
 
 
 def _op_counts(graph) -> dict[str, int]:
@@ -149,11 +142,11 @@ def _summarise_entries(peer, stats_list, evaluator: Evaluator, labels: np.ndarra
 def _summarise_peer(peer, stats_list, evaluator: Evaluator, labels: np.ndarray | None, ours_top1: float,
                     ours_sqnr: float) -> dict:
     entries = _summarise_entries(peer, stats_list, evaluator, labels)
-    best = max(entries, key=lambda e: (e["top1_agreement"], _db(e["logits_sqnr_db"])))
+    best = max(entries, key=lambda e: (e["top1_agreement"], metrics.db_from_json(e["logits_sqnr_db"])))
     best["best"] = True
     return {"name": peer.name, "description": peer.description, "entries": entries, "best": best["label"],
             "ours_minus_best": {"top1_agreement_points": 100 * (ours_top1 - best["top1_agreement"]),
-                                "logits_sqnr_db": metrics.json_number(ours_sqnr - _db(best["logits_sqnr_db"]))}}
+                                "logits_sqnr_db": metrics.json_number(ours_sqnr - metrics.db_from_json(best["logits_sqnr_db"]))}}
 
 
 def build_report(model: str | os.PathLike, program: str | os.PathLike | Program, data, output: str | os.PathLike,
@@ -262,8 +255,8 @@ def build_report(model: str | os.PathLike, program: str | os.PathLike | Program,
                        "sqnr_isolated_db": metrics.json_number(layer.isolated.db),
                        "overflow_events": layer.overflow_events, "clipped_fraction": layer.clipped_fraction,
                        "scale": layer.scale})
-    by_isolated = sorted(layers, key=lambda l: _db(l["sqnr_isolated_db"]))[:WORST_LAYERS]
-    by_cumulative = sorted(layers, key=lambda l: _db(l["sqnr_cumulative_db"]))[:WORST_LAYERS]
+    by_isolated = sorted(layers, key=lambda l: metrics.db_from_json(l["sqnr_isolated_db"]))[:WORST_LAYERS]
+    by_cumulative = sorted(layers, key=lambda l: metrics.db_from_json(l["sqnr_cumulative_db"]))[:WORST_LAYERS]
 
     tensors, histogram_plots = [], []
     if table is not None:
@@ -324,7 +317,7 @@ def build_report(model: str | os.PathLike, program: str | os.PathLike | Program,
     peer_stats = evaluator.peers[:len(peer_file.entries) if peer_file else 0]
     if peer_file is not None:
         document["peer"] = _summarise_peer(peer_file, peer_stats, evaluator, used_labels, top1,
-                                           _db(document["logits_sqnr_db"]))
+                                           metrics.db_from_json(document["logits_sqnr_db"]))
     if ablation_file is not None:
         document["ablation"] = {"name": ablation_file.name, "description": ablation_file.description,
                                 "entries": _summarise_entries(ablation_file, evaluator.peers[len(peer_stats):],

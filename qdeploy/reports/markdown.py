@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
-from qdeploy.reports.metrics import format_db
+from qdeploy.reports.metrics import db_from_json, format_json_db, format_percent
 
 READING_GUIDE = (
     "**How to read this report.** The int8 program runs on the bit-accurate simulator of the accelerator and is "
@@ -24,14 +23,6 @@ READING_GUIDE = (
     "steady fall of cumulative SQNR with depth is ordinary error accumulation. In report.json an SQNR of null "
     "means infinite (the int8 result is exact)."
 )
-
-
-def _percent(value: float | None, digits: int = 1) -> str:
-    return "n/a" if value is None else f"{100 * value:.{digits}f}%"
-
-
-def _db(value: float | None) -> str:
-    return format_db(math.inf if value is None else value)
 
 
 def _number(value: float | None) -> str:
@@ -55,10 +46,6 @@ def _table(header: list[str], rows: list[list[str]], align: str | None = None) -
 SPLIT_MARGIN_DB = 6.0  # one source of error is named the larger when it costs 4x the other's noise power
 
 
-def _db_value(value: float | None) -> float:
-    return math.inf if value is None else float(value)
-
-
 def _ours_label(d: dict) -> str:
     method = d["settings"]["calibration_method"] or "calibration not given"
     weights = "per-channel" if d["settings"]["per_channel_weights"] else "per-tensor"
@@ -72,35 +59,35 @@ def render_markdown(d: dict) -> str:
     # ---- headline ------------------------------------------------------------------------------------------
     lines += ["## Headline", ""]
     rows = [["samples", f"{d['samples']} from `{d['data']}`"],
-            ["top-1 agreement with float", _percent(d["top1_agreement"])],
-            ["top-5 agreement with float", _percent(d["top5_agreement"])],
-            [f"logits SQNR (`{d['output']}`)", _db(d["logits_sqnr_db"])],
+            ["top-1 agreement with float", format_percent(d["top1_agreement"])],
+            ["top-5 agreement with float", format_percent(d["top5_agreement"])],
+            [f"logits SQNR (`{d['output']}`)", format_json_db(d["logits_sqnr_db"])],
             ["cosine similarity of logits (mean / min)", f"{d['cosine']:.4f} / {d['cosine_min']:.4f}"]]
     if d["accuracy_float"] is not None:
-        rows += [["accuracy float / int8", f"{_percent(d['accuracy_float'], 2)} / {_percent(d['accuracy_int8'], 2)}"],
+        rows += [["accuracy float / int8", f"{format_percent(d['accuracy_float'], 2)} / {format_percent(d['accuracy_int8'], 2)}"],
                  ["accuracy drop", f"{d['accuracy_drop_points']:+.2f} percentage points"],
                  ["top-5 accuracy float / int8",
-                  f"{_percent(d['top5_accuracy_float'], 2)} / {_percent(d['top5_accuracy_int8'], 2)}"]]
+                  f"{format_percent(d['top5_accuracy_float'], 2)} / {format_percent(d['top5_accuracy_int8'], 2)}"]]
     else:
         rows.append(["accuracy", "n/a (no labels given)"])
     for name, value in d["input_sqnr_db"].items():
-        rows.append([f"input `{name}` quantization SQNR", _db(value)])
-    worst = ", ".join(f"`{w['name']}` ({_db(w['sqnr_isolated_db'])})" for w in d["worst_layers"]["isolated"])
+        rows.append([f"input `{name}` quantization SQNR", format_json_db(value)])
+    worst = ", ".join(f"`{w['name']}` ({format_json_db(w['sqnr_isolated_db'])})" for w in d["worst_layers"]["isolated"])
     rows.append(["worst layers, isolated SQNR", worst or "-"])
-    worst = ", ".join(f"`{w['name']}` ({_db(w['sqnr_cumulative_db'])})" for w in d["worst_layers"]["cumulative"])
+    worst = ", ".join(f"`{w['name']}` ({format_json_db(w['sqnr_cumulative_db'])})" for w in d["worst_layers"]["cumulative"])
     rows.append(["worst layers, cumulative SQNR", worst or "-"])
     split = d.get("error_split")
     if split:
         rows.append(["where the error comes from: logits SQNR / top-1 agreement with only the weights quantized "
                      "(activations float) and with only the activations quantized (weights float)",
-                     f"weights only {_db(split['weights_only']['logits_sqnr_db'])} / "
-                     f"{_percent(split['weights_only']['top1_agreement'])}; activations only "
-                     f"{_db(split['activations_only']['logits_sqnr_db'])} / "
-                     f"{_percent(split['activations_only']['top1_agreement'])}"])
+                     f"weights only {format_json_db(split['weights_only']['logits_sqnr_db'])} / "
+                     f"{format_percent(split['weights_only']['top1_agreement'])}; activations only "
+                     f"{format_json_db(split['activations_only']['logits_sqnr_db'])} / "
+                     f"{format_percent(split['activations_only']['top1_agreement'])}"])
     rows.append(["host-fallback ops", ", ".join(f"`{h['node']}` ({h['op']})" for h in d["host_ops"]) or "none"])
     lines += _table(["", ""], rows) + [""]
     if split:
-        weights, activations = (_db_value(split[k]["logits_sqnr_db"]) for k in ("weights_only", "activations_only"))
+        weights, activations = (db_from_json(split[k]["logits_sqnr_db"]) for k in ("weights_only", "activations_only"))
         if activations + SPLIT_MARGIN_DB < weights:
             lines += [f"The activations cost more than the weights ({activations:.1f} dB against {weights:.1f} dB "
                       "with each alone): look at the thresholds of the worst layers' inputs below; a method that "
@@ -119,14 +106,14 @@ def render_markdown(d: dict) -> str:
         labels = d["accuracy_float"] is not None
         header = ["model", "top-1 agreement", "top-5 agreement", "logits SQNR", "cosine"]
         header += ["accuracy"] if labels else []
-        rows = [[_ours_label(d), _percent(d["top1_agreement"]), _percent(d["top5_agreement"]),
-                 _db(d["logits_sqnr_db"]), f"{d['cosine']:.4f}"]
-                + ([_percent(d["accuracy_int8"], 2)] if labels else [])]
+        rows = [[_ours_label(d), format_percent(d["top1_agreement"]), format_percent(d["top5_agreement"]),
+                 format_json_db(d["logits_sqnr_db"]), f"{d['cosine']:.4f}"]
+                + ([format_percent(d["accuracy_int8"], 2)] if labels else [])]
         for entry in peer["entries"]:
             name = f"{peer['name']}, {entry['label']}" + (" (its best)" if entry["best"] else "")
-            rows.append([name, _percent(entry["top1_agreement"]), _percent(entry["top5_agreement"]),
-                         _db(entry["logits_sqnr_db"]), f"{entry['cosine']:.4f}"]
-                        + ([_percent(entry["accuracy_int8"], 2)] if labels else []))
+            rows.append([name, format_percent(entry["top1_agreement"]), format_percent(entry["top5_agreement"]),
+                         format_json_db(entry["logits_sqnr_db"]), f"{entry['cosine']:.4f}"]
+                        + ([format_percent(entry["accuracy_int8"], 2)] if labels else []))
         lines += _table(header, rows, "l" + "r" * (len(header) - 1)) + [""]
         diff = peer["ours_minus_best"]
         sqnr = diff["logits_sqnr_db"]
@@ -144,8 +131,8 @@ def render_markdown(d: dict) -> str:
         lines += ["## Ablation", "", f"{ablation['name']}: {ablation['description']}".rstrip(": "), "",
                   "Each row is a qdeploy program compiled with other settings, measured like the rows above.", ""]
         header = ["settings", "top-1 agreement", "top-5 agreement", "logits SQNR", "cosine", "flags"]
-        rows = [[entry["label"], _percent(entry["top1_agreement"]), _percent(entry["top5_agreement"]),
-                 _db(entry["logits_sqnr_db"]), f"{entry['cosine']:.4f}",
+        rows = [[entry["label"], format_percent(entry["top1_agreement"]), format_percent(entry["top5_agreement"]),
+                 format_json_db(entry["logits_sqnr_db"]), f"{entry['cosine']:.4f}",
                  "; ".join(f"{k} `{v}`" for k, v in entry["settings"].items())] for entry in ablation["entries"]]
         lines += _table(header, rows, "l" + "r" * (len(header) - 2) + "l") + [""]
 
@@ -155,8 +142,8 @@ def render_markdown(d: dict) -> str:
               "layout steps move data and add no error). *clipped* is the share of the layer's float outputs beyond "
               "|T|, which int8 cannot represent; *overflows* counts accumulator overflow events.",
               "", f"![per-layer SQNR, cumulative and isolated]({d['plots']['sqnr']})", ""]
-    rows = [[str(i), f"`{layer['name']}`", layer["kind"], _db(layer["sqnr_cumulative_db"]),
-             _db(layer["sqnr_isolated_db"]), _percent(layer["clipped_fraction"], 3), str(layer["overflow_events"])]
+    rows = [[str(i), f"`{layer['name']}`", layer["kind"], format_json_db(layer["sqnr_cumulative_db"]),
+             format_json_db(layer["sqnr_isolated_db"]), format_percent(layer["clipped_fraction"], 3), str(layer["overflow_events"])]
             for i, layer in enumerate(d["layers"])]
     lines += _table(["#", "layer", "kind", "SQNR cumulative", "SQNR isolated", "clipped", "overflows"], rows,
                     "rllrrrr") + [""]

@@ -116,6 +116,20 @@ def json_number(value: float | None) -> float | None:
     return float(value)
 
 
+def db_from_json(value: float | None) -> float:
+    """A report.json SQNR back to a float: null is an exact result, +inf (json_number's inverse for SQNRs)."""
+    return math.inf if value is None else float(value)
+
+
+def format_json_db(value: float | None) -> str:
+    """A report.json SQNR for reading: "inf (exact)" for null."""
+    return format_db(db_from_json(value))
+
+
+def format_percent(value: float | None, digits: int = 1) -> str:
+    return "n/a" if value is None else f"{100 * value:.{digits}f}%"
+
+
 def format_db(value: float | None) -> str:
     if value is None or math.isnan(value):
         return "n/a"
