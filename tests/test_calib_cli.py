@@ -10,6 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 import qdeploy
+from builders import one_line_error
 from calib.data import Preprocess
 from calib.table import CalibrationTable, read_tensorrt_cache
 from qdeploy.api import lower_model
@@ -35,12 +36,6 @@ def calibrate(model, data, **options):
                              **options)
 
 
-def one_line_error(result, *fragments):
-    assert result.exit_code == 2, result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
 
 
 def test_measures_exactly_the_tensors_the_program_quantizes(resnet_style_onnx, image_dir):

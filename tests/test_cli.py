@@ -9,7 +9,7 @@ import pytest
 from onnx import helper
 from typer.testing import CliRunner
 
-from builders import make_model, rng_weights, run_onnxruntime, save
+from builders import make_model, one_line_error, rng_weights, run_onnxruntime, save
 from qdeploy.cli import app
 
 runner = CliRunner()
@@ -25,13 +25,6 @@ def small_cnn(tmp_path):
                            {"W": rng_weights(0, 4, 3, 3, 3), "Wfc": rng_weights(1, 5, 4)}), tmp_path / "cnn.onnx")
 
 
-def one_line_error(result, *fragments):
-    assert result.exit_code == 2, result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    assert "Traceback" not in result.output
-    for fragment in fragments:
-        assert fragment in lines[0]
 
 
 @pytest.mark.parametrize("command", [[], ["inspect"], ["run"], ["calibrate"], ["compile"], ["report"],

@@ -18,7 +18,7 @@ from qdeploy.cli import app
 from qdeploy.errors import BadInput
 from qdeploy.lowering.equalize import _input_channel_ranges, equalizable_pairs
 from qdeploy.reference.executor import run_graph
-from tests.builders import make_model, rng_weights, run_onnxruntime, save
+from builders import make_model, one_line_error, read_hex, rng_weights, run_onnxruntime, save
 
 
 def _conv_pair_model(path, activation: str, second_group: int = 1):
@@ -117,8 +117,7 @@ def test_per_channel_clamp_in_the_program(tmp_path):
     program.arrays[first["clamp_hi"]] = bounds
     write_program(program, tmp_path / "m.qdp")
     result = CliRunner().invoke(app, ["export-onnx", str(tmp_path / "m.qdp"), "-o", str(tmp_path / "m.int8.onnx")])
-    assert result.exit_code == 2 and "per-channel clamp bounds" in result.output
-    assert first["name"] in result.output and "Traceback" not in result.output
+    one_line_error(result, "per-channel clamp bounds", first["name"])
     assert not (tmp_path / "m.int8.onnx").exists()
     assert read_program(tmp_path / "m.qdp").instructions[0]["clamp_hi"] == first["clamp_hi"]
     shown = CliRunner().invoke(app, ["inspect", str(tmp_path / "m.qdp")])
@@ -196,7 +195,6 @@ def test_golden_vectors_carry_the_per_channel_bounds(tmp_path):
     """`vectors export` of an equalized ReLU6 pair writes clamp_hi, and the layer's `out` recomputes from its
     `acc` hex file with the twins plus min(., clamp_hi[c])."""
     from simulator import reference
-    from tests.test_hw_vectors import read_hex
 
     path = _conv_pair_model(tmp_path / "m.onnx", "relu6")
     x = rng_weights(6, 16, 3, 12, 12, scale=1.0)
@@ -225,18 +223,17 @@ def test_tensorrt_caches_and_equalization_do_not_mix(tmp_path, resnet_style_onnx
     result = runner.invoke(app, ["calibrate", str(resnet_style_onnx), "--data", str(tmp_path / "x.npy"),
                                  "--equalize", "--import-tensorrt-cache", str(tmp_path / "cache.txt"),
                                  "-o", str(tmp_path / "a.json")])
-    assert result.exit_code == 2 and "--equalize rescales them" in result.output
+    one_line_error(result, "--equalize rescales them", "cache.txt")
     assert not (tmp_path / "a.json").exists()
     result = runner.invoke(app, ["calibrate", str(resnet_style_onnx), "--data", str(tmp_path / "x.npy"),
                                  "--equalize", "--export-tensorrt-cache", str(tmp_path / "out.cache"),
                                  "-o", str(tmp_path / "b.json")])
-    assert result.exit_code == 2 and "cannot go to a TensorRT cache" in result.output
+    one_line_error(result, "cannot go to a TensorRT cache", "out.cache")
     assert not (tmp_path / "out.cache").exists() and not (tmp_path / "b.json").exists()
     with pytest.raises(BadInput, match="calibrated with --equalize"):  # the same through the Python API
         from calib.table import write_tensorrt_cache
 
         write_tensorrt_cache(CalibrationTable({}, "kl", 0, None, True), tmp_path / "c.cache")
-    assert "Traceback" not in result.output
 
 
 def test_per_channel_bounds_on_a_depthwise_producer(tmp_path):

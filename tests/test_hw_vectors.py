@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from builders import read_hex
 from qdeploy import api
 from qdeploy.calibration import calibrate
 from qdeploy.cli import app
@@ -26,34 +27,6 @@ from simulator.kernels.requantize import requantize
 runner = CliRunner()
 
 
-# --- an independent reader of the hex format (docs/hardware.md), by hand -------------------------------------
-
-def read_hex(path: Path, record: dict) -> np.ndarray:
-    """The logical (rows, cols) matrix of a hex file: one word per line; element j of a word is bits
-    [bits*j, bits*(j+1)) of the word's value, two's complement when signed; ceil(cols/per_line) words per row;
-    padding elements are zero."""
-    bits, per_line, signed = record["bits"], record["per_line"], record["signed"]
-    rows, cols = record["matrix"]
-    words = path.read_text().split("\n")
-    assert words[-1] == "" and all(len(w) == per_line * bits // 4 for w in words[:-1]), path
-    words = words[:-1]
-    per_row = -(-cols // per_line)
-    assert len(words) == rows * per_row
-    out = np.zeros((rows, cols), np.int64)
-    mask = (1 << bits) - 1
-    for r in range(rows):
-        for chunk in range(per_row):
-            value = int(words[r * per_row + chunk], 16)
-            for j in range(per_line):
-                element = (value >> (bits * j)) & mask
-                if signed and element >> (bits - 1):
-                    element -= 1 << bits
-                c = chunk * per_line + j
-                if c < cols:
-                    out[r, c] = element
-                else:
-                    assert element == 0, f"{path}: nonzero padding"
-    return out
 
 
 def wrap(values: np.ndarray, bits: int) -> np.ndarray:

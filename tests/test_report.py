@@ -12,6 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 import qdeploy
+from builders import one_line_error
 from qdeploy import api
 from qdeploy.cli import app
 from qdeploy.program import read_program, write_program
@@ -165,13 +166,6 @@ def test_planted_bad_layer_stands_out_in_isolated_mode(resnet_case, tmp_path):
 
 # ---- errors ---------------------------------------------------------------------------------------------------
 
-def one_line_error(result, *fragments):
-    assert result.exit_code == 2, result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    assert "Traceback" not in result.output
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
 
 
 def _report(case, tmp_path, *extra, data=None, program=None):

@@ -24,7 +24,7 @@ import pytest
 from onnx import TensorProto, helper
 from typer.testing import CliRunner
 
-from builders import make_model, rng_weights, save
+from builders import make_model, one_line_error, rng_weights, save
 from qdeploy.cli import app
 from qdeploy.errors import BadInput
 from qdeploy.program import read_program
@@ -37,15 +37,6 @@ def cli(*args) -> object:
     return runner.invoke(app, [str(a) for a in args])
 
 
-def one_line_error(result, *fragments) -> str:
-    """Exit code 2, exactly one stderr line `error: ...` holding every fragment, no traceback."""
-    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    assert "Traceback" not in result.output
-    for fragment in fragments:
-        assert fragment in lines[0], (fragment, lines[0])
-    return lines[0]
 
 
 def kept(output: Path) -> None:
