@@ -273,19 +273,23 @@ _MODE_CODES = {Rounding.HALF_UP: 0, Rounding.HALF_AWAY: 1, Rounding.HALF_EVEN: 2
 
 
 @njit(cache=True, nogil=True)
+def _round_general(a, mode, mult, n):
+    """round(a * mult / 2^n) by the general scalar rounding of `mode` (0 half_up, 1 half_away, 2 half_even,
+    3 tflite)."""
+    if mode == 0:
+        return round_half_up(a, mult, n)
+    if mode == 1:
+        return round_half_away(a, mult, n)
+    if mode == 2:
+        return round_half_even(a, mult, n)
+    return tflite_multiply(a, mult, n)
+
+
+@njit(cache=True, nogil=True)
 def _plane_general(acc, mode, mult, n, lo, hi, out):
     """out[s] = clamp(round(acc[s] * mult / 2^n), lo, hi) with the general scalar rounding of `mode` (0-3)."""
     for s in range(acc.shape[0]):
-        a = np.int64(acc[s])
-        if mode == 0:
-            v = round_half_up(a, mult, n)
-        elif mode == 1:
-            v = round_half_away(a, mult, n)
-        elif mode == 2:
-            v = round_half_even(a, mult, n)
-        else:
-            v = tflite_multiply(a, mult, n)
-        out[s] = min(max(v, lo), hi)
+        out[s] = min(max(_round_general(np.int64(acc[s]), mode, mult, n), lo), hi)
 
 
 @njit(cache=True, nogil=True)
@@ -353,14 +357,7 @@ def requantize_rows_mixed(acc, mode, fast, mult, shift, lo, hi, out):
         for c in range(acc.shape[1]):
             a, m, n = np.int64(acc[i, c]), mult[c], shift[c]
             if not fast[c]:
-                if mode == 0:
-                    v = round_half_up(a, m, n)
-                elif mode == 1:
-                    v = round_half_away(a, m, n)
-                elif mode == 2:
-                    v = round_half_even(a, m, n)
-                else:
-                    v = tflite_multiply(a, m, n)
+                v = _round_general(a, mode, m, n)
             elif mode == 0:
                 v = (a * m + (np.int64(1) << (n - 1))) >> n
             elif mode == 1:
