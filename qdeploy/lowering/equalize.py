@@ -82,8 +82,7 @@ def equalize_cross_layer(graph: Graph) -> Graph:
     nodes = {node.name: node for node in graph.nodes}
     weights = {name: graph.constant_data(nodes[name].inputs[1]).astype(np.float64)
                for pair in pairs for name in pair}
-    biases = {a: graph.constant_data(nodes[a].inputs[2]).astype(np.float64) for a, _ in pairs}
-    total_scale = {a: np.ones(len(biases[a])) for a, _ in pairs}
+    total_scale = {a: np.ones(weights[a].shape[0]) for a, _ in pairs}  # s accumulated over the sweeps
     for _ in range(EQUALIZE_SWEEPS):
         largest = 0.0
         for a, b in pairs:
@@ -95,7 +94,6 @@ def equalize_cross_layer(graph: Graph) -> Graph:
             scale = np.ones_like(r_a)
             scale[both] = np.sqrt(r_a[both] / r_b[both])
             weights[a] = w_a / scale.reshape((-1,) + (1,) * (w_a.ndim - 1))
-            biases[a] = biases[a] / scale
             total_scale[a] = total_scale[a] * scale
             weights[b] = _scale_input_channels(w_b, groups, scale)
             largest = max(largest, float(np.max(np.abs(np.log(scale)))))
@@ -103,15 +101,16 @@ def equalize_cross_layer(graph: Graph) -> Graph:
             break
     replaced, tensors = {}, []
     for name, weight in weights.items():
-        node = replaced.get(name, nodes[name])
+        node = nodes[name]
         w = constant(graph.unique_name(f"{name}_weight_equalized"), weight.astype(np.float32))
         inputs = [node.inputs[0], w.name, *node.inputs[2:]]
         tensors.append(w)
-        if name in biases:
-            b = constant(graph.unique_name(f"{name}_bias_equalized"), biases[name].astype(np.float32))
+        attrs = node.attrs
+        if name in total_scale:  # an A: its bias (and a ReLU6's bound) divided by s like its weight rows
+            bias = graph.constant_data(node.inputs[2]).astype(np.float64) / total_scale[name]
+            b = constant(graph.unique_name(f"{name}_bias_equalized"), bias.astype(np.float32))
             inputs[2] = b.name
             tensors.append(b)
-        attrs = node.attrs
         if name in total_scale and attrs["act_max"] != math.inf:
             bounds = np.asarray(attrs.get("act_max_channels", attrs["act_max"]), np.float64) / total_scale[name]
             attrs = {**attrs, "act_max": float(bounds.max()), "act_max_channels": tuple(float(v) for v in bounds)}
