@@ -186,6 +186,52 @@ def _input_shape(value: onnx.ValueInfoProto, override: tuple[int | None, ...] | 
     return (None,) + tuple(shape[1:])
 
 
+def _stated_batch(onnx_graph: onnx.GraphProto, inputs: list[str],
+                  overrides: dict[str, tuple[int | None, ...]]) -> int | None:
+    """The batch size the file (or --input-shape) fixes for every input alike, or None (free, or not one size)."""
+    sizes = set()
+    for value in onnx_graph.input:
+        if value.name not in inputs:
+            continue
+        if value.name in overrides:
+            dims = overrides[value.name]
+            sizes.add(dims[0] if dims else None)
+        else:
+            dims = value.type.tensor_type.shape.dim
+            sizes.add(dims[0].dim_value if dims and dims[0].HasField("dim_value") and dims[0].dim_value > 0
+                      else None)
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def _free_reshape_batch(nodes: list[Node], tensors: dict[str, Tensor], batch: int | None) -> list[Node]:
+    """Reshape targets that spell out the file's fixed batch N as their first entry get 0 there instead.
+
+    Why: qdeploy frees the batch dimension (`_input_shape`), but an exporter run at a fixed batch bakes it
+    into the target shapes it folds to constants (torch's `x.view(x.size(0), -1)` becomes Reshape(x, [N, -1])),
+    and such a graph runs at no other batch. With allowzero = 0 (the default), a 0 copies the data's own
+    dimension 0 (ONNX Reshape-14), which is the batch: the same graph at batch N, and the same per-image
+    result at every batch. Assumed: a Reshape of an activation whose target starts with N keeps the batch in
+    front (so it is not applied to targets of constants, nor with allowzero = 1)."""
+    if batch is None:
+        return nodes
+    rewritten = []
+    for node in nodes:
+        target = tensors.get(node.inputs[1]) if node.op == "Reshape" and len(node.inputs) == 2 else None
+        data = tensors.get(node.inputs[0]) if target is not None else None
+        if (target is not None and target.is_constant and (data is None or not data.is_constant)
+                and target.data.ndim == 1 and target.data.size >= 2 and int(target.data[0]) == batch
+                and not node.attrs.get("allowzero", 0)):
+            free = target.data.copy()
+            free[0] = 0
+            name = f"{node.name}/batch_free_shape"
+            while name in tensors:
+                name += "_"
+            tensors[name] = constant(name, free)
+            node = node.replace(inputs=[node.inputs[0], name])
+        rewritten.append(node)
+    return rewritten
+
+
 def load_onnx(path: str | os.PathLike, input_shapes: dict[str, tuple[int | None, ...]] | None = None
               ) -> Graph:
     """Read an ONNX file into the IR, as the file states it, with shapes inferred (shape_inference.py)."""
@@ -202,6 +248,7 @@ def load_onnx(path: str | os.PathLike, input_shapes: dict[str, tuple[int | None,
             raise Unsupported(f"{path}: initializer '{init.name}' uses external data, which is not supported")
         tensors[init.name] = constant(init.name, tensor_array(init, f"{path}: initializer '{init.name}'"))
     input_shapes = dict(input_shapes or {})
+    original_shapes = dict(input_shapes)
     inputs = []
     for value in onnx_graph.input:
         if value.name in tensors:
@@ -246,6 +293,7 @@ def load_onnx(path: str | os.PathLike, input_shapes: dict[str, tuple[int | None,
         except QdeployError as error:
             raise type(error)(f"{path}: {error}") from error
         nodes.append(Node(name, proto.op_type, list(proto.input), list(proto.output), attrs))
+    nodes = _free_reshape_batch(nodes, tensors, _stated_batch(onnx_graph, inputs, original_shapes))
     outputs = [value.name for value in onnx_graph.output]
     graph = Graph(onnx_graph.name or path.stem, nodes, tensors, inputs, outputs, opset)
     try:

@@ -142,3 +142,36 @@ def test_errors_name_the_problem(tmp_path):
                           [("y", ["N", 3])], {"k": np.ones(4, np.float32)})
     with pytest.raises(BadInput, match="bad_add"):
         load_onnx(save(mismatch, tmp_path / "mismatch.onnx"))
+
+
+def fixed_batch_view_model(batch: int, allowzero: int = 0):
+    """Conv -> Reshape(x, [N, -1]) -> Gemm at a fixed batch N: torch's `x.view(x.size(0), -1)` exported at a
+    fixed batch, which folds the target shape to a constant."""
+    nodes = [helper.make_node("Conv", ["x", "W"], ["c"], kernel_shape=[3, 3]),
+             helper.make_node("Reshape", ["c", "target"], ["f"], **({"allowzero": 1} if allowzero else {})),
+             helper.make_node("Gemm", ["f", "L"], ["y"], transB=1)]
+    return make_model(nodes, [("x", [batch, 3, 6, 6])], [("y", [batch, 5])],
+                      {"W": rng_weights(10, 4, 3, 3, 3), "L": rng_weights(11, 5, 64),
+                       "target": np.array([batch, -1], np.int64)}, opset=14)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_fixed_batch_baked_into_a_reshape_target_is_freed(tmp_path, batch):
+    path = save(fixed_batch_view_model(batch), tmp_path / "view.onnx")
+    x = np.random.default_rng(batch).standard_normal((4, 3, 6, 6)).astype(np.float32)
+    graph = import_onnx(path).graph
+    # At the file's batch: ONNX Runtime on the file as written.
+    ours = run_graph(graph, {"x": x[:batch]})["y"]
+    np.testing.assert_allclose(ours, run_onnxruntime(path, {"x": x[:batch]})[0], rtol=RTOL, atol=ATOL)
+    # At another batch: each group of N images gives what ONNX Runtime gives for that group alone.
+    ours = run_graph(graph, {"x": x})["y"]
+    expected = np.concatenate([run_onnxruntime(path, {"x": x[k:k + batch]})[0] for k in range(0, 4, batch)])
+    np.testing.assert_allclose(ours, expected, rtol=RTOL, atol=ATOL)
+
+
+def test_fixed_batch_reshape_with_allowzero_is_left_as_written(tmp_path):
+    # allowzero = 1 makes a 0 in the target a literal zero, so the batch cannot be freed there: the graph only
+    # runs at its own batch, and the import says where it stops.
+    path = save(fixed_batch_view_model(2, allowzero=1), tmp_path / "view.onnx")
+    with pytest.raises(BadInput, match="Gemm"):
+        import_onnx(path)
