@@ -80,6 +80,7 @@ from qdeploy.errors import Unsupported
 from qdeploy.fileio import atomic_write
 from qdeploy.program import Program
 from simulator.config import Rounding, target_from_dict
+from simulator.reference import conv_output_size
 
 OPSET = 13  # per-axis QuantizeLinear/DequantizeLinear; int8 Clip and MaxPool need 12
 LAYOUT_KINDS = ("Reshape", "Flatten", "Squeeze", "Unsqueeze")
@@ -156,10 +157,44 @@ class _Builder:
             value = self.clip(value, *instr["clamp"], self.dtype(instr["output"]),
                               f"{instr['output']}/clipped" if window else final, instr["name"])
         if window is not None:
+            pads, ceil_mode = _floor_mode_pads(window, self.window_input_size(instr),
+                                               self.program.tensors[instr["output"]]["shape"][2:])
             value = self.node("MaxPool", [value], final, f"{instr['name']}/MaxPool",
-                              kernel_shape=window["kernel"], strides=window["strides"], pads=window["pads"],
-                              dilations=window["dilations"], ceil_mode=window["ceil_mode"])
+                              kernel_shape=window["kernel"], strides=window["strides"], pads=pads,
+                              dilations=window["dilations"], ceil_mode=ceil_mode)
         return value
+
+    def window_input_size(self, instr: dict) -> list[int]:
+        """Spatial size of the tensor the fused window-max reads (the GEMM's output before the window)."""
+        x = self.program.tensors[instr["inputs"][0]]["shape"][2:]
+        if instr["kind"] != "ConvGemm":
+            return list(x)  # AddGemm: elementwise
+        n = len(x)
+        return [conv_output_size(x[a], instr["kernel"][a], instr["strides"][a], instr["pads"][a],
+                                 instr["pads"][n + a], instr["dilations"][a]) for a in range(n)]
+
+
+def _floor_mode_pads(window: dict, in_size: list[int], out_size: list[int]) -> tuple[list[int], int]:
+    """(pads, ceil_mode) of a MaxPool equal to `window`, in floor mode where that is possible.
+
+    Why: with ceil_mode a last window that would start in the end padding is dropped (ONNX Runtime, the onnx
+    reference op), but ONNX's shape inference does not drop it, so onnx.checker refuses the exported graph. The
+    same windows in floor mode: floor((L + pad_begin + e - dk) / s) + 1 = out for every end padding e from
+    e0 = (out - 1) s + dk - L - pad_begin (the last window ends on the last padded cell) to e0 + s - 1; the
+    smallest non-negative one is taken, and the extra cells are padding (-inf for MaxPool) either way. Kept in
+    ceil mode when there is none below k (ONNX Runtime requires pads < kernel)."""
+    if not window["ceil_mode"]:
+        return list(window["pads"]), 0
+    kernel, strides, dilations = window["kernel"], window["strides"], window["dilations"]
+    n = len(kernel)
+    pads = list(window["pads"])
+    for a in range(n):
+        first = (out_size[a] - 1) * strides[a] + (kernel[a] - 1) * dilations[a] + 1 - in_size[a] - pads[a]
+        end = max(first, 0)
+        if not (end < first + strides[a] and end < kernel[a]):
+            return list(window["pads"]), 1
+        pads[n + a] = end
+    return pads, 0
 
 
 def _qlinear_conv(b: _Builder, instr: dict, x: str, kernel: list[int], attrs: dict, output: str) -> str:
@@ -316,7 +351,11 @@ def export_program(program: Program, *, float_outputs: bool = False,
                               doc_string="int8 program exported by `qdeploy export-onnx`")
     helper.set_model_props(model, {"qdeploy.rounding": str(arithmetic.rounding),
                                    "qdeploy.model": str(program.manifest.get("model", ""))})
-    onnx.checker.check_model(model, full_check=True)
+    try:
+        onnx.checker.check_model(model, full_check=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as error:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise Unsupported(f"the exported graph fails onnx.checker ({first_line}); it is not written") from None
     return ExportResult(model, _warnings(program), {t: names[t] for t in
                                                     [*program.inputs, *(i["output"] for i in program.instructions)]})
 

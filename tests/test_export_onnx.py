@@ -290,3 +290,23 @@ def test_cli_export_onnx(tmp_path, resnet_style_onnx, resnet_program):
     assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1
     assert "unsigned.qdp: instruction '/stem/stem.0/Conv' (ConvGemm): int8 input and uint8 output" in result.stderr
     assert not (tmp_path / "u.onnx").exists()
+
+
+@pytest.mark.parametrize("size, kernel, stride, pads", [
+    (5, 2, 2, [1, 1, 1, 1]),  # the 4th window would start in the end padding: dropped (3x3, ONNX inference: 4x4)
+    (6, 3, 2, [0, 0, 1, 1]),  # ceil adds a window that reaches past the end padding
+    (7, 3, 2, [1, 0, 1, 0]),  # ceil and floor agree
+    (6, 2, 3, [0, 0, 1, 1]),  # stride > kernel: the floor-mode end padding would not be below the kernel
+])
+def test_ceil_mode_max_pool_exports_and_stays_exact(tmp_path, size, kernel, stride, pads):
+    nodes = [helper.make_node("Conv", ["x", "W"], ["c"], kernel_shape=[1, 1]),
+             helper.make_node("MaxPool", ["c"], ["y"], kernel_shape=[kernel, kernel], strides=[stride, stride],
+                              pads=pads, ceil_mode=1)]
+    path = save(make_model(nodes, [("x", ["N", 3, size, size])], [("y", ["N", 4, "H", "W"])],
+                           {"W": np.random.default_rng(size).standard_normal((4, 3, 1, 1)).astype(np.float32)}),
+                tmp_path / "pool.onnx")
+    x = np.random.default_rng(kernel).standard_normal((2, 3, size, size)).astype(np.float32)
+    program = api.compile(path, table_of({"x": 3.0, "c": 4.0, "y": 4.0}), EXACT_TARGET).program
+    counts = compare_per_tensor(program, {"x": x}, DEFAULT)
+    assert_bit_exact(counts)
+    assert counts["y"][0] == x.shape[0] * 4 * program.tensors["y"]["shape"][2] * program.tensors["y"]["shape"][3]
