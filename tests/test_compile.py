@@ -283,3 +283,21 @@ def test_channel_with_tiny_weights_and_large_bias_does_not_overflow(tmp_path):
     want = api.run(path, x)["y"]
     got = api.run(result.program, x, dequantize=True)["y"]
     np.testing.assert_allclose(got[:, 1], want[:, 1], atol=6.0 / 127)  # the bias-only channel: 5.0, one step
+
+
+def test_kl_threshold_of_a_clip_with_positive_lower_bound_keeps_its_range(tmp_path):
+    """Conv -> Clip(0.5, 3) -> Conv with KL thresholds: no value of the Clip's output lies below 0.5 (= 171 bins
+    of its histogram), so KL alone is 0 at the candidate just above 0.5, where the fused clamp became [127, 127]
+    and the tensor one integer. calib/kl.py rule (6) keeps at least 99% of the values below T."""
+    nodes = [helper.make_node("Conv", ["x", "W1"], ["a"], kernel_shape=[3, 3]),
+             helper.make_node("Clip", ["a", "lo", "hi"], ["c"]),
+             helper.make_node("Conv", ["c", "W2"], ["y"], kernel_shape=[1, 1])]
+    path = save(make_model(nodes, [("x", ["N", 3, 8, 8])], [("y", ["N", 4, 6, 6])],
+                           {"W1": rng_weights(20, 6, 3, 3, 3), "W2": rng_weights(21, 4, 6, 1, 1),
+                            "lo": np.array(0.5, np.float32), "hi": np.array(3.0, np.float32)}), tmp_path / "clip.onnx")
+    x = np.random.default_rng(22).standard_normal((64, 3, 8, 8)).astype(np.float32)
+    table = calibrate(path, x, "kl", num_samples=64, batch_size=16).table
+    program = api.compile(path, table).program
+    first = program.instructions[0]
+    lo, hi = first["clamp"]
+    assert hi == 127 and lo < 64, first["clamp"]  # the range 0.5..3 spans more than 63 integers
