@@ -109,14 +109,14 @@ class _Scales:
         for node in graph.nodes:
             out = node.outputs[0]
             if node.op in INSTRUCTION_OPS:
-                unsigned = target.arithmetic.unsigned_activations and node.attrs["act_min"] >= 0
+                # A Concat's buffer is signed (its other slices may be negative), so are the slices' writers.
+                unsigned = (target.arithmetic.unsigned_activations and node.attrs["act_min"] >= 0
+                            and out not in concat_scale)
                 self._assign(out, thresholds, unsigned, override=concat_scale.get(out))
             elif node.op in LAYOUT_OPS and node.op != "Concat":
                 self.scale[out], self.unsigned[out] = self.scale[node.inputs[0]], self.unsigned[node.inputs[0]]
             elif node.op == "Concat":
                 self._assign(out, thresholds, unsigned=False)
-                if any(self.unsigned[i] for i in node.inputs):
-                    raise Unsupported(f"node '{node.name}' (Concat): unsigned inputs are not supported")
             else:
                 self._assign(out, thresholds, unsigned=False)  # host op output, requantized on the host
 

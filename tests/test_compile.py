@@ -301,3 +301,34 @@ def test_kl_threshold_of_a_clip_with_positive_lower_bound_keeps_its_range(tmp_pa
     first = program.instructions[0]
     lo, hi = first["clamp"]
     assert hi == 127 and lo < 64, first["clamp"]  # the range 0.5..3 spans more than 63 integers
+
+
+@pytest.mark.parametrize("unsigned", [False, True])
+def test_concat_of_a_graph_input_and_a_shared_tensor_gets_copies(tmp_path, unsigned):
+    """DenseNet-style: Concat(x, relu(conv(x)), b) where x is the graph input and b = conv(x) is also read by
+    another conv. Producers write the Concat's buffer directly, so x and b get identity-GEMM copies; with
+    unsigned activations the ReLU writes its slice signed (the buffer holds x's negative values too).
+    A copy rounds one value to the Concat's scale s (half up: at most s / 2 away): x's slice is within
+    s_x / 2 + s / 2 of the float input, b's within s / 2 of b's own integers."""
+    nodes = [helper.make_node("Conv", ["x", "W1"], ["a"], kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["a"], ["r"]),
+             helper.make_node("Conv", ["x", "W2"], ["b"], kernel_shape=[1, 1]),
+             helper.make_node("Conv", ["b", "W3"], ["d"], kernel_shape=[1, 1]),
+             helper.make_node("Concat", ["x", "r", "b"], ["c"], axis=1)]
+    path = save(make_model(nodes, [("x", ["N", 3, 6, 6])], [("c", ["N", 10, 6, 6]), ("d", ["N", 2, 6, 6])],
+                           {"W1": rng_weights(30, 4, 3, 3, 3), "W2": rng_weights(31, 3, 3, 1, 1),
+                            "W3": rng_weights(32, 2, 3, 1, 1)}), tmp_path / "dense.onnx")
+    x = np.random.default_rng(33).standard_normal((16, 3, 6, 6)).astype(np.float32)
+    table = calibrate(path, x, "max", num_samples=16, batch_size=8).table
+    program = api.compile(path, table, target(unsigned_activations=unsigned)).program
+    kinds = [i["kind"] for i in program.instructions]
+    assert kinds.count("ConvGemm") == 5 and kinds.count("Concat") == 1  # 3 convs + 2 copies
+    assert program.tensors["c"]["dtype"] == "int8"
+    run = Machine(program).run({"x": x}, dump=True).tensors
+    s, s_x, s_b = (program.tensors[name]["scale"] for name in ("c", "x", "b"))
+    c = run["c"].astype(np.float64) * s
+    assert np.abs(c[:, :3] - x).max() <= (s_x + s) / 2 * (1 + 1e-9)
+    assert np.abs(c[:, 7:] - run["b"].astype(np.float64) * s_b).max() <= s / 2 * (1 + 1e-9)
+    # The whole buffer tracks the float model: one rounding at s = amax / 127 of a normal-ish value with amax
+    # about 4 sigma gives about 41 dB; the ReLU slice adds the weights' rounding, so 30 dB leaves a margin.
+    assert sqnr_db(api.run(path, x)["c"].astype(np.float64), c) > 30

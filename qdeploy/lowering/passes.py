@@ -241,5 +241,38 @@ def lower_standalone_epilogues(graph: Graph) -> Graph:
     return graph.with_nodes(nodes, tensors)
 
 
-__all__ = ["fold_batchnorm", "fold_constant_affine", "fuse_epilogues", "lower_gemm_ops",
+def copy_shared_concat_inputs(graph: Graph) -> Graph:
+    """A channel Concat's producers write straight into slices of its buffer, so each input must be the output
+    of an instruction that feeds only this Concat. Any other input (a graph input, a layout op's output, a
+    tensor read elsewhere too, a graph output, one the Concat reads twice) is first copied by an identity GEMM
+    (weight 1, K = 1 per channel), which writes the slice at the Concat's scale: a DenseNet-style Concat of a
+    block's input with its new channels."""
+    producers, consumers = graph.producers(), graph.consumers()
+    nodes: list[Node] = []
+    tensors: list[Tensor] = []
+    for node in graph.nodes:
+        if node.op != "Concat" or node.attrs.get("axis") != 1:
+            nodes.append(node)
+            continue
+        inputs = list(node.inputs)
+        for k, name in enumerate(node.inputs):
+            producer = producers.get(name)
+            if graph.tensors[name].is_constant or (
+                    producer is not None and producer.op in INSTRUCTION_OPS and len(consumers[name]) == 1
+                    and name not in graph.outputs and node.inputs.count(name) == 1):
+                continue  # a constant stays as it is (compile names it)
+            source = graph.tensors[name]
+            copy = Node(graph.unique_name(f"{node.name}/copy_{k}"), "Identity", [name],
+                        [graph.unique_name(f"{node.name}/copy_{k}_output")], {})
+            lowered = identity_gemm(graph, copy)
+            new_tensors = [*lowered.tensors, Tensor(copy.outputs[0], source.shape, source.dtype)]
+            nodes.extend(lowered.nodes)
+            tensors.extend(new_tensors)
+            graph = graph.with_nodes([*graph.nodes, *lowered.nodes], new_tensors)  # keeps unique_name() honest
+            inputs[k] = copy.outputs[0]
+        nodes.append(node.replace(inputs=inputs))
+    return graph.with_nodes(nodes, tensors)
+
+
+__all__ = ["copy_shared_concat_inputs", "fold_batchnorm", "fold_constant_affine", "fuse_epilogues", "lower_gemm_ops",
            "lower_remaining_ops", "lower_standalone_epilogues", "POOL_ATTRS"]

@@ -15,8 +15,9 @@ from qdeploy.passes.explicit_conv_pads import explicit_conv_pads
 from qdeploy.passes.fold_constants import fold_constants
 from qdeploy.passes.fold_pad import fold_pad_into_conv
 from qdeploy.passes.remove_identity import remove_identity
-from qdeploy.lowering.passes import (fold_batchnorm, fold_constant_affine, fuse_epilogues, lower_gemm_ops,
-                                     lower_remaining_ops, lower_standalone_epilogues)
+from qdeploy.lowering.passes import (copy_shared_concat_inputs, fold_batchnorm, fold_constant_affine,
+                                     fuse_epilogues, lower_gemm_ops, lower_remaining_ops,
+                                     lower_standalone_epilogues)
 
 Pass = Callable[[Graph], Graph]
 
@@ -46,6 +47,7 @@ LOWER: list[Pass] = [
     lower_remaining_ops,  # standalone BN/affine, residual Add, average pooling -> GEMMs
     fuse_epilogues,  # Relu/Clip/MaxPool -> output stage of their producer
     lower_standalone_epilogues,  # the rest of them -> identity GEMM with that output stage
+    copy_shared_concat_inputs,  # a Concat input no exclusive instruction writes -> identity GEMM copy
     eliminate_dead_nodes,
 ]
 
