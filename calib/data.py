@@ -122,6 +122,9 @@ def load_image(path: Path, preprocess: Preprocess, size: tuple[int, int]) -> np.
 
     height, width = size
     with Image.open(path) as image:
+        if image.mode in ("I;16", "I;16B", "I;16L", "I"):  # 16-bit grayscale: Pillow's convert would clip at 255
+            wide = np.clip(np.asarray(image, dtype=np.float64) / 257.0, 0, 255)
+            image = Image.fromarray(np.round(wide).astype(np.uint8))  # 2-D uint8: mode "L"
         image = image.convert("L" if preprocess.channels == "GRAY" else "RGB")
     scale = max(height / image.height, width / image.width)
     resized = (max(width, round(image.width * scale)), max(height, round(image.height * scale)))

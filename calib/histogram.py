@@ -132,6 +132,8 @@ class StreamingHistogram:
         """Add the values of `x` (any shape). A NaN or inf raises NonFiniteValue and leaves the histogram
         partly updated: calibration stops there."""
         flat = np.ascontiguousarray(x).reshape(-1)
+        if flat.dtype == np.float16:  # exact in float32; the compiled loop has no float16 arithmetic
+            flat = flat.astype(np.float32)
         if flat.size == 0:
             return
         limit, scale = self._limit_and_scale()

@@ -13,7 +13,7 @@ import typer
 
 from qdeploy import api
 from qdeploy.errors import BadInput, QdeployError, one_line
-from qdeploy.fileio import check_samples, load_arrays, save_arrays
+from qdeploy.fileio import check_output, check_samples, load_arrays, save_arrays
 from qdeploy.program import read_program
 from simulator.config import TargetError
 
@@ -199,6 +199,7 @@ def run(model: Path = typer.Argument(..., help="An .onnx model (float reference 
     """Run a model on arrays and write its outputs: a .qdp program on the bit-accurate simulator (int8 out, or
     float with --dequantize; float inputs are quantized with the program's input scale), an .onnx model with
     the float reference executor (--lowered: the lowered float graph)."""
+    check_output(output, model, input)
     arrays = load_arrays(input)
     check_samples(arrays, str(input))
     outputs = api.run(model, arrays, parse_input_shapes(input_shape), lowered=lowered, dequantize=dequantize)
@@ -284,6 +285,9 @@ def calibrate(model: Path = typer.Argument(..., help="An .onnx model."),
 
     if output.is_dir():
         raise BadInput(f"{output}: is a folder; give the calibration table's file name")
+    check_output(output, model, data, import_tensorrt_cache)
+    if export_tensorrt_cache is not None:  # checked now: a failed run writes nothing
+        check_output(export_tensorrt_cache, model, data, import_tensorrt_cache, output)
     if equalize and export_tensorrt_cache is not None:
         raise BadInput(f"{export_tensorrt_cache}: --equalize rescales the model's tensors, so their scales cannot "
                        f"go to a TensorRT cache; use one or the other")
@@ -326,6 +330,7 @@ def compile(model: Path = typer.Argument(..., help="An .onnx model."),
             input_shape: Optional[list[str]] = INPUT_SHAPE,
             json_output: bool = JSON) -> None:
     """Quantize the lowered graph with the calibration table and write the integer program (.qdp)."""
+    check_output(output, model, calib, target)
     result = api.compile(model, calib, target, per_tensor=per_tensor, allow_host_fallback=allow_host_fallback,
                          bias_correction=bias_correction, output=output, input_shapes=parse_input_shapes(input_shape))
     perf = _perf_estimate(model, result, parse_input_shapes(input_shape))
@@ -433,6 +438,7 @@ def export_onnx(program: Path = typer.Argument(..., help="A compiled .qdp progra
     """Export a compiled program as a standard quantized ONNX model (opset 13: QuantizeLinear, QLinearConv,
     Clip, MaxPool, DequantizeLinear/Add/QuantizeLinear) with exactly the program's int8 weights, int32 biases
     and scales. With rounding float32_rne, ONNX Runtime runs it bit-exactly like the simulator."""
+    check_output(output, program)
     result = api.export_onnx(program, output, float_outputs=float_outputs, tensor_outputs=tensor_outputs)
     for warning in result.warnings:
         typer.echo(f"warning: {warning}", err=True)
@@ -555,6 +561,7 @@ def target_header(target: Path = typer.Argument(..., help="A target.toml."),
     if language is None:
         raise BadInput(f"{output}: unknown header suffix {output.suffix!r} (expected "
                        f"{', '.join(HEADER_SUFFIXES)})")
+    check_output(output, target)
     text = render_header(api.load_target_file(target), language, source=target.name)
     atomic_write(output, lambda tmp: tmp.write_text(text))
     count = sum(1 for line in text.splitlines() if line.startswith(("#define ACCEL_", "localparam")))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 import zipfile
 from pathlib import Path
@@ -18,23 +19,58 @@ from qdeploy.errors import BadInput
 MAX_TENSOR_ELEMENTS = 1 << 31
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def check_output(path: str | os.PathLike, *inputs: str | os.PathLike | None) -> Path:
+    """The file an output named `path` will be written to (a symbolic link is written through), or BadInput
+    now, before any work, when it cannot take one: its folder is missing or not writable, it is a folder or a
+    special file (a FIFO, a device: renaming over it would replace it), or it is one of the command's `inputs`
+    (writing it would destroy what the command reads)."""
+    path = Path(path)
+    target = Path(os.path.realpath(path))
+    if not target.parent.is_dir():
+        raise BadInput(f"{path}: directory {path.parent} does not exist")
+    if target.is_dir():
+        raise BadInput(f"{path}: is a directory; give a file name")
+    if target.exists() and not target.is_file():
+        raise BadInput(f"{path}: is not a regular file (a device, FIFO or socket); give a file name")
+    if not os.access(target.parent, os.W_OK | os.X_OK):
+        raise BadInput(f"{path}: cannot write in {target.parent} (permission denied)")
+    for source in inputs:
+        if source is None:
+            continue
+        if Path(os.path.realpath(source)) == target or (
+                target.exists() and Path(source).exists() and os.path.samefile(source, target)):
+            raise BadInput(f"{path}: is also an input of this command ({source}); give another output name")
+    return target
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
     """Call write(tmp) on a temporary file beside `path`, then rename it over `path`; on any failure the
-    temporary file is removed and an existing `path` is left untouched."""
-    path = Path(path)
-    if not path.parent.exists():
-        raise BadInput(f"{path}: directory {path.parent} does not exist")
-    if path.is_dir():
-        raise BadInput(f"{path}: is a directory; give a file name")
-    handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    temporary file is removed and an existing `path` is left untouched. The file gets the mode of the file it
+    replaces, or 0666 minus the umask as a new file would (not mkstemp's 0600). `path` is checked first
+    (`check_output`); an OS error while writing (disk full, ...) is a one-line BadInput."""
+    target = check_output(path)
+    mode = stat.S_IMODE(target.stat().st_mode) if target.exists() else 0o666 & ~_umask()
+    try:
+        handle, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    except OSError as error:
+        raise BadInput(f"{path}: cannot write in {target.parent} ({error.strerror or error})") from None
     os.close(handle)
     try:
+        os.chmod(tmp, mode)
         write(Path(tmp))
-        os.replace(tmp, path)
-    except BaseException:
+        os.replace(tmp, target)
+    except BaseException as error:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(error, OSError):
+            raise BadInput(f"{path}: cannot write ({error.strerror or error})") from None
         raise
-    return path
+    return Path(path)
 
 
 def save_arrays(path: str | os.PathLike, arrays: dict[str, np.ndarray]) -> Path:

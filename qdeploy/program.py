@@ -65,7 +65,7 @@ def _sha256(data: bytes) -> str:
 
 def _npy_bytes(array: np.ndarray) -> bytes:
     buffer = io.BytesIO()
-    np.save(buffer, np.ascontiguousarray(array), allow_pickle=False)
+    np.save(buffer, np.asarray(array, order="C"), allow_pickle=False)  # keeps 0-d arrays 0-d
     return buffer.getvalue()
 
 

@@ -166,3 +166,19 @@ def test_missing_or_unknown_data(tmp_path):
     (tmp_path / "x.csv").write_text("1,2")
     with pytest.raises(BadInput, match="expected a folder of images or a .npy/.npz file"):
         open_data(tmp_path / "x.csv", num_samples=1, input_names=["input"], input_shapes=MODEL_SHAPE)
+
+
+def test_16_bit_grayscale_png_is_scaled_to_8_bits(tmp_path):
+    # A 16-bit grayscale PNG (Pillow mode I;16) holds 0..65535; Pillow's own conversion to L or RGB clips at
+    # 255. The image is read as value / 257 (65535 -> 255), so it gives what its 8-bit twin gives.
+    from PIL import Image
+
+    ramp8 = np.tile(np.arange(0, 256, 4, dtype=np.uint8), (64, 1))
+    Image.fromarray(ramp8).save(tmp_path / "ramp8.png")
+    Image.fromarray(ramp8.astype(np.uint16) * 257).save(tmp_path / "ramp16.png")
+    with Image.open(tmp_path / "ramp16.png") as image:
+        assert image.mode.startswith("I")
+    for channels in ("RGB", "GRAY"):
+        preprocess = Preprocess(channels=channels, mean=(0.0,), std=(1.0,))
+        assert_array_equal(load_image(tmp_path / "ramp16.png", preprocess, (64, 64)),
+                           load_image(tmp_path / "ramp8.png", preprocess, (64, 64)))

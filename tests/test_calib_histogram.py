@@ -85,3 +85,10 @@ def test_memory_does_not_grow_with_samples():
         sizes.add((histogram.nbytes, histogram.fine.shape))
     assert sizes == {(FINE_BINS * 8, (FINE_BINS,))}
     assert histogram.result().total == 200 * 1000
+
+
+def test_float16_tensors_give_the_histogram_of_their_values():
+    # A float16 model's activations are float16: every float16 value is exact in float32.
+    x = np.random.default_rng(5).standard_normal(10_000).astype(np.float16)
+    half, single = collect([x]), collect([x.astype(np.float32)])
+    assert half.amax == single.amax and np.array_equal(half.counts, single.counts)

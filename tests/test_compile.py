@@ -14,6 +14,7 @@ from qdeploy import api
 from qdeploy.calibration import calibrate
 from qdeploy.cli import app
 from qdeploy.errors import BadInput
+from qdeploy.program import read_program
 from qdeploy.reference import run_graph
 from simulator import reference
 from simulator.config import Arithmetic, Target
@@ -243,6 +244,23 @@ def test_host_fallback_runs_unlowerable_ops_in_float(tmp_path):
     np.testing.assert_allclose(probabilities.sum(axis=1), 1.0, atol=8 / 254)  # 8 roundings of half a step
     with pytest.raises(ValueError, match="host op Softmax"):
         Machine(program).run({"x": x})
+
+
+def test_host_op_with_a_scalar_constant_operand_round_trips_through_the_file(tmp_path):
+    """Pow(c, 2.0) with a 0-d exponent runs on the host: the program file keeps the operand 0-d (it was
+    written as shape (1,) against a manifest saying (), and the program could not be read back)."""
+    nodes = [helper.make_node("Conv", ["x", "W"], ["c"], name="conv"),
+             helper.make_node("Pow", ["c", "e"], ["y"], name="pow")]
+    path = save(make_model(nodes, [("x", ["N", 3, 2, 2])], [("y", ["N", 2, 2, 2])],
+                           {"W": rng_weights(0, 2, 3, 1, 1), "e": np.array(2.0, np.float32)}), tmp_path / "pow.onnx")
+    out = tmp_path / "m.qdp"
+    api.compile(path, table_of({"x": 2.0, "c": 3.0, "y": 9.0}), allow_host_fallback=True, output=out)
+    program = read_program(out)
+    (operand,) = [o for o in program.instructions[1]["operands"] if o and "array" in o]
+    assert program.arrays[operand["array"]].shape == ()
+    x = np.random.default_rng(0).standard_normal((4, 3, 2, 2)).astype(np.float32)
+    c = api.run(out, x, dequantize=True)["y"]
+    assert c.shape == (4, 2, 2, 2) and np.all(c >= 0)
 
 
 def test_bias_correction_removes_the_mean_shift_of_weight_rounding(tmp_path):

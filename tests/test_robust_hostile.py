@@ -9,7 +9,9 @@ from __future__ import annotations
 import copy
 import io
 import json
+import os
 import random
+import stat
 import struct
 import subprocess
 import sys
@@ -633,6 +635,62 @@ def test_output_paths_that_cannot_be_written(work, tmp_path):
     one_line_error(cli("run", work["qdp"], "--input", work["x"], "-o", tmp_path / "no" / "y.npy"), "does not exist")
     one_line_error(cli("compile", work["model"], "--calib", work["calib"], "-o", tmp_path / "folder.npy"),
                    "is a directory")
+
+
+def test_outputs_that_are_inputs_links_or_special_files(work, tmp_path):
+    # Writing over an input would destroy what the command reads (compile re-reads the model after writing).
+    model = tmp_path / "m.onnx"
+    model.write_bytes(work["model"].read_bytes())
+    one_line_error(cli("compile", model, "--calib", work["calib"], "-o", model), "is also an input")
+    assert model.read_bytes() == work["model"].read_bytes()
+    one_line_error(cli("run", work["qdp"], "--input", work["x"], "-o", work["x"]), "is also an input")
+    one_line_error(cli("calibrate", work["model"], "--data", work["x"], "-o", tmp_path / "t.json",
+                       "--export-tensorrt-cache", tmp_path / "t.json"), "is also an input")
+    # A FIFO (or a device) is not replaced by a regular file.
+    fifo = tmp_path / "fifo.npy"
+    os.mkfifo(fifo)
+    one_line_error(cli("run", work["qdp"], "--input", work["x"], "-o", fifo), "not a regular file")
+    assert stat.S_ISFIFO(fifo.stat().st_mode)
+    # A symbolic link is written through: the link stays, its target gets the output.
+    target = sentinel(tmp_path / "target.npy")
+    link = tmp_path / "link.npy"
+    link.symlink_to(target)
+    assert cli("run", work["qdp"], "--input", work["x"], "-o", link).exit_code == 0
+    assert link.is_symlink() and np.load(target).shape == (4, 5)
+
+
+def test_outputs_get_ordinary_file_modes(work, tmp_path):
+    # mkstemp creates 0600 files; an output is created 0666 minus the umask, or keeps the mode it had.
+    mask = os.umask(0o022)
+    try:
+        fresh = tmp_path / "fresh.npy"
+        assert cli("run", work["qdp"], "--input", work["x"], "-o", fresh).exit_code == 0
+        assert stat.S_IMODE(fresh.stat().st_mode) == 0o644
+        existing = sentinel(tmp_path / "existing.npy")
+        existing.chmod(0o640)
+        assert cli("run", work["qdp"], "--input", work["x"], "-o", existing).exit_code == 0
+        assert stat.S_IMODE(existing.stat().st_mode) == 0o640
+    finally:
+        os.umask(mask)
+
+
+def test_a_calibration_that_cannot_write_its_cache_writes_nothing(work, tmp_path):
+    table = tmp_path / "t.json"
+    one_line_error(cli("calibrate", work["model"], "--data", work["x"], "-o", table,
+                       "--export-tensorrt-cache", tmp_path / "no" / "t.cache"), "does not exist")
+    assert not table.exists()
+
+
+def test_unwritable_folders_are_a_one_line_error(work, tmp_path, monkeypatch):
+    # Root may write anywhere, so the refusal is simulated where the file system would give it.
+    import tempfile
+
+    def refused(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(tempfile, "mkstemp", refused)
+    one_line_error(cli("run", work["qdp"], "--input", work["x"], "-o", tmp_path / "y.npy"), "Permission denied")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_write_that_fails_midway_keeps_the_existing_output(work, tmp_path, monkeypatch):

@@ -40,7 +40,7 @@ from qdeploy.errors import BadInput
 from qdeploy.program import Program, read_program
 from qdeploy.reports import DEFAULT_BATCH_SIZE, metrics
 from qdeploy.reports.evaluate import Evaluator, check_original
-from qdeploy.reports.files import write_file
+from qdeploy.fileio import atomic_write
 from qdeploy.reports.inputs import check_program_matches, load_labels, load_peer
 
 CHECK_ORIGINAL_SAMPLES = 8  # samples of the first batch also run through the original (unlowered) graph
@@ -174,6 +174,9 @@ def build_report(model: str | os.PathLike, program: str | os.PathLike | Program,
     output = Path(output)
     if output.exists() and not output.is_dir():
         raise BadInput(f"{output}: exists and is not a folder; give the report folder")
+    writable = next(folder for folder in (output, *output.absolute().parents) if folder.exists())
+    if not os.access(writable, os.W_OK | os.X_OK):
+        raise BadInput(f"{output}: cannot write in {writable} (permission denied)")
     if batch_size < 1:
         raise BadInput(f"--batch-size {batch_size}: must be at least 1")
     if num_samples is not None and num_samples < 1:
@@ -206,6 +209,14 @@ def build_report(model: str | os.PathLike, program: str | os.PathLike | Program,
     if label_array is not None and len(label_array) != available:
         raise BadInput(f"{labels if not isinstance(labels, np.ndarray) else 'labels'}: {len(label_array)} labels "
                        f"for {available} samples in {source.source}")
+    if label_array is not None:
+        output_name = program.outputs[0]
+        classes = math.prod(program.tensors[output_name]["shape"][1:])
+        bad = np.flatnonzero((label_array < 0) | (label_array >= classes))
+        if bad.size:
+            raise BadInput(f"{labels if not isinstance(labels, np.ndarray) else 'labels'}: label "
+                           f"{label_array[bad[0]]} of sample {bad[0]} is not a class of output '{output_name}' "
+                           f"(0..{classes - 1})")
     for path, compared_file in compared:
         for entry in compared_file.entries:
             if entry.logits.shape[0] != available:
@@ -327,7 +338,10 @@ def build_report(model: str | os.PathLike, program: str | os.PathLike | Program,
     from qdeploy.reports import plots
     from qdeploy.reports.markdown import render_markdown
 
-    output.mkdir(parents=True, exist_ok=True)
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise BadInput(f"{output}: cannot create the report folder ({error.strerror or error})") from None
     files = [plots.sqnr_bars(layers, output / SQNR_PNG)]
     document["plots"]["sqnr"] = SQNR_PNG
     stale = output / HISTOGRAMS_PNG
@@ -338,7 +352,7 @@ def build_report(model: str | os.PathLike, program: str | os.PathLike | Program,
         stale.unlink()  # from an earlier report with --calib: it would not describe this one
     document["seconds"]["total"] = time.perf_counter() - start_time
     text = json.dumps(document, indent=1, allow_nan=False) + "\n"
-    files.append(write_file(output / "report.json", lambda tmp: tmp.write_text(text)))
+    files.append(atomic_write(output / "report.json", lambda tmp: tmp.write_text(text)))
     markdown = render_markdown(document)
-    files.append(write_file(output / "report.md", lambda tmp: tmp.write_text(markdown)))
+    files.append(atomic_write(output / "report.md", lambda tmp: tmp.write_text(markdown)))
     return ReportResult(document, output, files, warnings)

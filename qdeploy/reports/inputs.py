@@ -53,9 +53,12 @@ def load_labels(path: str | os.PathLike) -> np.ndarray:
         if not text or text.startswith("#"):
             continue
         try:
-            values.append(int(text))
+            value = int(text)
         except ValueError:
             raise BadInput(f"{path}: line {number}: expected an integer class index, got {text[:40]!r}") from None
+        if not 0 <= value < 2 ** 31:
+            raise BadInput(f"{path}: line {number}: class index {text[:40]} is not in [0, 2**31)")
+        values.append(value)
     return np.array(values, np.int64)
 
 
@@ -97,7 +100,11 @@ def load_peer(path: str | os.PathLike) -> Peer:
         if logits.ndim < 2 or not np.issubdtype(logits.dtype, np.floating):
             raise BadInput(f"{logits_path}: peer logits must be a float array (samples, classes), got "
                            f"{logits.dtype} {logits.shape}")
-        entries.append(PeerEntry(entry["label"], logits, dict(entry.get("settings") or {})))
+        settings = entry.get("settings") or {}
+        if not isinstance(settings, dict):
+            raise BadInput(f"{path}: entry '{entry['label']}': \"settings\" must be an object, got "
+                           f"{json.dumps(settings)[:40]}")
+        entries.append(PeerEntry(entry["label"], logits, dict(settings)))
     labels = [e.label for e in entries]
     if len(set(labels)) != len(labels):
         raise BadInput(f"{path}: entry labels must be distinct ({', '.join(labels)})")

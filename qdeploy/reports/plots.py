@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from qdeploy.reports.files import write_file
+from qdeploy.fileio import atomic_write
 
 DPI = 72
 PALETTE_COLORS = 64
@@ -36,7 +36,7 @@ def _save(figure, path: Path) -> Path:
     canvas.draw()
     image = Image.frombuffer("RGBA", canvas.get_width_height(), canvas.buffer_rgba()).convert("RGB")
     image = image.quantize(colors=PALETTE_COLORS, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE)
-    return write_file(path, lambda tmp: image.save(tmp, format="PNG", optimize=True))
+    return atomic_write(path, lambda tmp: image.save(tmp, format="PNG", optimize=True))
 
 
 def sqnr_bars(layers: list[dict], path: str | os.PathLike) -> Path:
