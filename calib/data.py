@@ -62,6 +62,11 @@ class Preprocess:
                 raise BadInput(f"{flag} {','.join(map(str, values))}: values must be finite")
         if any(s == 0 for s in self.std):
             raise BadInput(f"--std {','.join(map(str, self.std))}: a standard deviation of 0 divides by zero")
+        # The widest preprocessed value, (255 + |mean|) / |std|, must be a float32 number.
+        widest = (255.0 + max(abs(m) for m in self.mean)) / min(abs(s) for s in self.std)
+        if not widest < float(np.finfo(np.float32).max):
+            raise BadInput(f"--std {','.join(map(str, self.std))}: so small that pixels become {widest:.3g}, "
+                           f"beyond float32")
 
     @property
     def num_channels(self) -> int:
@@ -299,7 +304,8 @@ def _sample_count(shapes: dict[str, tuple], source: str) -> int:
     counts = {name: shape[0] if shape else None for name, shape in shapes.items()}
     if any(c is None for c in counts.values()):
         name = next(n for n, c in counts.items() if c is None)
-        raise BadInput(f"{source}: array '{name}' is a scalar; expected samples along the first axis")
+        what = "the array" if name is None else f"array '{name}'"
+        raise BadInput(f"{source}: {what} is a scalar; expected samples along the first axis")
     if len(set(counts.values())) > 1:
         listing = ", ".join(f"'{n}' {c}" for n, c in counts.items())
         raise BadInput(f"{source}: the arrays have different numbers of samples ({listing})")

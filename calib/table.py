@@ -177,7 +177,7 @@ def _typed(mapping: dict, key: str, types, where: str):
 def _positive(value, key: str, where: str, allow_zero: bool = False) -> float:
     value = float(value)
     if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
-        raise BadInput(f"{where}: field \"{key}\" must be a finite number > {'=' if allow_zero else ''}0, "
+        raise BadInput(f"{where}: field \"{key}\" must be a finite number {'>=' if allow_zero else '>'} 0, "
                        f"got {value!r}")
     return value
 

@@ -1,3 +1,5 @@
+import sys
+
 from qdeploy.cli import main
 
-main()
+sys.exit(main())

@@ -77,6 +77,11 @@ def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTabl
     options = CompileOptions(per_channel_weights=target.arithmetic.per_channel_weights and not per_tensor,
                              allow_host_fallback=allow_host_fallback, bias_correction=bias_correction)
     means = {name: r.channel_mean for name, r in table.records.items() if r.channel_mean is not None}
+    for name, mean in means.items():  # one mean per channel, or the bias correction would be silently off
+        shape = lowering.graph.tensors[name].shape if name in lowering.graph.tensors else None
+        if shape is not None and (len(shape) < 2 or len(mean) != shape[1]):
+            raise BadInput(f"{calib if not isinstance(calib, CalibrationTable) else 'calibration table'}: tensor "
+                           f"'{name}' has {len(mean)} channel means, but the model's tensor has shape {list(shape)}")
     try:
         program, layers = compile_graph(lowering, table.thresholds, target, options, means)
     except BadInput as error:

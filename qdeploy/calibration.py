@@ -29,7 +29,7 @@ from calib import DEFAULT_BATCH_SIZE, DEFAULT_METHOD, DEFAULT_NUM_SAMPLES, DEFAU
 from calib.data import Preprocess, open_data
 from calib.histogram import NonFiniteValue, StreamingHistogram
 from calib.methods import THRESHOLD_METHODS, select_threshold
-from calib.table import (TENSORRT_METHOD, CalibrationTable, TensorRecord, read_tensorrt_cache,
+from calib.table import (MIN_THRESHOLD, TENSORRT_METHOD, CalibrationTable, TensorRecord, read_tensorrt_cache,
                          threshold_from_tensorrt_scale)
 from qdeploy.api import InputShapes, bind_inputs, lower_model
 from qdeploy.errors import BadInput
@@ -222,6 +222,10 @@ def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD,
                                          amax, counts, _mean_of(channel_means, name))
         else:
             threshold = select_threshold(method, histogram.counts, histogram.bin_width, percentile=percentile)
+            if threshold < MIN_THRESHOLD:  # values below float32's normal range: int8 sees them as 0 anyway
+                warnings.append(f"tensor '{name}': |x| is at most {amax:.3g}, so small that its scale would not be "
+                                f"a normal float32; threshold raised to {MIN_THRESHOLD:.4g}")
+                threshold = MIN_THRESHOLD
             records[name] = TensorRecord(name, method, threshold, amax, counts, _mean_of(channel_means, name))
     timings["thresholds"] = time.perf_counter() - select_start
 

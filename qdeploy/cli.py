@@ -667,8 +667,26 @@ def _print_comparison(report) -> None:
     echo(f"compared {report.compared_files} file(s) of {dumped} layer(s): {verdict}")
 
 
-def main() -> None:  # pragma: no cover - entry point for `python -m qdeploy`
-    app(prog_name="qdeploy")
+# click's UsageError (a missing or bad option, an unreadable path): typer re-exports only its subclass
+# BadParameter, and vendors click in recent versions, so the class is found through BadParameter.
+_USAGE_ERROR = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
+
+
+def main() -> int:
+    """The `qdeploy` command: a usage error is one line `error: ...` with exit code 2, like a user error."""
+    try:
+        code = app(prog_name="qdeploy", standalone_mode=False)
+    except _USAGE_ERROR as error:
+        if type(error).__name__ == "NoArgsIsHelpError":  # `qdeploy` alone: the help
+            error.show()
+            return 2
+        command = error.ctx.command_path if error.ctx is not None else "qdeploy"
+        typer.echo(f"error: {one_line(error.format_message())} (see {command} --help)", err=True)
+        return 2
+    except (typer.Abort, KeyboardInterrupt):
+        typer.echo("aborted", err=True)
+        return 130
+    return code if isinstance(code, int) else 0
 
 
 if __name__ == "__main__":  # pragma: no cover

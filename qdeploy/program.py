@@ -27,6 +27,7 @@ import numpy as np
 
 from qdeploy.errors import BadInput
 from qdeploy.fileio import atomic_write
+from simulator.config import TargetError, target_from_dict
 
 FORMAT = "qdeploy-program"
 FORMAT_VERSION = 1
@@ -310,6 +311,12 @@ def validate_program(program: Program) -> None:
     target = manifest["target"]
     if not isinstance(target.get("arithmetic"), dict) or not all(isinstance(t, dict) for t in target.values()):
         raise _Invalid("field 'target' must be a table of tables, with [arithmetic]")
+    try:
+        target_from_dict(target, source="target")
+    except TargetError as error:
+        raise _Invalid(str(error)) from None
+    if not manifest["inputs"] or not manifest["outputs"]:
+        raise _Invalid(f"field '{'inputs' if not manifest['inputs'] else 'outputs'}' is empty")
     rounding = target["arithmetic"].get("rounding")
     for name, record in manifest["tensors"].items():
         where = f"tensor '{name}'"

@@ -72,10 +72,10 @@ def quantize_input(program: Program, name: str, x: np.ndarray) -> np.ndarray:
                                 f"{record['scale']:.6g}) or {dtype} (already quantized)")
     arithmetic = Arithmetic(**program.manifest["target"]["arithmetic"])
     lo, hi = (0, 255) if dtype == np.uint8 else (arithmetic.act_min, arithmetic.act_max)
-    with np.errstate(invalid="ignore"):
-        q = np.round(x.astype(np.float32) / np.float32(record["scale"]))
-    if not np.all(np.isfinite(q)):
+    if not np.all(np.isfinite(x)):
         raise ProgramInputError(f"input '{name}' contains NaN or Inf")
+    with np.errstate(over="ignore"):  # |x| / scale beyond float32 is +-inf: it saturates like any large value
+        q = np.round(x.astype(np.float32) / np.float32(record["scale"]))
     return np.clip(q, lo, hi).astype(dtype)
 
 

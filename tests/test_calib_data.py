@@ -78,6 +78,9 @@ def test_preprocess_flags_are_checked():
         Preprocess(channels="GRAY", mean=(1.0, 2.0, 3.0))
     with pytest.raises(BadInput, match="--layout"):
         Preprocess(layout="CHWN")
+    with pytest.raises(BadInput, match="--std 1e-45: .* beyond float32"):  # (255 - 0) / 1e-45 overflows
+        Preprocess(std=(1e-45,))
+    Preprocess(std=(1e-30,))  # 2.55e32: large, but a float32 number
 
 
 def test_damaged_images_are_skipped_with_a_warning_or_fail_with_strict(tmp_path, png_folder):

@@ -215,7 +215,13 @@ def test_program_target_with_a_bad_value_is_a_user_error(work, tmp_path):
     def change(manifest, arrays):
         manifest["target"]["arithmetic"]["acc_bits"] = 99
     edited = _rewrite_program(work["qdp"], tmp_path / "target.qdp", change)
-    one_line_error(cli("run", edited, "--input", work["x"], "-o", tmp_path / "y.npy"), "acc_bits")
+    for command in (["run", edited, "--input", work["x"], "-o", tmp_path / "y.npy"], ["inspect", edited]):
+        one_line_error(cli(*command), "target.qdp: damaged program", "acc_bits")  # named when the file is read
+    def no_outputs(manifest, arrays):
+        manifest["outputs"] = []
+    edited = _rewrite_program(work["qdp"], tmp_path / "empty.qdp", no_outputs)
+    one_line_error(cli("run", edited, "--input", work["x"], "-o", tmp_path / "y.npy"), "empty.qdp",
+                   "'outputs' is empty")
 
 
 def test_zip_members_with_lying_sizes_and_absolute_paths(work, tmp_path):
@@ -558,6 +564,8 @@ TABLE_CASES = {
     "boolean amax": (_table_edit(lambda d: d["tensors"][0].update(amax=True)), 'field "amax" must be'),
     "histogram counts": (_table_edit(lambda d: d["tensors"][0]["histogram"].update(counts=[1, "2"])),
                          "histogram counts"),
+    "channel means of the wrong count": (_table_edit(lambda d: next(r for r in d["tensors"] if "channel_mean" in r)
+                                                     .update(channel_mean=[0.5])), "has 1 channel means"),
     "tensor listed twice": (_table_edit(lambda d: d["tensors"].append(d["tensors"][0])), "listed twice"),
     "tensors is an object": (_table_edit(lambda d: d.update(tensors={})), 'field "tensors" must be list'),
     "record is a list": (_table_edit(lambda d: d["tensors"].__setitem__(0, [1])), "must be an object"),
@@ -746,3 +754,46 @@ def test_compile_errors_name_the_model_once(work, tmp_path):
     model = cnn_model(tmp_path, W=np.full((4, 3, 3, 3), np.nan, np.float32))
     line = one_line_error(cli("compile", model, "--calib", work["calib"], "-o", tmp_path / "m.qdp"))
     assert line.count(str(model)) == 1, line
+
+
+def test_finite_inputs_beyond_float32_range_of_the_scale_saturate(work):
+    # x / scale overflows float32 for |x| near float32's max: the input saturates to the clamp like any value
+    # beyond T, without a RuntimeWarning, and a float64 input beyond float32 is no NaN or Inf either.
+    from simulator.machine import quantize_input
+
+    program = read_program(work["qdp"])
+    x = np.full((1, 3, 8, 8), 3e38, np.float32)
+    x[0, 0] = -3e38
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        q = quantize_input(program, "x", x)
+        assert np.all(q[0, 0] == -127) and np.all(q[0, 1:] == 127)
+        assert np.all(quantize_input(program, "x", np.full((1, 3, 8, 8), 1e300)) == 127)
+
+
+def test_usage_errors_of_the_command_are_one_line(work, tmp_path):
+    """`qdeploy` itself (qdeploy.cli.main, what the console script and `python -m qdeploy` run): a missing or
+    malformed option, an unknown command or an unreadable path is `error: ...` on one line, exit code 2."""
+    from types import SimpleNamespace
+
+    def qdeploy(*args):
+        child = subprocess.run([sys.executable, "-m", "qdeploy", *map(str, args)], capture_output=True, text=True,
+                               timeout=300)
+        return SimpleNamespace(exit_code=child.returncode, stderr=child.stderr, output=child.stdout + child.stderr)
+
+    one_line_error(qdeploy("compile", work["model"]), "Missing option '--calib'", "qdeploy compile --help")
+    one_line_error(qdeploy("calibrate", work["model"], "--data", work["x"], "-o", tmp_path / "t.json",
+                           "--num-samples", "many"), "--num-samples")
+    one_line_error(qdeploy("frobnicate"), "No such command")
+    assert qdeploy("run", work["qdp"], "--input", work["x"], "-o", tmp_path / "y.npy").exit_code == 0
+
+
+def test_a_tensor_below_float32s_normal_range_gets_a_table_compile_accepts(work, tmp_path):
+    # Weights of 1e-40 (subnormal float32) give outputs near 1e-39: the threshold would be a scale the table
+    # loader refuses, so calibrate raises it to the smallest one (and says so) rather than write a bad table.
+    model = cnn_model(tmp_path, W=(rng_weights(0, 4, 3, 3, 3) * np.float32(1e-40)).astype(np.float32),
+                      B=np.zeros(4, np.float32))
+    result = cli("calibrate", model, "--data", work["x"], "-o", tmp_path / "t.json")
+    assert result.exit_code == 0, result.output
+    assert "so small that its scale would not be a normal float32" in result.stderr
+    assert cli("compile", model, "--calib", tmp_path / "t.json", "-o", tmp_path / "m.qdp").exit_code == 0
