@@ -99,6 +99,8 @@ def inspect(model: Path = typer.Argument(..., help="An .onnx model."),
     """Summarize a model: inputs/outputs, op counts before and after simplification, parameters, MACs;
     with --lowered, the accelerator instructions, per-pass node counts and the GEMM-unit MAC fraction."""
     if model.suffix == ".qdp":
+        if lowered or input_shape:
+            raise BadInput(f"{model}: --lowered and --input-shape apply to .onnx models; a program is lowered")
         _inspect_program(model, json_output)
         return
     shapes = parse_input_shapes(input_shape)
@@ -200,6 +202,9 @@ def run(model: Path = typer.Argument(..., help="An .onnx model (float reference 
     float with --dequantize; float inputs are quantized with the program's input scale), an .onnx model with
     the float reference executor (--lowered: the lowered float graph)."""
     check_output(output, model, input)
+    program_file = model.suffix == ".qdp"
+    if (lowered or input_shape) and program_file or dequantize and not program_file:
+        raise BadInput(f"{model}: --lowered and --input-shape apply to .onnx models, --dequantize to .qdp programs")
     arrays = load_arrays(input)
     check_samples(arrays, str(input))
     outputs = api.run(model, arrays, parse_input_shapes(input_shape), lowered=lowered, dequantize=dequantize)
@@ -254,7 +259,8 @@ def calibrate(model: Path = typer.Argument(..., help="An .onnx model."),
                   None, help="Folder of .jpg/.jpeg/.png images (recursive) or .npy/.npz of preprocessed arrays."),
               output: Path = typer.Option(..., "--output", "-o", help="Calibration table (.json), written atomically."),
               method: str = typer.Option(DEFAULT_METHOD, help="Threshold method: kl | max | percentile | mse."),
-              percentile: float = typer.Option(DEFAULT_PERCENTILE, help="Percentile of |x| for --method percentile."),
+              percentile: Optional[float] = typer.Option(
+                  None, help=f"Percentile of |x| for --method percentile (default {DEFAULT_PERCENTILE:g})."),
               num_samples: int = typer.Option(DEFAULT_NUM_SAMPLES, help="Use the first N samples."),
               batch_size: int = typer.Option(DEFAULT_BATCH_SIZE, help="Samples per forward pass (the table does not "
                                                                       "depend on it)."),
@@ -288,6 +294,8 @@ def calibrate(model: Path = typer.Argument(..., help="An .onnx model."),
     check_output(output, model, data, import_tensorrt_cache)
     if export_tensorrt_cache is not None:  # checked now: a failed run writes nothing
         check_output(export_tensorrt_cache, model, data, import_tensorrt_cache, output)
+    if percentile is not None and method != "percentile":
+        raise BadInput(f"--percentile {percentile:g}: applies to --method percentile (the method is {method})")
     if equalize and export_tensorrt_cache is not None:
         raise BadInput(f"{export_tensorrt_cache}: --equalize rescales the model's tensors, so their scales cannot "
                        f"go to a TensorRT cache; use one or the other")
@@ -296,7 +304,8 @@ def calibrate(model: Path = typer.Argument(..., help="An .onnx model."),
     progress = _BatchProgress("calibrating")
     try:
         result = run_calibration(model, data, method, num_samples=num_samples, batch_size=batch_size,
-                                 percentile=percentile, preprocess=preprocess, strict=strict,
+                                 percentile=DEFAULT_PERCENTILE if percentile is None else percentile,
+                                 preprocess=preprocess, strict=strict,
                                  tensorrt_cache=import_tensorrt_cache,
                                  input_shapes=parse_input_shapes(input_shape), equalize=equalize,
                                  progress=progress)

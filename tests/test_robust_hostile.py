@@ -797,3 +797,13 @@ def test_a_tensor_below_float32s_normal_range_gets_a_table_compile_accepts(work,
     assert result.exit_code == 0, result.output
     assert "so small that its scale would not be a normal float32" in result.stderr
     assert cli("compile", model, "--calib", tmp_path / "t.json", "-o", tmp_path / "m.qdp").exit_code == 0
+
+
+def test_flags_that_do_not_apply_are_refused(work, tmp_path):
+    out = tmp_path / "y.npy"
+    one_line_error(cli("run", work["qdp"], "--input", work["x"], "-o", out, "--lowered"), "--lowered")
+    one_line_error(cli("run", work["model"], "--input", work["x"], "-o", out, "--dequantize"), "--dequantize")
+    one_line_error(cli("inspect", work["qdp"], "--lowered"), "a program is lowered")
+    one_line_error(cli("calibrate", work["model"], "--data", work["x"], "-o", tmp_path / "t.json",
+                       "--percentile", "50"), "--percentile 50: applies to --method percentile")
+    assert not out.exists() and not (tmp_path / "t.json").exists()
