@@ -21,6 +21,7 @@ import contextlib
 import os
 import queue
 import threading
+import warnings
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -126,11 +127,15 @@ def load_image(path: Path, preprocess: Preprocess, size: tuple[int, int]) -> np.
     from PIL import Image
 
     height, width = size
-    with Image.open(path) as image:
-        if image.mode in ("I;16", "I;16B", "I;16L", "I"):  # 16-bit grayscale: Pillow's convert would clip at 255
-            wide = np.clip(np.asarray(image, dtype=np.float64) / 257.0, 0, 255)
-            image = Image.fromarray(np.round(wide).astype(np.uint8))  # 2-D uint8: mode "L"
-        image = image.convert("L" if preprocess.channels == "GRAY" else "RGB")
+    # Pillow warns (on stderr, with its own source line) between 89 and 179 megapixels and refuses beyond, as
+    # a DecompressionBombError this loader reports per file; below that limit a large photograph is fine.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        with Image.open(path) as image:
+            if image.mode in ("I;16", "I;16B", "I;16L", "I"):  # 16-bit grayscale: Pillow's convert clips at 255
+                wide = np.clip(np.asarray(image, dtype=np.float64) / 257.0, 0, 255)
+                image = Image.fromarray(np.round(wide).astype(np.uint8))  # 2-D uint8: mode "L"
+            image = image.convert("L" if preprocess.channels == "GRAY" else "RGB")
     scale = max(height / image.height, width / image.width)
     resized = (max(width, round(image.width * scale)), max(height, round(image.height * scale)))
     image = image.resize(resized, Image.Resampling.BILINEAR)

@@ -185,3 +185,17 @@ def test_16_bit_grayscale_png_is_scaled_to_8_bits(tmp_path):
         preprocess = Preprocess(channels=channels, mean=(0.0,), std=(1.0,))
         assert_array_equal(load_image(tmp_path / "ramp16.png", preprocess, (64, 64)),
                            load_image(tmp_path / "ramp8.png", preprocess, (64, 64)))
+
+
+def test_large_images_below_pillows_limit_load_without_a_python_warning(tmp_path, monkeypatch):
+    # Pillow warns between MAX_IMAGE_PIXELS and twice that (89-179 megapixels by default), printing its own
+    # source line on stderr; the loader takes such a photograph silently. (The limit is lowered to 1000 pixels.)
+    import warnings
+
+    from PIL import Image
+
+    Image.fromarray(np.zeros((40, 40, 3), np.uint8)).save(tmp_path / "big.png")
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_image(tmp_path / "big.png", Preprocess(), (8, 8)).shape == (3, 8, 8)
