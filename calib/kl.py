@@ -27,7 +27,8 @@ The rule, for a histogram c[0..n-1] of |x| with bin width w (n = 2048) and quant
     output, a Clip(0.5, 3), ReLU(x) + 1.5) gets T at its smallest value and collapses to one integer (measured:
     a Conv -> Clip(0.5, 3) -> Conv at 2.7 dB; 34 dB with the floor). TensorRT's entropy calibration has no
     such guard. The floor is the 99th percentile of the non-zero magnitudes; on EfficientNet-Lite0 KL clips at
-    most 0.8% of a tensor's non-zero values, so none of its thresholds is moved by it.
+    most 0.8% of a tensor's non-zero values, so none of its thresholds is moved by it (of the cross-layer-
+    equalized graph's 61, one: a ReLU6 output KL clipped 1.6% at 0.20 amax now has T = 0.36 amax).
 
 Vectorisation. With p, m (level masses) and z (counts of non-zero P bins per level) from prefix sums over c,
 for normalised counts (sum 1):

@@ -92,7 +92,7 @@ def _print_summary(model: Path, summary) -> None:
 
 @app.command()
 @user_errors
-def inspect(model: Path = typer.Argument(..., help="An .onnx model."),
+def inspect(model: Path = typer.Argument(..., help="An .onnx model, or a compiled .qdp program."),
             lowered: bool = typer.Option(False, help="Also lower to GEMM-unit instructions and list them."),
             input_shape: Optional[list[str]] = INPUT_SHAPE,
             json_output: bool = JSON) -> None:
@@ -278,7 +278,7 @@ def calibrate(model: Path = typer.Argument(..., help="An .onnx model."),
               import_tensorrt_cache: Optional[Path] = typer.Option(
                   None, help="Take |T| = 127 * scale from a TensorRT calibration cache for the tensors it names."),
               equalize: bool = typer.Option(False, "--equalize/--no-equalize",
-                                            help="Cross-layer equalization of GEMM pairs joined by ReLU or no "
+                                            help="Cross-layer equalization of GEMM pairs joined by ReLU, ReLU6 or no "
                                                  "activation, before measuring (recorded in the table; compile "
                                                  "follows it)."),
               input_shape: Optional[list[str]] = INPUT_SHAPE,

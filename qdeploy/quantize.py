@@ -416,6 +416,11 @@ def compile_graph(lowered: LoweringResult, thresholds: dict[str, float], target:
     """Quantize the lowered graph (equations (1)-(5) of the module docstring) into a Program;
     `channel_means` (tensor -> mean per channel, from calibration) enables the bias correction (2b)."""
     options = options or CompileOptions()
+    if not target.array.window_max_on_store:
+        pooled = [n for n in lowered.graph.nodes if n.op in INSTRUCTION_OPS and has_window_max(n.attrs)]
+        if pooled:
+            raise Unsupported(f"instruction '{pooled[0].name}' ends in a MaxPool, which runs as window-max on the "
+                              f"store path, and the target has none (window_max_on_store = false)")
     compiler = _Compiler(lowered, thresholds, target, options, channel_means)
     program = compiler.compile()
     record_tiles(program.manifest, target)  # "tiles" per GEMM instruction (simulator/perf.py, docs/hardware.md)

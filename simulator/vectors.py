@@ -187,7 +187,7 @@ class LayerVectors:
     out: np.ndarray | None = None
     stored: np.ndarray | None = None
     info: dict = field(default_factory=dict)  # kind-specific record entries (conv geometry, window, ...)
-    extra_files: dict = field(default_factory=dict)  # name -> (matrix, bits, signed, per_line key, layout)
+    extra_files: dict = field(default_factory=dict)  # name -> (npy array, matrix, bits, signed, per_line, layout)
 
     @property
     def shape(self) -> GemmShape:
@@ -242,17 +242,19 @@ def layer_vectors(program, target: Target, index: int, instr: dict, run, machine
     extra = {}
     if acc is not None and acc.dtype.kind == "f":  # AddGemm in float32_rne: the float32 sum, not an acc
         value = _channels_last(acc)
-        extra["value_f32"] = (value.astype(np.float32).view(np.uint32).astype(np.int64), 32, False, "cols",
+        bits = value.astype(np.float32).view(np.uint32).astype(np.int64)
+        extra["value_f32"] = (bits, bits, 32, False, "cols",
                               "float32 bits of the output stage's sum before rounding (rows x channels)")
-        extra["add_ratio_f32"] = (arrays[instr["add_ratio_f32"]].astype(np.float32).view(np.uint32)
-                                  .astype(np.int64).reshape(1, -1), 32, False, "cols",
+        bits = arrays[instr["add_ratio_f32"]].astype(np.float32).view(np.uint32).astype(np.int64).reshape(1, -1)
+        extra["add_ratio_f32"] = (bits, bits, 32, False, "cols",
                                   "float32 bits of (r_a, r_b) = f32(s_a/s_out), f32(s_b/s_out)")
         acc = None
         info["output_stage"] = "float32 add (qdeploy/quantize.py eq. 6-7)"
     elif acc is not None:
         acc = _channels_last(acc)
     if "clamp_hi" in instr:  # an equalized ReLU6: out = min(clamp(requantize(acc), lo, hi), clamp_hi[c])
-        extra["clamp_hi"] = (arrays[instr["clamp_hi"]].astype(np.int64).reshape(1, -1), 16, True, "cols",
+        bound = arrays[instr["clamp_hi"]].astype(np.int32).reshape(-1)
+        extra["clamp_hi"] = (bound, bound.reshape(1, -1), 16, True, "cols",
                              "per-channel upper bound applied after the clamp (1 x channels)")
     if instr.get("window") is None:
         out = _channels_last(stored)
@@ -339,8 +341,8 @@ class _Writer:
             matrix = _channels_last(vectors.stored)
             put("stored", vectors.stored, matrix, 8, vectors.stored.dtype != np.uint8, cols,
                 "the stored tensor after window-max: row (n*OH + oh)*OW + ow, col c; npy is NCHW")
-        for key, (matrix, bits, signed, per_line, layout) in vectors.extra_files.items():
-            put(key, matrix, matrix, bits, signed, cols if per_line == "cols" else rows, layout)
+        for key, (logical, matrix, bits, signed, per_line, layout) in vectors.extra_files.items():
+            put(key, logical, matrix, bits, signed, cols if per_line == "cols" else rows, layout)
         record = {
             "index": vectors.index, "name": vectors.name, "kind": vectors.kind, "dir": directory,
             "groups": g, "m": m, "n": ng, "k": k, "channels": g * ng, "clamp": list(vectors.clamp),

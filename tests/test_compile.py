@@ -350,3 +350,15 @@ def test_concat_of_a_graph_input_and_a_shared_tensor_gets_copies(tmp_path, unsig
     # The whole buffer tracks the float model: one rounding at s = amax / 127 of a normal-ish value with amax
     # about 4 sigma gives about 41 dB; the ReLU slice adds the weights' rounding, so 30 dB leaves a margin.
     assert sqnr_db(api.run(path, x)["c"].astype(np.float64), c) > 30
+
+
+def test_a_target_without_window_max_refuses_a_fused_max_pool(tmp_path):
+    """MaxPool runs only as window-max on the store path (design.md section 4); a target that says its output
+    stage has none (window_max_on_store = false) cannot run it, and compile says which instruction needs it."""
+    from simulator.config import ArrayConfig
+
+    no_window = Target(array=ArrayConfig(window_max_on_store=False))
+    table = table_of({"x": 2.0, "r": 6.0, "y": 6.0, "c": 6.0})
+    with pytest.raises(Exception, match="instruction 'conv' ends in a MaxPool.*window_max_on_store = false"):
+        api.compile(grouped_conv_model(tmp_path), table, no_window)
+    assert api.compile(grouped_conv_model(tmp_path, pool=False), table, no_window).program.instructions

@@ -212,6 +212,8 @@ def test_golden_vectors_carry_the_per_channel_bounds(tmp_path):
                          int(bounds[c])) for c, a in enumerate(row)] for row in read["acc"]])
     assert np.array_equal(out, read["out"])
     assert np.any((out == bounds[None, :]) & (bounds[None, :] < hi))  # a per-channel bound did bite
+    twin = np.load(tmp_path / "vec" / layer["files"]["clamp_hi"]["npy"])  # (G*n,) int32 like bias (hardware.md)
+    assert twin.dtype == np.int32 and twin.shape == bounds.shape and np.array_equal(twin, bounds)
 
 
 def test_tensorrt_caches_and_equalization_do_not_mix(tmp_path, resnet_style_onnx, real_images):
