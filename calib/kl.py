@@ -91,18 +91,27 @@ def _kl_per_candidate(c, count_below, nonzero_below, plogp_below):
     return kl
 
 
-def kl_divergences(counts: np.ndarray) -> np.ndarray:
-    """KL(P || Q) for every candidate i = 128..n (index i - 128), rule (0)-(4) of the module docstring.
-    Requires at least one count outside bin 0."""
+def _without_zero_bin(counts: np.ndarray) -> np.ndarray:
+    """The counts as float64 with c[0] = 0 (rule (0)); requires 1-D, at least 128 bins, a count outside bin 0."""
     c = np.asarray(counts, np.float64).copy()  # integer counts: sums below 2**53 are exact in float64
     if c.ndim != 1 or c.size < FIRST_CANDIDATE:
         raise ValueError(f"the histogram has shape {c.shape}; the KL search needs 1-D, at least "
                          f"{FIRST_CANDIDATE} bins")
-    c[0] = 0.0  # rule (0)
-    total = c.sum()
-    if not total > 0:
+    c[0] = 0.0
+    if not c.sum() > 0:
         raise ValueError("the histogram has no counts outside bin 0")
-    p = c / total
+    return c
+
+
+def kl_divergences(counts: np.ndarray) -> np.ndarray:
+    """KL(P || Q) for every candidate i = 128..n (index i - 128), rule (0)-(4) of the module docstring.
+    Requires at least one count outside bin 0."""
+    return _kl_of(_without_zero_bin(counts))
+
+
+def _kl_of(c: np.ndarray) -> np.ndarray:
+    """kl_divergences of counts already through _without_zero_bin."""
+    p = c / c.sum()
     return _kl_per_candidate(c, _prefix(c), _prefix(c > 0).astype(np.int64),
                              _prefix(p * np.log(np.where(p > 0, p, 1.0))))
 
@@ -110,9 +119,8 @@ def kl_divergences(counts: np.ndarray) -> np.ndarray:
 def kl_candidate(counts: np.ndarray) -> int:
     """The chosen i (rules (5) and (6)): among the candidates that clip at most MAX_CLIPPED_FRACTION of the
     counts outside bin 0, the smallest whose KL is within KL_TIE_TOLERANCE of their minimum."""
-    kl = kl_divergences(counts)
-    c = np.asarray(counts, np.float64).copy()
-    c[0] = 0.0
+    c = _without_zero_bin(counts)
+    kl = _kl_of(c)
     clipped = c.sum() - _prefix(c)[FIRST_CANDIDATE:]  # sum(c[i:]) for i = 128..n
     kl = np.where(clipped <= MAX_CLIPPED_FRACTION * c.sum(), kl, np.inf)
     best = np.flatnonzero(kl <= kl.min() + KL_TIE_TOLERANCE)[0]
