@@ -90,8 +90,6 @@ class ReportResult:
         return "\n".join(lines)
 
 
-
-
 def _op_counts(graph) -> dict[str, int]:
     return dict(sorted(collections.Counter(node.op for node in graph.nodes).items(), key=lambda kv: (-kv[1], kv[0])))
 
@@ -194,6 +192,7 @@ def build_report(model: str | os.PathLike, program: str | os.PathLike | Program,
     check_program_matches(program, graph, str(model), program_source)
 
     label_array = None
+    labels_name = "labels" if isinstance(labels, np.ndarray) else str(labels)  # for messages
     if labels is not None:
         label_array = (np.asarray(labels, np.int64).reshape(-1) if isinstance(labels, np.ndarray)
                        else load_labels(labels))
@@ -206,15 +205,14 @@ def build_report(model: str | os.PathLike, program: str | os.PathLike | Program,
                        input_shapes=[graph.tensors[n].shape for n in graph.inputs], preprocess=preprocess,
                        strict=label_array is not None or bool(compared))
     available = source.samples
-    if label_array is not None and len(label_array) != available:
-        raise BadInput(f"{labels if not isinstance(labels, np.ndarray) else 'labels'}: {len(label_array)} labels "
-                       f"for {available} samples in {source.source}")
     if label_array is not None:
+        if len(label_array) != available:
+            raise BadInput(f"{labels_name}: {len(label_array)} labels for {available} samples in {source.source}")
         output_name = program.outputs[0]
         classes = math.prod(program.tensors[output_name]["shape"][1:])
         bad = np.flatnonzero((label_array < 0) | (label_array >= classes))
         if bad.size:
-            raise BadInput(f"{labels if not isinstance(labels, np.ndarray) else 'labels'}: label "
+            raise BadInput(f"{labels_name}: label "
                            f"{label_array[bad[0]]} of sample {bad[0]} is not a class of output '{output_name}' "
                            f"(0..{classes - 1})")
     for path, compared_file in compared:
