@@ -60,7 +60,7 @@ def sqnr_db(reference: np.ndarray, test: np.ndarray) -> float:
 def program_macs(program) -> int:
     """MACs per image of the program's GEMM instructions: ConvGemm OH*OW*M*K (K = C/G*kh*kw; OH, OW of the
     convolution, before any window-max on store), DenseGemm M*K, AddGemm 2 per output element (K = 2)."""
-    from simulator.reference import conv_output_size
+    from isa.geometry import conv_output_size
 
     total = 0
     for instr in program.instructions:

@@ -18,7 +18,7 @@ from qdeploy.program import Program, read_program, write_program
 from qdeploy.quantize import CompileOptions, LayerReport, compile_graph
 from qdeploy.reference import run_graph, run_node
 from qdeploy.summary import ModelSummary, summarize
-from simulator.config import Target, TargetError, load_target
+from isa.target import Target, TargetError, load_target
 from simulator.machine import Machine, ProgramInputError
 from simulator.machine import dequantize as dequantize_tensor
 

@@ -15,7 +15,7 @@ from qdeploy import api
 from qdeploy.errors import BadInput, QdeployError, one_line
 from qdeploy.fileio import check_output, check_samples, load_arrays, save_arrays
 from qdeploy.program import read_program
-from simulator.config import TargetError
+from isa.target import TargetError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Deploy float ONNX CNNs onto int8 matrix-only accelerators.")

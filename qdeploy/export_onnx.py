@@ -79,8 +79,8 @@ from qdeploy import __version__
 from qdeploy.errors import Unsupported
 from qdeploy.fileio import atomic_write
 from qdeploy.program import Program
-from simulator.config import Rounding, target_from_dict
-from simulator.reference import conv_output_size
+from isa.target import Rounding, target_from_dict
+from isa.geometry import conv_output_size
 
 OPSET = 13  # per-axis QuantizeLinear/DequantizeLinear; int8 Clip and MaxPool need 12
 LAYOUT_KINDS = ("Reshape", "Flatten", "Squeeze", "Unsqueeze")

@@ -27,7 +27,7 @@ import numpy as np
 
 from qdeploy.errors import BadInput
 from qdeploy.fileio import atomic_write
-from simulator.config import TargetError, target_from_dict
+from isa.target import TargetError, target_from_dict
 
 FORMAT = "qdeploy-program"
 FORMAT_VERSION = 1

@@ -46,9 +46,9 @@ from qdeploy.ir import Graph, Node
 from qdeploy.lowering import LoweringResult
 from qdeploy.lowering.instructions import INSTRUCTION_OPS, LAYOUT_OPS, InstrKind, has_window_max
 from qdeploy.program import Program
-from simulator.config import Target, target_to_dict
-from simulator.perf import record_tiles
-from simulator.reference import float32_multiplier, quantize_multiplier
+from isa.target import Target, target_to_dict
+from isa.tiling import record_tiles
+from isa.multiplier import float32_multiplier, quantize_multiplier
 
 ADD_PRESCALE_BITS = 14
 INT32_MIN, INT32_MAX = -(2 ** 31), 2 ** 31 - 1

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import fields
 from enum import StrEnum
 
-from simulator.config import Target, acc_element_bytes
+from isa.target import Target, acc_element_bytes
 
 PREFIX = "ACCEL_"
 INT32_MAX = (1 << 31) - 1

@@ -22,13 +22,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from qdeploy.program import Program
-from simulator.config import Arithmetic, Rounding, target_from_dict
+from isa.target import Arithmetic, Rounding, target_from_dict
 from simulator.kernels.depthwise import depthwise_conv
 from simulator.kernels.gemm import add_gemm_kernel, channel_max_abs, gemm, gemm_planar
 from simulator.kernels.im2col import im2col, im2col_planar
 from simulator.kernels.requantize import requantize
 from simulator.kernels.window_max import window_max
-from simulator.reference import conv_output_size
+from isa.geometry import conv_output_size
 
 try:  # optional, speed only: holds BLAS to one thread while the machine runs (see Machine.run)
     from threadpoolctl import ThreadpoolController

@@ -3,12 +3,8 @@
 every width and every wrap or clamp below is written out explicitly. float32 arithmetic is done exactly with
 `fractions.Fraction` and rounded by hand, so no step depends on how numpy or the CPU converts or rounds.
 
-The requantizer's integer form of a real multiplier M >= 0 is (mult, shift) with
-
-    M ~= mult * 2^-shift,   2^(mult_bits-2) <= mult < 2^(mult_bits-1)   (mult = 0 for M = 0)
-
-`shift` is the TOTAL right shift n (not relative to Q31): for mult_bits = 32, M = 1/2 is (2^30, 31).
-A negative shift is a left shift (only for M >= 2^(mult_bits-1), never in practice).
+The multiplier format (mult, shift) and the output-size formulas are the hardware contract's (isa/multiplier.py,
+isa/geometry.py); the twins below take them as given.
 """
 
 from __future__ import annotations
@@ -19,46 +15,10 @@ from typing import Sequence
 
 import numpy as np
 
-from simulator.config import Arithmetic
+from isa.geometry import conv_output_size, pool_output_size
+from isa.target import Arithmetic
 
 INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1
-
-
-# ---------------------------------------------------------------------------------------------------------
-# (2) the multiplier
-
-def quantize_multiplier(real_multiplier: float, mult_bits: int = 32) -> tuple[int, int]:
-    """(mult, shift) with M ~= mult * 2^-shift and mult in [2^(mult_bits-2), 2^(mult_bits-1)), M >= 0 finite.
-
-    mult = round(M * 2^shift), ties up (M > 0, so up = away from zero, as TFLite's QuantizeMultiplier);
-    if rounding reaches 2^(mult_bits-1), mult is halved and shift decremented. Relative error
-    |mult * 2^-shift - M| / M <= 2^-(mult_bits-1). M = 0 gives (0, 0). Tiny M gives large shifts (any size:
-    the kernels return 0 exactly once the shift exceeds the product's width); M >= 2^(mult_bits-1) gives a
-    negative shift (a left shift)."""
-    if not 2 <= mult_bits <= 32:
-        raise ValueError(f"mult_bits = {mult_bits}: expected 2..32")
-    value = float(real_multiplier)
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"real multiplier {real_multiplier!r}: expected a finite number >= 0")
-    if value == 0:
-        return 0, 0
-    exact = Fraction(value)
-    exponent = exact.numerator.bit_length() - exact.denominator.bit_length()  # floor(log2 M) or one more
-    if Fraction(2) ** exponent > exact:
-        exponent -= 1
-    shift = (mult_bits - 2) - exponent  # M * 2^shift in [2^(mult_bits-2), 2^(mult_bits-1))
-    scaled = exact * Fraction(2) ** shift
-    mult = math.floor(scaled + Fraction(1, 2))
-    if mult == 1 << (mult_bits - 1):
-        mult, shift = mult >> 1, shift - 1
-    return mult, shift
-
-
-def float32_multiplier(s_in: float, s_w: float, s_out: float) -> np.float32:
-    """The float32_rne multiplier M = float32(float32(s_in * s_w) / s_out) with float32 operands, each operation
-    rounded to float32: ONNX Runtime's QLinearConv computes `X_scale * W_scale[c] / Y_scale` in float."""
-    product = np.float32(np.float32(s_in) * np.float32(s_w))
-    return np.float32(product / np.float32(s_out))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -254,24 +214,6 @@ def requantize(acc: int, mult: int | None = None, shift: int | None = None, mode
 
 # ---------------------------------------------------------------------------------------------------------
 # (9) im2col and (10) window-max (ONNX Conv / MaxPool semantics), plain loops
-
-def conv_output_size(size: int, kernel: int, stride: int, pad_begin: int, pad_end: int, dilation: int) -> int:
-    """ONNX Conv: floor((size + pads - dilation*(kernel-1) - 1) / stride) + 1."""
-    return (size + pad_begin + pad_end - dilation * (kernel - 1) - 1) // stride + 1
-
-
-def pool_output_size(size: int, kernel: int, stride: int, pad_begin: int, pad_end: int, dilation: int,
-                     ceil_mode: bool) -> int:
-    """ONNX MaxPool: as Conv, but with ceil_mode the division rounds up, and a last window that would start
-    beyond the input and its leading padding is dropped (onnx reference op_pool_common, ONNX Runtime)."""
-    span = size + pad_begin + pad_end - dilation * (kernel - 1) - 1
-    if not ceil_mode:
-        return span // stride + 1
-    out = -(-span // stride) + 1
-    if (out - 1) * stride >= size + pad_begin:
-        out -= 1
-    return out
-
 
 def im2col(x: np.ndarray, kernel_shape: Sequence[int], strides: Sequence[int] = (1, 1),
            pads: Sequence[int] = (0, 0, 0, 0), dilations: Sequence[int] = (1, 1), group: int = 1) -> np.ndarray:

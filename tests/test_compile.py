@@ -15,9 +15,8 @@ from qdeploy.calibration import calibrate
 from qdeploy.cli import app
 from qdeploy.errors import BadInput
 from qdeploy.program import read_program
-from qdeploy.reference import run_graph
 from simulator import reference
-from simulator.config import Arithmetic, Target
+from isa.target import Arithmetic, Target
 from simulator.machine import Machine
 
 runner = CliRunner()
@@ -355,7 +354,7 @@ def test_concat_of_a_graph_input_and_a_shared_tensor_gets_copies(tmp_path, unsig
 def test_a_target_without_window_max_refuses_a_fused_max_pool(tmp_path):
     """MaxPool runs only as window-max on the store path (design.md section 4); a target that says its output
     stage has none (window_max_on_store = false) cannot run it, and compile says which instruction needs it."""
-    from simulator.config import ArrayConfig
+    from isa.target import ArrayConfig
 
     no_window = Target(array=ArrayConfig(window_max_on_store=False))
     table = table_of({"x": 2.0, "r": 6.0, "y": 6.0, "c": 6.0})

@@ -22,7 +22,7 @@ from qdeploy.calibration import calibrate
 from qdeploy.cli import app
 from qdeploy.export_onnx import export_program
 from qdeploy.program import write_program
-from simulator.config import Arithmetic, Target
+from isa.target import Arithmetic, Target
 from simulator.machine import Machine, add_float32_rne
 from simulator.reference import float32_round
 

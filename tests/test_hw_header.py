@@ -13,7 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from qdeploy.cli import app
-from simulator.config import (Overflow, Rounding, Target, TargetError, load_target, target_from_dict,
+from isa.target import (Overflow, Rounding, Target, TargetError, load_target, target_from_dict,
                               target_to_dict)
 
 runner = CliRunner()

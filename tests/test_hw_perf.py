@@ -18,9 +18,9 @@ from builders import make_model, rng_weights, save
 from calib.table import CalibrationTable, TensorRecord
 from qdeploy import api
 from qdeploy.cli import app
-from simulator.config import ArrayConfig, Target, target_from_dict
-from simulator.perf import (GemmShape, Tiles, choose_tiles, estimate, estimate_program, fits, fused_ops_of,
-                            gemm_shape)
+from isa.target import ArrayConfig, Target, target_from_dict
+from isa.tiling import GemmShape, Tiles, choose_tiles, estimate, fits, gemm_shape
+from simulator.perf import estimate_program, fused_ops_of
 
 runner = CliRunner()
 

@@ -20,7 +20,7 @@ from qdeploy import api
 from qdeploy.calibration import calibrate
 from qdeploy.cli import app
 from simulator import reference
-from simulator.config import target_from_dict
+from isa.target import target_from_dict
 from simulator.kernels.gemm import gemm
 from simulator.kernels.requantize import requantize
 

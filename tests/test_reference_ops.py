@@ -5,7 +5,6 @@ count_include_pad, Gemm with every attribute."""
 from __future__ import annotations
 
 import numpy as np
-import onnx
 import pytest
 from numpy.testing import assert_allclose, assert_array_equal
 from onnx import TensorProto, helper

@@ -34,7 +34,7 @@ from qdeploy.calibration import calibrate
 from qdeploy.errors import QdeployError, Unsupported
 from qdeploy.program import read_program, write_program
 from qdeploy.reference import run_graph, run_node
-from simulator.config import Arithmetic, Target
+from isa.target import Arithmetic, Target
 from simulator.machine import Machine
 
 PROPERTY = settings(max_examples=40, deadline=None, derandomize=True, database=None,

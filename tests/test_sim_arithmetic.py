@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from numpy.testing import assert_array_equal
 
+from isa.multiplier import float32_multiplier, quantize_multiplier
 from simulator import reference as ref
 from simulator.kernels import requantize as rq
 from simulator.kernels.gemm import DESIGN_CHUNK, FLOAT32_EXACT_INT, gemm, max_exact_chunk
@@ -267,24 +268,24 @@ def test_float32_round_twin_equals_numpy_float32_conversion():
 # quantize_multiplier
 
 def test_quantize_multiplier_hand_values():
-    assert ref.quantize_multiplier(0.0) == (0, 0)
-    assert ref.quantize_multiplier(0.5) == (2**30, 31)
-    assert ref.quantize_multiplier(1.0) == (2**30, 30)
-    assert ref.quantize_multiplier(1 - 2.0**-40) == (2**30, 30)  # rounds up to 2^31: renormalised
-    assert ref.quantize_multiplier(2.0**40) == (2**30, -10)  # M >= 2^31: a left shift
-    assert ref.quantize_multiplier(2.0**-100) == (2**30, 130)  # tiny: a large shift
-    assert ref.quantize_multiplier(0.75, 8) == (96, 7)  # Q7: 0.75 = 96 / 128
-    assert ref.quantize_multiplier(3.0, 2) == (1, -2)  # 1 bit of mantissa: 3 = 1.5 * 2 rounds up to 2 * 2 = 4
+    assert quantize_multiplier(0.0) == (0, 0)
+    assert quantize_multiplier(0.5) == (2**30, 31)
+    assert quantize_multiplier(1.0) == (2**30, 30)
+    assert quantize_multiplier(1 - 2.0**-40) == (2**30, 30)  # rounds up to 2^31: renormalised
+    assert quantize_multiplier(2.0**40) == (2**30, -10)  # M >= 2^31: a left shift
+    assert quantize_multiplier(2.0**-100) == (2**30, 130)  # tiny: a large shift
+    assert quantize_multiplier(0.75, 8) == (96, 7)  # Q7: 0.75 = 96 / 128
+    assert quantize_multiplier(3.0, 2) == (1, -2)  # 1 bit of mantissa: 3 = 1.5 * 2 rounds up to 2 * 2 = 4
     for bad in (-1.0, math.nan, math.inf):
         with pytest.raises(ValueError):
-            ref.quantize_multiplier(bad)
+            quantize_multiplier(bad)
 
 
 @HYPOTHESIS
 @given(exponent=st.integers(-80, 40), mantissa=st.floats(1.0, 2.0, exclude_max=True), mult_bits=st.integers(2, 32))
 def test_quantize_multiplier_round_trip(exponent, mantissa, mult_bits):
     m = math.ldexp(mantissa, exponent)
-    mult, shift = ref.quantize_multiplier(m, mult_bits)
+    mult, shift = quantize_multiplier(m, mult_bits)
     assert 2 ** (mult_bits - 2) <= mult < 2 ** (mult_bits - 1)
     from fractions import Fraction
 
@@ -301,13 +302,13 @@ def test_quantize_multiplier_equals_tflite_quantize_multiplier(m):
     q_fixed = math.floor(q * 2**31 + 0.5)  # q * 2^31 is exact in a double
     if q_fixed == 2**31:
         q_fixed, e = q_fixed // 2, e + 1
-    assert ref.quantize_multiplier(m, 32) == (q_fixed, 31 - e)
+    assert quantize_multiplier(m, 32) == (q_fixed, 31 - e)
 
 
 def test_float32_multiplier_rounds_each_operation_to_float32():
     s_in, s_w, s_out = 0.0123, 0.00456, 0.0789
     expected = np.float32(np.float32(np.float32(s_in) * np.float32(s_w)) / np.float32(s_out))
-    got = ref.float32_multiplier(s_in, s_w, s_out)
+    got = float32_multiplier(s_in, s_w, s_out)
     assert got.dtype == np.float32 and got == expected
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from simulator.config import (Arithmetic, ArrayConfig, Overflow, Rounding, Target, TargetError, load_target,
+from isa.target import (Arithmetic, ArrayConfig, Overflow, Rounding, Target, TargetError, load_target,
                               target_from_dict, target_to_dict)
 
 FULL_TOML = """\

@@ -13,7 +13,7 @@ from simulator import reference as ref
 from simulator.kernels.depthwise import depthwise_conv
 from simulator.kernels.gemm import channel_max_abs, gemm
 from simulator.kernels.im2col import im2col
-from simulator.reference import conv_output_size
+from isa.geometry import conv_output_size
 
 REGISTERS = [(32, "wrap"), (16, "wrap"), (12, "wrap"), (40, "wrap"), (64, "wrap"),
              (32, "saturate"), (18, "saturate"), (12, "saturate")]

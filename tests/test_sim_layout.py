@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from numpy.testing import assert_array_equal
 
+from isa.geometry import conv_output_size, pool_output_size
 from simulator import reference as ref
 from simulator.kernels.gemm import gemm
 from simulator.kernels.im2col import im2col
@@ -29,7 +30,7 @@ def windows(draw, pooling: bool):
     dilations = (draw(st.integers(1, 2)), draw(st.integers(1, 2)))
     pads = tuple(draw(st.integers(0, 2)) for _ in range(4))
     ceil_mode = draw(st.booleans()) if pooling else False
-    size = ref.pool_output_size if pooling else (lambda *args: ref.conv_output_size(*args[:6]))
+    size = pool_output_size if pooling else (lambda *args: conv_output_size(*args[:6]))
     oh = size(h, kernel_shape[0], strides[0], pads[0], pads[2], dilations[0], ceil_mode)
     ow = size(w, kernel_shape[1], strides[1], pads[1], pads[3], dilations[1], ceil_mode)
     if oh < 1 or ow < 1:
@@ -76,7 +77,7 @@ def test_window_max_hand_worked_ceil_mode_and_padding():
     assert window_max(x, (2, 2), (2, 2), ceil_mode=True).tolist() == [[[[-7, 9], [2, -128]]]]
     assert window_max(x, (2, 2), (2, 2), ceil_mode=False).tolist() == [[[[-7]]]]
     # ceil_mode's last window would start in the trailing padding: dropped (ONNX / ONNX Runtime rule).
-    assert ref.pool_output_size(3, 2, 2, 0, 1, 1, True) == 2 and ref.pool_output_size(4, 1, 2, 0, 1, 1, True) == 2
+    assert pool_output_size(3, 2, 2, 0, 1, 1, True) == 2 and pool_output_size(4, 1, 2, 0, 1, 1, True) == 2
 
 
 def test_bad_window_arguments():
@@ -163,7 +164,7 @@ def test_window_max_equals_onnxruntime_maxpool_on_random_shapes(case):
     kh, kw = attrs["kernel_shape"]
     pt, pl, pb, pr = attrs["pads"]
     attrs["pads"] = (min(pt, kh - 1), min(pl, kw - 1), min(pb, kh - 1), min(pr, kw - 1))  # ORT: pads < kernel
-    sizes = [ref.pool_output_size(x.shape[2 + a], attrs["kernel_shape"][a], attrs["strides"][a], attrs["pads"][a],
+    sizes = [pool_output_size(x.shape[2 + a], attrs["kernel_shape"][a], attrs["strides"][a], attrs["pads"][a],
                                   attrs["pads"][2 + a], attrs["dilations"][a], attrs["ceil_mode"]) for a in (0, 1)]
     if min(sizes) < 1:
         return

@@ -16,11 +16,11 @@ import pytest
 from numpy.testing import assert_array_equal
 
 from simulator import reference as ref
-from simulator.config import Arithmetic, Target
+from isa.target import Arithmetic, Target
 from simulator.kernels.gemm import DESIGN_CHUNK, channels_in_range, gemm, gemm_planar
 from simulator.kernels.im2col import im2col_planar
 from simulator.kernels.requantize import requantize
-from simulator.reference import conv_output_size
+from isa.geometry import conv_output_size
 
 ROUNDINGS = ["half_up", "half_away", "half_even", "tflite", "float32_rne"]
 

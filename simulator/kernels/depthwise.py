@@ -36,11 +36,11 @@ from typing import Sequence
 import numpy as np
 from numba import njit
 
-from simulator.config import Overflow
+from isa.target import Overflow
 from simulator.kernels.gemm import (INT64_MAX, channel_max_abs, channels_in_range, check_channel_bias,
                                     saturating_add, worst_case_bound)
 from simulator.kernels.im2col import check_window
-from simulator.reference import conv_output_size
+from isa.geometry import conv_output_size
 
 INT32_EXACT = (1 << 31) - 1  # the tap sums stay in int32 while K * max|x| * max|w| <= this
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit, prange
 
-from simulator.config import ACC_BITS_RANGE, Overflow
+from isa.target import ACC_BITS_RANGE, Overflow
 
 # float32 has a 24-bit significand: every integer n with |n| <= 2^24 is exactly representable (2^24 + 1 is
 # the first that is not). A sum of integers stays exact while every partial sum stays within this bound.

@@ -16,7 +16,7 @@ from typing import Sequence
 import numpy as np
 from numba import njit, prange
 
-from simulator.reference import conv_output_size
+from isa.geometry import conv_output_size
 
 
 @njit(cache=True, parallel=True)

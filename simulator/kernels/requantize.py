@@ -4,7 +4,7 @@ int64, bias already added) with per-channel parameters, then the clamp to [lo, h
 when lo >= 0 and hi > 127).
 
 Integer modes take mult[c] (0 <= mult < 2^31, the Q(mult_bits-1) mantissa) and shift[c] (the TOTAL right
-shift n: M[c] ~= mult[c] * 2^-n, see reference.quantize_multiplier); float32_rne takes scale[c], the float32
+shift n: M[c] ~= mult[c] * 2^-n, see isa/multiplier.py); float32_rne takes scale[c], the float32
 multiplier. Widths: every step is int64 (numba widens to int64 anyway; see style.md section 4). The product
 p = acc * mult is exact in int64 while |acc| <= 2^31 (|p| < 2^62); a wider accumulator (acc_bits up to 64)
 takes an exact split path (_product_parts). Twins: simulator.reference (Python ints).
@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from simulator.config import Arithmetic, Rounding
+from isa.target import Arithmetic, Rounding
 
 INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1
 MULT_LIMIT = 1 << 31  # mult < 2^31 for every mult_bits <= 32

@@ -17,7 +17,7 @@ import numpy as np
 from numba import njit, prange
 
 from simulator.kernels.im2col import check_window
-from simulator.reference import pool_output_size
+from isa.geometry import pool_output_size
 
 
 @njit(cache=True, parallel=True)

@@ -1,0 +1,238 @@
+"""Reading vectors back and comparing an RTL's dumps with them, each mismatch located and classified."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+
+from isa.target import Rounding
+from simulator.vectors.codec import (
+    COMPARED,
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    MAX_CLASSIFIED,
+    TIE_TOLERANCE,
+    VectorError,
+    channels_last,
+    decode_hex,
+    lines_to_matrix,
+)
+
+# ---------------------------------------------------------------------------------------------------------
+# Reading back and comparing
+
+def load_manifest(directory: str | os.PathLike) -> dict:
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        raise VectorError(f"{directory}: no {MANIFEST} (not a directory written by `qdeploy vectors export` "
+                          f"or `vectors stress`)")
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise VectorError(f"{path}: unreadable manifest ({error})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise VectorError(f"{path}: not a qdeploy vectors manifest")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise VectorError(f"{path}: vectors format version {manifest.get('format_version')!r}, this qdeploy "
+                          f"reads {FORMAT_VERSION}")
+    return manifest
+
+
+def read_hex_file(path: str | os.PathLike, record: dict) -> tuple[np.ndarray, np.ndarray]:
+    """(matrix, unknown) of a hex file described by a manifest file record."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as error:
+        raise VectorError(f"{path}: cannot read ({error.strerror or error})") from None
+    words, unknown = decode_hex(data, record["bits"], record["per_line"], record["signed"], str(path))
+    rows, cols = record["matrix"]
+    if len(words) != record["lines"]:
+        raise VectorError(f"{path}: {len(words)} words, expected {record['lines']} ({rows} rows x "
+                          f"{cols} values, {record['per_line']} per word)")
+    return lines_to_matrix(words, rows, cols), lines_to_matrix(unknown, rows, cols)
+
+
+def _expected(root: Path, record: dict) -> np.ndarray:
+    if "npy" in record:
+        array = np.load(root / record["npy"], allow_pickle=False)
+        return channels_last(array) if array.ndim > 2 else array
+    return read_hex_file(root / record["hex"], record)[0]
+
+
+@dataclass
+class Mismatch:
+    layer: str
+    file: str
+    tile: dict | None
+    row: int
+    col: int
+    expected: int | None
+    actual: int | None
+    classification: str
+    detail: str = ""
+
+
+def _near_tie(acc: int, mult: int, shift: int, scale: float, rounding: str) -> tuple[bool, str]:
+    """Whether acc * M lies within TIE_TOLERANCE of a half-integer (where rounding modes disagree)."""
+    if rounding == Rounding.FLOAT32_RNE:
+        value = Fraction(acc) * Fraction(float(np.float32(scale)))
+    else:
+        value = Fraction(acc * mult, 1) / (Fraction(2) ** shift)
+    distance = abs(value - math.floor(value) - Fraction(1, 2))
+    return distance <= TIE_TOLERANCE, f"acc * M = {float(value):.6f}"
+
+
+def classify(kind: str, layer: dict, expected: int | None, actual: int | None, c: int, acc: int | None,
+             params: dict) -> tuple[str, str]:
+    """The likely cause of one mismatch (docs/hardware.md): 'rounding-mode mismatch?' (off by one where acc*M
+    is near a tie), 'saturation mismatch?' (a value at the clamp or accumulator limit), 'unknown value (x/z)',
+    else 'data mismatch'."""
+    if actual is None:
+        return "unknown value (x/z)", "the RTL wrote x or z digits"
+    if kind == "acc":
+        lo, hi = -(1 << (layer["acc_bits"] - 1)), (1 << (layer["acc_bits"] - 1)) - 1
+        if expected in (lo, hi) or actual in (lo, hi) or not lo <= actual <= hi:
+            return "saturation mismatch?", (f"accumulator limit [{lo}, {hi}] (overflow = {layer['overflow']}); "
+                                            f"check wrap vs saturate and the addition order")
+        return "data mismatch", ""
+    lo, hi = layer["clamp"]
+    if abs(expected - actual) == 1 and acc is not None and "mult" in params:
+        tie, value = _near_tie(acc, int(params["mult"][c]), int(params["shift"][c]), params["scale_f32"][c],
+                               layer["rounding"])
+        if tie:
+            return "rounding-mode mismatch?", f"{value} is a rounding tie (rounding = {layer['rounding']})"
+    if expected in (lo, hi) or actual in (lo, hi) or not lo <= actual <= hi:
+        return "saturation mismatch?", f"clamp [{lo}, {hi}]"
+    return "data mismatch", ""
+
+
+def _tile_of(layer: dict, row: int, col: int) -> dict | None:
+    tiles = layer.get("tiles")
+    if not tiles:
+        return None
+    m, ng = layer["m"], layer["n"]
+    nm, nn = -(-m // tiles["m"]), -(-ng // tiles["n"])
+    g, j = divmod(col, ng)
+    mi, ni = row // tiles["m"], j // tiles["n"]
+    return {"index": (g * nm + mi) * nn + ni, "g": g, "m": mi, "n": ni}
+
+
+@dataclass
+class FileComparison:
+    file: str
+    path: str
+    elements: int
+    mismatches: int
+    classes: dict[str, int]
+    first: Mismatch | None
+
+
+@dataclass
+class LayerComparison:
+    index: int
+    name: str
+    files: list[FileComparison]
+
+    @property
+    def status(self) -> str:
+        if not self.files:
+            return "not dumped"
+        return "mismatch" if any(f.mismatches for f in self.files) else "match"
+
+
+@dataclass
+class CompareReport:
+    expected: str
+    actual: str
+    layers: list[LayerComparison]
+
+    @property
+    def compared_files(self) -> int:
+        return sum(len(layer.files) for layer in self.layers)
+
+    @property
+    def mismatches(self) -> int:
+        return sum(f.mismatches for layer in self.layers for f in layer.files)
+
+    @property
+    def ok(self) -> bool:
+        return self.compared_files > 0 and self.mismatches == 0
+
+    def to_json(self) -> dict:
+        def first(m: Mismatch | None):
+            return None if m is None else {"layer": m.layer, "file": m.file, "tile": m.tile, "row": m.row,
+                                           "col": m.col, "expected": m.expected, "actual": m.actual,
+                                           "class": m.classification, "detail": m.detail}
+        return {"ok": self.ok, "expected": self.expected, "actual": self.actual,
+                "compared_files": self.compared_files, "mismatches": self.mismatches,
+                "layers": [{"index": layer.index, "name": layer.name, "status": layer.status,
+                            "files": [{"file": f.file, "path": f.path, "elements": f.elements,
+                                       "matches": f.elements - f.mismatches, "mismatches": f.mismatches,
+                                       "classes": f.classes, "first_mismatch": first(f.first)}
+                                      for f in layer.files]} for layer in self.layers]}
+
+
+def _compare_file(root: Path, dump: Path, layer: dict, key: str, record: dict, params: dict,
+                  acc: np.ndarray | None, tile: dict | None) -> FileComparison | None:
+    path = dump / record["hex"]
+    if not path.is_file():
+        return None
+    expected = _expected(root, record)
+    actual, unknown = read_hex_file(path, record)
+    wrong = (actual != expected) | unknown
+    positions = np.argwhere(wrong)
+    classes: dict[str, int] = {}
+    first = None
+    for n, (r, c) in enumerate(positions[:MAX_CLASSIFIED]):
+        r, c = int(r), int(c)
+        row, col = (r, c) if tile is None else (tile["m0"] + r, tile["c0"] + c)
+        e = int(expected[r, c])
+        a = None if unknown[r, c] else int(actual[r, c])
+        acc_value = int(acc[row, col]) if acc is not None and key == "out" else None
+        label, detail = classify(key, layer, e, a, col, acc_value, params)
+        classes[label] = classes.get(label, 0) + 1
+        if n == 0:
+            where = _tile_of(layer, row, col) if key != "stored" else None
+            if tile is not None:
+                where = {"index": tile["index"], "g": tile["g"]}
+            first = Mismatch(layer["name"], record["hex"], where, row, col, e, a, label, detail)
+    return FileComparison(key, record["hex"], int(expected.size), int(len(positions)), classes, first)
+
+
+def compare_vectors(expected_dir: str | os.PathLike, dump_dir: str | os.PathLike) -> CompareReport:
+    """Compare the RTL's dumps (acc, out, stored hex files at the same relative paths as in the vectors
+    directory, per layer and, for exports with --per-tile, per tile) with the golden vectors. Only the
+    logical elements are compared (padding lanes are ignored). VectorError when nothing can be compared."""
+    root, dump = Path(expected_dir), Path(dump_dir)
+    manifest = load_manifest(root)
+    if not dump.is_dir():
+        raise VectorError(f"{dump}: no such directory")
+    results = []
+    for layer in manifest["layers"]:
+        files = layer["files"]
+        params = {key: _expected(root, files[key]).reshape(-1) for key in ("mult", "shift", "scale_f32")
+                  if key in files}
+        acc = _expected(root, files["acc"]) if "acc" in files else None
+        compared = []
+        for key in COMPARED:
+            if key in files and (result := _compare_file(root, dump, layer, key, files[key], params, acc, None)):
+                compared.append(result)
+        for tile in layer.get("tile_files", []):
+            for key in ("acc", "out"):
+                if key in tile["files"] and (result := _compare_file(root, dump, layer, key, tile["files"][key],
+                                                                      params, acc, tile)):
+                    compared.append(result)
+        results.append(LayerComparison(layer["index"], layer["name"], compared))
+    report = CompareReport(str(root), str(dump), results)
+    if report.compared_files == 0:
+        raise VectorError(f"{dump}: no dump files found at the paths of {root / MANIFEST} (for example "
+                          f"{manifest['layers'][0]['files']['out']['hex'] if manifest['layers'] else 'none'})")
+    return report
