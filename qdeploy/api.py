@@ -10,17 +10,18 @@ from pathlib import Path
 import numpy as np
 
 from calib.table import CalibrationTable
+from qdeploy.binding import bind_inputs, bind_program_inputs
 from qdeploy.errors import BadInput
-from qdeploy.ir import Graph, Node
 from qdeploy.lowering import LoweringResult, lower, require_lowered
 from qdeploy.onnx_import import import_onnx
 from qdeploy.program import Program, read_program, write_program
 from qdeploy.quantize import CompileOptions, LayerReport, compile_graph
-from qdeploy.reference import run_graph, run_node
+from qdeploy.reference import run_graph, run_host_op
 from qdeploy.summary import ModelSummary, summarize
 from isa.target import Target, TargetError, load_target
 from simulator.machine import Machine, ProgramInputError
 from simulator.machine import dequantize as dequantize_tensor
+from simulator.perf import PerfReport, estimate_program, trace_fused_ops
 
 InputShapes = dict[str, tuple[int | None, ...]]
 
@@ -92,24 +93,41 @@ def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTabl
     return CompileResult(program, layers, lowering, written)
 
 
-def run_host_op(op: str, opset: int, operands: list, attrs: dict) -> np.ndarray:
-    """A host-fallback op of a program, in float with the reference executor."""
-    names = [f"in{i}" if x is not None else "" for i, x in enumerate(operands)]
-    (y,) = run_node(Node(f"host_{op}", op, names, ["y"], attrs), operands, opset)[:1]
-    return y
+def estimate_performance(model: str | os.PathLike, program: Program) -> PerfReport:
+    """The cycle ESTIMATE of a compiled program (simulator/perf.py), with the fused ops traced in the ONNX model
+    `model` as loaded (so a BatchNormalization folded into the weights counts in the unfused graph)."""
+    from types import SimpleNamespace
+
+    import onnx
+
+    graph = onnx.load(str(model), load_external_data=False).graph
+    constants = {tensor.name for tensor in graph.initializer}
+    nodes = []
+    for node in graph.node:  # ONNX lists nodes in topological order
+        record = SimpleNamespace(op=node.op_type, inputs=list(node.input), outputs=list(node.output))
+        if all(name in constants or not name for name in record.inputs):
+            constants.update(record.outputs)  # Constant nodes and what is computed from constants only
+        nodes.append(record)
+    fused = trace_fused_ops(nodes, constants, program.instructions)
+    return estimate_program(program.manifest, program.arrays, fused_ops=fused)
 
 
-def bind_program_inputs(program: Program, arrays: dict[str, np.ndarray] | np.ndarray, source: str
-                        ) -> dict[str, np.ndarray]:
-    """User arrays by program input name (a bare array feeds a single-input program)."""
-    if isinstance(arrays, np.ndarray):
-        if len(program.inputs) != 1:
-            raise BadInput(f"{source}: the program has {len(program.inputs)} inputs; give an .npz by input name")
-        arrays = {program.inputs[0]: arrays}
-    missing = [name for name in program.inputs if name not in arrays]
-    if missing:
-        raise BadInput(f"{source}: no array for program input '{missing[0]}'")
-    return arrays
+
+def export_vectors(program: str | os.PathLike, input: str | os.PathLike, output: str | os.PathLike, *,
+                   per_tile: bool = False):
+    """Run the program file on the arrays of `input` (.npy/.npz) and write its golden vectors to the directory
+    `output` (simulator/vectors/export.py); returns its ExportResult."""
+    from qdeploy.fileio import load_arrays
+    from simulator.vectors import VectorError
+    from simulator.vectors import export_vectors as write_vectors
+
+    loaded = read_program(program)
+    arrays = bind_program_inputs(loaded, load_arrays(input), str(input))
+    try:
+        return write_vectors(loaded, arrays, output, per_tile=per_tile, host=run_host_op,
+                             source={"program": str(program), "input": str(input)})
+    except (VectorError, ProgramInputError) as error:
+        raise BadInput(f"{program}: {error}") from error
 
 
 def run_program_file(program: str | os.PathLike | Program, inputs: dict[str, np.ndarray] | np.ndarray,
@@ -128,30 +146,6 @@ def run_program_file(program: str | os.PathLike | Program, inputs: dict[str, np.
     if dequantize:
         return {name: dequantize_tensor(program, name, q) for name, q in result.outputs.items()}
     return result.outputs
-
-
-def bind_inputs(graph: Graph, arrays: dict[str, np.ndarray] | np.ndarray, source: str) -> dict[str, np.ndarray]:
-    """Match user arrays to the graph's inputs by name (a bare array feeds a single-input graph) and check
-    dtype and every non-batch dimension."""
-    if isinstance(arrays, np.ndarray):
-        if len(graph.inputs) != 1:
-            raise BadInput(f"{source}: the model has {len(graph.inputs)} inputs ({', '.join(graph.inputs)}); "
-                           f"give an .npz with one array per input name")
-        arrays = {graph.inputs[0]: arrays}
-    missing = [name for name in graph.inputs if name not in arrays]
-    if missing:
-        raise BadInput(f"{source}: no array for model input '{missing[0]}' (arrays: {', '.join(arrays)})")
-    feeds = {}
-    for name in graph.inputs:
-        array, tensor = arrays[name], graph.tensors[name]
-        if array.dtype != tensor.dtype:
-            raise BadInput(f"{source}: input '{name}' has dtype {array.dtype}, the model expects {tensor.dtype}")
-        expected = tensor.shape or ()
-        if array.ndim != len(expected) or any(e is not None and e != d for e, d in zip(expected, array.shape)):
-            shown = "(" + ", ".join("N" if e is None else str(e) for e in expected) + ")"
-            raise BadInput(f"{source}: input '{name}' has shape {array.shape}, the model expects {shown}")
-        feeds[name] = array
-    return feeds
 
 
 def run(model: str | os.PathLike | Program, inputs: dict[str, np.ndarray] | np.ndarray,
@@ -193,9 +187,10 @@ def report(model: str | os.PathLike, program: str | os.PathLike | Program, data,
            num_samples: int | None = None, batch_size: int | None = None, preprocess=None,
            input_shapes: InputShapes | None = None, progress=None, command: str | None = None):
     """Accuracy-drop report of the int8 `program` against the float `model` on `data`, written to the folder
-    `output` (report.md, report.json, PNG figures); returns a qdeploy.reports.ReportResult (its `document` is
+    `output` (report.md, report.json, PNG figures); returns a qdeploy.reports.build.ReportResult (its `document` is
     report.json). See qdeploy/reports/build.py for the arguments."""
-    from qdeploy.reports import DEFAULT_BATCH_SIZE, build_report
+    from qdeploy.reports import DEFAULT_BATCH_SIZE
+    from qdeploy.reports.build import build_report
 
     return build_report(model, program, data, output, labels=labels, calib=calib, peer=peer, ablation=ablation,
                         num_samples=num_samples, batch_size=DEFAULT_BATCH_SIZE if batch_size is None else batch_size,

@@ -31,11 +31,12 @@ from calib.histogram import NonFiniteValue, StreamingHistogram
 from calib.methods import THRESHOLD_METHODS, select_threshold
 from calib.table import (MIN_THRESHOLD, TENSORRT_METHOD, CalibrationTable, TensorRecord, read_tensorrt_cache,
                          threshold_from_tensorrt_scale)
-from qdeploy.api import InputShapes, bind_inputs, lower_model
+from qdeploy.api import InputShapes, lower_model
+from qdeploy.binding import bind_inputs
 from qdeploy.errors import BadInput
 from qdeploy.ir import Graph, topological_order
 from qdeploy.lowering.equalize import equalizable_pairs
-from qdeploy.lowering.instructions import LAYOUT_OPS
+from isa.kinds import RESHAPE_KINDS
 from qdeploy.reference.executor import run_node
 
 Progress = Callable[[int, int], None]  # (samples done, samples in total)
@@ -65,7 +66,7 @@ def calibration_tensors(graph: Graph) -> list[str]:
     """The tensors of a lowered graph that the int8 program quantizes (module docstring), in graph order."""
     names = list(graph.inputs)
     for node in topological_order(graph):
-        if node.op in LAYOUT_OPS and node.op != "Concat":
+        if node.op in RESHAPE_KINDS:
             continue  # a layout step keeps its producer's scale
         names += [out for out in node.outputs if out and np.issubdtype(graph.tensors[out].dtype, np.floating)]
     return list(dict.fromkeys(names))

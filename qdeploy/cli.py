@@ -342,7 +342,7 @@ def compile(model: Path = typer.Argument(..., help="An .onnx model."),
     check_output(output, model, calib, target)
     result = api.compile(model, calib, target, per_tensor=per_tensor, allow_host_fallback=allow_host_fallback,
                          bias_correction=bias_correction, output=output, input_shapes=parse_input_shapes(input_shape))
-    perf = _perf_estimate(model, result, parse_input_shapes(input_shape))
+    perf = api.estimate_performance(model, result.program)
     if json_output:
         layers = [{"name": r.name, "kind": r.kind, "m": r.m, "n": r.n, "k": r.k, "groups": r.groups,
                    "input_scale": r.input_scale, "output_scale": r.output_scale, "rounding": r.rounding,
@@ -473,16 +473,7 @@ def vectors_export(program: Path = typer.Argument(..., help="A compiled .qdp pro
     after im2col as the array sees it, weights, int32 bias, multipliers/shifts and float32 scales, accumulators
     before requantization and int8 outputs, as $readmemh hex files with .npy twins and manifest.json
     (format: docs/hardware.md)."""
-    from simulator.machine import ProgramInputError
-    from simulator.vectors import VectorError, export_vectors
-
-    loaded = read_program(program)
-    arrays = api.bind_program_inputs(loaded, load_arrays(input), str(input))
-    try:
-        result = export_vectors(loaded, arrays, output, per_tile=per_tile, host=api.run_host_op,
-                                source={"program": str(program), "input": str(input)})
-    except (VectorError, ProgramInputError) as error:
-        raise BadInput(f"{program}: {error}") from error
+    result = api.export_vectors(program, input, output, per_tile=per_tile)
     layers = [{"index": r["index"], "name": r["name"], "kind": r["kind"], "dir": r["dir"], "groups": r["groups"],
                "m": r["m"], "n": r["n"], "k": r["k"], "tiles": r["tiles"], "files": sorted(r["files"]),
                "tile_files": len(r.get("tile_files", []))} for r in result.layers]
@@ -581,27 +572,6 @@ def target_header(target: Path = typer.Argument(..., help="A target.toml."),
 
 
 VECTORS_MISMATCH_EXIT = 3  # `vectors compare`: some dumped value differs (2 stays bad input, 1 internal error)
-
-
-def _perf_estimate(model: Path, result, input_shapes):
-    """The cycle ESTIMATE of a compiled program (simulator/perf.py), with the fused ops traced in the ONNX model
-    as loaded (so a BatchNormalization folded into the weights counts in the unfused graph)."""
-    from types import SimpleNamespace
-
-    import onnx
-
-    from simulator.perf import estimate_program, trace_fused_ops
-
-    graph = onnx.load(str(model), load_external_data=False).graph
-    constants = {tensor.name for tensor in graph.initializer}
-    nodes = []
-    for node in graph.node:  # ONNX lists nodes in topological order
-        record = SimpleNamespace(op=node.op_type, inputs=list(node.input), outputs=list(node.output))
-        if all(name in constants or not name for name in record.inputs):
-            constants.update(record.outputs)  # Constant nodes and what is computed from constants only
-        nodes.append(record)
-    fused = trace_fused_ops(nodes, constants, result.program.instructions)
-    return estimate_program(result.program.manifest, result.program.arrays, fused_ops=fused)
 
 
 def _size(nbytes: float) -> str:

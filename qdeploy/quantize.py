@@ -44,7 +44,8 @@ from qdeploy import __version__
 from qdeploy.errors import BadInput, Unsupported
 from qdeploy.ir import Graph, Node
 from qdeploy.lowering import LoweringResult
-from qdeploy.lowering.instructions import INSTRUCTION_OPS, LAYOUT_OPS, InstrKind, has_window_max
+from isa.kinds import RESHAPE_KINDS, WEIGHTED_GEMM_KINDS, Kind, handler
+from qdeploy.lowering.instructions import INSTRUCTION_OPS, LAYOUT_OPS, has_window_max, node_kind
 from qdeploy.program import Program
 from isa.target import Target, target_to_dict
 from isa.tiling import record_tiles
@@ -113,9 +114,9 @@ class _Scales:
                 unsigned = (target.arithmetic.unsigned_activations and node.attrs["act_min"] >= 0
                             and out not in concat_scale)
                 self._assign(out, thresholds, unsigned, override=concat_scale.get(out))
-            elif node.op in LAYOUT_OPS and node.op != "Concat":
+            elif node.op in LAYOUT_OPS and node.op != Kind.CONCAT:
                 self.scale[out], self.unsigned[out] = self.scale[node.inputs[0]], self.unsigned[node.inputs[0]]
-            elif node.op == "Concat":
+            elif node.op == Kind.CONCAT:
                 self._assign(out, thresholds, unsigned=False)
             else:
                 self._assign(out, thresholds, unsigned=False)  # host op output, requantized on the host
@@ -125,7 +126,7 @@ class _Scales:
         result = {}
         consumers = self.graph.consumers()
         for node in self.graph.nodes:
-            if node.op != "Concat":
+            if node.op != Kind.CONCAT:
                 continue
             for name in node.inputs:
                 producer = self.producers.get(name)
@@ -200,7 +201,7 @@ class _Compiler:
         return name
 
     def gemm(self, index: int, node: Node) -> dict:
-        graph, scales, arithmetic = self.graph, self.scales, self.target.arithmetic
+        graph, scales = self.graph, self.scales
         x, y = node.inputs[0], node.outputs[0]
         s_in, s_out = scales.scale[x], scales.scale[y]
         weight = graph.constant_data(node.inputs[1]).astype(np.float64)
@@ -231,7 +232,7 @@ class _Compiler:
         if "act_max_channels" in node.attrs:  # per-channel bounds of an equalized ReLU6 (lowering/equalize.py)
             channel_hi = np.clip(np.round(np.asarray(node.attrs["act_max_channels"]) / s_out), lo, hi)
             record["clamp_hi"] = self.array(index, "clamp_hi", channel_hi.astype(np.int32))
-        if node.op == InstrKind.CONV_GEMM.value:
+        if node.op == Kind.CONV_GEMM:
             record.update(kernel=list(weight.shape[2:]), group=int(node.attrs["group"]),
                           strides=list(node.attrs["strides"]), pads=list(node.attrs["pads"]),
                           dilations=list(node.attrs["dilations"]), window=_window(node.attrs))
@@ -261,7 +262,7 @@ class _Compiler:
         producers = self.scales.producers
         while name not in self.channel_means:
             node = producers.get(name)
-            if node is None or node.op not in LAYOUT_OPS or node.op == "Concat":
+            if node is None or node.op not in LAYOUT_OPS or node.op == Kind.CONCAT:
                 return None
             if _shape(self.graph, node.inputs[0])[1:2] != _shape(self.graph, name)[1:2]:
                 return None
@@ -280,7 +281,7 @@ class _Compiler:
         if mean is None:
             return None
         error = weight - dequantized.astype(np.float64)
-        if node.op == InstrKind.DENSE_GEMM.value:
+        if node.op == Kind.DENSE_GEMM:
             return error @ mean if mean.size == error.shape[1] else None
         groups = int(node.attrs["group"])
         out_channels, per_group, kh, kw = weight.shape
@@ -352,19 +353,10 @@ class _Compiler:
         instructions = []
         for index, node in enumerate(graph.nodes):
             self.current = f"'{node.name}' ({node.op})"
-            base = {"kind": node.op, "name": node.name, "inputs": list(node.inputs[:1] if node.op in (
-                InstrKind.CONV_GEMM.value, InstrKind.DENSE_GEMM.value) else node.inputs), "output": node.outputs[0]}
-            if node.op in (InstrKind.CONV_GEMM.value, InstrKind.DENSE_GEMM.value):
-                base.update(self.gemm(index, node))
-            elif node.op == InstrKind.ADD_GEMM.value:
-                base.update(self.add(index, node))
-            elif node.op in LAYOUT_OPS:
-                base.update(self._layout(index, node))
-            elif self.options.allow_host_fallback:
-                base.update(self._host(index, node))
-            else:
-                raise Unsupported(f"node '{node.name}' ({node.op}) has no lowering to the GEMM unit "
-                                  f"(--allow-host-fallback runs it in float on the host)")
+            kind = node_kind(node)
+            base = {"kind": node.op, "name": node.name, "inputs": list(
+                node.inputs[:1] if kind in WEIGHTED_GEMM_KINDS else node.inputs), "output": node.outputs[0]}
+            base.update(handler(COMPILERS, kind, "the compiler", f"node '{node.name}'")(self, index, node))
             base["inputs"] = [i for i in base["inputs"] if i and not graph.tensors[i].is_constant]
             instructions.append(base)
         tensors = {}
@@ -382,6 +374,9 @@ class _Compiler:
     def _host(self, index: int, node: Node) -> dict:
         """A host op: runs in float outside the accelerator on dequantized inputs, and its output is
         quantized with its calibrated scale. Its operands are tensors or constant arrays, in ONNX order."""
+        if not self.options.allow_host_fallback:
+            raise Unsupported(f"node '{node.name}' ({node.op}) has no lowering to the GEMM unit "
+                              f"(--allow-host-fallback runs it in float on the host)")
         operands = []
         for position, name in enumerate(node.inputs):
             if not name:
@@ -396,19 +391,25 @@ class _Compiler:
                 attrs[key] = {"array": self.array(index, f"attr_{key}", value)}
             else:
                 attrs[key] = value
-        return {"kind": "Host", "op": node.op, "opset": self.graph.opset, "operands": operands, "attrs": attrs}
+        return {"kind": Kind.HOST, "op": node.op, "opset": self.graph.opset, "operands": operands, "attrs": attrs}
 
-    def _layout(self, index: int, node: Node) -> dict:
-        if node.op == "Concat":
-            if node.attrs.get("axis") not in (1, -3):
-                raise Unsupported(f"node '{node.name}' (Concat): only the channel axis (1) is supported")
-            return {"axis": 1}
-        # Every layout op is a reshape to the output's static shape (batch kept free).
+    def _concat(self, index: int, node: Node) -> dict:
+        if node.attrs.get("axis") not in (1, -3):
+            raise Unsupported(f"node '{node.name}' (Concat): only the channel axis (1) is supported")
+        return {"axis": 1}
+
+    def _reshape(self, index: int, node: Node) -> dict:
+        """Every reshape kind is a view with the output's static shape (batch kept free)."""
         shape = _shape(self.graph, node.outputs[0])
         if not shape or shape[0] is not None or any(d is None for d in shape[1:]):
             raise Unsupported(f"node '{node.name}' ({node.op}): output shape {shape} is not (batch, static...)")
         return {"shape": shape}
 
+
+# The compiler's handler table: the manifest fields (and arrays) of each kind's instruction.
+COMPILERS = {Kind.CONV_GEMM: _Compiler.gemm, Kind.DENSE_GEMM: _Compiler.gemm, Kind.ADD_GEMM: _Compiler.add,
+             Kind.CONCAT: _Compiler._concat, **{kind: _Compiler._reshape for kind in RESHAPE_KINDS},
+             Kind.HOST: _Compiler._host}
 
 def compile_graph(lowered: LoweringResult, thresholds: dict[str, float], target: Target,
                   options: CompileOptions | None = None,

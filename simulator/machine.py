@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from isa.kinds import PER_IMAGE_KINDS, RESHAPE_KINDS, Kind, handler
 from qdeploy.program import Program
 from isa.target import Arithmetic, Rounding, target_from_dict
 from simulator.kernels.depthwise import depthwise_conv
@@ -36,12 +37,6 @@ except ImportError:  # pragma: no cover - then a batch runs in one thread, with 
     ThreadpoolController = None
 _blas_controller = None
 
-# Instructions that act on each image of the batch separately: a program made only of these may run slices
-# of the batch in parallel threads with the same integers (Host ops are left out: the host executor may not
-# be thread-safe).
-PER_IMAGE_KINDS = frozenset({"ConvGemm", "DenseGemm", "AddGemm", "Concat", "Reshape", "Flatten", "Squeeze",
-                             "Unsqueeze"})
-
 
 class ProgramInputError(ValueError):
     """An input array that does not fit the program (name, shape, dtype)."""
@@ -54,10 +49,6 @@ class RunResult:
     tensors: dict[str, np.ndarray] = field(default_factory=dict)  # every tensor, when dump=True
     accumulators: dict[str, np.ndarray] = field(default_factory=dict)  # before requantization, dump=True
     seconds: dict[str, float] = field(default_factory=dict)  # instruction -> CPU seconds of its thread, profile=True
-
-
-def tensor_dtype(program: Program, name: str) -> np.dtype:
-    return np.dtype(program.tensors[name]["dtype"])
 
 
 def quantize_input(program: Program, name: str, x: np.ndarray) -> np.ndarray:
@@ -103,6 +94,8 @@ class Machine:
         for step, instr in enumerate(program.instructions):
             for name in instr["inputs"]:
                 self.last_use[name] = step
+        # A program made only of per-image kinds may run slices of the batch in parallel threads with the same
+        # integers (isa/kinds.py PER_IMAGE_KINDS leaves Host out: the host executor may not be thread-safe).
         self.per_image = all(instr["kind"] in PER_IMAGE_KINDS for instr in program.instructions)
         self._local = threading.local()  # per-thread scratch buffers (kernels.gemm._scratch)
         self._pool: ThreadPoolExecutor | None = None
@@ -147,7 +140,7 @@ class Machine:
         for step, instr in enumerate(program.instructions):
             start = time.thread_time() if profile else 0.0
             args = [env[name] for name in instr["inputs"]]
-            if instr["kind"] == "ConvGemm":
+            if instr["kind"] == Kind.CONV_GEMM:
                 out, acc, count = self._conv(instr, args[0])  # acc (N, OH*OW, M), maybe a scratch view
                 if dump:
                     acc = np.ascontiguousarray(acc).reshape(-1, acc.shape[-1])
@@ -181,26 +174,20 @@ class Machine:
 
     # --- instructions ------------------------------------------------------------------------------------
     def execute(self, instr: dict, args: list[np.ndarray]):
-        kind = instr["kind"]
-        if kind == "ConvGemm":
-            return self.conv_gemm(instr, args[0])
-        if kind == "DenseGemm":
-            return self.dense_gemm(instr, args[0])
-        if kind == "AddGemm":
-            return self.add_gemm(instr, args[0], args[1])
-        if kind == "Host":
-            return self.host_op(instr, args), None, None
-        if kind == "Concat":
-            return np.concatenate(args, axis=1), None, None
-        if kind in ("Reshape", "Flatten", "Squeeze", "Unsqueeze"):
-            return args[0].reshape((args[0].shape[0], *instr["shape"][1:])), None, None
-        raise ValueError(f"instruction '{instr['name']}': unknown kind {kind!r}")
+        """(output, accumulator or None, overflow events or None) of one instruction, by the KERNELS table."""
+        return handler(KERNELS, instr["kind"], "the simulator", f"instruction '{instr['name']}'")(self, instr, args)
+
+    def concat(self, instr: dict, args: list[np.ndarray]):
+        return np.concatenate(args, axis=1), None, None
+
+    def reshape(self, instr: dict, args: list[np.ndarray]):
+        return args[0].reshape((args[0].shape[0], *instr["shape"][1:])), None, None
 
     # A host op (compiled with --allow-host-fallback) is not an accelerator instruction: the caller supplies
     # `host(op, opset, operands, attrs) -> float array`, e.g. qdeploy's float reference executor.
     host = None
 
-    def host_op(self, instr: dict, args: list[np.ndarray]) -> np.ndarray:
+    def host_op(self, instr: dict, args: list[np.ndarray]):
         """Dequantize the operands, run the op in float on the host, quantize its output (rne, clamp)."""
         if self.host is None:
             raise ProgramInputError(f"instruction '{instr['name']}' is host op {instr['op']}: this machine has no "
@@ -217,7 +204,7 @@ class Machine:
                 operands.append(dequantize(self.program, name, q))
         attrs = {k: self.arrays[v["array"]] if isinstance(v, dict) else v for k, v in instr["attrs"].items()}
         y = self.host(instr["op"], instr["opset"], operands, attrs)
-        return quantize_input(self.program, instr["output"], np.asarray(y, np.float32))
+        return quantize_input(self.program, instr["output"], np.asarray(y, np.float32)), None, None
 
     def _requantize(self, instr: dict, acc: np.ndarray) -> np.ndarray:
         """acc (..., C) -> stored integers with the program's per-channel parameters (eq. 2-8)."""
@@ -238,9 +225,9 @@ class Machine:
         return window_max(y, window["kernel"], window["strides"], window["pads"], window["dilations"],
                           window["ceil_mode"])
 
-    def conv_gemm(self, instr: dict, x: np.ndarray):
+    def conv_gemm(self, instr: dict, args: list[np.ndarray]):
         """(y NCHW, acc (N*OH*OW, M) before requantization, events)."""
-        y, acc, events = self._conv(instr, x)
+        y, acc, events = self._conv(instr, args[0])
         return y, np.ascontiguousarray(acc).reshape(-1, acc.shape[-1]), events
 
     def _conv(self, instr: dict, x: np.ndarray):
@@ -271,8 +258,9 @@ class Machine:
         y = np.ascontiguousarray(y.transpose(0, 2, 1)).reshape(n, -1, oh, ow)  # no copy when acc was NCHW
         return self._store(instr, y), acc, events
 
-    def dense_gemm(self, instr: dict, x: np.ndarray):
+    def dense_gemm(self, instr: dict, args: list[np.ndarray]):
         """(y (N, M), acc (N, M), events): the planar GEMM of w (M, K) with x^T, requantized in that layout."""
+        (x,) = args
         plan = self.plans[instr["name"]]
         if plan.method != "planar":
             result = gemm(x, plan.weight[0], self.arithmetic.acc_bits, self.arithmetic.overflow,
@@ -285,9 +273,10 @@ class Machine:
         y = np.ascontiguousarray(self._requantize(instr, acc))
         return y, np.ascontiguousarray(acc), result.events
 
-    def add_gemm(self, instr: dict, a: np.ndarray, b: np.ndarray):
+    def add_gemm(self, instr: dict, args: list[np.ndarray]):
         """acc = a * w_a + b * w_b: a K = 2 GEMM per element, [a b] . [w_a w_b]^T, in the accumulator.
         With rounding float32_rne: the float32 output-stage add of ONNX Runtime's QLinearAdd (add_float32_rne)."""
+        a, b = args
         if self.arithmetic.rounding == Rounding.FLOAT32_RNE and "add_ratio_f32" in instr:
             y, value = add_float32_rne(a, b, self.arrays[instr["add_ratio_f32"]], *instr["clamp"])
             return self._store(instr, y), value, 0
@@ -300,6 +289,11 @@ class Machine:
         y = self._requantize(instr, acc).reshape(a.shape)
         return self._store(instr, y), acc.reshape(a.shape), events
 
+
+
+# The simulator's handler table: the kernel of each kind, Machine method (instr, args) -> (y, acc, events).
+KERNELS = {Kind.CONV_GEMM: Machine.conv_gemm, Kind.DENSE_GEMM: Machine.dense_gemm, Kind.ADD_GEMM: Machine.add_gemm,
+           Kind.CONCAT: Machine.concat, **{kind: Machine.reshape for kind in RESHAPE_KINDS}, Kind.HOST: Machine.host_op}
 
 def add_float32_rne(a: np.ndarray, b: np.ndarray, ratio: np.ndarray, lo: int, hi: int
                     ) -> tuple[np.ndarray, np.ndarray]:
@@ -348,7 +342,7 @@ def _plan(instr: dict, w: np.ndarray, tensors: dict) -> _GemmPlan:
     if w.dtype == np.int8 and groups == 1:
         w = np.ascontiguousarray(w)
         return _GemmPlan("planar", w, w.astype(np.float32), channel_max_abs(w))
-    if instr["kind"] == "ConvGemm" and w.dtype == np.int8:
+    if instr["kind"] == Kind.CONV_GEMM and w.dtype == np.int8:
         channels = tensors[instr["inputs"][0]]["shape"][1]
         kh, kw = instr["kernel"]
         if groups == channels == w.shape[0] and w.shape[1] == kh * kw:
@@ -371,7 +365,3 @@ def _one_blas_thread():
 def _dtype_bound(x: np.ndarray) -> int:
     """max |x| that x's dtype allows (128 for int8, 255 for uint8): a bound without a pass over the data."""
     return 255 if x.dtype == np.uint8 else 128
-
-
-def run_program(program: Program, inputs: dict[str, np.ndarray], dump: bool = False) -> RunResult:
-    return Machine(program).run(inputs, dump)

@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from builders import make_model, rng_weights, save
 from calib.table import CalibrationTable, TensorRecord
+from qdeploy.reference import run_host_op
 from qdeploy import api
 from qdeploy.calibration import calibrate
 from qdeploy.cli import app
@@ -234,7 +235,7 @@ def test_host_fallback_runs_unlowerable_ops_in_float(tmp_path):
     assert got.dtype == np.int8
     # The host op sees the dequantized int8 logits; its output is quantized with scale 1/127.
     machine = Machine(program)
-    machine.host = api.run_host_op
+    machine.host = run_host_op
     c = machine.run({"x": x}, dump=True).tensors["c"].reshape(4, 8).astype(np.float32) * np.float32(3.0 / 127)
     softmax = np.exp(c - c.max(axis=1, keepdims=True))
     softmax /= softmax.sum(axis=1, keepdims=True)

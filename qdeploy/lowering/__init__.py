@@ -11,7 +11,9 @@ from math import prod
 
 from qdeploy.errors import QdeployError, Unsupported
 from qdeploy.ir import Graph, Node
-from qdeploy.lowering.instructions import INSTRUCTION_OPS, LAYOUT_OPS, InstrKind, has_window_max
+from isa.geometry import conv_output_size
+from isa.kinds import LAYOUT_KINDS, Kind, handler
+from qdeploy.lowering.instructions import INSTRUCTION_OPS, LAYOUT_OPS, has_window_max, node_kind
 from qdeploy.lowering.rules import LOWERING
 from qdeploy.summary import node_macs
 
@@ -66,7 +68,7 @@ def _shape(graph: Graph, name: str) -> list:
 
 def _epilogue(node: Node) -> dict:
     attrs = node.attrs
-    result = {"bias": node.op != InstrKind.ADD_GEMM.value}
+    result = {"bias": node.op != Kind.ADD_GEMM}
     if attrs["act_min"] != float("-inf") or attrs["act_max"] != float("inf"):
         result["clamp"] = [attrs["act_min"], attrs["act_max"]]
     if "act_max_channels" in attrs:
@@ -78,29 +80,48 @@ def _epilogue(node: Node) -> dict:
     return result
 
 
+def _conv_geometry(graph: Graph, node: Node) -> tuple[int, int, int, int, dict]:
+    """ConvGemm: per group (OH*OW x C/g*kh*kw) . (C/g*kh*kw x M/g). The GEMM runs before the window-max, so M
+    counts the conv's outputs, not the pooled ones."""
+    weight = graph.tensors[node.inputs[1]].data
+    groups = int(node.attrs["group"])
+    in_shape = _shape(graph, node.inputs[0])
+    kh, kw = weight.shape[2:]
+    (sh, sw), (dh, dw), pads = node.attrs["strides"], node.attrs["dilations"], node.attrs["pads"]
+    oh = conv_output_size(in_shape[2], kh, sh, pads[0], pads[2], dh)
+    ow = conv_output_size(in_shape[3], kw, sw, pads[1], pads[3], dw)
+    geometry = {"input": in_shape[1:], "output": [weight.shape[0], oh, ow], "kernel": [kh, kw],
+                "strides": [sh, sw], "pads": pads, "dilations": [dh, dw]}
+    return oh * ow, weight.shape[0] // groups, int(prod(weight.shape[1:])), groups, geometry
+
+
+def _dense_geometry(graph: Graph, node: Node) -> tuple[int, int, int, int, dict]:
+    """DenseGemm: (1 x K) . (K x M) per sample."""
+    weight = graph.tensors[node.inputs[1]].data
+    geometry = {"input": _shape(graph, node.inputs[0])[1:], "output": _shape(graph, node.outputs[0])[1:]}
+    return 1, weight.shape[0], weight.shape[1], 1, geometry
+
+
+def _add_geometry(graph: Graph, node: Node) -> tuple[int, int, int, int, dict]:
+    """AddGemm: per channel, each output is [a b] . [1 1]^T."""
+    in_shape = _shape(graph, node.inputs[0])
+    groups = int(in_shape[1]) if len(in_shape) > 1 else 1
+    m = int(prod(in_shape[2:])) if len(in_shape) > 2 else 1
+    return m, 1, 2, groups, {"input": in_shape[1:], "output": in_shape[1:]}
+
+
+def _not_an_instruction(graph: Graph, node: Node):
+    raise ValueError(f"node '{node.name}' ({node.op}) is not an array instruction")
+
+
+# The lowering description's handler table: the GEMM geometry (m, n, k, groups, geometry) of each kind.
+GEOMETRY = {Kind.CONV_GEMM: _conv_geometry, Kind.DENSE_GEMM: _dense_geometry, Kind.ADD_GEMM: _add_geometry,
+            **{kind: _not_an_instruction for kind in LAYOUT_KINDS | {Kind.HOST}}}
+
+
 def describe_instruction(graph: Graph, node: Node) -> Instruction:
-    out_shape = _shape(graph, node.outputs[0])
-    if node.op == InstrKind.CONV_GEMM.value:
-        weight = graph.tensors[node.inputs[1]].data
-        groups = int(node.attrs["group"])
-        # The GEMM runs before the window-max, so M counts the conv's outputs, not the pooled ones.
-        in_shape = _shape(graph, node.inputs[0])
-        kh, kw = weight.shape[2:]
-        (sh, sw), (dh, dw), pads = node.attrs["strides"], node.attrs["dilations"], node.attrs["pads"]
-        oh = (in_shape[2] + pads[0] + pads[2] - (dh * (kh - 1) + 1)) // sh + 1
-        ow = (in_shape[3] + pads[1] + pads[3] - (dw * (kw - 1) + 1)) // sw + 1
-        m, n, k = oh * ow, weight.shape[0] // groups, int(prod(weight.shape[1:]))
-        geometry = {"input": in_shape[1:], "output": [weight.shape[0], oh, ow], "kernel": [kh, kw],
-                    "strides": [sh, sw], "pads": pads, "dilations": [dh, dw]}
-    elif node.op == InstrKind.DENSE_GEMM.value:
-        weight = graph.tensors[node.inputs[1]].data
-        m, n, k, groups = 1, weight.shape[0], weight.shape[1], 1
-        geometry = {"input": _shape(graph, node.inputs[0])[1:], "output": out_shape[1:]}
-    else:  # AddGemm: per channel, each output is [a b] . [1 1]^T
-        in_shape = _shape(graph, node.inputs[0])
-        groups = int(in_shape[1]) if len(in_shape) > 1 else 1
-        m, n, k = int(prod(in_shape[2:])) if len(in_shape) > 2 else 1, 1, 2
-        geometry = {"input": in_shape[1:], "output": in_shape[1:]}
+    m, n, k, groups, geometry = handler(GEOMETRY, node_kind(node), "the lowering description",
+                                        f"node '{node.name}'")(graph, node)
     return Instruction(node.op, node.name, [i for i in node.inputs if not graph.tensors[i].is_constant],
                        node.outputs[0], m, n, k, groups, groups * m * n * k, geometry, _epilogue(node))
 
@@ -123,7 +144,8 @@ def lower(graph: Graph, equalize: bool = False) -> LoweringResult:
     """Run the LOWER passes on a simplified graph (then cross-layer equalization, with `equalize`) and describe
     the result."""
     from qdeploy.lowering.equalize import equalize_cross_layer
-    from qdeploy.passes.pipeline import LOWER, run_pipeline
+    from qdeploy.lowering.passes import LOWER
+    from qdeploy.passes.pipeline import run_pipeline
 
     lowered, records = run_pipeline(graph, LOWER + ([equalize_cross_layer] if equalize else []))
     instructions, layout, host_ops = [], [], []
@@ -131,7 +153,7 @@ def lower(graph: Graph, equalize: bool = False) -> LoweringResult:
     for node in lowered.nodes:
         if node.op in INSTRUCTION_OPS:
             instructions.append(describe_instruction(lowered, node))
-        elif node.op in LAYOUT_OPS and (node.op != "Concat" or node.attrs.get("axis") == 1):
+        elif node.op in LAYOUT_OPS and (node.op != Kind.CONCAT or node.attrs.get("axis") == 1):
             layout.append({"kind": node.op, "name": node.name, "inputs": node.inputs, "output": node.outputs[0]})
         else:
             host_ops.append(HostOp(node.name, node.op, host_reason(lowered, node)))

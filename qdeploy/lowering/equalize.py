@@ -24,11 +24,11 @@ import math
 import numpy as np
 
 from qdeploy.ir import Graph, Node, constant
-from qdeploy.lowering.instructions import InstrKind
+from isa.kinds import WEIGHTED_GEMM_KINDS
 
 EQUALIZE_SWEEPS = 20
 SETTLED = 1e-3  # stop when every |log s_i| of a sweep is below this (ranges equal to 0.1%)
-GEMM_OPS = (InstrKind.CONV_GEMM.value, InstrKind.DENSE_GEMM.value)
+GEMM_OPS = WEIGHTED_GEMM_KINDS
 
 
 def _rescalable(node: Node) -> bool:

@@ -16,23 +16,21 @@ Epilogue attributes shared by every instruction (design.md section 3, epilogue o
 
 from __future__ import annotations
 
-from enum import Enum
+from isa.kinds import ARRAY_KINDS, LAYOUT_KINDS, Kind
+from qdeploy.ir import Node
 
-
-class InstrKind(str, Enum):
-    CONV_GEMM = "ConvGemm"  # im2col + GEMM per group: Conv, depthwise, pooling, standalone BN/affine
-    DENSE_GEMM = "DenseGemm"  # y = x @ W^T + b on (N, K): Gemm, MatMul with constant weights
-    ADD_GEMM = "AddGemm"  # y = a + b of two activations: a GEMM with K = 2 per channel
-
-
-INSTRUCTION_OPS = {kind.value for kind in InstrKind}
-
-# Ops that only move or relabel data: no instruction, the compiler maps them to addresses.
-# Concat: producers write into channel slices of one buffer (shared output scale).
-LAYOUT_OPS = {"Flatten", "Reshape", "Squeeze", "Unsqueeze", "Concat"}
-
-POOL_ATTRS = ("pool_kernel_shape", "pool_strides", "pool_pads", "pool_dilations", "pool_ceil_mode")
+# A lowered graph's node is an instruction when its op is one of the array kinds (isa/kinds.py), and a layout
+# step when its op is a layout kind (the ONNX ops Reshape, Flatten, Squeeze, Unsqueeze and a channel Concat keep
+# their names); every other op is a host op.
+INSTRUCTION_OPS = ARRAY_KINDS
+LAYOUT_OPS = LAYOUT_KINDS
 
 
 def has_window_max(attrs: dict) -> bool:
     return attrs.get("pool_kernel_shape") is not None
+
+
+def node_kind(node: Node) -> Kind:
+    """The instruction kind a lowered graph's node compiles to: its op when that is an array or layout kind,
+    else Host (an ONNX op run in float on the host)."""
+    return Kind(node.op) if node.op in ARRAY_KINDS or node.op in LAYOUT_KINDS else Kind.HOST

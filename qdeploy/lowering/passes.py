@@ -1,6 +1,6 @@
 """The lowering passes (Graph -> Graph) that turn a simplified ONNX graph into GEMM-unit instructions.
 
-Order (see LOWER in passes/pipeline.py): the GEMM ops become instructions first, so that BatchNorm and
+Order (see LOWER at the end of this module): the GEMM ops become instructions first, so that BatchNorm and
 per-channel constant affines fold into one uniform form (weight rows and a bias per output channel); then
 the remaining ops lower by the table in rules.py; then activations and MaxPools fuse into the output stage
 of their producer; what is left of them gets an identity GEMM to run in. Anything still not an instruction
@@ -13,7 +13,10 @@ import numpy as np
 
 from qdeploy.errors import Unsupported
 from qdeploy.ir import Graph, Node, Tensor, constant
-from qdeploy.lowering.instructions import INSTRUCTION_OPS, POOL_ATTRS, InstrKind, has_window_max
+from qdeploy.passes.eliminate_dead import eliminate_dead_nodes
+from qdeploy.passes.pipeline import Pass
+from isa.kinds import WEIGHTED_GEMM_KINDS
+from qdeploy.lowering.instructions import INSTRUCTION_OPS, has_window_max
 from qdeploy.lowering.rules import (EPILOGUE_OPS, LOWERING, affine_of, batchnorm_scale_shift,
                                     finite_weights, identity_gemm)
 
@@ -104,8 +107,7 @@ def _fold_round(graph: Graph, affine_for) -> Graph:
             continue
         x, scale, shift = affine
         producer = producers.get(x)
-        if producer is None or producer.name in replaced or producer.op not in (
-                InstrKind.CONV_GEMM.value, InstrKind.DENSE_GEMM.value) or not _plain(producer):
+        if producer is None or producer.name in replaced or producer.op not in WEIGHTED_GEMM_KINDS or not _plain(producer):
             continue
         if x in graph.outputs or len(consumers.get(x, [])) != 1 or node.inputs.count(x) != 1:
             continue
@@ -274,5 +276,19 @@ def copy_shared_concat_inputs(graph: Graph) -> Graph:
     return graph.with_nodes(nodes, tensors)
 
 
-__all__ = ["copy_shared_concat_inputs", "fold_batchnorm", "fold_constant_affine", "fuse_epilogues", "lower_gemm_ops",
-           "lower_remaining_ops", "lower_standalone_epilogues", "POOL_ATTRS"]
+# Lowering to GEMM-unit instructions (design.md section 4), on a simplified graph.
+LOWER: list[Pass] = [
+    lower_gemm_ops,  # Conv -> ConvGemm (im2col), Gemm/MatMul -> DenseGemm
+    fold_batchnorm,  # BN after a GEMM -> its weight rows and bias
+    fold_constant_affine,  # Mul/Div/Add/Sub by a per-channel constant after a GEMM -> weights and bias
+    lower_remaining_ops,  # standalone BN/affine, residual Add, average pooling -> GEMMs
+    fuse_epilogues,  # Relu/Clip/MaxPool -> output stage of their producer
+    lower_standalone_epilogues,  # the rest of them -> identity GEMM with that output stage
+    copy_shared_concat_inputs,  # a Concat input no exclusive instruction writes -> identity GEMM copy
+    eliminate_dead_nodes,
+]
+
+
+__all__ = ["LOWER", "copy_shared_concat_inputs", "fold_batchnorm", "fold_constant_affine", "fuse_epilogues",
+           "lower_gemm_ops",
+           "lower_remaining_ops", "lower_standalone_epilogues"]

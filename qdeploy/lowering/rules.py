@@ -16,7 +16,7 @@ import numpy as np
 
 from qdeploy.errors import BadInput, Unsupported
 from qdeploy.ir import Graph, Node, Tensor, constant
-from qdeploy.lowering.instructions import InstrKind
+from isa.kinds import Kind
 
 INF = float("inf")
 
@@ -70,7 +70,7 @@ def conv_gemm(graph: Graph, node: Node, x: str, weight: np.ndarray, bias: np.nda
               strides: list[int], pads: list[int], dilations: list[int], output: str | None = None) -> Lowered:
     """A ConvGemm instruction computing `output` (default: the node's output) from `x`."""
     consts = _new_constants(graph, node, weight=weight, bias=bias)
-    instr = Node(node.name, InstrKind.CONV_GEMM.value, [x, consts["weight"].name, consts["bias"].name],
+    instr = Node(node.name, Kind.CONV_GEMM, [x, consts["weight"].name, consts["bias"].name],
                  [output or node.outputs[0]],
                  dict(group=group, strides=list(strides), pads=list(pads), dilations=list(dilations),
                       **no_epilogue()))
@@ -80,7 +80,7 @@ def conv_gemm(graph: Graph, node: Node, x: str, weight: np.ndarray, bias: np.nda
 def dense_gemm(graph: Graph, node: Node, x: str, weight: np.ndarray, bias: np.ndarray) -> Lowered:
     """A DenseGemm instruction y = x @ weight^T + bias with weight (out, K)."""
     consts = _new_constants(graph, node, weight=weight, bias=bias)
-    instr = Node(node.name, InstrKind.DENSE_GEMM.value, [x, consts["weight"].name, consts["bias"].name],
+    instr = Node(node.name, Kind.DENSE_GEMM, [x, consts["weight"].name, consts["bias"].name],
                  [node.outputs[0]], no_epilogue())
     return Lowered([instr], list(consts.values()))
 
@@ -230,7 +230,7 @@ def lower_binary(graph: Graph, node: Node) -> Lowered:
         if graph.tensors[a].shape != graph.tensors[b].shape:
             raise Unsupported(f"node '{node.name}' (Add): broadcasting {graph.tensors[a].shape} with "
                               f"{graph.tensors[b].shape} is not supported on the GEMM unit")
-        return Lowered([Node(node.name, InstrKind.ADD_GEMM.value, [a, b], [node.outputs[0]], no_epilogue())])
+        return Lowered([Node(node.name, Kind.ADD_GEMM, [a, b], [node.outputs[0]], no_epilogue())])
     raise Unsupported(f"node '{node.name}' ({node.op}): only a per-channel constant operand"
                       f"{' or a residual Add of two activations' if node.op == 'Add' else ''} can be lowered")
 

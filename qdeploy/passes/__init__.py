@@ -1,2 +1,2 @@
 """Graph passes: each is a function Graph -> Graph that returns a new graph and leaves its input alone.
-`pipeline.py` holds the ordered lists of passes and the runner that keeps the books."""
+`pipeline.py` holds the import-time pass list (the lowering owns its own) and the runner that keeps the books."""

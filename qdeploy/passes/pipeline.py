@@ -1,4 +1,5 @@
-"""The pass runner and the ordered pass lists.
+"""The pass runner and the import-time pass list (SIMPLIFY); the lowering owns its own list
+(qdeploy/lowering/passes.py LOWER).
 
 The runner, not the pass, keeps the books: node counts before and after each pass, `validate` after each
 one, and errors re-raised naming the pass that failed."""
@@ -15,9 +16,6 @@ from qdeploy.passes.explicit_conv_pads import explicit_conv_pads
 from qdeploy.passes.fold_constants import fold_constants
 from qdeploy.passes.fold_pad import fold_pad_into_conv
 from qdeploy.passes.remove_identity import remove_identity
-from qdeploy.lowering.passes import (copy_shared_concat_inputs, fold_batchnorm, fold_constant_affine,
-                                     fuse_epilogues, lower_gemm_ops, lower_remaining_ops,
-                                     lower_standalone_epilogues)
 
 Pass = Callable[[Graph], Graph]
 
@@ -39,19 +37,6 @@ SIMPLIFY: list[Pass] = [
 ]
 
 
-# Lowering to GEMM-unit instructions (design.md section 4), on a simplified graph.
-LOWER: list[Pass] = [
-    lower_gemm_ops,  # Conv -> ConvGemm (im2col), Gemm/MatMul -> DenseGemm
-    fold_batchnorm,  # BN after a GEMM -> its weight rows and bias
-    fold_constant_affine,  # Mul/Div/Add/Sub by a per-channel constant after a GEMM -> weights and bias
-    lower_remaining_ops,  # standalone BN/affine, residual Add, average pooling -> GEMMs
-    fuse_epilogues,  # Relu/Clip/MaxPool -> output stage of their producer
-    lower_standalone_epilogues,  # the rest of them -> identity GEMM with that output stage
-    copy_shared_concat_inputs,  # a Concat input no exclusive instruction writes -> identity GEMM copy
-    eliminate_dead_nodes,
-]
-
-
 def run_pipeline(graph: Graph, passes: list[Pass]) -> tuple[Graph, list[PassRecord]]:
     """Run `passes` in order; return the final graph and one PassRecord per pass."""
     records = []
@@ -68,4 +53,4 @@ def run_pipeline(graph: Graph, passes: list[Pass]) -> tuple[Graph, list[PassReco
     return graph, records
 
 
-__all__ = ["LOWER", "PassRecord", "SIMPLIFY", "run_pipeline"]
+__all__ = ["PassRecord", "SIMPLIFY", "run_pipeline"]

@@ -76,3 +76,10 @@ def run_graph(graph: Graph, feeds: dict[str, np.ndarray], outputs: Iterable[str]
             if last_use.get(name) == step and name not in keep and name in env:
                 del env[name]
     return {name: value(name) for name in wanted}
+
+
+def run_host_op(op: str, opset: int, operands: list, attrs: dict) -> np.ndarray:
+    """A host-fallback op of a program (`Machine.host`), in float with the reference executor."""
+    names = [f"in{i}" if x is not None else "" for i, x in enumerate(operands)]
+    (y,) = run_node(Node(f"host_{op}", op, names, ["y"], attrs), operands, opset)[:1]
+    return y

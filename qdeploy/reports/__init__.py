@@ -9,18 +9,10 @@ per tensor (calibration histograms), written as report.md, report.json and PNG f
   markdown.py   report.md
   build.py      build_report: checks, walk, files
 
-`build_report` and `ReportResult` are imported on first use (PEP 562), so that reading DEFAULT_BATCH_SIZE (the
-CLI does) does not import the simulator."""
+This package's own module holds only DEFAULT_BATCH_SIZE, so that the CLI can read it without importing the
+simulator; `build_report` and `ReportResult` are in qdeploy.reports.build."""
 
 DEFAULT_BATCH_SIZE = 16  # samples per walk; EfficientNet-Lite0 runs fastest per sample on the simulator at 8-16
 
 
-def __getattr__(name: str):
-    if name in ("build_report", "ReportResult"):
-        from qdeploy.reports import build
-
-        return getattr(build, name)
-    raise AttributeError(f"module 'qdeploy.reports' has no attribute {name!r}")
-
-
-__all__ = ["DEFAULT_BATCH_SIZE", "ReportResult", "build_report"]
+__all__ = ["DEFAULT_BATCH_SIZE"]

@@ -162,7 +162,7 @@ def build_report(model: str | os.PathLike, program: str | os.PathLike | Program,
     ablation: a file in the same format with logits of other qdeploy settings on the same data (each option off
       and on); its rows form the report's "Ablation" section.
     num_samples: the first N samples (default: all). command: the command line, recorded in the report."""
-    from qdeploy.api import bind_inputs
+    from qdeploy.binding import bind_inputs
     from qdeploy.lowering import lower
     from qdeploy.onnx_import import import_onnx
     from qdeploy.summary import summarize

@@ -37,10 +37,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from qdeploy.api import run_host_op
+from qdeploy.reference import run_host_op
 from qdeploy.errors import BadInput
 from qdeploy.ir import Graph
-from qdeploy.lowering.instructions import LAYOUT_OPS
+from isa.kinds import LAYOUT_KINDS
 from qdeploy.program import Program
 from qdeploy.reference.executor import run_node
 from qdeploy.reports.metrics import SqnrAccumulator, as_logits, cosine_per_sample, top_k
@@ -52,7 +52,6 @@ except ImportError:  # pragma: no cover - then every batch is walked in one thre
     ThreadpoolController = None
 _blas_controller = None
 
-LAYOUT_KINDS = LAYOUT_OPS  # instructions that only move data: no error of their own, not a report "layer"
 
 
 @dataclass
@@ -228,7 +227,7 @@ class Evaluator:
 
     def _walk(self, feeds: dict[str, np.ndarray]) -> _Walk:
         """The float, cumulative and isolated walks of the module docstring over one slice of a batch."""
-        program, graph = self.program, self.graph
+        program = self.program
         layers = {layer.index: self._new_layer(layer.index) for layer in self.layers}
         inputs = {name: SqnrAccumulator() for name in program.inputs}
         float_env: dict[str, np.ndarray] = {}

@@ -349,7 +349,7 @@ def export_vectors(program, inputs: dict[str, np.ndarray], output: str | os.Path
                    host: Callable | None = None, source: dict | None = None) -> ExportResult:
     """Run `program` on `inputs` and write the golden vectors of every GEMM instruction to `output`
     (atomically: a temporary directory renamed at the end). `host` runs Host instructions (qdeploy's
-    api.run_host_op) when the program has any."""
+    run_host_op) when the program has any."""
     from simulator.machine import Machine
 
     target = target_from_dict(program.manifest["target"])
