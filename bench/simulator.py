@@ -46,6 +46,8 @@ from pathlib import Path
 
 import numpy as np
 
+from isa.kinds import Kind
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `examples` is not installed; import it from the checkout
 N_CALIB = 64
@@ -58,24 +60,12 @@ def sqnr_db(reference: np.ndarray, test: np.ndarray) -> float:
 
 
 def program_macs(program) -> int:
-    """MACs per image of the program's GEMM instructions: ConvGemm OH*OW*M*K (K = C/G*kh*kw; OH, OW of the
-    convolution, before any window-max on store), DenseGemm M*K, AddGemm 2 per output element (K = 2)."""
-    from isa.geometry import conv_output_size
+    """MACs per image of the program's array instructions (isa/tiling.py gemm_shape: ConvGemm OH*OW*M*K before any
+    window-max on store, DenseGemm M*K, AddGemm 2 per output element)."""
+    from isa.tiling import gemm_shape
 
-    total = 0
-    for instr in program.instructions:
-        if instr["kind"] == "ConvGemm":
-            m, k = program.arrays[instr["weight"]].shape
-            _, _, h, w = program.tensors[instr["inputs"][0]]["shape"]
-            (kh, kw), (sh, sw), pads, (dh, dw) = instr["kernel"], instr["strides"], instr["pads"], instr["dilations"]
-            total += (conv_output_size(h, kh, sh, pads[0], pads[2], dh)
-                      * conv_output_size(w, kw, sw, pads[1], pads[3], dw) * m * k)
-        elif instr["kind"] == "DenseGemm":
-            m, k = program.arrays[instr["weight"]].shape
-            total += m * k
-        elif instr["kind"] == "AddGemm":
-            total += 2 * int(np.prod(program.tensors[instr["output"]]["shape"][1:]))
-    return total
+    shapes = (gemm_shape(instr, program.tensors) for instr in program.instructions)
+    return sum(shape.macs for shape in shapes if shape is not None)
 
 
 def gemm_peak_gflops(size: int = 2048, repeats: int = 5) -> float:
@@ -99,7 +89,7 @@ def machine_profile(machine, program, x: np.ndarray) -> dict[str, float]:
     kinds: dict[str, float] = {}
     for instr in program.instructions:
         kind = instr["kind"]
-        if kind == "ConvGemm":
+        if kind == Kind.CONV_GEMM:
             kh, kw = instr["kernel"]
             channels = program.tensors[instr["inputs"][0]]["shape"][1]
             kind = "depthwise" if instr["group"] == channels > 1 else f"conv {kh}x{kw}"

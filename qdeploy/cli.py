@@ -15,6 +15,7 @@ from qdeploy import api
 from qdeploy.errors import BadInput, QdeployError, one_line
 from qdeploy.fileio import check_output, check_samples, load_arrays, save_arrays
 from qdeploy.program import read_program
+from isa.kinds import ARRAY_KINDS, LAYOUT_KINDS, Kind, handler
 from isa.target import TargetError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -137,12 +138,25 @@ def _inspect_program(path: Path, json_output: bool) -> None:
     typer.echo(f"instructions ({len(program.instructions)}):")
     width = max(len(i["name"]) for i in program.instructions)
     for instr in program.instructions:
-        extra = f"clamp {instr['clamp']} k={instr['k']} acc bound {instr['acc_bound_bits']} bits" \
-            if "clamp" in instr else f"shape {instr.get('shape', '')}"
-        if "clamp_hi" in instr:
-            bounds = program.arrays[instr["clamp_hi"]]
-            extra += f" per-channel upper bounds {int(bounds.min())}..{int(bounds.max())}"
-        typer.echo(f"  {instr['kind']:<9} {instr['name']:<{width}} {extra}")
+        describe = handler(PROGRAM_PRINTERS, instr["kind"], "inspect", f"instruction '{instr['name']}'")
+        typer.echo(f"  {instr['kind']:<9} {instr['name']:<{width}} {describe(program, instr)}")
+
+
+def _describe_array_instruction(program, instr: dict) -> str:
+    text = f"clamp {instr['clamp']} k={instr['k']} acc bound {instr['acc_bound_bits']} bits"
+    if "clamp_hi" in instr:
+        bounds = program.arrays[instr["clamp_hi"]]
+        text += f" per-channel upper bounds {int(bounds.min())}..{int(bounds.max())}"
+    return text
+
+
+def _describe_data_movement(program, instr: dict) -> str:
+    return f"shape {instr.get('shape', '')}"
+
+
+# `inspect`'s handler table for a program's instructions: the line after kind and name.
+PROGRAM_PRINTERS = {**{kind: _describe_array_instruction for kind in ARRAY_KINDS},
+                    **{kind: _describe_data_movement for kind in LAYOUT_KINDS | {Kind.HOST}}}
 
 
 def _json_number(value):

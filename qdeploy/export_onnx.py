@@ -81,9 +81,9 @@ from qdeploy.fileio import atomic_write
 from qdeploy.program import Program
 from isa.target import Rounding, target_from_dict
 from isa.geometry import conv_output_size
+from isa.kinds import RESHAPE_KINDS, Kind, handler
 
 OPSET = 13  # per-axis QuantizeLinear/DequantizeLinear; int8 Clip and MaxPool need 12
-LAYOUT_KINDS = ("Reshape", "Flatten", "Squeeze", "Unsqueeze")
 _ONNX_TYPE = {"int8": TensorProto.INT8, "uint8": TensorProto.UINT8}
 _DTYPE_RANGE = {"int8": (-128, 127), "uint8": (0, 255)}
 
@@ -167,7 +167,7 @@ class _Builder:
     def window_input_size(self, instr: dict) -> list[int]:
         """Spatial size of the tensor the fused window-max reads (the GEMM's output before the window)."""
         x = self.program.tensors[instr["inputs"][0]]["shape"][2:]
-        if instr["kind"] != "ConvGemm":
+        if instr["kind"] != Kind.CONV_GEMM:
             return list(x)  # AddGemm: elementwise
         n = len(x)
         return [conv_output_size(x[a], instr["kernel"][a], instr["strides"][a], instr["pads"][a],
@@ -270,8 +270,14 @@ def _concat(b: _Builder, instr: dict) -> str:
                   axis=1)
 
 
-EXPORTERS = {"ConvGemm": _conv_gemm, "DenseGemm": _dense_gemm, "AddGemm": _add_gemm, "Concat": _concat,
-             **{kind: _layout for kind in LAYOUT_KINDS}}
+def _host(b: _Builder, instr: dict) -> str:
+    raise Unsupported(f"instruction '{instr['name']}': kind {instr['kind']!r} has no ONNX export (a host op runs "
+                      f"in float outside the accelerator; supported: every accelerator kind)")
+
+
+# The ONNX export's handler table: the nodes of each kind's instruction.
+EXPORTERS = {Kind.CONV_GEMM: _conv_gemm, Kind.DENSE_GEMM: _dense_gemm, Kind.ADD_GEMM: _add_gemm,
+             Kind.CONCAT: _concat, **{kind: _layout for kind in RESHAPE_KINDS}, Kind.HOST: _host}
 
 
 def _value_info(name: str, elem_type: int, shape: list) -> onnx.ValueInfoProto:
@@ -322,11 +328,7 @@ def export_program(program: Program, *, float_outputs: bool = False,
         if narrow:
             b.clip(quantized, arithmetic.act_min, arithmetic.act_max, "int8", names[name], name)
     for instr in program.instructions:
-        exporter = EXPORTERS.get(instr["kind"])
-        if exporter is None:
-            raise Unsupported(f"instruction '{instr['name']}': kind {instr['kind']!r} has no ONNX export "
-                              f"(supported: {', '.join(EXPORTERS)})")
-        exporter(b, instr)
+        handler(EXPORTERS, instr["kind"], "the ONNX export", f"instruction '{instr['name']}'")(b, instr)
     graph_outputs = []
     for name in program.outputs:
         record = program.tensors[name]

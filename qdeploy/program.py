@@ -6,8 +6,9 @@ arrays load with allow_pickle=False. Reading checks the format version, the memb
 `arrays/`), the declared sizes (no zip bombs) and every checksum, and refuses a damaged or foreign file with
 a one-line error.
 
-This module imports only numpy and the standard library, so the simulator can read programs without the
-compiler.
+This module imports numpy, the standard library, the hardware contract (isa/) and qdeploy's error and file
+helpers, nothing of the compiler, so the simulator can read programs without it. The checks dispatch on the
+instruction kind through one table (CHECKS).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import numpy as np
 
 from qdeploy.errors import BadInput
 from qdeploy.fileio import atomic_write
+from isa.geometry import pool_output_size
+from isa.kinds import RESHAPE_KINDS, Kind, UnknownKind, handler
 from isa.target import TargetError, target_from_dict
 
 FORMAT = "qdeploy-program"
@@ -119,8 +122,6 @@ def _read_member(archive: zipfile.ZipFile, member: str, limit: int, path: Path) 
 # instead of inside the simulator. Fields not listed are allowed (later versions add some).
 
 TENSOR_DTYPES = {"int8": (-128, 127), "uint8": (0, 255)}
-GEMM_KINDS = ("ConvGemm", "DenseGemm")
-RESHAPE_KINDS = ("Reshape", "Flatten", "Squeeze", "Unsqueeze")
 
 
 class _Invalid(Exception):
@@ -164,17 +165,6 @@ def _elements(shape, where: str) -> None:
                        f"{MAX_TENSOR_ELEMENTS:,}")
 
 
-def _window_output(size: int, kernel: int, stride: int, pad_begin: int, pad_end: int, dilation: int,
-                   ceil_mode: bool) -> int:
-    """ONNX Conv/MaxPool output size: floor (or ceil, dropping a last window that starts past the input and
-    its leading padding) of (size + pads - dilation*(kernel-1) - 1) / stride, plus 1."""
-    span = size + pad_begin + pad_end - dilation * (kernel - 1) - 1
-    if not ceil_mode:
-        return span // stride + 1
-    out = -(-span // stride) + 1
-    return out - 1 if (out - 1) * stride >= size + pad_begin else out
-
-
 def _window_shape(spec, channels: int, height: int, width: int, where: str, conv: bool) -> tuple[int, ...]:
     """The (C, OH, OW) after a window with kernel, strides, pads, dilations (and ceil_mode for a window-max)."""
     kernel = _ints(_field(spec, "kernel", where), f"{where}: kernel", 2, 1, 1 << 16)
@@ -184,7 +174,7 @@ def _window_shape(spec, channels: int, height: int, width: int, where: str, conv
     ceil_mode = False if conv else _field(spec, "ceil_mode", where)
     if ceil_mode not in (0, 1, False, True):
         raise _Invalid(f"{where}: ceil_mode must be 0 or 1, got {json.dumps(ceil_mode)[:20]}")
-    out = tuple(_window_output(size, kernel[i], strides[i], pads[i], pads[i + 2], dilations[i], bool(ceil_mode))
+    out = tuple(pool_output_size(size, kernel[i], strides[i], pads[i], pads[i + 2], dilations[i], bool(ceil_mode))
                 for i, size in enumerate((height, width)))
     if min(out) < 1:
         raise _Invalid(f"{where}: the window {kernel} leaves no output on a {height}x{width} input")
@@ -216,89 +206,125 @@ def _check_epilogue(program: Program, instr: dict, channels: int, where: str, ou
             raise _Invalid(f"{where}: clamp_hi must lie within the clamp range {clamp}")
 
 
+def _window_of(instr: dict, out: tuple[int, ...], where: str) -> tuple[int, ...]:
+    """The output shape after the output stage's optional window-max (field `window`)."""
+    window = instr.get("window")
+    if window is None:
+        return out
+    if not isinstance(window, dict) or len(out) != 3:
+        raise _Invalid(f"{where}: window must be an object on an NCHW output")
+    return _window_shape(window, *out, f"{where}: window", conv=False)
+
+
+def _weighted_gemm(program: Program, instr: dict, where: str, in_shapes: list, out_dtype: str, rounding: str
+                   ) -> tuple[int, int, tuple[int, ...]]:
+    """The checks a ConvGemm and a DenseGemm share: (channels, k, input shape)."""
+    weight_name = _field(instr, "weight", where)
+    weight = program.arrays.get(weight_name) if isinstance(weight_name, str) else None
+    if weight is None or weight.dtype != np.int8 or weight.ndim != 2 or 0 in weight.shape:
+        raise _Invalid(f"{where}: field 'weight' must name an int8 (M, K) array")
+    channels, k = weight.shape
+    _array(program, instr, "bias", where, "int32", (channels,))
+    _array(program, instr, "weight_scale", where, "float32", (channels,))
+    _check_epilogue(program, instr, channels, where, out_dtype, rounding)
+    return channels, k, in_shapes[0]
+
+
+def _conv_gemm(program: Program, instr: dict, where: str, in_shapes: list, out_dtype: str, rounding: str
+               ) -> tuple[int, ...]:
+    channels, k, x = _weighted_gemm(program, instr, where, in_shapes, out_dtype, rounding)
+    group = _field(instr, "group", where)
+    if not _is_int(group) or group < 1 or len(x) != 3 or x[0] % group or channels % group:
+        raise _Invalid(f"{where}: group {json.dumps(group)[:20]} does not divide input {x} and {channels} "
+                       f"output channels")
+    out = _window_shape(instr, channels, x[1], x[2], where, conv=True)
+    kernel = instr["kernel"]
+    if k != x[0] // group * kernel[0] * kernel[1]:
+        raise _Invalid(f"{where}: weight K = {k} is not C/group*kh*kw = {x[0] // group * kernel[0] * kernel[1]}")
+    _elements((out[1] * out[2], k * group), f"{where}: its im2col matrix")
+    return _window_of(instr, out, where)
+
+
+def _dense_gemm(program: Program, instr: dict, where: str, in_shapes: list, out_dtype: str, rounding: str
+                ) -> tuple[int, ...]:
+    channels, k, x = _weighted_gemm(program, instr, where, in_shapes, out_dtype, rounding)
+    if x != (k,):
+        raise _Invalid(f"{where}: input of shape {x} does not fit weight (M={channels}, K={k})")
+    return (channels,)
+
+
+def _add_gemm(program: Program, instr: dict, where: str, in_shapes: list, out_dtype: str, rounding: str
+              ) -> tuple[int, ...]:
+    if in_shapes[0] != in_shapes[1]:
+        raise _Invalid(f"{where}: adds tensors of shapes {in_shapes[0]} and {in_shapes[1]}")
+    _ints(_field(instr, "add_weights", where), f"{where}: add_weights", 2, 0, (1 << 31) - 1)
+    ratio = _array(program, instr, "add_ratio_f32", where, "float32", (2,))
+    if not np.all(np.isfinite(ratio)):
+        raise _Invalid(f"{where}: add_ratio_f32 must be finite")
+    _check_epilogue(program, instr, 1, where, out_dtype, rounding)
+    return _window_of(instr, in_shapes[0], where)
+
+
+def _concat(program: Program, instr: dict, where: str, in_shapes: list, out_dtype: str, rounding: str
+            ) -> tuple[int, ...]:
+    if not in_shapes or any(len(s) != 3 or s[1:] != in_shapes[0][1:] for s in in_shapes):
+        raise _Invalid(f"{where}: concatenates tensors of shapes {in_shapes} along the channels")
+    return (sum(s[0] for s in in_shapes),) + in_shapes[0][1:]
+
+
+def _reshape(program: Program, instr: dict, where: str, in_shapes: list, out_dtype: str, rounding: str
+             ) -> tuple[int, ...]:
+    shape = _field(instr, "shape", where)
+    if not isinstance(shape, list) or not shape or shape[0] is not None:
+        raise _Invalid(f"{where}: shape must be [null, ...], got {json.dumps(shape)[:60]}")
+    dims = tuple(_ints(shape[1:], f"{where}: shape", None, 1))
+    if math.prod(dims) != math.prod(in_shapes[0]):
+        raise _Invalid(f"{where}: reshapes {in_shapes[0]} to {dims}")
+    return dims
+
+
+def _host(program: Program, instr: dict, where: str, in_shapes: list, out_dtype: str, rounding: str
+          ) -> tuple[int, ...]:
+    for key, kind_ in (("op", str), ("opset", int), ("operands", list), ("attrs", dict)):
+        if not isinstance(_field(instr, key, where), kind_):
+            raise _Invalid(f"{where}: field '{key}' must be {kind_.__name__}")
+    tensors = []
+    for operand in instr["operands"]:
+        if operand is None:
+            continue
+        if not isinstance(operand, dict) or len(operand) != 1 or not isinstance(next(iter(operand.values())), str):
+            raise _Invalid(f"{where}: an operand must be null, {{\"tensor\": name}} or {{\"array\": name}}")
+        ((key, name),) = operand.items()
+        if key == "tensor":
+            tensors.append(name)
+        elif key != "array" or name not in program.arrays:
+            raise _Invalid(f"{where}: operand {json.dumps(operand)[:60]} names nothing the program holds")
+    if tensors != list(instr["inputs"]):
+        raise _Invalid(f"{where}: its tensor operands {tensors} are not its inputs {instr['inputs']}")
+    for value in instr["attrs"].values():
+        if isinstance(value, dict) and not (isinstance(value.get("array"), str) and value["array"] in program.arrays):
+            raise _Invalid(f"{where}: attribute {json.dumps(value)[:60]} names no array of the program")
+    return tuple(program.tensors[instr["output"]]["shape"][1:])
+
+
+# The program checks' handler table: (number of inputs or None for any, check returning the output's
+# per-sample shape).
+CHECKS = {Kind.CONV_GEMM: (1, _conv_gemm), Kind.DENSE_GEMM: (1, _dense_gemm), Kind.ADD_GEMM: (2, _add_gemm),
+          Kind.CONCAT: (None, _concat), **{kind: (1, _reshape) for kind in RESHAPE_KINDS}, Kind.HOST: (None, _host)}
+
+
 def _instruction_shape(program: Program, instr: dict, where: str, shapes: dict[str, tuple[int, ...]],
                        rounding: str) -> tuple[int, ...]:
     """Check one instruction and return its output's per-sample shape."""
-    kind = instr["kind"]
+    try:
+        arity, check = handler(CHECKS, instr["kind"], "the program checks", where)
+    except UnknownKind:
+        raise _Invalid(f"{where} has unknown kind {json.dumps(instr['kind'])[:40]}") from None
     inputs = instr["inputs"]
-    out_dtype = program.tensors[instr["output"]]["dtype"]
-    arity = {"ConvGemm": 1, "DenseGemm": 1, "AddGemm": 2, **{k: 1 for k in RESHAPE_KINDS}}.get(kind)
     if arity is not None and len(inputs) != arity:
         raise _Invalid(f"{where} has {len(inputs)} inputs, expected {arity}")
-    in_shapes = [shapes[name] for name in inputs]
-    if kind in GEMM_KINDS:
-        weight_name = _field(instr, "weight", where)
-        weight = program.arrays.get(weight_name) if isinstance(weight_name, str) else None
-        if weight is None or weight.dtype != np.int8 or weight.ndim != 2 or 0 in weight.shape:
-            raise _Invalid(f"{where}: field 'weight' must name an int8 (M, K) array")
-        channels, k = weight.shape
-        _array(program, instr, "bias", where, "int32", (channels,))
-        _array(program, instr, "weight_scale", where, "float32", (channels,))
-        _check_epilogue(program, instr, channels, where, out_dtype, rounding)
-        x = in_shapes[0]
-        if kind == "DenseGemm":
-            if x != (k,):
-                raise _Invalid(f"{where}: input of shape {x} does not fit weight (M={channels}, K={k})")
-            return (channels,)
-        group = _field(instr, "group", where)
-        if not _is_int(group) or group < 1 or len(x) != 3 or x[0] % group or channels % group:
-            raise _Invalid(f"{where}: group {json.dumps(group)[:20]} does not divide input {x} and {channels} "
-                           f"output channels")
-        out = _window_shape(instr, channels, x[1], x[2], where, conv=True)
-        kernel = instr["kernel"]
-        if k != x[0] // group * kernel[0] * kernel[1]:
-            raise _Invalid(f"{where}: weight K = {k} is not C/group*kh*kw = {x[0] // group * kernel[0] * kernel[1]}")
-        _elements((out[1] * out[2], k * group), f"{where}: its im2col matrix")
-    elif kind == "AddGemm":
-        if in_shapes[0] != in_shapes[1]:
-            raise _Invalid(f"{where}: adds tensors of shapes {in_shapes[0]} and {in_shapes[1]}")
-        _ints(_field(instr, "add_weights", where), f"{where}: add_weights", 2, 0, (1 << 31) - 1)
-        ratio = _array(program, instr, "add_ratio_f32", where, "float32", (2,))
-        if not np.all(np.isfinite(ratio)):
-            raise _Invalid(f"{where}: add_ratio_f32 must be finite")
-        _check_epilogue(program, instr, 1, where, out_dtype, rounding)
-        out = in_shapes[0]
-    elif kind == "Concat":
-        if not in_shapes or any(len(s) != 3 or s[1:] != in_shapes[0][1:] for s in in_shapes):
-            raise _Invalid(f"{where}: concatenates tensors of shapes {in_shapes} along the channels")
-        return (sum(s[0] for s in in_shapes),) + in_shapes[0][1:]
-    elif kind in RESHAPE_KINDS:
-        shape = _field(instr, "shape", where)
-        if not isinstance(shape, list) or not shape or shape[0] is not None:
-            raise _Invalid(f"{where}: shape must be [null, ...], got {json.dumps(shape)[:60]}")
-        dims = tuple(_ints(shape[1:], f"{where}: shape", None, 1))
-        if math.prod(dims) != math.prod(in_shapes[0]):
-            raise _Invalid(f"{where}: reshapes {in_shapes[0]} to {dims}")
-        return dims
-    elif kind == "Host":
-        for key, kind_ in (("op", str), ("opset", int), ("operands", list), ("attrs", dict)):
-            if not isinstance(_field(instr, key, where), kind_):
-                raise _Invalid(f"{where}: field '{key}' must be {kind_.__name__}")
-        tensors = []
-        for operand in instr["operands"]:
-            if operand is None:
-                continue
-            if not isinstance(operand, dict) or len(operand) != 1 or not isinstance(next(iter(operand.values())), str):
-                raise _Invalid(f"{where}: an operand must be null, {{\"tensor\": name}} or {{\"array\": name}}")
-            ((key, name),) = operand.items()
-            if key == "tensor":
-                tensors.append(name)
-            elif key != "array" or name not in program.arrays:
-                raise _Invalid(f"{where}: operand {json.dumps(operand)[:60]} names nothing the program holds")
-        if tensors != list(inputs):
-            raise _Invalid(f"{where}: its tensor operands {tensors} are not its inputs {inputs}")
-        for value in instr["attrs"].values():
-            if isinstance(value, dict) and not (isinstance(value.get("array"), str) and value["array"] in program.arrays):
-                raise _Invalid(f"{where}: attribute {json.dumps(value)[:60]} names no array of the program")
-        return tuple(program.tensors[instr["output"]]["shape"][1:])
-    else:
-        raise _Invalid(f"{where} has unknown kind {json.dumps(kind)[:40]}")
-    window = instr.get("window")
-    if window is not None:
-        if not isinstance(window, dict) or len(out) != 3:
-            raise _Invalid(f"{where}: window must be an object on an NCHW output")
-        out = _window_shape(window, *out, f"{where}: window", conv=False)
-    return tuple(out)
+    out_dtype = program.tensors[instr["output"]]["dtype"]
+    return tuple(check(program, instr, where, [shapes[name] for name in inputs], out_dtype, rounding))
 
 
 def validate_program(program: Program) -> None:

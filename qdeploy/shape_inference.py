@@ -19,6 +19,7 @@ import numpy as np
 from qdeploy.errors import BadInput, Unsupported
 from qdeploy.fileio import MAX_TENSOR_ELEMENTS
 from qdeploy.ir import Graph, Node, Tensor, topological_order
+from isa.kinds import Kind
 from qdeploy.reference import run_node
 
 PROBE_BATCHES = (2, 3)
@@ -38,7 +39,7 @@ SHAPE_OPS = {"Shape", "Size"}
 # values first (`_output_bound`).
 BROADCAST_OPS = {"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Sum", "Mean", "Equal", "Less", "Greater",
                  "Where"}
-WINDOW_OPS = {"Conv", "MaxPool", "AveragePool", "ConvGemm"}
+WINDOW_OPS = {"Conv", "MaxPool", "AveragePool", Kind.CONV_GEMM}
 
 
 def check_elements(shape, what: str) -> None:
@@ -88,7 +89,7 @@ def _output_bound(node: Node, inputs: list[np.ndarray | None]) -> list[int] | No
     if op in WINDOW_OPS and present and present[0].ndim >= 3:
         pads = attrs.get("pads") or []
         extra = sum(max(int(p), 0) for p in pads)
-        channels = present[1].shape[0] if op in ("Conv", "ConvGemm") and len(present) > 1 and present[1].ndim \
+        channels = present[1].shape[0] if op in ("Conv", Kind.CONV_GEMM) and len(present) > 1 and present[1].ndim \
             else present[0].shape[1]
         return [present[0].shape[0], channels] + [d + extra for d in present[0].shape[2:]]
     if op in BROADCAST_OPS and present:

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from isa.kinds import PER_IMAGE_KINDS, RESHAPE_KINDS, Kind, handler
+from isa.kinds import PER_IMAGE_KINDS, RESHAPE_KINDS, WEIGHTED_GEMM_KINDS, Kind, handler
+from isa.output_stage import OutputStage
 from qdeploy.program import Program
 from isa.target import Arithmetic, Rounding, target_from_dict
 from simulator.kernels.depthwise import depthwise_conv
@@ -88,7 +89,7 @@ class Machine:
         # How each GEMM instruction is computed (every method gives the same integers; see _GemmPlan).
         self.plans: dict[str, _GemmPlan] = {}
         for instr in program.instructions:
-            if "weight" in instr:
+            if instr["kind"] in WEIGHTED_GEMM_KINDS:
                 self.plans[instr["name"]] = _plan(instr, self.arrays[instr["weight"]], program.tensors)
         self.last_use: dict[str, int] = {}
         for step, instr in enumerate(program.instructions):
@@ -207,23 +208,25 @@ class Machine:
         return quantize_input(self.program, instr["output"], np.asarray(y, np.float32)), None, None
 
     def _requantize(self, instr: dict, acc: np.ndarray) -> np.ndarray:
-        """acc (..., C) -> stored integers with the program's per-channel parameters (eq. 2-8)."""
-        lo, hi = instr["clamp"]
+        """acc (..., C) -> the output stage's Requantize, Clamp and ClampPerChannel steps (isa/output_stage.py;
+        the Bias is added in the accumulator by the GEMM kernels)."""
+        stage = OutputStage.of(instr)  # read from the record each time: callers may pass a variant of it
+        requant, (lo, hi) = stage.requantize, (stage.clamp.lo, stage.clamp.hi)
         if self.arithmetic.rounding == Rounding.FLOAT32_RNE:
-            y = requantize(acc, mode=Rounding.FLOAT32_RNE, lo=lo, hi=hi, scale=self.arrays[instr["scale_f32"]])
+            y = requantize(acc, mode=Rounding.FLOAT32_RNE, lo=lo, hi=hi, scale=self.arrays[requant.scale_f32])
         else:
-            y = requantize(acc, self.arrays[instr["mult"]], self.arrays[instr["shift"]], self.arithmetic.rounding,
+            y = requantize(acc, self.arrays[requant.mult], self.arrays[requant.shift], self.arithmetic.rounding,
                            lo, hi)
-        if "clamp_hi" in instr:  # per-channel upper bounds (channel = last axis), within [lo, hi]
-            np.minimum(y, self.arrays[instr["clamp_hi"]].astype(y.dtype), out=y)
+        if stage.clamp_per_channel is not None:  # per-channel upper bounds (channel = last axis), within [lo, hi]
+            np.minimum(y, self.arrays[stage.clamp_per_channel.array].astype(y.dtype), out=y)
         return y
 
     def _store(self, instr: dict, y: np.ndarray) -> np.ndarray:
-        window = instr.get("window")
+        """The output stage's last step, WindowMax, on the way to memory."""
+        window = OutputStage.of(instr).window_max
         if window is None:
             return y
-        return window_max(y, window["kernel"], window["strides"], window["pads"], window["dilations"],
-                          window["ceil_mode"])
+        return window_max(y, window.kernel, window.strides, window.pads, window.dilations, window.ceil_mode)
 
     def conv_gemm(self, instr: dict, args: list[np.ndarray]):
         """(y NCHW, acc (N*OH*OW, M) before requantization, events)."""

@@ -53,7 +53,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
-from isa.kinds import ARRAY_KINDS, WEIGHTED_GEMM_KINDS, Kind
+from isa.kinds import ARRAY_KINDS, RESHAPE_KINDS, WEIGHTED_GEMM_KINDS, Kind
 from isa.target import target_from_dict
 from isa.tiling import estimate, gemm_shape, tiles_of
 
@@ -62,7 +62,7 @@ from isa.tiling import estimate, gemm_shape, tiles_of
 
 # Ops that move or relabel data and cost no kernel of their own in either graph (the simplification removes
 # them or folds them into the consumer, as Pad into the im2col padding).
-TRANSPARENT_OPS = frozenset({"Identity", "Dropout", "Pad", "Cast", "Reshape", "Flatten", "Squeeze", "Unsqueeze"})
+TRANSPARENT_OPS = frozenset({"Identity", "Dropout", "Pad", "Cast"}) | RESHAPE_KINDS  # (ONNX ops of the same names)
 
 
 def trace_fused_ops(nodes: Iterable[Any], constants: set[str], instructions: list[dict]) -> dict[str, list[str]]:

@@ -16,6 +16,8 @@ from typing import Sequence
 import numpy as np
 
 from isa.geometry import conv_output_size, pool_output_size
+from isa.kinds import RESHAPE_KINDS, Kind, handler
+from isa.output_stage import OutputStage
 from isa.target import Arithmetic
 
 INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1
@@ -265,3 +267,99 @@ def window_max(x: np.ndarray, kernel_shape: Sequence[int], strides: Sequence[int
                             if 0 <= oh * sh - pt + i * dh < h_ and 0 <= ow * sw - pl + j * dw < w_]
                     y[n, c, oh, ow] = max(taps, default=lowest)
     return y
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Whole instructions: the Python-int twin of each kind, composed of the twins above in the output stage's
+# order (isa/output_stage.py). `run_instruction` is what the machine's KERNELS table must equal, instruction
+# by instruction (tests/test_isa_twins.py).
+
+def _output_stage(instr: dict, acc: np.ndarray, arrays: dict, arithmetic: Arithmetic) -> np.ndarray:
+    """Requantize, Clamp and ClampPerChannel of acc (rows, channels) with one channel's parameters per column
+    (a single set broadcast to every column)."""
+    stage = OutputStage.of(instr)
+    mult, shift = arrays[stage.requantize.mult].reshape(-1), arrays[stage.requantize.shift].reshape(-1)
+    scale = arrays[stage.requantize.scale_f32].reshape(-1)
+    bounds = arrays[stage.clamp_per_channel.array].reshape(-1) if stage.clamp_per_channel else None
+    rows, channels = acc.shape
+    y = np.zeros((rows, channels), np.int64)
+    for c in range(channels):
+        p = c if mult.size > 1 else 0
+        for r in range(rows):
+            value = requantize(int(acc[r, c]), int(mult[p]), int(shift[p]), arithmetic.rounding, stage.clamp.lo,
+                               stage.clamp.hi, scale=scale[p])
+            y[r, c] = min(value, int(bounds[c])) if bounds is not None else value
+    return y
+
+
+def _stored(instr: dict, y: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """The WindowMax step (if any) on the NCHW result, in the output tensor's dtype."""
+    window = OutputStage.of(instr).window_max
+    y = y.astype(dtype)
+    if window is None:
+        return y
+    return window_max(y, window.kernel, window.strides, window.pads, window.dilations, window.ceil_mode)
+
+
+def _conv_gemm(instr: dict, args: list[np.ndarray], arrays: dict, arithmetic: Arithmetic, dtype) -> np.ndarray:
+    """(9) im2col, (1) the GEMM per group with the bias, the output stage, then window-max."""
+    (x,) = args
+    groups = int(instr["group"])
+    cols = im2col(x, instr["kernel"], instr["strides"], instr["pads"], instr["dilations"], groups)
+    weight, bias = arrays[instr["weight"]], arrays[instr["bias"]]
+    per_group = weight.shape[0] // groups
+    acc = np.concatenate([gemm(cols[g], weight[g * per_group:(g + 1) * per_group].T, arithmetic.acc_bits,
+                               arithmetic.overflow, bias[g * per_group:(g + 1) * per_group])[0]
+                          for g in range(groups)], axis=1)  # (N*OH*OW, M)
+    n = x.shape[0]
+    oh = conv_output_size(x.shape[2], instr["kernel"][0], instr["strides"][0], instr["pads"][0], instr["pads"][2],
+                          instr["dilations"][0])
+    y = _output_stage(instr, acc, arrays, arithmetic).reshape(n, oh, -1, weight.shape[0]).transpose(0, 3, 1, 2)
+    return _stored(instr, y, dtype)
+
+
+def _dense_gemm(instr: dict, args: list[np.ndarray], arrays: dict, arithmetic: Arithmetic, dtype) -> np.ndarray:
+    """(1) x (N, K) . W^T with the bias, then the output stage."""
+    (x,) = args
+    acc, _ = gemm(x, arrays[instr["weight"]].T, arithmetic.acc_bits, arithmetic.overflow, arrays[instr["bias"]])
+    return _output_stage(instr, acc, arrays, arithmetic).astype(dtype)
+
+
+def _add_gemm(instr: dict, args: list[np.ndarray], arrays: dict, arithmetic: Arithmetic, dtype) -> np.ndarray:
+    """acc = accumulate([a * w_a, b * w_b]) per element and the output stage; in float32_rne the float32 add of
+    qdeploy/quantize.py eq. (6)-(7): rne(f32(a * r_a + f32(b * r_b))), computed exactly with Fractions."""
+    a, b = args
+    if str(arithmetic.rounding) == "float32_rne":
+        r_a, r_b = (Fraction(float(r)) for r in arrays[instr["add_ratio_f32"]])
+        lo, hi = instr["clamp"]
+        y = np.zeros(a.size, np.int64)
+        for i, (p, q) in enumerate(zip(a.reshape(-1).tolist(), b.reshape(-1).tolist())):
+            value = float32_round(p * r_a + float32_round(q * r_b))
+            y[i] = min(max(round(value) if abs(value) < 2 ** 31 else -(2 ** 31), lo), hi)
+        return _stored(instr, y.reshape(a.shape), dtype)
+    w_a, w_b = instr["add_weights"]
+    acc = np.array([accumulate([p * w_a, q * w_b], arithmetic.acc_bits, arithmetic.overflow)[0]
+                    for p, q in zip(a.reshape(-1).tolist(), b.reshape(-1).tolist())], dtype=object).reshape(-1, 1)
+    return _stored(instr, _output_stage(instr, acc, arrays, arithmetic).reshape(a.shape), dtype)
+
+
+def _concat(instr: dict, args: list[np.ndarray], arrays: dict, arithmetic: Arithmetic, dtype) -> np.ndarray:
+    return np.concatenate(args, axis=1)
+
+
+def _reshape(instr: dict, args: list[np.ndarray], arrays: dict, arithmetic: Arithmetic, dtype) -> np.ndarray:
+    return args[0].reshape((args[0].shape[0], *instr["shape"][1:]))
+
+
+# The twins' handler table. A Host instruction has none: it is a float op outside the accelerator.
+TWINS = {Kind.CONV_GEMM: _conv_gemm, Kind.DENSE_GEMM: _dense_gemm, Kind.ADD_GEMM: _add_gemm, Kind.CONCAT: _concat,
+         **{kind: _reshape for kind in RESHAPE_KINDS}, Kind.HOST: "a float op on the host: no integer twin"}
+
+
+def run_instruction(instr: dict, args: list[np.ndarray], arrays: dict, arithmetic: Arithmetic,
+                    dtype: np.dtype) -> np.ndarray:
+    """The output of one program instruction (a manifest record) on integer inputs, by its twin."""
+    twin = handler(TWINS, instr["kind"], "the Python-int twins", f"instruction '{instr['name']}'")
+    if not callable(twin):
+        raise ValueError(f"instruction '{instr['name']}': {twin}")
+    return twin(instr, args, arrays, arithmetic, np.dtype(dtype))

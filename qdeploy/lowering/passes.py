@@ -15,7 +15,8 @@ from qdeploy.errors import Unsupported
 from qdeploy.ir import Graph, Node, Tensor, constant
 from qdeploy.passes.eliminate_dead import eliminate_dead_nodes
 from qdeploy.passes.pipeline import Pass
-from isa.kinds import WEIGHTED_GEMM_KINDS
+from isa.kinds import WEIGHTED_GEMM_KINDS, Kind
+from isa.output_stage import Clamp, commutes_with_window_max
 from qdeploy.lowering.instructions import INSTRUCTION_OPS, has_window_max
 from qdeploy.lowering.rules import (EPILOGUE_OPS, LOWERING, affine_of, batchnorm_scale_shift,
                                     finite_weights, identity_gemm)
@@ -173,14 +174,17 @@ def epilogue_of(graph: Graph, node: Node) -> dict | None:
 def merge_epilogue(attrs: dict, epilogue: dict) -> dict | None:
     """attrs with `epilogue` applied after it, or None when they do not compose into one output stage.
     Clamps compose by intersection, clamp(clamp(x, a, b), c, d) = clamp(x, max(a, c), min(b, d)) when that
-    interval is not empty; a clamp commutes with a window-max (both are monotonic), so their order is free.
-    Only one window-max fits the output stage."""
+    interval is not empty. The output stage applies its window-max last (isa/output_stage.py), so a clamp that
+    follows a fused MaxPool moves before it: exact only for a step that commutes with a maximum (a monotonic
+    one, as a clamp is). Only one window-max fits the output stage."""
     merged = dict(attrs)
     if "pool_kernel_shape" in epilogue:
         if has_window_max(attrs):
             return None
         merged.update(epilogue)
         return merged
+    if has_window_max(attrs) and not commutes_with_window_max(Clamp):
+        return None
     low = max(attrs["act_min"], epilogue["act_min"])
     high = min(attrs["act_max"], epilogue["act_max"])
     if low > high:
@@ -253,7 +257,7 @@ def copy_shared_concat_inputs(graph: Graph) -> Graph:
     nodes: list[Node] = []
     tensors: list[Tensor] = []
     for node in graph.nodes:
-        if node.op != "Concat" or node.attrs.get("axis") != 1:
+        if node.op != Kind.CONCAT or node.attrs.get("axis") != 1:
             nodes.append(node)
             continue
         inputs = list(node.inputs)

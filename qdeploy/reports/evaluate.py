@@ -40,7 +40,7 @@ import numpy as np
 from qdeploy.reference import run_host_op
 from qdeploy.errors import BadInput
 from qdeploy.ir import Graph
-from isa.kinds import LAYOUT_KINDS
+from isa.kinds import LAYOUT_KINDS, WEIGHTED_GEMM_KINDS, Kind
 from qdeploy.program import Program
 from qdeploy.reference.executor import run_node
 from qdeploy.reports.metrics import SqnrAccumulator, as_logits, cosine_per_sample, top_k
@@ -180,10 +180,10 @@ class Evaluator:
         self.dequantized = {  # per GEMM instruction: the float weight and bias of the weights-only walk
             instr["name"]: dequantized_parameters(
                 program, instr, graph.tensors[self.nodes[instr["name"]].inputs[1]].shape)
-            for instr in program.instructions if instr["kind"] in ("ConvGemm", "DenseGemm")}
+            for instr in program.instructions if instr["kind"] in WEIGHTED_GEMM_KINDS}
         self.samples = 0
         self.threads = max(1, len(os.sched_getaffinity(0)) if threads is None else int(threads))
-        if any(instr["kind"] == "Host" for instr in program.instructions) or ThreadpoolController is None:
+        if any(instr["kind"] == Kind.HOST for instr in program.instructions) or ThreadpoolController is None:
             self.threads = 1
         self._pool: ThreadPoolExecutor | None = None
 

@@ -66,7 +66,9 @@ OPS: dict[str, OpFunction | dict[int, OpFunction]] = {
 
 __all__ = ["OPS", "OpFunction"]
 
-# The accelerator's instructions (qdeploy/lowering/instructions.py), so lowered graphs run here too.
+# The float meaning's handler table for the array kinds (isa/kinds.py), so lowered graphs run here too; the
+# layout kinds are the ONNX ops of the same names above, and a Host instruction runs its own ONNX op.
+from isa.kinds import Kind  # noqa: E402
 from qdeploy.reference.ops.accelerator import AddGemm, ConvGemm, DenseGemm  # noqa: E402
 
-OPS.update({"ConvGemm": ConvGemm, "DenseGemm": DenseGemm, "AddGemm": AddGemm})
+OPS.update({Kind.CONV_GEMM: ConvGemm, Kind.DENSE_GEMM: DenseGemm, Kind.ADD_GEMM: AddGemm})

@@ -1,0 +1,89 @@
+"""The instruction set's closed vocabulary (isa/kinds.py) against every stage's handler table: a kind added to
+`Kind` without a handler in some stage fails here, naming the stage and the kind; and no kind's name is spelled
+as a string literal outside its definition."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import isa.tiling
+import qdeploy.cli
+import qdeploy.export_onnx
+import qdeploy.lowering
+import qdeploy.program
+import qdeploy.quantize
+import qdeploy.reference.ops
+import simulator.machine
+import simulator.reference
+import simulator.vectors.export
+from isa.kinds import LAYOUT_KINDS, Kind, UnknownKind, handler
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def stage_tables() -> dict[str, tuple[dict, frozenset]]:
+    """stage -> (its handler table, the kinds it must cover). The float meaning covers every kind but Host (a
+    host instruction runs its own ONNX op); every other stage covers every kind, with an explicit entry for the
+    kinds it refuses or has nothing to do for."""
+    every = frozenset(Kind)
+    return {
+        "lowering description": (qdeploy.lowering.GEOMETRY, every),
+        "float meaning": (qdeploy.reference.ops.OPS, every - {Kind.HOST}),
+        "compiler": (qdeploy.quantize.COMPILERS, every),
+        "program checks": (qdeploy.program.CHECKS, every),
+        "simulator": (simulator.machine.KERNELS, every),
+        "Python-int twins": (simulator.reference.TWINS, every),
+        "ONNX export": (qdeploy.export_onnx.EXPORTERS, every),
+        "golden vectors": (simulator.vectors.export.OPERANDS, every),
+        "performance model": (isa.tiling.GEMM_SHAPES, every),
+        "inspect printers": (qdeploy.cli.PROGRAM_PRINTERS, every),
+    }
+
+
+def missing_handlers(tables: dict[str, tuple[dict, frozenset]]) -> list[str]:
+    return [f"{stage}: no handler for {kind.value}" for stage, (table, required) in tables.items()
+            for kind in sorted(required) if kind not in table]
+
+
+def test_every_stage_handles_every_kind():
+    assert missing_handlers(stage_tables()) == []
+
+
+def test_a_removed_handler_is_named():
+    tables = stage_tables()
+    table, required = tables["simulator"]
+    tables["simulator"] = ({k: v for k, v in table.items() if k != Kind.ADD_GEMM}, required)
+    assert missing_handlers(tables) == ["simulator: no handler for AddGemm"]
+
+
+def test_a_stage_refuses_a_kind_it_has_no_handler_for():
+    with pytest.raises(UnknownKind, match="instruction 'x': the simulator has no handler for kind 'AddGemm'"):
+        handler({Kind.CONV_GEMM: None}, "AddGemm", "the simulator", "instruction 'x'")
+    with pytest.raises(UnknownKind, match="unknown instruction kind 'Lut'"):
+        handler(simulator.machine.KERNELS, "Lut", "the simulator")
+
+
+def _string_literals(path: Path) -> list[tuple[str, int]]:
+    return [(node.value, node.lineno) for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str)]
+
+
+def test_kind_names_are_spelled_in_one_place():
+    """The array kinds and Host are spelled only in isa/kinds.py. The layout kinds are named after the ONNX ops
+    they come from, so the ONNX front end, the float executor and the ONNX export spell those ONNX op names;
+    the stages that handle instructions (isa/, simulator/, the compiler, the program format, lowering, reports,
+    the CLI) must not."""
+    sources = [p for folder in ("isa", "qdeploy", "simulator", "calib", "bench", "examples")
+               for p in sorted((REPO / folder).rglob("*.py"))]
+    onnx_vocabulary = {REPO / "qdeploy" / name for name in ("onnx_import.py", "export_onnx.py", "shape_inference.py")}
+    onnx_vocabulary |= set((REPO / "qdeploy" / "reference").rglob("*.py")) | set((REPO / "qdeploy" / "passes").rglob("*.py"))
+    found = []
+    for path in sources:
+        if path == REPO / "isa" / "kinds.py":
+            continue
+        for value, line in _string_literals(path):
+            is_kind = value in {k.value for k in Kind}
+            if is_kind and (Kind(value) not in LAYOUT_KINDS or path not in onnx_vocabulary):
+                found.append(f"{path.relative_to(REPO)}:{line} {value!r}")
+    assert found == []

@@ -1,0 +1,81 @@
+"""Every instruction kind's simulator kernel (simulator/machine.py KERNELS) equals its Python-int twin
+(simulator/reference.py TWINS), instruction by instruction, on small compiled networks that use every array and
+layout kind, in every rounding mode, signed and unsigned, wrapping and saturating."""
+
+import numpy as np
+import pytest
+from onnx import helper
+
+from builders import make_model, rng_weights, save
+from calib.table import CalibrationTable, TensorRecord
+from isa.kinds import Kind
+from isa.target import Arithmetic, Target
+from qdeploy import api
+from simulator import reference
+from qdeploy.reference import run_graph
+from simulator.machine import Machine
+
+ROUNDINGS = ["half_up", "half_away", "half_even", "tflite", "float32_rne"]
+
+
+def every_kind_model(tmp_path):
+    """conv (bias, ReLU6, fused MaxPool) -> depthwise -> residual Add (+ReLU) -> Concat -> Flatten -> Gemm."""
+    nodes = [
+        helper.make_node("Conv", ["x", "W1", "B1"], ["c1"], name="conv", pads=[1, 1, 1, 1]),
+        helper.make_node("Clip", ["c1", "lo", "hi"], ["r1"], name="relu6"),
+        helper.make_node("MaxPool", ["r1"], ["p1"], name="pool", kernel_shape=[2, 2], strides=[2, 2], ceil_mode=1),
+        helper.make_node("Conv", ["p1", "W2", "B2"], ["d2"], name="depthwise", group=4, pads=[1, 1, 1, 1]),
+        helper.make_node("Add", ["d2", "p1"], ["a3"], name="residual"),
+        helper.make_node("Relu", ["a3"], ["r3"], name="relu"),
+        helper.make_node("Conv", ["r3", "W4", "B4"], ["c4"], name="pointwise"),
+        helper.make_node("Concat", ["c4", "r3"], ["cat"], name="concat", axis=1),
+        helper.make_node("Flatten", ["cat"], ["flat"], name="flatten"),
+        helper.make_node("Gemm", ["flat", "W5", "B5"], ["y"], name="fc", transB=1),
+    ]
+    initializers = {"W1": rng_weights(0, 4, 3, 3, 3), "B1": rng_weights(1, 4), "lo": np.float32(0),
+                    "hi": np.float32(6), "W2": rng_weights(2, 4, 1, 3, 3), "B2": rng_weights(3, 4),
+                    "W4": rng_weights(4, 2, 4, 1, 1), "B4": rng_weights(5, 2), "W5": rng_weights(6, 5, 6 * 3 * 3),
+                    "B5": rng_weights(7, 5)}
+    model = make_model(nodes, [("x", ["N", 3, 5, 6])], [("y", ["N", 5])], initializers)
+    return save(model, tmp_path / "every_kind.onnx")
+
+
+def calibrated(path, x: np.ndarray) -> CalibrationTable:
+    """Max thresholds from the lowered float graph's own values: a simple table that clips nothing."""
+    graph = api.lower_model(path).graph
+    names = [name for name, tensor in graph.tensors.items() if not tensor.is_constant]
+    values = run_graph(graph, {"x": x}, names)
+    return CalibrationTable({name: TensorRecord(name, "max", float(np.max(np.abs(values[name]))) or 1.0)
+                             for name in names}, "max", 0)
+
+
+@pytest.mark.parametrize("rounding", ROUNDINGS)
+@pytest.mark.parametrize("unsigned,overflow,acc_bits", [(False, "wrap", 32), (True, "saturate", 16)])
+def test_every_kernel_equals_its_twin(tmp_path, rounding, unsigned, overflow, acc_bits):
+    if rounding == "tflite" and acc_bits > 32:
+        pytest.skip("tflite needs acc_bits <= 32")
+    path = every_kind_model(tmp_path)
+    x = np.random.default_rng(8).standard_normal((2, 3, 5, 6)).astype(np.float32)
+    target = Target(arithmetic=Arithmetic(rounding=rounding, unsigned_activations=unsigned, overflow=overflow,
+                                          acc_bits=acc_bits))
+    program = api.compile(path, calibrated(path, x), target).program
+    kinds = {instr["kind"] for instr in program.instructions}
+    assert {Kind.CONV_GEMM, Kind.DENSE_GEMM, Kind.ADD_GEMM, Kind.CONCAT, Kind.FLATTEN} <= kinds
+    assert any(instr.get("window") for instr in program.instructions)
+    run = Machine(program).run({"x": x}, dump=True)
+    arithmetic = target.arithmetic
+    for instr in program.instructions:
+        args = [run.tensors[name] for name in instr["inputs"]]
+        dtype = program.tensors[instr["output"]]["dtype"]
+        expected = reference.run_instruction(instr, args, program.arrays, arithmetic, dtype)
+        got = run.tensors[instr["output"]]
+        assert got.dtype == expected.dtype, instr["name"]
+        np.testing.assert_array_equal(got, expected, err_msg=f"{instr['name']} ({instr['kind']})")
+
+
+def test_a_kind_without_a_twin_is_named():
+    host = {"kind": "Host", "name": "h", "inputs": [], "output": "y", "op": "Erf"}
+    with pytest.raises(ValueError, match="instruction 'h': a float op on the host: no integer twin"):
+        reference.run_instruction(host, [], {}, Arithmetic(), np.int8)
+    with pytest.raises(ValueError, match="unknown instruction kind 'Lut'"):
+        reference.run_instruction({**host, "kind": "Lut"}, [], {}, Arithmetic(), np.int8)
