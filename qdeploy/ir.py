@@ -177,8 +177,3 @@ def validate(graph: Graph) -> None:
         if name not in produced:
             raise BadInput(f"graph output '{name}' is not produced by any node")
     topological_order(graph)
-
-
-def sorted_graph(graph: Graph) -> Graph:
-    """The same graph with its nodes in topological order."""
-    return graph.with_nodes(topological_order(graph))

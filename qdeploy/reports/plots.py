@@ -12,7 +12,6 @@ import numpy as np
 
 from qdeploy.fileio import atomic_write
 
-DPI = 72
 PALETTE_COLORS = 64
 HISTOGRAM_COLUMNS = 6
 HISTOGRAM_PLOT_BINS = 256  # the 2048 calibration bins summed in groups of 8 for drawing
