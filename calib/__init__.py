@@ -8,3 +8,8 @@ DEFAULT_METHOD = "kl"
 DEFAULT_NUM_SAMPLES = 512
 DEFAULT_BATCH_SIZE = 32
 DEFAULT_PERCENTILE = 99.99
+# Image preprocessing (calib.data.Preprocess): (x - mean[c]) / std[c] on 0..255 values, NCHW, RGB.
+DEFAULT_MEAN = (0.0,)
+DEFAULT_STD = (1.0,)
+DEFAULT_LAYOUT = "NCHW"
+DEFAULT_CHANNELS = "RGB"

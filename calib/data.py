@@ -29,6 +29,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
+from calib import DEFAULT_CHANNELS, DEFAULT_LAYOUT, DEFAULT_MEAN, DEFAULT_STD
 from qdeploy.errors import BadInput
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
@@ -42,10 +43,10 @@ class Preprocess:
     """How images become model inputs (design.md section 6 flags). `size` None: the model input's H, W."""
 
     size: tuple[int, int] | None = None
-    mean: tuple[float, ...] = (0.0,)  # one value, or one per output channel (in `channels` order)
-    std: tuple[float, ...] = (1.0,)
-    layout: str = "NCHW"
-    channels: str = "RGB"
+    mean: tuple[float, ...] = DEFAULT_MEAN  # one value, or one per output channel (in `channels` order)
+    std: tuple[float, ...] = DEFAULT_STD
+    layout: str = DEFAULT_LAYOUT
+    channels: str = DEFAULT_CHANNELS
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:

@@ -1,4 +1,4 @@
-"""The `qdeploy` command: a thin typer layer over qdeploy.api. Errors a user can cause (QdeployError) are
+"""The `qdeploy` command: a thin typer layer over qdeploy._api(). Errors a user can cause (QdeployError) are
 printed as one line on stderr with exit code 2; anything else is an internal error (exit code 1)."""
 
 from __future__ import annotations
@@ -11,12 +11,9 @@ from typing import Callable, Optional
 
 import typer
 
-from qdeploy import api
-from qdeploy.errors import BadInput, QdeployError, one_line
-from qdeploy.fileio import check_output, check_samples, load_arrays, save_arrays
-from qdeploy.program import read_program
 from isa.kinds import ARRAY_KINDS, LAYOUT_KINDS, Kind, handler
 from isa.target import TargetError
+from qdeploy.errors import BadInput, QdeployError, one_line
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Deploy float ONNX CNNs onto int8 matrix-only accelerators.")
@@ -44,6 +41,14 @@ def user_errors(command: Callable) -> Callable:
             raise typer.Exit(2)
 
     return wrapper
+
+
+def _api():
+    """qdeploy.api, imported when a command runs, so that `--help` and usage errors import no numpy, onnx or
+    numba (measured by bench/startup.py)."""
+    from qdeploy import api
+
+    return api
 
 
 def parse_input_shapes(specs: list[str] | None) -> dict[str, tuple[int | None, ...]]:
@@ -105,8 +110,8 @@ def inspect(model: Path = typer.Argument(..., help="An .onnx model, or a compile
         _inspect_program(model, json_output)
         return
     shapes = parse_input_shapes(input_shape)
-    summary = api.inspect(model, shapes)
-    result = api.lower_model(model, shapes) if lowered else None
+    summary = _api().inspect(model, shapes)
+    result = _api().lower_model(model, shapes) if lowered else None
     if json_output:
         document = summary.to_json()
         if result is not None:
@@ -121,6 +126,8 @@ def inspect(model: Path = typer.Argument(..., help="An .onnx model, or a compile
 
 def _inspect_program(path: Path, json_output: bool) -> None:
     """A compiled program: its target, tensors and instruction list (arrays summarised, not dumped)."""
+    from qdeploy.program import read_program
+
     program = read_program(path)
     manifest = program.manifest
     if json_output:
@@ -215,19 +222,21 @@ def run(model: Path = typer.Argument(..., help="An .onnx model (float reference 
     """Run a model on arrays and write its outputs: a .qdp program on the bit-accurate simulator (int8 out, or
     float with --dequantize; float inputs are quantized with the program's input scale), an .onnx model with
     the float reference executor (--lowered: the lowered float graph)."""
+    from qdeploy.fileio import check_output, check_samples, load_arrays, save_arrays
+
     check_output(output, model, input)
     program_file = model.suffix == ".qdp"
     if (lowered or input_shape) and program_file or dequantize and not program_file:
         raise BadInput(f"{model}: --lowered and --input-shape apply to .onnx models, --dequantize to .qdp programs")
     arrays = load_arrays(input)
     check_samples(arrays, str(input))
-    outputs = api.run(model, arrays, parse_input_shapes(input_shape), lowered=lowered, dequantize=dequantize)
+    outputs = _api().run(model, arrays, parse_input_shapes(input_shape), lowered=lowered, dequantize=dequantize)
     save_arrays(output, outputs)
     typer.echo(f"wrote {output} ({', '.join(f'{k} {v.shape}' for k, v in outputs.items())})")
 
 
-from calib import DEFAULT_BATCH_SIZE, DEFAULT_METHOD, DEFAULT_NUM_SAMPLES, DEFAULT_PERCENTILE  # noqa: E402
-from calib.data import Preprocess  # noqa: E402  (light: numpy only; the calibration itself is imported lazily)
+from calib import (DEFAULT_BATCH_SIZE, DEFAULT_CHANNELS, DEFAULT_LAYOUT, DEFAULT_MEAN,  # noqa: E402 (constants)
+                   DEFAULT_METHOD, DEFAULT_NUM_SAMPLES, DEFAULT_PERCENTILE, DEFAULT_STD)
 
 
 class _BatchProgress:
@@ -281,11 +290,11 @@ def calibrate(model: Path = typer.Argument(..., help="An .onnx model."),
               size: Optional[str] = typer.Option(None, help="H,W: resize the shorter side, centre-crop "
                                                             "(default: the model input's H,W)."),
               mean: Optional[str] = typer.Option(None, help="Mean on 0..255 values, per channel: a or a,b,c "
-                                                            f"(default: {Preprocess.mean[0]:g})."),
+                                                            f"(default: {DEFAULT_MEAN[0]:g})."),
               std: Optional[str] = typer.Option(None, help="Std on 0..255 values, per channel: a or a,b,c "
-                                                           f"(default: {Preprocess.std[0]:g})."),
-              layout: str = typer.Option(Preprocess.layout, help="NCHW | NHWC."),
-              channels: str = typer.Option(Preprocess.channels, help="RGB | BGR | GRAY."),
+                                                           f"(default: {DEFAULT_STD[0]:g})."),
+              layout: str = typer.Option(DEFAULT_LAYOUT, help="NCHW | NHWC."),
+              channels: str = typer.Option(DEFAULT_CHANNELS, help="RGB | BGR | GRAY."),
               strict: bool = typer.Option(False, help="Fail on an unreadable image instead of skipping it."),
               export_tensorrt_cache: Optional[Path] = typer.Option(
                   None, help="Also write the scales (T/127) as a TensorRT calibration cache."),
@@ -299,9 +308,10 @@ def calibrate(model: Path = typer.Argument(..., help="An .onnx model."),
               json_output: bool = JSON) -> None:
     """Run the lowered float graph on calibration data, collect |x| histograms of every tensor the int8
     program quantizes, choose thresholds |T| (KL by default) and write the calibration table."""
-    from calib.data import parse_floats, parse_size
+    from calib.data import Preprocess, parse_floats, parse_size
     from calib.table import write_tensorrt_cache
     from qdeploy.calibration import calibrate as run_calibration
+    from qdeploy.fileio import check_output
 
     if output.is_dir():
         raise BadInput(f"{output}: is a folder; give the calibration table's file name")
@@ -353,10 +363,12 @@ def compile(model: Path = typer.Argument(..., help="An .onnx model."),
             input_shape: Optional[list[str]] = INPUT_SHAPE,
             json_output: bool = JSON) -> None:
     """Quantize the lowered graph with the calibration table and write the integer program (.qdp)."""
+    from qdeploy.fileio import check_output
+
     check_output(output, model, calib, target)
-    result = api.compile(model, calib, target, per_tensor=per_tensor, allow_host_fallback=allow_host_fallback,
+    result = _api().compile(model, calib, target, per_tensor=per_tensor, allow_host_fallback=allow_host_fallback,
                          bias_correction=bias_correction, output=output, input_shapes=parse_input_shapes(input_shape))
-    perf = api.estimate_performance(model, result.program)
+    perf = _api().estimate_performance(model, result.program)
     if json_output:
         layers = [{"name": r.name, "kind": r.kind, "m": r.m, "n": r.n, "k": r.k, "groups": r.groups,
                    "input_scale": r.input_scale, "output_scale": r.output_scale, "rounding": r.rounding,
@@ -411,15 +423,15 @@ def report(model: Path = typer.Argument(..., help="The float .onnx model."),
                                                          "(default: the model input's H,W)."),
            mean: Optional[str] = typer.Option(None, help="Mean on 0..255 values, per channel: a or a,b,c."),
            std: Optional[str] = typer.Option(None, help="Std on 0..255 values, per channel: a or a,b,c."),
-           layout: str = typer.Option(Preprocess.layout, help="NCHW | NHWC."),
-           channels: str = typer.Option(Preprocess.channels, help="RGB | BGR | GRAY."),
+           layout: str = typer.Option(DEFAULT_LAYOUT, help="NCHW | NHWC."),
+           channels: str = typer.Option(DEFAULT_CHANNELS, help="RGB | BGR | GRAY."),
            input_shape: Optional[list[str]] = INPUT_SHAPE,
            json_output: bool = JSON) -> None:
     """Accuracy-drop report of the int8 program (simulator) against the float model on evaluation data:
     top-1/top-5 agreement, accuracy and drop with --labels, logits SQNR and cosine, per-layer SQNR cumulative
     and isolated, calibration histograms, host-fallback ops and node counts. Prints the headline (or, with
     --json, report.json)."""
-    from calib.data import parse_floats, parse_size
+    from calib.data import Preprocess, parse_floats, parse_size
 
     preprocess = Preprocess(parse_size(size), parse_floats(mean, "--mean", Preprocess.mean),
                             parse_floats(std, "--std", Preprocess.std), layout.upper(), channels.upper())
@@ -436,7 +448,7 @@ def report(model: Path = typer.Argument(..., help="The float .onnx model."),
                        [f"{flag} {shlex.quote(str(value))}" for flag, value in options if value is not None])
     progress = _BatchProgress("evaluating")
     try:
-        result = api.report(model, program, data, output, labels=labels, calib=calib, peer=peer,
+        result = _api().report(model, program, data, output, labels=labels, calib=calib, peer=peer,
                             ablation=ablation, num_samples=num_samples, batch_size=batch_size, preprocess=preprocess,
                             input_shapes=parse_input_shapes(input_shape), progress=progress, command=command)
     finally:
@@ -461,8 +473,10 @@ def export_onnx(program: Path = typer.Argument(..., help="A compiled .qdp progra
     """Export a compiled program as a standard quantized ONNX model (opset 13: QuantizeLinear, QLinearConv,
     Clip, MaxPool, DequantizeLinear/Add/QuantizeLinear) with exactly the program's int8 weights, int32 biases
     and scales. With rounding float32_rne, ONNX Runtime runs it bit-exactly like the simulator."""
+    from qdeploy.fileio import check_output
+
     check_output(output, program)
-    result = api.export_onnx(program, output, float_outputs=float_outputs, tensor_outputs=tensor_outputs)
+    result = _api().export_onnx(program, output, float_outputs=float_outputs, tensor_outputs=tensor_outputs)
     for warning in result.warnings:
         typer.echo(f"warning: {warning}", err=True)
     ops = result.op_counts()
@@ -487,7 +501,7 @@ def vectors_export(program: Path = typer.Argument(..., help="A compiled .qdp pro
     after im2col as the array sees it, weights, int32 bias, multipliers/shifts and float32 scales, accumulators
     before requantization and int8 outputs, as $readmemh hex files with .npy twins and manifest.json
     (format: docs/hardware.md)."""
-    result = api.export_vectors(program, input, output, per_tile=per_tile)
+    result = _api().export_vectors(program, input, output, per_tile=per_tile)
     layers = [{"index": r["index"], "name": r["name"], "kind": r["kind"], "dir": r["dir"], "groups": r["groups"],
                "m": r["m"], "n": r["n"], "k": r["k"], "tiles": r["tiles"], "files": sorted(r["files"]),
                "tile_files": len(r.get("tile_files", []))} for r in result.layers]
@@ -543,7 +557,7 @@ def vectors_stress(target: Optional[Path] = typer.Option(None, help="Accelerator
     from simulator.vectors import VectorError, export_stress
 
     try:
-        result = export_stress(api.load_target_file(target), output)
+        result = export_stress(_api().load_target_file(target), output)
     except VectorError as error:
         raise BadInput(str(error)) from error
     cases = [{"index": r["index"], "name": r["name"], "m": r["m"], "n": r["n"], "k": r["k"],
@@ -568,7 +582,7 @@ def target_header(target: Path = typer.Argument(..., help="A target.toml."),
                   json_output: bool = JSON) -> None:
     """Emit every target parameter as C `#define`s (.h) or SystemVerilog `localparam`s (.svh), so the RTL and
     the simulator read the same target.toml."""
-    from qdeploy.fileio import atomic_write
+    from qdeploy.fileio import atomic_write, check_output
     from simulator.header import HEADER_SUFFIXES, language_for, render_header
 
     language = language_for(output.suffix)
@@ -576,7 +590,7 @@ def target_header(target: Path = typer.Argument(..., help="A target.toml."),
         raise BadInput(f"{output}: unknown header suffix {output.suffix!r} (expected "
                        f"{', '.join(HEADER_SUFFIXES)})")
     check_output(output, target)
-    text = render_header(api.load_target_file(target), language, source=target.name)
+    text = render_header(_api().load_target_file(target), language, source=target.name)
     atomic_write(output, lambda tmp: tmp.write_text(text))
     count = sum(1 for line in text.splitlines() if line.startswith(("#define ACCEL_", "localparam")))
     if json_output:
