@@ -17,12 +17,13 @@ class Kind(StrEnum):
     CONV_GEMM = "ConvGemm"  # im2col + GEMM per group: Conv, depthwise, pooling, standalone BN/affine, identity
     DENSE_GEMM = "DenseGemm"  # y = x @ W^T + b on (N, K): Gemm, MatMul with constant weights
     ADD_GEMM = "AddGemm"  # y = a + b of two activations: a GEMM with K = 2 per channel
-    # Layout: no arithmetic, the compiler maps them to addresses. The names are the ONNX ops they come from.
+    # Layout: no arithmetic, the compiler maps them to addresses. Most are named after the ONNX op they come from.
     CONCAT = "Concat"  # producers write into channel slices of one buffer (shared output scale)
     RESHAPE = "Reshape"
     FLATTEN = "Flatten"
     SQUEEZE = "Squeeze"
     UNSQUEEZE = "Unsqueeze"
+    CHANNEL_SLICE = "ChannelSlice"  # a window of the input's channels (Split, Slice on axis 1): a read offset
     # Not an accelerator instruction: an ONNX op run in float on the host (--allow-host-fallback).
     HOST = "Host"
 
@@ -31,7 +32,8 @@ class Kind(StrEnum):
 WEIGHTED_GEMM_KINDS = frozenset({Kind.CONV_GEMM, Kind.DENSE_GEMM})  # GEMMs with a constant int8 weight operand
 ARRAY_KINDS = WEIGHTED_GEMM_KINDS | {Kind.ADD_GEMM}  # run on the array and through the output stage
 RESHAPE_KINDS = frozenset({Kind.RESHAPE, Kind.FLATTEN, Kind.SQUEEZE, Kind.UNSQUEEZE})  # a view with a new shape
-LAYOUT_KINDS = RESHAPE_KINDS | {Kind.CONCAT}  # move or relabel data only
+VIEW_KINDS = RESHAPE_KINDS | {Kind.CHANNEL_SLICE}  # a view of one input: its data (or part of it), its scale
+LAYOUT_KINDS = VIEW_KINDS | {Kind.CONCAT}  # move or relabel data only
 # Instructions that act on each image of a batch separately (the host executor may not be thread-safe).
 PER_IMAGE_KINDS = ARRAY_KINDS | LAYOUT_KINDS
 

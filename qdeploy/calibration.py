@@ -36,7 +36,7 @@ from qdeploy.binding import bind_inputs
 from qdeploy.errors import BadInput
 from qdeploy.ir import Graph, topological_order
 from qdeploy.lowering.equalize import equalizable_pairs
-from isa.kinds import RESHAPE_KINDS
+from isa.kinds import VIEW_KINDS
 from qdeploy.reference.executor import run_node
 
 Progress = Callable[[int, int], None]  # (samples done, samples in total)
@@ -66,8 +66,8 @@ def calibration_tensors(graph: Graph) -> list[str]:
     """The tensors of a lowered graph that the int8 program quantizes (module docstring), in graph order."""
     names = list(graph.inputs)
     for node in topological_order(graph):
-        if node.op in RESHAPE_KINDS:
-            continue  # a layout step keeps its producer's scale
+        if node.op in VIEW_KINDS:
+            continue  # a view keeps its producer's scale
         names += [out for out in node.outputs if out and np.issubdtype(graph.tensors[out].dtype, np.floating)]
     return list(dict.fromkeys(names))
 

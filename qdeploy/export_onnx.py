@@ -265,6 +265,13 @@ def _layout(b: _Builder, instr: dict) -> str:
                   b.names[instr["output"]], instr["name"])
 
 
+def _channel_slice(b: _Builder, instr: dict) -> str:
+    start, name = instr["start"], instr["name"]
+    bounds = [b.constant(f"{name}/{key}", np.array([value], np.int64))
+              for key, value in (("starts", start), ("ends", start + instr["count"]), ("axes", 1))]
+    return b.node("Slice", [b.names[instr["inputs"][0]], *bounds], b.names[instr["output"]], name)
+
+
 def _concat(b: _Builder, instr: dict) -> str:
     return b.node("Concat", [b.names[t] for t in instr["inputs"]], b.names[instr["output"]], instr["name"],
                   axis=1)
@@ -277,7 +284,8 @@ def _host(b: _Builder, instr: dict) -> str:
 
 # The ONNX export's handler table: the nodes of each kind's instruction.
 EXPORTERS = {Kind.CONV_GEMM: _conv_gemm, Kind.DENSE_GEMM: _dense_gemm, Kind.ADD_GEMM: _add_gemm,
-             Kind.CONCAT: _concat, **{kind: _layout for kind in RESHAPE_KINDS}, Kind.HOST: _host}
+             Kind.CONCAT: _concat, **{kind: _layout for kind in RESHAPE_KINDS}, Kind.CHANNEL_SLICE: _channel_slice,
+             Kind.HOST: _host}
 
 
 def _value_info(name: str, elem_type: int, shape: list) -> onnx.ValueInfoProto:

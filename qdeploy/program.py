@@ -283,6 +283,16 @@ def _reshape(program: Program, instr: dict, where: str, in_shapes: list, out_dty
     return dims
 
 
+def _channel_slice(program: Program, instr: dict, where: str, in_shapes: list, out_dtype: str, rounding: str
+                   ) -> tuple[int, ...]:
+    x = in_shapes[0]
+    if not x:
+        raise _Invalid(f"{where}: slices the channels of a tensor without a channel axis")
+    start = _ints([_field(instr, "start", where)], f"{where}: start", 1, 0, x[0] - 1)[0]
+    count = _ints([_field(instr, "count", where)], f"{where}: count", 1, 1, x[0] - start)[0]
+    return (count,) + tuple(x[1:])
+
+
 def _host(program: Program, instr: dict, where: str, in_shapes: list, out_dtype: str, rounding: str
           ) -> tuple[int, ...]:
     for key, kind_ in (("op", str), ("opset", int), ("operands", list), ("attrs", dict)):
@@ -310,7 +320,8 @@ def _host(program: Program, instr: dict, where: str, in_shapes: list, out_dtype:
 # The program checks' handler table: (number of inputs or None for any, check returning the output's
 # per-sample shape).
 CHECKS = {Kind.CONV_GEMM: (1, _conv_gemm), Kind.DENSE_GEMM: (1, _dense_gemm), Kind.ADD_GEMM: (2, _add_gemm),
-          Kind.CONCAT: (None, _concat), **{kind: (1, _reshape) for kind in RESHAPE_KINDS}, Kind.HOST: (None, _host)}
+          Kind.CONCAT: (None, _concat), **{kind: (1, _reshape) for kind in RESHAPE_KINDS},
+          Kind.CHANNEL_SLICE: (1, _channel_slice), Kind.HOST: (None, _host)}
 
 
 def _instruction_shape(program: Program, instr: dict, where: str, shapes: dict[str, tuple[int, ...]],

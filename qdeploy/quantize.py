@@ -44,7 +44,7 @@ from qdeploy import __version__
 from qdeploy.errors import BadInput, Unsupported
 from qdeploy.ir import Graph, Node
 from qdeploy.lowering import LoweringResult
-from isa.kinds import RESHAPE_KINDS, WEIGHTED_GEMM_KINDS, Kind, handler
+from isa.kinds import RESHAPE_KINDS, VIEW_KINDS, WEIGHTED_GEMM_KINDS, Kind, handler
 from qdeploy.lowering.instructions import INSTRUCTION_OPS, LAYOUT_OPS, has_window_max, node_kind
 from qdeploy.program import Program
 from isa.target import Target, target_to_dict
@@ -114,7 +114,7 @@ class _Scales:
                 unsigned = (target.arithmetic.unsigned_activations and node.attrs["act_min"] >= 0
                             and out not in concat_scale)
                 self._assign(out, thresholds, unsigned, override=concat_scale.get(out))
-            elif node.op in LAYOUT_OPS and node.op != Kind.CONCAT:
+            elif node.op in VIEW_KINDS:
                 self.scale[out], self.unsigned[out] = self.scale[node.inputs[0]], self.unsigned[node.inputs[0]]
             elif node.op == Kind.CONCAT:
                 self._assign(out, thresholds, unsigned=False)
@@ -398,6 +398,10 @@ class _Compiler:
             raise Unsupported(f"node '{node.name}' (Concat): only the channel axis (1) is supported")
         return {"axis": 1}
 
+    def _channel_slice(self, index: int, node: Node) -> dict:
+        """Channels [start, start + count) of the input: the consumer reads at an offset (no copy, no arithmetic)."""
+        return {"start": int(node.attrs["start"]), "count": int(node.attrs["count"])}
+
     def _reshape(self, index: int, node: Node) -> dict:
         """Every reshape kind is a view with the output's static shape (batch kept free)."""
         shape = _shape(self.graph, node.outputs[0])
@@ -409,6 +413,7 @@ class _Compiler:
 # The compiler's handler table: the manifest fields (and arrays) of each kind's instruction.
 COMPILERS = {Kind.CONV_GEMM: _Compiler.gemm, Kind.DENSE_GEMM: _Compiler.gemm, Kind.ADD_GEMM: _Compiler.add,
              Kind.CONCAT: _Compiler._concat, **{kind: _Compiler._reshape for kind in RESHAPE_KINDS},
+             Kind.CHANNEL_SLICE: _Compiler._channel_slice,
              Kind.HOST: _Compiler._host}
 
 def compile_graph(lowered: LoweringResult, thresholds: dict[str, float], target: Target,

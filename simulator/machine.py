@@ -181,6 +181,11 @@ class Machine:
     def concat(self, instr: dict, args: list[np.ndarray]):
         return np.concatenate(args, axis=1), None, None
 
+    def channel_slice(self, instr: dict, args: list[np.ndarray]):
+        """The hardware reads the producer's buffer at a channel offset; the model copies the window."""
+        start = instr["start"]
+        return np.ascontiguousarray(args[0][:, start:start + instr["count"]]), None, None
+
     def reshape(self, instr: dict, args: list[np.ndarray]):
         return args[0].reshape((args[0].shape[0], *instr["shape"][1:])), None, None
 
@@ -296,7 +301,8 @@ class Machine:
 
 # The simulator's handler table: the kernel of each kind, Machine method (instr, args) -> (y, acc, events).
 KERNELS = {Kind.CONV_GEMM: Machine.conv_gemm, Kind.DENSE_GEMM: Machine.dense_gemm, Kind.ADD_GEMM: Machine.add_gemm,
-           Kind.CONCAT: Machine.concat, **{kind: Machine.reshape for kind in RESHAPE_KINDS}, Kind.HOST: Machine.host_op}
+           Kind.CONCAT: Machine.concat, **{kind: Machine.reshape for kind in RESHAPE_KINDS},
+           Kind.CHANNEL_SLICE: Machine.channel_slice, Kind.HOST: Machine.host_op}
 
 def add_float32_rne(a: np.ndarray, b: np.ndarray, ratio: np.ndarray, lo: int, hi: int
                     ) -> tuple[np.ndarray, np.ndarray]:

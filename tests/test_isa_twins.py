@@ -19,7 +19,8 @@ ROUNDINGS = ["half_up", "half_away", "half_even", "tflite", "float32_rne"]
 
 
 def every_kind_model(tmp_path):
-    """conv (bias, ReLU6, fused MaxPool) -> depthwise -> residual Add (+ReLU) -> Concat -> Flatten -> Gemm."""
+    """conv (bias, ReLU6, fused MaxPool) -> depthwise -> residual Add (+ReLU) -> channel Split -> Concat ->
+    Flatten -> Gemm."""
     nodes = [
         helper.make_node("Conv", ["x", "W1", "B1"], ["c1"], name="conv", pads=[1, 1, 1, 1]),
         helper.make_node("Clip", ["c1", "lo", "hi"], ["r1"], name="relu6"),
@@ -28,13 +29,16 @@ def every_kind_model(tmp_path):
         helper.make_node("Add", ["d2", "p1"], ["a3"], name="residual"),
         helper.make_node("Relu", ["a3"], ["r3"], name="relu"),
         helper.make_node("Conv", ["r3", "W4", "B4"], ["c4"], name="pointwise"),
-        helper.make_node("Concat", ["c4", "r3"], ["cat"], name="concat", axis=1),
+        helper.make_node("Split", ["r3", "sizes"], ["s1", "s2"], name="split", axis=1),
+        helper.make_node("Conv", ["s2", "W6", "B6"], ["c6"], name="branch"),
+        helper.make_node("Concat", ["c4", "c6", "s1"], ["cat"], name="concat", axis=1),
         helper.make_node("Flatten", ["cat"], ["flat"], name="flatten"),
         helper.make_node("Gemm", ["flat", "W5", "B5"], ["y"], name="fc", transB=1),
     ]
     initializers = {"W1": rng_weights(0, 4, 3, 3, 3), "B1": rng_weights(1, 4), "lo": np.float32(0),
                     "hi": np.float32(6), "W2": rng_weights(2, 4, 1, 3, 3), "B2": rng_weights(3, 4),
-                    "W4": rng_weights(4, 2, 4, 1, 1), "B4": rng_weights(5, 2), "W5": rng_weights(6, 5, 6 * 3 * 3),
+                    "W4": rng_weights(4, 2, 4, 1, 1), "B4": rng_weights(5, 2), "W5": rng_weights(6, 5, 7 * 3 * 3),
+                    "sizes": np.array([1, 3], np.int64), "W6": rng_weights(8, 4, 3, 1, 1), "B6": rng_weights(9, 4),
                     "B5": rng_weights(7, 5)}
     model = make_model(nodes, [("x", ["N", 3, 5, 6])], [("y", ["N", 5])], initializers)
     return save(model, tmp_path / "every_kind.onnx")
@@ -60,7 +64,7 @@ def test_every_kernel_equals_its_twin(tmp_path, rounding, unsigned, overflow, ac
                                           acc_bits=acc_bits))
     program = api.compile(path, calibrated(path, x), target).program
     kinds = {instr["kind"] for instr in program.instructions}
-    assert {Kind.CONV_GEMM, Kind.DENSE_GEMM, Kind.ADD_GEMM, Kind.CONCAT, Kind.FLATTEN} <= kinds
+    assert {Kind.CONV_GEMM, Kind.DENSE_GEMM, Kind.ADD_GEMM, Kind.CONCAT, Kind.FLATTEN, Kind.CHANNEL_SLICE} <= kinds
     assert any(instr.get("window") for instr in program.instructions)
     run = Machine(program).run({"x": x}, dump=True)
     arithmetic = target.arithmetic

@@ -266,16 +266,46 @@ def lower_average_pool(graph: Graph, node: Node) -> Lowered:
                      dilations=node.attrs.get("dilations") or [1, 1])
 
 
+def lower_channel_window(graph: Graph, node: Node) -> Lowered:
+    """Split, or Slice, along the channels -> one ChannelSlice per output: the consumer reads a window of the
+    producer's channels at an offset, with no copy and no arithmetic. Which window each output is comes from
+    running the op itself (the float executor, ONNX semantics of every opset) on a tensor holding each
+    element's own index: an output is a window exactly when it equals input[:, start:start + count]."""
+    x = node.inputs[0]
+    shape = graph.tensors[x].shape
+    if shape is None or len(shape) < 2 or None in shape[1:]:
+        raise Unsupported(f"node '{node.name}' ({node.op}): needs an input with static dims after the batch")
+    operands = [None if not name else graph.constant_data(name) for name in node.inputs[1:]]
+    if any(name and value is None for name, value in zip(node.inputs[1:], operands)):
+        raise Unsupported(f"node '{node.name}' ({node.op}): its sizes or bounds are computed at run time")
+    index = np.arange(prod(shape[1:]), dtype=np.int64).reshape(1, *shape[1:])
+    from qdeploy.reference import run_node  # the float meaning of the op, so every opset's form is covered
+
+    windows = []
+    for name, part in zip(node.outputs, run_node(node, [index, *operands], graph.opset)):
+        if not name:
+            continue
+        count = part.shape[1] if part.ndim == index.ndim else 0
+        start = int(part.reshape(-1)[0]) // prod(shape[2:]) if part.size else 0
+        if count == 0 or part.shape[0] != 1 or not np.array_equal(part, index[:, start:start + count]):
+            raise Unsupported(f"node '{node.name}' ({node.op}): output '{name}' is not a window of the input's "
+                              f"channels")
+        windows.append((name, start, count))
+    nodes = [Node(node.name if len(windows) == 1 else f"{node.name}/{i}", Kind.CHANNEL_SLICE, [x], [name],
+                  {"start": start, "count": count}) for i, (name, start, count) in enumerate(windows)]
+    return Lowered(nodes)
+
+
 def identity_gemm(graph: Graph, node: Node) -> Lowered:
     """y = x through the GEMM unit (1x1 depthwise, weight 1), so that a standalone activation or MaxPool
-    can run in the output stage (fusion.py adds the epilogue)."""
+    can run in the output stage (passes.py fuse_epilogues adds the epilogue)."""
     x = node.inputs[0]
     channels = _channels(graph, node)
     return channel_affine(graph, node, x, np.ones(channels), np.zeros(channels))
 
 
-# What lowers to what (design.md section 4). Relu/Clip/LeakyRelu/MaxPool are epilogues: fusion.py merges
-# them into their producer; `identity_gemm` carries the ones that have no GEMM producer.
+# What lowers to what (design.md section 4). Relu/Clip/LeakyRelu/MaxPool are epilogues: passes.py
+# fuse_epilogues merges them into their producer; `identity_gemm` carries the ones that have no GEMM producer.
 LOWERING: dict[str, LoweringRule] = {
     "Conv": lower_conv,  # im2col + GEMM, grouped/depthwise as one GEMM per group
     "Gemm": lower_gemm,
@@ -287,5 +317,7 @@ LOWERING: dict[str, LoweringRule] = {
     "Div": lower_binary,
     "GlobalAveragePool": lower_global_average_pool,
     "AveragePool": lower_average_pool,
+    "Split": lower_channel_window,  # along the channels: read windows of the producer's buffer
+    "Slice": lower_channel_window,
 }
 EPILOGUE_OPS = {"Relu", "Clip", "LeakyRelu", "MaxPool"}

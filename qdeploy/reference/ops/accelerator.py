@@ -38,6 +38,11 @@ def DenseGemm(x, w, b, *, act_min=-np.inf, act_max=np.inf, act_max_channels=None
     return _epilogue(y, act_min, act_max, act_max_channels=act_max_channels)
 
 
+def ChannelSlice(x, *, start: int, count: int):
+    """y = x[:, start:start + count]: a window of the channels (a Split or channel Slice, lowered)."""
+    return x[:, start:start + count]
+
+
 def AddGemm(a, b, *, act_min=-np.inf, act_max=np.inf, **window):
     """y = window_max(clamp(a + b, act_min, act_max)): the GEMM with K = 2 per channel, [a b] . [1 1]^T."""
     return _epilogue(a + b, act_min, act_max, **window)

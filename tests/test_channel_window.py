@@ -1,0 +1,119 @@
+"""Split and Slice along the channels lower to ChannelSlice, a read window of the producer's buffer (no copy, no
+arithmetic): every opset's form of the two ops, checked against ONNX Runtime on the same file; the compiled
+program is bit-exact with ONNX Runtime through export-onnx; what is not a channel window stays on the host;
+a Split whose sizes do not add up is a one-line error."""
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import helper
+from typer.testing import CliRunner
+
+from builders import make_model, one_line_error, rng_weights, run_onnxruntime, save
+from calib.table import CalibrationTable, TensorRecord
+from isa.kinds import Kind
+from isa.target import Arithmetic, Target
+from qdeploy import api
+from qdeploy.cli import app
+from qdeploy.export_onnx import export_program
+from qdeploy.reference import run_graph
+from simulator.machine import Machine
+
+EXACT = Target(arithmetic=Arithmetic(rounding="float32_rne", act_min=-128))
+
+
+def split_node(opset: int, outputs: list[str]):
+    """Split of 'r' (8 channels) into 3 + 5 channels in the form of `opset`."""
+    if opset < 13:
+        return helper.make_node("Split", ["r"], outputs, name="split", axis=1, split=[3, 5]), {}
+    return helper.make_node("Split", ["r", "sizes"], outputs, name="split", axis=1), \
+        {"sizes": np.array([3, 5], np.int64)}
+
+
+def shuffle_unit(tmp_path, opset: int, use_slice: bool):
+    """A ShuffleNetV2-style unit: conv+ReLU -> channel split -> a branch conv on one part -> Concat with the
+    other part (as the network does before its channel shuffle) -> conv."""
+    nodes = [helper.make_node("Conv", ["x", "W1", "B1"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c"], ["r"], name="relu")]
+    extra = {}
+    if use_slice:  # Slice-13 with negative bounds and explicit axes/steps, as the dynamo exporter writes it
+        nodes += [helper.make_node("Slice", ["r", "s0", "e0", "ax", "st"], ["a"], name="slice_a"),
+                  helper.make_node("Slice", ["r", "s1", "e1", "ax", "st"], ["b"], name="slice_b")]
+        extra = {"s0": np.array([0], np.int64), "e0": np.array([3], np.int64), "s1": np.array([-5], np.int64),
+                 "e1": np.array([2 ** 62], np.int64), "ax": np.array([1], np.int64), "st": np.array([1], np.int64)}
+    else:
+        node, extra = split_node(opset, ["a", "b"])
+        nodes.append(node)
+    nodes += [helper.make_node("Conv", ["b", "W2", "B2"], ["d"], name="branch"),
+              helper.make_node("Relu", ["d"], ["e"], name="branch_relu"),
+              helper.make_node("Concat", ["a", "e"], ["cat"], name="concat", axis=1),
+              helper.make_node("Conv", ["cat", "W3", "B3"], ["y"], name="head")]
+    initializers = {"W1": rng_weights(0, 8, 3, 3, 3), "B1": rng_weights(1, 8), "W2": rng_weights(2, 5, 5, 1, 1),
+                    "B2": rng_weights(3, 5), "W3": rng_weights(4, 4, 8, 1, 1), "B3": rng_weights(5, 4), **extra}
+    model = make_model(nodes, [("x", ["N", 3, 6, 7])], [("y", ["N", 4, 6, 7])], initializers, opset=opset)
+    return save(model, tmp_path / f"shuffle_{opset}_{use_slice}.onnx")
+
+
+def images(n: int) -> np.ndarray:
+    return np.random.default_rng(11).standard_normal((n, 3, 6, 7)).astype(np.float32)
+
+
+@pytest.mark.parametrize("opset,use_slice", [(11, False), (13, False), (18, False), (17, True)])
+def test_split_and_slice_become_channel_windows_equal_to_onnxruntime(tmp_path, opset, use_slice):
+    path = shuffle_unit(tmp_path, opset, use_slice)
+    lowering = api.lower_model(path)
+    assert lowering.host_ops == [] and lowering.gemm_mac_fraction == 1.0
+    windows = [(step["name"], step["kind"]) for step in lowering.layout]
+    assert [kind for _, kind in windows].count(Kind.CHANNEL_SLICE) == 2
+    slices = {n.outputs[0]: n.attrs for n in lowering.graph.nodes if n.op == Kind.CHANNEL_SLICE}
+    assert slices == {"a": {"start": 0, "count": 3}, "b": {"start": 3, "count": 5}}
+    x = images(3)
+    (expected,) = run_onnxruntime(path, {"x": x})
+    got = api.run(path, x, lowered=True)["y"]
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * float(np.max(np.abs(expected))))
+
+
+def test_compiled_windows_are_bit_exact_with_onnxruntime(tmp_path):
+    path = shuffle_unit(tmp_path, 13, False)
+    x = images(4)
+    lowering = api.lower_model(path)
+    names = [n for n, t in lowering.graph.tensors.items() if not t.is_constant]
+    values = run_graph(lowering.graph, {"x": x}, names)
+    table = CalibrationTable({n: TensorRecord(n, "max", float(np.max(np.abs(v)))) for n, v in values.items()},
+                             "max", 0)
+    program = api.compile(path, table, EXACT).program
+    assert [i["kind"] for i in program.instructions].count(Kind.CHANNEL_SLICE) == 2
+    exported = export_program(program, tensor_outputs=True)
+    options = ort.SessionOptions()
+    session = ort.InferenceSession(exported.model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    theirs = dict(zip([o.name for o in session.get_outputs()], session.run(None, {"x": x})))
+    ours = Machine(program).run({"x": x}, dump=True).tensors
+    for tensor, onnx_name in exported.tensor_names.items():
+        np.testing.assert_array_equal(ours[tensor], theirs[onnx_name], err_msg=tensor)
+    batch7 = Machine(program).run({"x": images(7)}).outputs["y"]  # any batch, and each sample alone
+    assert np.array_equal(batch7[:4], Machine(program).run({"x": images(7)[:4]}).outputs["y"])
+
+
+def test_a_slice_that_is_not_a_channel_window_stays_on_the_host(tmp_path):
+    nodes = [helper.make_node("Conv", ["x", "W", "B"], ["c"], name="conv"),
+             helper.make_node("Slice", ["c", "s", "e", "ax", "st"], ["y"], name="every_other_channel")]
+    model = make_model(nodes, [("x", ["N", 3, 4, 4])], [("y", ["N", 2, 4, 4])],
+                       {"W": rng_weights(0, 4, 3, 1, 1), "B": rng_weights(1, 4), "s": np.array([0], np.int64),
+                        "e": np.array([4], np.int64), "ax": np.array([1], np.int64), "st": np.array([2], np.int64)})
+    lowering = api.lower_model(save(model, tmp_path / "strided.onnx"))
+    assert [(h.node, h.op) for h in lowering.host_ops] == [("every_other_channel", "Slice")]
+    assert "output 'y' is not a window of the input's channels" in lowering.host_ops[0].reason
+
+
+def test_a_split_whose_sizes_do_not_add_up_is_one_line(tmp_path):
+    node, extra = split_node(13, ["a", "b"])
+    extra["sizes"] = np.array([3, 4], np.int64)
+    nodes = [helper.make_node("Conv", ["x", "W1", "B1"], ["c"], name="conv"),
+             helper.make_node("Relu", ["c"], ["r"], name="relu"), node]
+    model = make_model(nodes, [("x", ["N", 3, 4, 4])], [("a", ["N", 3, 4, 4]), ("b", ["N", 4, 4, 4])],
+                       {"W1": rng_weights(0, 8, 3, 1, 1), "B1": rng_weights(1, 8), **extra})
+    path = save(model, tmp_path / "bad_split.onnx")
+    result = CliRunner().invoke(app, ["inspect", str(path), "--lowered"])
+    assert result.exit_code == 2
+    message = one_line_error(result, "bad_split.onnx", "node 'split' (Split)")
+    assert message.endswith("split [3, 4] does not add up to the size 8 of axis 1"), message
