@@ -1,0 +1,168 @@
+"""The golden programs: small networks built here (onnx.helper, seeded weights), calibrated and compiled with
+pinned settings. `python tests/golden/programs.py` writes their fingerprints to tests/golden/fingerprints.json
+and one whole program to tests/golden/residual_half_up.qdp; tests/test_golden_programs.py recompiles and must
+find every integer, every array byte and every simulator output identical. Regenerate only when a change is
+meant to change the integers, and say so in the commit.
+
+This module uses only the public API (qdeploy.api, qdeploy.calibration, qdeploy.program, the simulator's
+Machine), so the same file regenerates the fingerprints on any revision of the code."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+HERE = Path(__file__).resolve().parent
+FINGERPRINTS = HERE / "fingerprints.json"
+WHOLE_PROGRAM = HERE / "residual_half_up.qdp"
+
+
+def _weights(seed: int, *shape: int, scale: float = 0.5) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(np.float32)
+
+
+def _model(nodes, inputs, outputs, initializers) -> onnx.ModelProto:
+    graph = helper.make_graph(nodes, "golden",
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in inputs],
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in outputs],
+                              [numpy_helper.from_array(np.asarray(v), name=k) for k, v in initializers.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+def residual_net() -> onnx.ModelProto:
+    """Conv+BN+ReLU6+MaxPool(ceil) -> depthwise -> residual Add+ReLU -> 1x1 conv -> Concat -> GAP -> Gemm."""
+    n = helper.make_node
+    nodes = [n("Conv", ["x", "W1", "B1"], ["c1"], name="conv1", pads=[1, 1, 1, 1], strides=[1, 1]),
+             n("BatchNormalization", ["c1", "g", "b", "m", "v"], ["n1"], name="bn1"),
+             n("Clip", ["n1", "lo", "hi"], ["r1"], name="relu6"),
+             n("MaxPool", ["r1"], ["p1"], name="pool", kernel_shape=[3, 3], strides=[2, 2], ceil_mode=1),
+             n("Conv", ["p1", "W2", "B2"], ["d2"], name="depthwise", group=8, pads=[1, 1, 1, 1]),
+             n("Add", ["d2", "p1"], ["a3"], name="residual"),
+             n("Relu", ["a3"], ["r3"], name="relu"),
+             n("Conv", ["r3", "W4", "B4"], ["c4"], name="pointwise"),
+             n("Concat", ["c4", "r3"], ["cat"], name="concat", axis=1),
+             n("GlobalAveragePool", ["cat"], ["gap"], name="gap"),
+             n("Flatten", ["gap"], ["flat"], name="flatten"),
+             n("Gemm", ["flat", "W5", "B5"], ["y"], name="fc", transB=1)]
+    inits = {"W1": _weights(1, 8, 3, 3, 3), "B1": _weights(2, 8), "g": 1 + _weights(3, 8, scale=0.1),
+             "b": _weights(4, 8, scale=0.1), "m": _weights(5, 8, scale=0.1), "v": 1 + np.abs(_weights(6, 8)),
+             "lo": np.float32(0), "hi": np.float32(6), "W2": _weights(7, 8, 1, 3, 3), "B2": _weights(8, 8),
+             "W4": _weights(9, 6, 8, 1, 1), "B4": _weights(10, 6), "W5": _weights(11, 10, 14),
+             "B5": _weights(12, 10)}
+    return _model(nodes, [("x", ["N", 3, 12, 11])], [("y", ["N", 10])], inits)
+
+
+def inverted_residual_net() -> onnx.ModelProto:
+    """MobileNetV2-style expand (ReLU6) -> depthwise (ReLU6) -> project, calibrated with equalization: the
+    equalized ReLU6 gets per-channel upper bounds (clamp_hi)."""
+    n = helper.make_node
+    nodes = [n("Conv", ["x", "W1", "B1"], ["e"], name="expand"),
+             n("Clip", ["e", "lo", "hi"], ["e6"], name="expand_relu6"),
+             n("Conv", ["e6", "W2", "B2"], ["d"], name="depthwise", group=12, pads=[1, 1, 1, 1], strides=[2, 2]),
+             n("Clip", ["d", "lo", "hi"], ["d6"], name="depthwise_relu6"),
+             n("Conv", ["d6", "W3", "B3"], ["y"], name="project")]
+    inits = {"W1": _weights(21, 12, 4, 1, 1), "B1": _weights(22, 12), "lo": np.float32(0), "hi": np.float32(6),
+             "W2": _weights(23, 12, 1, 3, 3) * np.linspace(0.1, 3, 12, dtype=np.float32).reshape(12, 1, 1, 1),
+             "B2": _weights(24, 12), "W3": _weights(25, 5, 12, 1, 1), "B3": _weights(26, 5)}
+    return _model(nodes, [("x", ["N", 4, 9, 9])], [("y", ["N", 5, 5, 5])], inits)
+
+
+def host_op_net() -> onnx.ModelProto:
+    """A conv, a Sigmoid that stays on the host, a conv: compiled with host fallback."""
+    n = helper.make_node
+    nodes = [n("Conv", ["x", "W1", "B1"], ["c"], name="conv1", pads=[1, 1, 1, 1]),
+             n("Sigmoid", ["c"], ["s"], name="sigmoid"),
+             n("Conv", ["s", "W2", "B2"], ["y"], name="conv2")]
+    inits = {"W1": _weights(31, 4, 2, 3, 3), "B1": _weights(32, 4), "W2": _weights(33, 3, 4, 1, 1),
+             "B2": _weights(34, 3)}
+    return _model(nodes, [("x", ["N", 2, 6, 6])], [("y", ["N", 3, 6, 6])], inits)
+
+
+def _target(api, **arithmetic):
+    """A Target with these arithmetic keys, through the public API's target-file reader."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "target.toml"
+        path.write_text("[arithmetic]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in arithmetic.items()))
+        return api.load_target_file(path)
+
+
+# name -> (model builder, input shape, calibration method, equalize, target keys, compile options)
+CASES = {
+    "residual_half_up": (residual_net, (3, 12, 11), "kl", False, {}, {}),
+    "residual_float32_rne_unsigned": (residual_net, (3, 12, 11), "kl", False,
+                                      {"rounding": "float32_rne", "act_min": -128, "unsigned_activations": True}, {}),
+    "residual_tflite_saturate_per_tensor": (residual_net, (3, 12, 11), "percentile", False,
+                                            {"rounding": "tflite", "overflow": "saturate", "acc_bits": 24},
+                                            {"per_tensor": True}),
+    "inverted_residual_equalized_half_even": (inverted_residual_net, (4, 9, 9), "mse", True,
+                                              {"rounding": "half_even"}, {}),
+    "host_op_half_away": (host_op_net, (2, 6, 6), "max", False, {"rounding": "half_away"},
+                          {"allow_host_fallback": True}),
+}
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def calibration_images(shape: tuple[int, ...]) -> np.ndarray:
+    return np.random.default_rng(100).standard_normal((16, *shape)).astype(np.float32)
+
+
+def evaluation_images(shape: tuple[int, ...]) -> np.ndarray:
+    return np.random.default_rng(200).standard_normal((5, *shape)).astype(np.float32)
+
+
+def compile_case(name: str, folder: Path) -> Path:
+    """Calibrate and compile one case into folder/<name>.qdp; returns the path."""
+    from qdeploy import api
+    from qdeploy.calibration import calibrate
+
+    build, shape, method, equalize, keys, options = CASES[name]
+    model = folder / f"{name}.onnx"
+    onnx.save(build(), str(model))
+    table = calibrate(model, calibration_images(shape), method, num_samples=16, batch_size=8,
+                      equalize=equalize).table
+    output = folder / f"{name}.qdp"
+    api.compile(model, table, _target(api, **keys), output=output, **options)
+    return output
+
+
+def fingerprint(program_path: Path, shape: tuple[int, ...]) -> dict:
+    """Every manifest field of every instruction and tensor, the SHA-256 of every array's bytes (with dtype and
+    shape), and the SHA-256 of the simulator's integer outputs on the evaluation images."""
+    from qdeploy import api
+    from qdeploy.program import read_program
+
+    program = read_program(program_path)
+    arrays = {name: {"dtype": str(a.dtype), "shape": list(a.shape), "sha256": _sha(np.ascontiguousarray(a).tobytes())}
+              for name, a in sorted(program.arrays.items())}
+    outputs = api.run(program, evaluation_images(shape))
+    manifest = {k: v for k, v in program.manifest.items() if k not in ("arrays", "toolkit_version")}
+    return {"manifest": json.loads(json.dumps(manifest, sort_keys=True)), "arrays": arrays,
+            "outputs": {name: _sha(np.ascontiguousarray(y).tobytes()) for name, y in sorted(outputs.items())}}
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory() as folder:
+        prints = {}
+        for name, case in CASES.items():
+            path = compile_case(name, Path(folder))
+            prints[name] = fingerprint(path, case[1])
+            if path.name == WHOLE_PROGRAM.name:
+                WHOLE_PROGRAM.write_bytes(path.read_bytes())
+    FINGERPRINTS.write_text(json.dumps(prints, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {FINGERPRINTS} ({len(prints)} programs) and {WHOLE_PROGRAM}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
