@@ -1,11 +1,12 @@
 """The target's parameters as a C header (`#define`) or a SystemVerilog header (`localparam`), so the RTL, its
 testbench and this model read one target.toml (docs/hardware.md, "Target header").
 
-Every key of config.Target becomes `ACCEL_<KEY>` (upper case; the key names are unique across tables):
+Every key of isa.target.Target becomes `ACCEL_<KEY>` (upper case; the key names are unique across tables):
 integers as integers (C: negative ones in parentheses, `LL` suffix beyond 32 bits; SV: `int`, or `longint`
 beyond 32 bits), numbers as reals
-(`repr` of the float, which reads back to the same double), booleans as 0/1 (SV `bit`), and the two enums
-(overflow, rounding) as their index in config.Overflow / config.Rounding with one `ACCEL_<KEY>_<MEMBER>`
+(`repr` of the float, which reads back to the same double), booleans as 0/1 (SV `bit`), strings as C string
+literals or SV packed character arrays (`localparam [8*n-1:0]`, which Icarus Verilog accepts), and the two enums
+(overflow, rounding) as their index in isa.target.Overflow / Rounding with one `ACCEL_<KEY>_<MEMBER>`
 constant per member and the name as a string in `ACCEL_<KEY>_NAME`. Derived values (bank sizes, buffer sizes,
 vector word widths) follow, marked as derived: they are computed from the keys above them.
 """
@@ -72,7 +73,10 @@ def _sv_declaration(name: str, value: object) -> str:
         return f"localparam {kind} {name} = {value};"
     if isinstance(value, float):
         return f"localparam real {name} = {value!r};"
-    return f'localparam string {name} = "{value}";'
+    # A packed array of 8-bit characters, not the `string` type: Icarus Verilog (11) and other Verilog-2005 tools
+    # reject `localparam string`, and $display("%s", ...) prints either.
+    text = str(value)
+    return f'localparam [8*{len(text)}-1:0] {name} = "{text}";'
 
 
 def render_header(target: Target, language: str, source: str = "target.toml") -> str:

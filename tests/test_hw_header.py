@@ -72,8 +72,9 @@ def parse_c(text: str) -> dict[str, object]:
 
 def parse_sv(text: str) -> dict[str, object]:
     values = {}
-    for kind, name, literal in re.findall(r"^localparam (\w+) (ACCEL_\w+) = (.+?);", text, re.M):
-        if kind == "string":
+    for kind, name, literal in re.findall(r"^localparam (\w+|\[8\*\d+-1:0\]) (ACCEL_\w+) = (.+?);", text, re.M):
+        if kind.startswith("[8*"):  # a packed array of characters: a string
+            assert int(kind[3:].split("-")[0]) == len(literal.strip('"'))
             values[name] = literal.strip('"')
         elif kind == "real":
             values[name] = float(literal)
@@ -154,6 +155,29 @@ def test_c_header_compiles_and_prints_the_same_values(tmp_path):
                    check=True, cwd=tmp_path)
     out = subprocess.run([str(tmp_path / "main")], check=True, capture_output=True, text=True).stdout.split()
     assert out == ["32", "-128", "524288", "8.5", "812.5", "half_even", "1", "250"]
+
+
+@pytest.mark.parametrize("case", sorted(TOMLS))
+def test_sv_header_compiles_in_icarus_and_prints_the_same_values(tmp_path, case):
+    """The .svh compiles with `iverilog -g2012` (Debian's iverilog 11), and a module that includes it prints the
+    values the TOML holds."""
+    if shutil.which("iverilog") is None or shutil.which("vvp") is None:
+        pytest.skip("Icarus Verilog is not installed (apt-get install iverilog)")
+    (tmp_path / "target.toml").write_text(TOMLS[case])
+    assert runner.invoke(app, ["target", "header", str(tmp_path / "target.toml"), "-o",
+                               str(tmp_path / "accel_params.svh")]).exit_code == 0
+    (tmp_path / "top.sv").write_text(
+        '`include "accel_params.svh"\nmodule top;\n  initial $display("%0d %0d %0d %s %0d %0.17g", ACCEL_ROWS, '
+        'ACCEL_ACT_MIN, ACCEL_SCRATCHPAD_BYTES, ACCEL_ROUNDING_NAME, ACCEL_ROUNDING == ACCEL_ROUNDING_HALF_EVEN, '
+        'ACCEL_CLOCK_MHZ);\nendmodule\n')
+    subprocess.run(["iverilog", "-g2012", "-o", str(tmp_path / "top.vvp"), str(tmp_path / "top.sv")],
+                   check=True, cwd=tmp_path, capture_output=True, text=True)
+    out = subprocess.run(["vvp", "-n", str(tmp_path / "top.vvp")], check=True, capture_output=True,
+                         text=True).stdout.split()
+    target = load_target(tmp_path / "target.toml")
+    assert out[:5] == [str(target.array.rows), str(target.arithmetic.act_min), str(target.array.scratchpad_bytes),
+                       str(target.arithmetic.rounding), str(int(target.arithmetic.rounding == Rounding.HALF_EVEN))]
+    assert float(out[5]) == target.array.clock_mhz
 
 
 def test_header_errors_exit_2(tmp_path):
