@@ -143,15 +143,15 @@ class Machine:
             args = [env[name] for name in instr["inputs"]]
             if instr["kind"] == Kind.CONV_GEMM:
                 out, acc, count = self._conv(instr, args[0])  # acc (N, OH*OW, M), maybe a scratch view
-                if dump:
-                    acc = np.ascontiguousarray(acc).reshape(-1, acc.shape[-1])
+                if dump:  # a copy: ascontiguousarray returns a contiguous scratch view itself, later overwritten
+                    acc = np.array(acc, order="C").reshape(-1, acc.shape[-1])
             else:
                 out, acc, count = self.execute(instr, args)
             env[instr["output"]] = out
             if count is not None:
                 events[instr["name"]] = count
             if dump and acc is not None:
-                accumulators[instr["name"]] = acc
+                accumulators[instr["name"]] = acc if instr["kind"] == Kind.CONV_GEMM else np.array(acc)
             if profile:
                 seconds[instr["name"]] = time.thread_time() - start
             if not dump:
@@ -236,7 +236,7 @@ class Machine:
     def conv_gemm(self, instr: dict, args: list[np.ndarray]):
         """(y NCHW, acc (N*OH*OW, M) before requantization, events)."""
         y, acc, events = self._conv(instr, args[0])
-        return y, np.ascontiguousarray(acc).reshape(-1, acc.shape[-1]), events
+        return y, np.array(acc, order="C").reshape(-1, acc.shape[-1]), events  # a copy: acc may be scratch
 
     def _conv(self, instr: dict, x: np.ndarray):
         """(y NCHW, acc (N, OH*OW, M), events). acc of the depthwise and planar methods is a view of NCHW-ordered

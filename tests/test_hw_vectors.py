@@ -388,3 +388,30 @@ def test_stress_vectors_hit_the_edges_and_match_the_kernels(tmp_path, name):
     dump = tmp_path / "dump"
     dump_of(vec, dump, manifest)
     assert runner.invoke(app, ["vectors", "compare", str(vec), str(dump)]).exit_code == 0
+
+
+def test_an_add_of_a_signed_and_an_unsigned_tensor_exports_16_bit_inputs(tmp_path):
+    """With unsigned activations a residual add may read an int8 tensor and a uint8 one (a ReLU'd branch): its
+    input rows [a, b] need 16-bit elements (the export failed: 'values -123..255 do not fit 8-bit signed')."""
+    import sys
+
+    import onnx
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "golden"))
+    import programs
+    from simulator.vectors import export_vectors
+
+    (tmp_path / "t.toml").write_text('[arithmetic]\nunsigned_activations = true\n')
+    onnx.save(programs.residual_net(), str(tmp_path / "net.onnx"))
+    table = calibrate(tmp_path / "net.onnx", programs.calibration_images((3, 12, 11)), "kl", num_samples=16).table
+    program = api.compile(tmp_path / "net.onnx", table, tmp_path / "t.toml").program
+    (add,) = [i for i in program.instructions if i["kind"] == "AddGemm"]
+    assert {program.tensors[name]["dtype"] for name in add["inputs"]} == {"int8", "uint8"}
+    manifest = export_vectors(program, {"x": programs.evaluation_images((3, 12, 11))}, tmp_path / "vec").manifest
+    (layer,) = [layer for layer in manifest["layers"] if layer["kind"] == "AddGemm"]
+    record = layer["files"]["input"]
+    assert (record["bits"], record["signed"]) == (16, True)
+    values = read_hex(tmp_path / "vec" / record["hex"], record)
+    assert values.min() < 0 and values.max() > 127  # both tensors' ranges, exactly
+    np.testing.assert_array_equal(values.reshape(np.load(tmp_path / "vec" / record["npy"]).shape),
+                                  np.load(tmp_path / "vec" / record["npy"]))

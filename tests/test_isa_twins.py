@@ -14,6 +14,7 @@ from qdeploy import api
 from simulator import reference
 from qdeploy.reference import run_graph
 from simulator.machine import Machine
+from simulator.vectors import export_vectors
 
 ROUNDINGS = ["half_up", "half_away", "half_even", "tflite", "float32_rne"]
 
@@ -83,3 +84,19 @@ def test_a_kind_without_a_twin_is_named():
         reference.run_instruction(host, [], {}, Arithmetic(), np.int8)
     with pytest.raises(ValueError, match="unknown instruction kind 'Lut'"):
         reference.run_instruction({**host, "kind": "Lut"}, [], {}, Arithmetic(), np.int8)
+
+
+def test_dumped_accumulators_survive_later_instructions_at_batch_one(tmp_path):
+    """dump=True keeps each instruction's accumulators as they were: at batch 1 the planar GEMM's result is a
+    contiguous view of this thread's scratch memory, which later kernels overwrite; the vectors export runs a
+    windowed layer again after the run, so a dense layer's acc.hex held a convolution's sums (found by the
+    reference RTL, tests/test_rtl.py)."""
+    path = every_kind_model(tmp_path)
+    x = np.random.default_rng(8).standard_normal((1, 3, 5, 6)).astype(np.float32)
+    program = api.compile(path, calibrated(path, x), Target()).program
+    manifest = export_vectors(program, {"x": x}, tmp_path / "vec").manifest
+    (fc,) = [layer for layer in manifest["layers"] if layer["kind"] == Kind.DENSE_GEMM]
+    folder = tmp_path / "vec" / fc["dir"]
+    x_fc, weight = np.load(folder / "input.npy")[0].astype(np.int64), np.load(folder / "weight.npy")[0]
+    expected = x_fc @ weight.astype(np.int64) + np.load(folder / "bias.npy")
+    np.testing.assert_array_equal(np.load(folder / "acc.npy"), expected)

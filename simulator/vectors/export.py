@@ -181,7 +181,9 @@ class Writer:
         shape = vectors.shape
         g, m, k = vectors.input.shape
         ng = vectors.weight.shape[2]
-        act_bits = 8
+        # int8 or uint8; an AddGemm of a signed and an unsigned tensor (unsigned activations) streams both in
+        # one matrix, int16 then, so its elements take 16 bits
+        act_bits = 8 * vectors.input.dtype.itemsize
         act_signed = vectors.input.dtype != np.uint8
         acc_bits = 8 * acc_element_bytes(arithmetic.acc_bits)
         files: dict[str, dict] = {}

@@ -1,0 +1,121 @@
+// qdeploy reference testbench: runs one layer of a golden-vectors directory (docs/hardware.md section 3) through
+// the GEMM tile and the output stage, and writes acc.hex and out.hex in the same format for
+// `qdeploy vectors compare`. Plain $readmemh / $writememh: no Python needed in the simulator. The layer's
+// geometry comes as plusargs (hw/rtl.py reads them from the vectors manifest):
+//   +dir=<layer dir> +dump=<dump layer dir> +G=<groups> +M=<m> +N=<n> +K=<k> +WBITS=<8|16> +INBITS=<8|16>
+//   +UNSIGNED=<0|1>
+//   +LO=<clamp lo> +HI=<clamp hi> +CLAMP_HI=<0|1>
+// ROUNDING defaults to the target's; overriding it (iverilog -Ptb_layer.ROUNDING=n) simulates a wrong design.
+`include "accel_params.svh"
+`include "qdeploy_arith.svh"
+
+module tb_layer;
+  parameter int ROUNDING = ACCEL_ROUNDING;
+  localparam int R = ACCEL_ROWS, C = ACCEL_COLS, AB = ACCEL_ACC_ELEMENT_BITS;
+  localparam int MAX_WORDS = 1 << 18;
+
+  logic [R*8-1:0]   input_mem [0:MAX_WORDS-1];
+  logic [R*16-1:0]  input16   [0:MAX_WORDS-1];  // an add of a signed and an unsigned tensor: int16 elements
+  logic [C*8-1:0]   weight8   [0:MAX_WORDS-1];
+  logic [C*16-1:0]  weight16  [0:MAX_WORDS-1];
+  logic [C*32-1:0]  bias_mem  [0:4095], mult_mem [0:4095], shift_mem [0:4095], scale_mem [0:4095];
+  logic [C*16-1:0]  clamp_hi_mem [0:4095];
+  logic [C*AB-1:0]  acc_mem   [0:MAX_WORDS-1];
+  logic [C*8-1:0]   out_mem   [0:MAX_WORDS-1];
+
+  logic [R*17-1:0]   x;
+  logic [R*C*17-1:0] w;
+  logic [C*128-1:0]  acc_in, acc_out;
+  qdeploy_gemm_tile tile (.x(x), .w(w), .acc_in(acc_in), .acc_out(acc_out));
+
+  string dir, dump;
+  int G, M, N, K, WBITS, INBITS, UNSIGNED, LO, HI, HAS_CLAMP_HI;
+
+  function automatic int words(input int count, input int per_word);
+    return (count + per_word - 1) / per_word;
+  endfunction
+
+  // element `index` of a 1 x G*N per-channel file (bias, mult, shift: signed; scale: float32 bits)
+  function automatic wide_t element32(input int which, input int index);  // bias, mult, shift, scale
+    logic [31:0] bits;
+    wide_t value;
+    case (which)
+      0: bits = bias_mem[index / C][(index % C)*32 +: 32];
+      1: bits = mult_mem[index / C][(index % C)*32 +: 32];
+      2: bits = shift_mem[index / C][(index % C)*32 +: 32];
+      default: bits = scale_mem[index / C][(index % C)*32 +: 32];
+    endcase
+    if (which == 3) value = {96'b0, bits};
+    else value = $signed(bits);
+    return value;
+  endfunction
+
+  initial begin
+    wide_t acc, y;
+    logic [31:0] scale;
+    int shift;
+    int channel, hi_channel, k_words, n_words, gn_words;
+    if (!$value$plusargs("dir=%s", dir) || !$value$plusargs("dump=%s", dump) || !$value$plusargs("G=%d", G) ||
+        !$value$plusargs("M=%d", M) || !$value$plusargs("N=%d", N) || !$value$plusargs("K=%d", K) ||
+        !$value$plusargs("WBITS=%d", WBITS) || !$value$plusargs("INBITS=%d", INBITS) ||
+        !$value$plusargs("UNSIGNED=%d", UNSIGNED) ||
+        !$value$plusargs("LO=%d", LO) || !$value$plusargs("HI=%d", HI) ||
+        !$value$plusargs("CLAMP_HI=%d", HAS_CLAMP_HI)) begin
+      $display("tb_layer: missing plusargs"); $finish;
+    end
+    k_words = words(K, R); n_words = words(N, C); gn_words = words(G * N, C);
+    if (INBITS == 16) $readmemh({dir, "/input.hex"}, input16); else $readmemh({dir, "/input.hex"}, input_mem);
+    if (WBITS == 16) $readmemh({dir, "/weight.hex"}, weight16); else $readmemh({dir, "/weight.hex"}, weight8);
+    $readmemh({dir, "/bias.hex"}, bias_mem);
+    $readmemh({dir, "/mult.hex"}, mult_mem);
+    $readmemh({dir, "/shift.hex"}, shift_mem);
+    $readmemh({dir, "/scale_f32.hex"}, scale_mem);
+    if (HAS_CLAMP_HI) $readmemh({dir, "/clamp_hi.hex"}, clamp_hi_mem);
+    for (int g = 0; g < G; g++)
+      for (int nt = 0; nt < n_words; nt++)
+        for (int i = 0; i < M; i++) begin
+          acc_in = '0;
+          for (int kt = 0; kt < k_words; kt++) begin  // k-tiles in order: the accumulator passes through
+            for (int r = 0; r < R; r++) begin
+              logic [7:0] byte_in;
+              logic [15:0] half_in;
+              byte_in = input_mem[(g*M + i)*k_words + kt][r*8 +: 8];
+              half_in = input16[(g*M + i)*k_words + kt][r*16 +: 16];
+              if (INBITS == 16) x[r*17 +: 17] = {half_in[15], half_in};
+              else x[r*17 +: 17] = UNSIGNED ? {9'b0, byte_in} : {{9{byte_in[7]}}, byte_in};
+              for (int c = 0; c < C; c++) begin
+                int row;
+                row = g*K + kt*R + r;
+                if (kt*R + r >= K) w[(r*C + c)*17 +: 17] = '0;
+                else if (WBITS == 16) w[(r*C + c)*17 +: 17] = {weight16[row*n_words + nt][c*16 + 15],
+                                                               weight16[row*n_words + nt][c*16 +: 16]};
+                else w[(r*C + c)*17 +: 17] = {{9{weight8[row*n_words + nt][c*8 + 7]}},
+                                              weight8[row*n_words + nt][c*8 +: 8]};
+              end
+            end
+            #1 acc_in = acc_out;
+          end
+          for (int c = 0; c < C && nt*C + c < N; c++) begin
+            channel = g*N + nt*C + c;
+            acc = $signed(acc_in[c*128 +: 128]);
+            acc = acc_add(acc, element32(0, channel), ACCEL_ACC_BITS,
+                          ACCEL_OVERFLOW == ACCEL_OVERFLOW_SATURATE);  // the bias, added last
+            hi_channel = HAS_CLAMP_HI ? $signed(clamp_hi_mem[channel / C][(channel % C)*16 +: 16]) : HI;
+            shift = element32(2, channel);
+            scale = element32(3, channel);
+            y = output_stage(acc, element32(1, channel), shift, scale, ROUNDING, LO, HI, hi_channel);
+            acc_mem[i*gn_words + channel / C][(channel % C)*AB +: AB] = acc[AB-1:0];
+            out_mem[i*gn_words + channel / C][(channel % C)*8 +: 8] = y[7:0];
+          end
+        end
+    for (int i = 0; i < M * gn_words; i++) begin  // padding lanes of the last word of a row are zero
+      for (int lane = 0; lane < C; lane++) if ((i % gn_words)*C + lane >= G*N) begin
+        acc_mem[i][lane*AB +: AB] = '0;
+        out_mem[i][lane*8 +: 8] = '0;
+      end
+    end
+    $writememh({dump, "/acc.hex"}, acc_mem, 0, M*gn_words - 1);
+    $writememh({dump, "/out.hex"}, out_mem, 0, M*gn_words - 1);
+    $finish;
+  end
+endmodule
