@@ -4,7 +4,8 @@
     python hw/rtl.py VECTORS_DIR DUMP_DIR [--rounding MODE]
 
 builds the testbench once for the vectors' target (its header from `simulator/header.py`), runs it on every
-layer whose output stage the RTL implements, and writes acc.hex and out.hex under DUMP_DIR/layers/<dir>/.
+layer whose output stage the RTL implements, and writes acc.hex and out.hex (and stored.hex after a fused
+window-max) under DUMP_DIR/layers/<dir>/.
 `--rounding` builds the RTL with another rounding mode than the vectors' target: a deliberately wrong design,
 whose mismatches `vectors compare` then locates. Needs `iverilog` and `vvp` (Debian: apt-get install iverilog).
 """
@@ -63,6 +64,23 @@ def why_not(layer: dict) -> str | None:
     return None
 
 
+def window_args(layer: dict) -> list[str]:
+    """The plusargs of a fused window-max: output grid, window, pooled size (isa/geometry.py)."""
+    from isa.geometry import pool_output_size
+
+    window = layer.get("window")
+    if not window:
+        return []
+    batch, _, height, width = layer["output_grid"]
+    (kh, kw), (sh, sw), (pt, pl, pb, pr), (dh, dw) = (window[key] for key in ("kernel", "strides", "pads",
+                                                                                  "dilations"))
+    pooled = [pool_output_size(height, kh, sh, pt, pb, dh, bool(window["ceil_mode"])),
+              pool_output_size(width, kw, sw, pl, pr, dw, bool(window["ceil_mode"]))]
+    values = {"WINDOW": 1, "NB": batch, "OH": height, "OW": width, "KH": kh, "KW": kw, "SH": sh, "SW": sw,
+              "PT": pt, "PL": pl, "PB": pb, "PR": pr, "DH": dh, "DW": dw, "POH": pooled[0], "POW": pooled[1]}
+    return [f"+{key}={value}" for key, value in values.items()]
+
+
 def run(vectors: str | Path, dump: str | Path, rounding: str | None = None) -> RtlRun:
     """Run every layer of `vectors` through the RTL, writing the dumps under `dump`."""
     vectors, dump = Path(vectors), Path(dump)
@@ -83,7 +101,8 @@ def run(vectors: str | Path, dump: str | Path, rounding: str | None = None) -> R
                     f"+N={layer['n']}", f"+K={layer['k']}", f"+WBITS={files['weight']['bits']}",
                     f"+INBITS={files['input']['bits']}",
                     f"+UNSIGNED={int(not files['input']['signed'])}", f"+LO={low}", f"+HI={high}",
-                    f"+CLAMP_HI={int('clamp_hi' in files)}"]
+                    f"+CLAMP_HI={int('clamp_hi' in files)}", f"+SIGNED_OUT={int(files['out']['signed'])}",
+                    *window_args(layer)]
             result = subprocess.run(["vvp", "-n", str(simulation), *args], capture_output=True, text=True)
             if result.returncode or not (out_dir / "out.hex").exists():
                 raise RtlError(f"vvp failed on {layer['dir']}: {(result.stderr or result.stdout).strip()[-300:]}")

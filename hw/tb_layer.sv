@@ -4,7 +4,9 @@
 // geometry comes as plusargs (hw/rtl.py reads them from the vectors manifest):
 //   +dir=<layer dir> +dump=<dump layer dir> +G=<groups> +M=<m> +N=<n> +K=<k> +WBITS=<8|16> +INBITS=<8|16>
 //   +UNSIGNED=<0|1>
-//   +LO=<clamp lo> +HI=<clamp hi> +CLAMP_HI=<0|1>
+//   +LO=<clamp lo> +HI=<clamp hi> +CLAMP_HI=<0|1> +SIGNED_OUT=<0|1>
+// and, for a fused MaxPool (the window-max on store, writing stored.hex), +WINDOW=1 with the output grid
+// +NB=<batch> +OH +OW, the window +KH +KW +SH +SW +PT +PL +PB +PR +DH +DW and the pooled size +POH +POW.
 // ROUNDING defaults to the target's; overriding it (iverilog -Ptb_layer.ROUNDING=n) simulates a wrong design.
 `include "accel_params.svh"
 `include "qdeploy_arith.svh"
@@ -22,6 +24,7 @@ module tb_layer;
   logic [C*16-1:0]  clamp_hi_mem [0:4095];
   logic [C*AB-1:0]  acc_mem   [0:MAX_WORDS-1];
   logic [C*8-1:0]   out_mem   [0:MAX_WORDS-1];
+  logic [C*8-1:0]   stored_mem [0:MAX_WORDS-1];
 
   logic [R*17-1:0]   x;
   logic [R*C*17-1:0] w;
@@ -29,7 +32,42 @@ module tb_layer;
   qdeploy_gemm_tile tile (.x(x), .w(w), .acc_in(acc_in), .acc_out(acc_out));
 
   string dir, dump;
-  int G, M, N, K, WBITS, INBITS, UNSIGNED, LO, HI, HAS_CLAMP_HI;
+  int G, M, N, K, WBITS, INBITS, UNSIGNED, LO, HI, HAS_CLAMP_HI, SIGNED_OUT;
+  int WINDOW, NB, OH, OW, KH, KW, SH, SW, PT, PL, PB, PR, DH, DW, POH, POW;
+
+  // one value of the `out` matrix (row, channel) as a signed integer
+  function automatic int out_value(input int row, input int channel, input int row_words);
+    logic [7:0] bits;
+    bits = out_mem[row*row_words + channel / C][(channel % C)*8 +: 8];
+    return SIGNED_OUT ? $signed(bits) : bits;
+  endfunction
+
+  // (10) window-max on store: the maximum over each window's in-bounds taps (padding never wins), ONNX MaxPool
+  task automatic window_max(input int channels, input int row_words);
+    int best, ih, iw, row, value;
+    bit any;
+    for (int n = 0; n < NB; n++)
+      for (int ph = 0; ph < POH; ph++)
+        for (int pw = 0; pw < POW; pw++) begin
+          row = (n*POH + ph)*POW + pw;
+          for (int c = 0; c < channels; c++) begin
+            any = 0; best = 0;
+            for (int i = 0; i < KH; i++)
+              for (int j = 0; j < KW; j++) begin
+                ih = ph*SH - PT + i*DH; iw = pw*SW - PL + j*DW;
+                if (ih >= 0 && ih < OH && iw >= 0 && iw < OW) begin
+                  value = out_value((n*OH + ih)*OW + iw, c, row_words);
+                  if (!any || value > best) best = value;
+                  any = 1;
+                end
+              end
+            if (!any) best = SIGNED_OUT ? -128 : 0;  // no in-bounds tap: the dtype's minimum
+            stored_mem[row*row_words + c / C][(c % C)*8 +: 8] = best[7:0];
+          end
+          for (int lane = channels % C; lane != 0 && lane < C; lane++)
+            stored_mem[row*row_words + channels / C][lane*8 +: 8] = '0;
+        end
+  endtask
 
   function automatic int words(input int count, input int per_word);
     return (count + per_word - 1) / per_word;
@@ -53,14 +91,14 @@ module tb_layer;
   initial begin
     wide_t acc, y;
     logic [31:0] scale;
-    int shift;
+    int shift, found;
     int channel, hi_channel, k_words, n_words, gn_words;
     if (!$value$plusargs("dir=%s", dir) || !$value$plusargs("dump=%s", dump) || !$value$plusargs("G=%d", G) ||
         !$value$plusargs("M=%d", M) || !$value$plusargs("N=%d", N) || !$value$plusargs("K=%d", K) ||
         !$value$plusargs("WBITS=%d", WBITS) || !$value$plusargs("INBITS=%d", INBITS) ||
         !$value$plusargs("UNSIGNED=%d", UNSIGNED) ||
         !$value$plusargs("LO=%d", LO) || !$value$plusargs("HI=%d", HI) ||
-        !$value$plusargs("CLAMP_HI=%d", HAS_CLAMP_HI)) begin
+        !$value$plusargs("CLAMP_HI=%d", HAS_CLAMP_HI) || !$value$plusargs("SIGNED_OUT=%d", SIGNED_OUT)) begin
       $display("tb_layer: missing plusargs"); $finish;
     end
     k_words = words(K, R); n_words = words(N, C); gn_words = words(G * N, C);
@@ -116,6 +154,19 @@ module tb_layer;
     end
     $writememh({dump, "/acc.hex"}, acc_mem, 0, M*gn_words - 1);
     $writememh({dump, "/out.hex"}, out_mem, 0, M*gn_words - 1);
+    if ($value$plusargs("WINDOW=%d", WINDOW) && WINDOW) begin
+      found = 1;
+      found = found & $value$plusargs("NB=%d", NB); found = found & $value$plusargs("OH=%d", OH); found = found & $value$plusargs("OW=%d", OW);
+      found = found & $value$plusargs("KH=%d", KH); found = found & $value$plusargs("KW=%d", KW);
+      found = found & $value$plusargs("SH=%d", SH); found = found & $value$plusargs("SW=%d", SW);
+      found = found & $value$plusargs("PT=%d", PT); found = found & $value$plusargs("PL=%d", PL);
+      found = found & $value$plusargs("PB=%d", PB); found = found & $value$plusargs("PR=%d", PR);
+      found = found & $value$plusargs("DH=%d", DH); found = found & $value$plusargs("DW=%d", DW);
+      found = found & $value$plusargs("POH=%d", POH); found = found & $value$plusargs("POW=%d", POW);
+      if (!found) begin $display("tb_layer: +WINDOW=1 needs the grid and window plusargs"); $finish; end
+      window_max(G*N, gn_words);
+      $writememh({dump, "/stored.hex"}, stored_mem, 0, NB*POH*POW*gn_words - 1);
+    end
     $finish;
   end
 endmodule

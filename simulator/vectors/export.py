@@ -134,11 +134,13 @@ def layer_vectors(program, target: Target, index: int, instr: dict, run, machine
         extra["clamp_hi"] = (bound, bound.reshape(1, -1), 16, True, "cols",
                              "per-channel upper bound applied after the clamp (1 x channels)")
     if instr.get("window") is None:
-        out = channels_last(stored)
-        stored_matrix = None
+        grid, stored_matrix = stored, None
     else:
-        out = channels_last(machine.execute({**instr, "window": None}, args)[0])
-        stored_matrix = stored
+        grid, stored_matrix = machine.execute({**instr, "window": None}, args)[0], stored
+    # The output stage's result before window-max, as an RTL produces it: the grid the window-max reads
+    # (N, C, OH, OW) needs no recomputation from the convolution's geometry.
+    info["output_grid"] = list(grid.shape)
+    out = channels_last(grid)
     return LayerVectors(
         index, instr["name"], kind, np.ascontiguousarray(cols), weight, _per_channel(bias, channels),
         _per_channel(arrays[instr["mult"]], channels), _per_channel(arrays[instr["shift"]], channels),
