@@ -31,8 +31,8 @@ tests/test_export_onnx.py and read from MLAS:
   `rne(f32(f32(acc) * M))` with `M = f32(f32(s_x * s_w[c]) / s_y)`, saturated to int8: exactly the program's
   `float32_rne` requantization with its `scale_f32` (simulator/README.md eq. 7).
 - QuantizeLinear (input): `rne(f32(x / s_x))`, saturated. The simulator quantizes the input on the host
-  in float64 (`x / scale` in double); the two agree except where x / s_x lies within a float32 rounding
-  of a half-integer (none in the tests' real images). The per-layer check compares the quantized input too.
+  the same way, in float32 (simulator/machine.py `quantize_input`), so the quantized inputs agree bit for bit;
+  the per-layer check compares them too.
 - The residual add is where the optimization level matters:
   - ORT_ENABLE_EXTENDED and ORT_ENABLE_ALL (the default): DequantizeLinear -> Add -> QuantizeLinear is
     fused into com.microsoft.QLinearAdd, whose AVX2 kernel (MlasQLinearAddKernelAvx2Helper) computes
