@@ -120,7 +120,45 @@ def _read_model(path: Path) -> onnx.ModelProto:
         raise BadInput(f"{path}: not a readable ONNX model ({type(error).__name__})") from error
     if not model.HasField("graph") or len(model.graph.node) == 0:
         raise BadInput(f"{path}: not an ONNX model (no graph or no nodes)")
+    _load_external_data(model, path)
     return model
+
+
+def _stored_tensors(graph: onnx.GraphProto) -> list[onnx.TensorProto]:
+    """The tensors a graph stores: its initializers and its Constant nodes' values."""
+    constants = [attribute.t for node in graph.node if node.op_type == "Constant"
+                 for attribute in node.attribute if attribute.type == onnx.AttributeProto.TENSOR]
+    return [*graph.initializer, *constants]
+
+
+def _load_external_data(model: onnx.ModelProto, path: Path) -> None:
+    """Read the tensors stored outside the model file (ONNX external data: torch's default dynamo exporter
+    writes `model.onnx.data` beside `model.onnx`; models over 2 GB must) with onnx's own reader, after checking
+    each location: a relative path inside the model's folder, to a file that holds the bytes it names. A
+    model must not make qdeploy read other files; a missing or truncated file is named, not a traceback."""
+    from onnx.external_data_helper import ExternalDataInfo, load_external_data_for_tensor, uses_external_data
+
+    folder = path.resolve().parent
+    for tensor in _stored_tensors(model.graph):
+        if not uses_external_data(tensor):
+            continue
+        info = ExternalDataInfo(tensor)
+        where = f"{path}: tensor '{tensor.name}' stores its data in '{info.location}'"
+        data = (folder / info.location).resolve() if info.location else None
+        if data is None or Path(info.location).is_absolute() or not data.is_relative_to(folder):
+            raise BadInput(f"{where}, which is not a file in the model's folder {folder}")
+        if not data.is_file():
+            raise BadInput(f"{where}, which does not exist (copy it beside the model)")
+        itemsize = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)).itemsize
+        length = info.length if info.length else int(np.prod(tensor.dims, dtype=np.int64)) * itemsize
+        offset, size = info.offset or 0, data.stat().st_size
+        if offset < 0 or offset + length > size:
+            raise BadInput(f"{where} at bytes {offset}..{offset + length}, but the file has {size} bytes "
+                           f"(truncated, or not this model's data)")
+        try:
+            load_external_data_for_tensor(tensor, str(folder))
+        except (OSError, ValueError) as error:
+            raise BadInput(f"{where}, which cannot be read ({error})") from error
 
 
 def _opset(model: onnx.ModelProto, path: Path) -> int:
@@ -211,7 +249,8 @@ def _free_reshape_batch(nodes: list[Node], tensors: dict[str, Tensor], batch: in
     and such a graph runs at no other batch. With allowzero = 0 (the default), a 0 copies the data's own
     dimension 0 (ONNX Reshape-14), which is the batch: the same graph at batch N, and the same per-image
     result at every batch. Assumed: a Reshape of an activation whose target starts with N keeps the batch in
-    front (so it is not applied to targets of constants, nor with allowzero = 1)."""
+    front (so it is not applied to targets of constants). allowzero = 1 (torch's dynamo exporter writes it)
+    changes the meaning of a 0 only, so a target without zeros is rewritten too, with allowzero = 0."""
     if batch is None:
         return nodes
     rewritten = []
@@ -220,14 +259,14 @@ def _free_reshape_batch(nodes: list[Node], tensors: dict[str, Tensor], batch: in
         data = tensors.get(node.inputs[0]) if target is not None else None
         if (target is not None and target.is_constant and (data is None or not data.is_constant)
                 and target.data.ndim == 1 and target.data.size >= 2 and int(target.data[0]) == batch
-                and not node.attrs.get("allowzero", 0)):
+                and (not node.attrs.get("allowzero", 0) or not np.any(target.data == 0))):
             free = target.data.copy()
             free[0] = 0
             name = f"{node.name}/batch_free_shape"
             while name in tensors:
                 name += "_"
             tensors[name] = constant(name, free)
-            node = node.replace(inputs=[node.inputs[0], name])
+            node = node.replace(inputs=[node.inputs[0], name], attrs={**node.attrs, "allowzero": 0})
         rewritten.append(node)
     return rewritten
 
@@ -244,8 +283,6 @@ def load_onnx(path: str | os.PathLike, input_shapes: dict[str, tuple[int | None,
     known_ops = set(supported_ops())
     tensors: dict[str, Tensor] = {}
     for init in onnx_graph.initializer:
-        if init.data_location == onnx.TensorProto.EXTERNAL:
-            raise Unsupported(f"{path}: initializer '{init.name}' uses external data, which is not supported")
         tensors[init.name] = constant(init.name, tensor_array(init, f"{path}: initializer '{init.name}'"))
     input_shapes = dict(input_shapes or {})
     original_shapes = dict(input_shapes)

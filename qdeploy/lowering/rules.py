@@ -247,6 +247,48 @@ def lower_global_average_pool(graph: Graph, node: Node) -> Lowered:
                      strides=[1, 1], pads=[0, 0, 0, 0], dilations=[1, 1])
 
 
+def _reduced_axes(graph: Graph, node: Node, rank: int) -> set[int] | None:
+    """The axes a ReduceMean/ReduceSum reduces, normalised, or None when they are computed at run time. Axes
+    are an attribute before ReduceMean-18 / ReduceSum-13 and an optional input from then on; no axes reduce
+    every axis, unless noop_with_empty_axes makes the op an identity."""
+    if len(node.inputs) > 1 and node.inputs[1]:
+        values = graph.constant_data(node.inputs[1])
+        if values is None:
+            return None
+        axes = [int(a) for a in np.asarray(values).reshape(-1)]
+    else:
+        axes = list(node.attrs.get("axes") or [])
+    if not axes:
+        return set() if node.attrs.get("noop_with_empty_axes", 0) else set(range(rank))
+    return {a % rank for a in axes}
+
+
+def lower_spatial_reduce(graph: Graph, node: Node) -> Lowered:
+    """ReduceMean / ReduceSum over H and W of an NCHW tensor -> the depthwise ConvGemm of GlobalAveragePool
+    with weights 1/(H*W) (mean) or 1 (sum); with keepdims = 0 a layout Reshape to (N, C) follows."""
+    shape = graph.tensors[node.inputs[0]].shape
+    if shape is None or len(shape) != 4 or None in shape[1:]:
+        raise Unsupported(f"node '{node.name}' ({node.op}): needs a static NCHW input")
+    if _reduced_axes(graph, node, 4) != {2, 3}:
+        raise Unsupported(f"node '{node.name}' ({node.op}): only a reduction over both spatial axes (2, 3) runs "
+                          f"on the GEMM unit")
+    channels, height, width = shape[1:]
+    value = 1.0 / (height * width) if node.op == "ReduceMean" else 1.0
+    weight = np.full((channels, 1, height, width), value, np.float32)
+    zeros = np.zeros(channels, np.float32)
+    if node.attrs.get("keepdims", 1):
+        return conv_gemm(graph, node, node.inputs[0], weight, zeros, group=channels, strides=[1, 1],
+                         pads=[0, 0, 0, 0], dilations=[1, 1])
+    pooled = Tensor(graph.unique_name(f"{node.outputs[0]}/pooled"), (None, channels, 1, 1),
+                    graph.tensors[node.outputs[0]].dtype)
+    gemm = conv_gemm(graph, node, node.inputs[0], weight, zeros, group=channels, strides=[1, 1],
+                     pads=[0, 0, 0, 0], dilations=[1, 1], output=pooled.name)
+    target = constant(graph.unique_name(f"{node.name}_shape"), np.array([0, channels], np.int64))
+    reshape = Node(graph.unique_name(f"{node.name}/squeeze"), Kind.RESHAPE, [pooled.name, target.name],
+                   [node.outputs[0]], {})
+    return Lowered([*gemm.nodes, reshape], [*gemm.tensors, pooled, target])
+
+
 def lower_average_pool(graph: Graph, node: Node) -> Lowered:
     """AveragePool -> depthwise ConvGemm with weights 1/(kh*kw). Exact when every window divides by the
     full kernel size: no padding, or count_include_pad=1; ceil_mode windows would divide by fewer."""
@@ -317,6 +359,8 @@ LOWERING: dict[str, LoweringRule] = {
     "Div": lower_binary,
     "GlobalAveragePool": lower_global_average_pool,
     "AveragePool": lower_average_pool,
+    "ReduceMean": lower_spatial_reduce,  # over H and W: the pooling GEMM
+    "ReduceSum": lower_spatial_reduce,
     "Split": lower_channel_window,  # along the channels: read windows of the producer's buffer
     "Slice": lower_channel_window,
 }
