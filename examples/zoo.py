@@ -276,6 +276,78 @@ def export_mobilenetv2_style(path: str | os.PathLike, *, seed: int = 0, opset: i
     return export_model(build_mobilenetv2_style(seed), (1, 3, 64, 64), path, opset=opset)
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# A user's own model: torchvision architectures (random weights, seeded), exported as a user would
+
+# name -> (torchvision.models builder, input height = width). Sizes are the smallest each architecture takes
+# comfortably, to keep the checks quick; the graphs are the full architectures.
+TORCHVISION: dict[str, tuple[str, int]] = {
+    "resnet18": ("resnet18", 128), "resnet50": ("resnet50", 128), "mobilenet_v2": ("mobilenet_v2", 128),
+    "squeezenet1_1": ("squeezenet1_1", 128), "googlenet": ("googlenet", 128),
+    "inception_v3": ("inception_v3", 128), "densenet121": ("densenet121", 128),
+    "regnet_x_400mf": ("regnet_x_400mf", 128), "shufflenet_v2": ("shufflenet_v2_x1_0", 128),
+    "mnasnet": ("mnasnet1_0", 128),
+}
+EXPORTERS = ("dynamo", "torchscript")  # torch 2.13's default, and `dynamo=False`
+
+
+def import_torchvision():
+    """torchvision 0.28.0, whose wheel is built for the CUDA torch: its compiled ops (nms, roi_align, ...) do not
+    load beside the CPU torch, and registering their fake kernels fails at import. The model builders need
+    none of them, so `torch.library.register_fake` is a no-op for the duration of the import."""
+    import torch.library
+
+    real = torch.library.register_fake
+    torch.library.register_fake = lambda *args, **kwargs: (lambda function: function)
+    try:
+        import torchvision
+    finally:
+        torch.library.register_fake = real
+    return torchvision
+
+
+def build_torchvision(name: str, seed: int = 0) -> nn.Module:
+    """The torchvision architecture `name` (a key of TORCHVISION) with seeded random weights and BatchNorm
+    statistics, in eval mode (no download: weights=None)."""
+    torchvision = import_torchvision()
+    builder = getattr(torchvision.models, TORCHVISION[name][0])
+    extra = {"aux_logits": False, "init_weights": True} if name in ("googlenet", "inception_v3") else {}
+    return _seeded(lambda: builder(weights=None, **extra), seed).eval()
+
+
+def export_as_a_user_would(model: nn.Module, input_shape: tuple[int, ...], path: str | os.PathLike,
+                           exporter: str) -> Path:
+    """`torch.onnx.export(model, (x,), path)` with torch's defaults ("dynamo": opset 20, static shapes, the
+    weights in `path.data`), or with `dynamo=False` ("torchscript": opset 17 in torch 2.13, weights inline):
+    no input names, no dynamic axes, BatchNorm left to the exporter."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    x = torch.zeros(input_shape)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if exporter == "dynamo":
+            import contextlib
+            import io
+
+            with contextlib.redirect_stdout(io.StringIO()):  # the exporter narrates its steps
+                torch.onnx.export(model.eval(), (x,), str(path))
+        elif exporter == "torchscript":
+            torch.onnx.export(model.eval(), (x,), str(path), dynamo=False)
+        else:
+            raise ValueError(f"exporter {exporter!r}: expected one of {', '.join(EXPORTERS)}")
+    return path
+
+
+def export_user_model(name: str, folder: str | os.PathLike, exporter: str) -> Path:
+    """A TORCHVISION model, or EfficientNet-Lite0 ("efficientnet_lite0", pretrained), exported as a user would
+    to folder/<name>_<exporter>.onnx."""
+    if name == "efficientnet_lite0":
+        model, size = load_efficientnet_lite0(), 224
+    else:
+        model, size = build_torchvision(name), TORCHVISION[name][1]
+    return export_as_a_user_would(model, (1, 3, size, size), Path(folder) / f"{name}_{exporter}.onnx", exporter)
+
+
 def op_counts(path: str | os.PathLike) -> dict[str, int]:
     """{op_type: number of nodes} of the main graph, sorted by op type."""
     import onnx

@@ -24,6 +24,7 @@ class Kind(StrEnum):
     SQUEEZE = "Squeeze"
     UNSQUEEZE = "Unsqueeze"
     CHANNEL_SLICE = "ChannelSlice"  # a window of the input's channels (Split, Slice on axis 1): a read offset
+    CHANNEL_PERMUTE = "ChannelPermute"  # the input's channels reordered (channel shuffle): strided addressing
     # Not an accelerator instruction: an ONNX op run in float on the host (--allow-host-fallback).
     HOST = "Host"
 
@@ -32,7 +33,7 @@ class Kind(StrEnum):
 WEIGHTED_GEMM_KINDS = frozenset({Kind.CONV_GEMM, Kind.DENSE_GEMM})  # GEMMs with a constant int8 weight operand
 ARRAY_KINDS = WEIGHTED_GEMM_KINDS | {Kind.ADD_GEMM}  # run on the array and through the output stage
 RESHAPE_KINDS = frozenset({Kind.RESHAPE, Kind.FLATTEN, Kind.SQUEEZE, Kind.UNSQUEEZE})  # a view with a new shape
-VIEW_KINDS = RESHAPE_KINDS | {Kind.CHANNEL_SLICE}  # a view of one input: its data (or part of it), its scale
+VIEW_KINDS = RESHAPE_KINDS | {Kind.CHANNEL_SLICE, Kind.CHANNEL_PERMUTE}  # one input's data (or part, or reordered), its scale
 LAYOUT_KINDS = VIEW_KINDS | {Kind.CONCAT}  # move or relabel data only
 # Instructions that act on each image of a batch separately (the host executor may not be thread-safe).
 PER_IMAGE_KINDS = ARRAY_KINDS | LAYOUT_KINDS

@@ -272,6 +272,11 @@ def _channel_slice(b: _Builder, instr: dict) -> str:
     return b.node("Slice", [b.names[instr["inputs"][0]], *bounds], b.names[instr["output"]], name)
 
 
+def _channel_permute(b: _Builder, instr: dict) -> str:
+    order = b.constant(f"{instr['name']}/perm", np.array(instr["perm"], np.int64))
+    return b.node("Gather", [b.names[instr["inputs"][0]], order], b.names[instr["output"]], instr["name"], axis=1)
+
+
 def _concat(b: _Builder, instr: dict) -> str:
     return b.node("Concat", [b.names[t] for t in instr["inputs"]], b.names[instr["output"]], instr["name"],
                   axis=1)
@@ -285,7 +290,7 @@ def _host(b: _Builder, instr: dict) -> str:
 # The ONNX export's handler table: the nodes of each kind's instruction.
 EXPORTERS = {Kind.CONV_GEMM: _conv_gemm, Kind.DENSE_GEMM: _dense_gemm, Kind.ADD_GEMM: _add_gemm,
              Kind.CONCAT: _concat, **{kind: _layout for kind in RESHAPE_KINDS}, Kind.CHANNEL_SLICE: _channel_slice,
-             Kind.HOST: _host}
+             Kind.CHANNEL_PERMUTE: _channel_permute, Kind.HOST: _host}
 
 
 def _value_info(name: str, elem_type: int, shape: list) -> onnx.ValueInfoProto:

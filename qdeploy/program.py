@@ -293,6 +293,15 @@ def _channel_slice(program: Program, instr: dict, where: str, in_shapes: list, o
     return (count,) + tuple(x[1:])
 
 
+def _channel_permute(program: Program, instr: dict, where: str, in_shapes: list, out_dtype: str, rounding: str
+                     ) -> tuple[int, ...]:
+    x = in_shapes[0]
+    perm = _ints(_field(instr, "perm", where), f"{where}: perm", None, 0)
+    if not x or sorted(perm) != list(range(x[0])):
+        raise _Invalid(f"{where}: perm is not a permutation of the input's {x[0] if x else 0} channels")
+    return tuple(x)
+
+
 def _host(program: Program, instr: dict, where: str, in_shapes: list, out_dtype: str, rounding: str
           ) -> tuple[int, ...]:
     for key, kind_ in (("op", str), ("opset", int), ("operands", list), ("attrs", dict)):
@@ -321,7 +330,8 @@ def _host(program: Program, instr: dict, where: str, in_shapes: list, out_dtype:
 # per-sample shape).
 CHECKS = {Kind.CONV_GEMM: (1, _conv_gemm), Kind.DENSE_GEMM: (1, _dense_gemm), Kind.ADD_GEMM: (2, _add_gemm),
           Kind.CONCAT: (None, _concat), **{kind: (1, _reshape) for kind in RESHAPE_KINDS},
-          Kind.CHANNEL_SLICE: (1, _channel_slice), Kind.HOST: (None, _host)}
+          Kind.CHANNEL_SLICE: (1, _channel_slice), Kind.CHANNEL_PERMUTE: (1, _channel_permute),
+          Kind.HOST: (None, _host)}
 
 
 def _instruction_shape(program: Program, instr: dict, where: str, shapes: dict[str, tuple[int, ...]],

@@ -45,7 +45,7 @@ from qdeploy.errors import BadInput, Unsupported
 from qdeploy.ir import Graph, Node
 from qdeploy.lowering import LoweringResult
 from isa.kinds import RESHAPE_KINDS, VIEW_KINDS, WEIGHTED_GEMM_KINDS, Kind, handler
-from qdeploy.lowering.instructions import INSTRUCTION_OPS, LAYOUT_OPS, has_window_max, node_kind
+from qdeploy.lowering.instructions import INSTRUCTION_OPS, has_window_max, node_kind
 from qdeploy.program import Program
 from isa.target import Target, target_to_dict
 from isa.tiling import record_tiles
@@ -257,17 +257,24 @@ class _Compiler:
         return q_w, s_w
 
     def _input_channel_means(self, name: str) -> np.ndarray | None:
-        """The calibration table's per-channel mean of `name`, looking through layout steps that keep the
-        channel axis (Flatten of an (N, C, 1, 1) tensor)."""
-        producers = self.scales.producers
-        while name not in self.channel_means:
-            node = producers.get(name)
-            if node is None or node.op not in LAYOUT_OPS or node.op == Kind.CONCAT:
-                return None
-            if _shape(self.graph, node.inputs[0])[1:2] != _shape(self.graph, name)[1:2]:
-                return None
-            name = node.inputs[0]
-        return self.channel_means[name]
+        """The calibration table's per-channel mean of `name`, looking through the views that calibration does
+        not measure: reshapes that keep the channel axis (Flatten of an (N, C, 1, 1) tensor), channel windows
+        and channel permutations (whose means are the window or the permutation of their input's)."""
+        if name in self.channel_means:
+            return self.channel_means[name]
+        node = self.scales.producers.get(name)
+        if node is None or node.op not in VIEW_KINDS:
+            return None
+        mean = self._input_channel_means(node.inputs[0])
+        if mean is None:
+            return None
+        if node.op == Kind.CHANNEL_SLICE:
+            return mean[node.attrs["start"]:node.attrs["start"] + node.attrs["count"]]
+        if node.op == Kind.CHANNEL_PERMUTE:
+            return mean[np.asarray(node.attrs["perm"])]
+        if _shape(self.graph, node.inputs[0])[1:2] != _shape(self.graph, name)[1:2]:
+            return None
+        return mean
 
     def _bias_correction(self, node: Node, weight: np.ndarray, dequantized: np.ndarray) -> np.ndarray | None:
         """Eq. (2b): delta[c] = sum_k E[x_k] (W[c, k] - s_w[c] q_w[c, k]), the mean shift the weights'
@@ -402,6 +409,10 @@ class _Compiler:
         """Channels [start, start + count) of the input: the consumer reads at an offset (no copy, no arithmetic)."""
         return {"start": int(node.attrs["start"]), "count": int(node.attrs["count"])}
 
+    def _channel_permute(self, index: int, node: Node) -> dict:
+        """Output channel c is input channel perm[c]: the hardware reads (or writes) with permuted strides."""
+        return {"perm": [int(p) for p in node.attrs["perm"]]}
+
     def _reshape(self, index: int, node: Node) -> dict:
         """Every reshape kind is a view with the output's static shape (batch kept free)."""
         shape = _shape(self.graph, node.outputs[0])
@@ -413,7 +424,7 @@ class _Compiler:
 # The compiler's handler table: the manifest fields (and arrays) of each kind's instruction.
 COMPILERS = {Kind.CONV_GEMM: _Compiler.gemm, Kind.DENSE_GEMM: _Compiler.gemm, Kind.ADD_GEMM: _Compiler.add,
              Kind.CONCAT: _Compiler._concat, **{kind: _Compiler._reshape for kind in RESHAPE_KINDS},
-             Kind.CHANNEL_SLICE: _Compiler._channel_slice,
+             Kind.CHANNEL_SLICE: _Compiler._channel_slice, Kind.CHANNEL_PERMUTE: _Compiler._channel_permute,
              Kind.HOST: _Compiler._host}
 
 def compile_graph(lowered: LoweringResult, thresholds: dict[str, float], target: Target,

@@ -186,6 +186,10 @@ class Machine:
         start = instr["start"]
         return np.ascontiguousarray(args[0][:, start:start + instr["count"]]), None, None
 
+    def channel_permute(self, instr: dict, args: list[np.ndarray]):
+        """Output channel c is input channel perm[c] (the hardware: permuted strides)."""
+        return np.ascontiguousarray(args[0][:, instr["perm"]]), None, None
+
     def reshape(self, instr: dict, args: list[np.ndarray]):
         return args[0].reshape((args[0].shape[0], *instr["shape"][1:])), None, None
 
@@ -302,7 +306,8 @@ class Machine:
 # The simulator's handler table: the kernel of each kind, Machine method (instr, args) -> (y, acc, events).
 KERNELS = {Kind.CONV_GEMM: Machine.conv_gemm, Kind.DENSE_GEMM: Machine.dense_gemm, Kind.ADD_GEMM: Machine.add_gemm,
            Kind.CONCAT: Machine.concat, **{kind: Machine.reshape for kind in RESHAPE_KINDS},
-           Kind.CHANNEL_SLICE: Machine.channel_slice, Kind.HOST: Machine.host_op}
+           Kind.CHANNEL_SLICE: Machine.channel_slice, Kind.CHANNEL_PERMUTE: Machine.channel_permute,
+           Kind.HOST: Machine.host_op}
 
 def add_float32_rne(a: np.ndarray, b: np.ndarray, ratio: np.ndarray, lo: int, hi: int
                     ) -> tuple[np.ndarray, np.ndarray]:

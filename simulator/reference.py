@@ -351,6 +351,11 @@ def _channel_slice(instr: dict, args: list[np.ndarray], arrays: dict, arithmetic
     return args[0][:, instr["start"]:instr["start"] + instr["count"]].copy()
 
 
+def _channel_permute(instr: dict, args: list[np.ndarray], arrays: dict, arithmetic: Arithmetic, dtype) -> np.ndarray:
+    x = args[0]
+    return np.stack([x[:, source] for source in instr["perm"]], axis=1)
+
+
 def _reshape(instr: dict, args: list[np.ndarray], arrays: dict, arithmetic: Arithmetic, dtype) -> np.ndarray:
     return args[0].reshape((args[0].shape[0], *instr["shape"][1:]))
 
@@ -358,6 +363,7 @@ def _reshape(instr: dict, args: list[np.ndarray], arrays: dict, arithmetic: Arit
 # The twins' handler table. A Host instruction has none: it is a float op outside the accelerator.
 TWINS = {Kind.CONV_GEMM: _conv_gemm, Kind.DENSE_GEMM: _dense_gemm, Kind.ADD_GEMM: _add_gemm, Kind.CONCAT: _concat,
          **{kind: _reshape for kind in RESHAPE_KINDS}, Kind.CHANNEL_SLICE: _channel_slice,
+         Kind.CHANNEL_PERMUTE: _channel_permute,
          Kind.HOST: "a float op on the host: no integer twin"}
 
 

@@ -1,7 +1,8 @@
-"""Split and Slice along the channels lower to ChannelSlice, a read window of the producer's buffer (no copy, no
-arithmetic): every opset's form of the two ops, checked against ONNX Runtime on the same file; the compiled
-program is bit-exact with ONNX Runtime through export-onnx; what is not a channel window stays on the host;
-a Split whose sizes do not add up is a one-line error."""
+"""Split and Slice along the channels lower to ChannelSlice, a read window of the producer's buffer, and a
+channel shuffle (Reshape -> Transpose -> Reshape) to ChannelPermute, a reordering by addressing (no copy, no
+arithmetic): every opset's form of the ops, checked against ONNX Runtime on the same file; the compiled
+program is bit-exact with ONNX Runtime through export-onnx and equal to the Python-int twins; what is not a
+channel window or permutation stays on the host; a Split whose sizes do not add up is a one-line error."""
 
 import numpy as np
 import onnxruntime as ort
@@ -47,9 +48,14 @@ def shuffle_unit(tmp_path, opset: int, use_slice: bool):
     nodes += [helper.make_node("Conv", ["b", "W2", "B2"], ["d"], name="branch"),
               helper.make_node("Relu", ["d"], ["e"], name="branch_relu"),
               helper.make_node("Concat", ["a", "e"], ["cat"], name="concat", axis=1),
-              helper.make_node("Conv", ["cat", "W3", "B3"], ["y"], name="head")]
+              # the channel shuffle of ShuffleNetV2 with 2 groups of 4 channels
+              helper.make_node("Reshape", ["cat", "grouped"], ["g5"], name="shuffle_reshape"),
+              helper.make_node("Transpose", ["g5"], ["t5"], name="shuffle", perm=[0, 2, 1, 3, 4]),
+              helper.make_node("Reshape", ["t5", "flat"], ["shuffled"], name="shuffle_back"),
+              helper.make_node("Conv", ["shuffled", "W3", "B3"], ["y"], name="head")]
     initializers = {"W1": rng_weights(0, 8, 3, 3, 3), "B1": rng_weights(1, 8), "W2": rng_weights(2, 5, 5, 1, 1),
-                    "B2": rng_weights(3, 5), "W3": rng_weights(4, 4, 8, 1, 1), "B3": rng_weights(5, 4), **extra}
+                    "B2": rng_weights(3, 5), "W3": rng_weights(4, 4, 8, 1, 1), "B3": rng_weights(5, 4),
+                    "grouped": np.array([0, 2, 4, 6, 7], np.int64), "flat": np.array([0, 8, 6, 7], np.int64), **extra}
     model = make_model(nodes, [("x", ["N", 3, 6, 7])], [("y", ["N", 4, 6, 7])], initializers, opset=opset)
     return save(model, tmp_path / f"shuffle_{opset}_{use_slice}.onnx")
 
@@ -67,6 +73,8 @@ def test_split_and_slice_become_channel_windows_equal_to_onnxruntime(tmp_path, o
     assert [kind for _, kind in windows].count(Kind.CHANNEL_SLICE) == 2
     slices = {n.outputs[0]: n.attrs for n in lowering.graph.nodes if n.op == Kind.CHANNEL_SLICE}
     assert slices == {"a": {"start": 0, "count": 3}, "b": {"start": 3, "count": 5}}
+    (shuffle,) = [n for n in lowering.graph.nodes if n.op == Kind.CHANNEL_PERMUTE]
+    assert shuffle.attrs == {"perm": [0, 4, 1, 5, 2, 6, 3, 7]} and shuffle.inputs == ["cat"]
     x = images(3)
     (expected,) = run_onnxruntime(path, {"x": x})
     got = api.run(path, x, lowered=True)["y"]
@@ -82,7 +90,8 @@ def test_compiled_windows_are_bit_exact_with_onnxruntime(tmp_path):
     table = CalibrationTable({n: TensorRecord(n, "max", float(np.max(np.abs(v)))) for n, v in values.items()},
                              "max", 0)
     program = api.compile(path, table, EXACT).program
-    assert [i["kind"] for i in program.instructions].count(Kind.CHANNEL_SLICE) == 2
+    kinds = [i["kind"] for i in program.instructions]
+    assert kinds.count(Kind.CHANNEL_SLICE) == 2 and kinds.count(Kind.CHANNEL_PERMUTE) == 1
     exported = export_program(program, tensor_outputs=True)
     options = ort.SessionOptions()
     session = ort.InferenceSession(exported.model.SerializeToString(), options, providers=["CPUExecutionProvider"])
@@ -90,6 +99,12 @@ def test_compiled_windows_are_bit_exact_with_onnxruntime(tmp_path):
     ours = Machine(program).run({"x": x}, dump=True).tensors
     for tensor, onnx_name in exported.tensor_names.items():
         np.testing.assert_array_equal(ours[tensor], theirs[onnx_name], err_msg=tensor)
+    from simulator import reference
+
+    for instr in program.instructions:  # every instruction equals its Python-int twin
+        args = [ours[name] for name in instr["inputs"]]
+        np.testing.assert_array_equal(ours[instr["output"]], reference.run_instruction(
+            instr, args, program.arrays, EXACT.arithmetic, program.tensors[instr["output"]]["dtype"]))
     batch7 = Machine(program).run({"x": images(7)}).outputs["y"]  # any batch, and each sample alone
     assert np.array_equal(batch7[:4], Machine(program).run({"x": images(7)[:4]}).outputs["y"])
 
@@ -103,6 +118,19 @@ def test_a_slice_that_is_not_a_channel_window_stays_on_the_host(tmp_path):
     lowering = api.lower_model(save(model, tmp_path / "strided.onnx"))
     assert [(h.node, h.op) for h in lowering.host_ops] == [("every_other_channel", "Slice")]
     assert "output 'y' is not a window of the input's channels" in lowering.host_ops[0].reason
+
+
+def test_a_transpose_that_moves_more_than_channels_stays_on_the_host(tmp_path):
+    """Reshape -> Transpose -> Reshape that swaps H and W inside each channel is not a channel permutation."""
+    nodes = [helper.make_node("Conv", ["x", "W", "B"], ["c"], name="conv"),
+             helper.make_node("Reshape", ["c", "s5"], ["r5"], name="split_channels"),
+             helper.make_node("Transpose", ["r5"], ["t5"], name="swap_hw", perm=[0, 1, 2, 4, 3]),
+             helper.make_node("Reshape", ["t5", "s4"], ["y"], name="back")]
+    model = make_model(nodes, [("x", ["N", 3, 4, 4])], [("y", ["N", 4, 4, 4])],
+                       {"W": rng_weights(0, 4, 3, 1, 1), "B": rng_weights(1, 4),
+                        "s5": np.array([0, 2, 2, 4, 4], np.int64), "s4": np.array([0, 4, 4, 4], np.int64)})
+    lowering = api.lower_model(save(model, tmp_path / "swap.onnx"))
+    assert [h.op for h in lowering.host_ops] == ["Transpose"]
 
 
 def test_a_split_whose_sizes_do_not_add_up_is_one_line(tmp_path):

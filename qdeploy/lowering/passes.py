@@ -247,6 +247,54 @@ def lower_standalone_epilogues(graph: Graph) -> Graph:
     return graph.with_nodes(nodes, tensors)
 
 
+def _channel_permutation(graph: Graph, chain: list[Node], shape: tuple) -> list[int] | None:
+    """perm when running `chain` on a tensor of element indices (per-sample `shape`, batch 1) reorders its
+    channels, output channel c being input channel perm[c]; None when it does anything else."""
+    from qdeploy.reference import run_node  # the ops' own float meaning, every opset's form
+
+    index = np.arange(int(np.prod(shape[1:])), dtype=np.int64).reshape(1, *shape[1:])
+    value = index
+    for node in chain:
+        operands = [graph.constant_data(name) if name else None for name in node.inputs[1:]]
+        if any(name and operand is None for name, operand in zip(node.inputs[1:], operands)):
+            return None
+        value = run_node(node, [value, *operands], graph.opset)[0]
+    if value.shape != index.shape:
+        return None
+    plane = int(np.prod(shape[2:]))
+    perm = [int(value[0, c].reshape(-1)[0]) // plane for c in range(shape[1])]
+    if sorted(perm) != list(range(shape[1])) or not np.array_equal(value, index[:, perm]):
+        return None
+    return perm
+
+
+def lower_channel_permutations(graph: Graph) -> Graph:
+    """A channel shuffle, Reshape -> Transpose -> Reshape back to the input's shape (ShuffleNet's
+    (N, g, C/g, H, W) with the group axes swapped), becomes one ChannelPermute: a reordering of the channels
+    the hardware does by addressing. Which reordering comes from running the three ops on a tensor of element
+    indices (as for ChannelSlice), so any grouping and any exporter's form is recognised exactly; a chain that
+    moves anything but whole channels stays as it is."""
+    producers, consumers = graph.producers(), graph.consumers()
+    replaced: dict[str, Node] = {}
+    removed: set[str] = set()
+    for node in graph.nodes:
+        first = producers.get(node.inputs[0]) if node.op == "Transpose" else None
+        after = consumers.get(node.outputs[0], []) if first is not None else []
+        if first is None or first.op != Kind.RESHAPE or len(after) != 1 or after[0].op != Kind.RESHAPE:
+            continue
+        last, x = after[0], first.inputs[0]
+        shape = graph.tensors[x].shape
+        if (len(consumers.get(first.outputs[0], [])) != 1 or {first.outputs[0], node.outputs[0]} & set(graph.outputs)
+                or shape is None or len(shape) < 2 or None in shape[1:]
+                or graph.tensors[last.outputs[0]].shape != shape):
+            continue
+        perm = _channel_permutation(graph, [first, node, last], shape)
+        if perm is not None:
+            replaced[last.name] = Node(node.name, Kind.CHANNEL_PERMUTE, [x], [last.outputs[0]], {"perm": perm})
+            removed |= {first.name, node.name}
+    return graph.with_nodes([replaced.get(n.name, n) for n in graph.nodes if n.name not in removed])
+
+
 def copy_shared_concat_inputs(graph: Graph) -> Graph:
     """A channel Concat's producers write straight into slices of its buffer, so each input must be the output
     of an instruction that feeds only this Concat. Any other input (a graph input, a layout op's output, a
@@ -282,6 +330,7 @@ def copy_shared_concat_inputs(graph: Graph) -> Graph:
 
 # Lowering to GEMM-unit instructions (design.md section 4), on a simplified graph.
 LOWER: list[Pass] = [
+    lower_channel_permutations,  # channel shuffle (Reshape -> Transpose -> Reshape) -> ChannelPermute
     lower_gemm_ops,  # Conv -> ConvGemm (im2col), Gemm/MatMul -> DenseGemm
     fold_batchnorm,  # BN after a GEMM -> its weight rows and bias
     fold_constant_affine,  # Mul/Div/Add/Sub by a per-channel constant after a GEMM -> weights and bias
@@ -293,6 +342,6 @@ LOWER: list[Pass] = [
 ]
 
 
-__all__ = ["LOWER", "copy_shared_concat_inputs", "fold_batchnorm", "fold_constant_affine", "fuse_epilogues",
+__all__ = ["LOWER", "copy_shared_concat_inputs", "lower_channel_permutations", "fold_batchnorm", "fold_constant_affine", "fuse_epilogues",
            "lower_gemm_ops",
            "lower_remaining_ops", "lower_standalone_epilogues"]

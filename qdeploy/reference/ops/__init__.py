@@ -69,7 +69,8 @@ __all__ = ["OPS", "OpFunction"]
 # The float meaning's handler table for the array kinds (isa/kinds.py), so lowered graphs run here too; the
 # other layout kinds are the ONNX ops of the same names above, and a Host instruction runs its own ONNX op.
 from isa.kinds import Kind  # noqa: E402
-from qdeploy.reference.ops.accelerator import AddGemm, ChannelSlice, ConvGemm, DenseGemm  # noqa: E402
+from qdeploy.reference.ops.accelerator import (AddGemm, ChannelPermute, ChannelSlice, ConvGemm,  # noqa: E402
+                                               DenseGemm)
 
 OPS.update({Kind.CONV_GEMM: ConvGemm, Kind.DENSE_GEMM: DenseGemm, Kind.ADD_GEMM: AddGemm,
-            Kind.CHANNEL_SLICE: ChannelSlice})
+            Kind.CHANNEL_SLICE: ChannelSlice, Kind.CHANNEL_PERMUTE: ChannelPermute})

@@ -43,6 +43,11 @@ def ChannelSlice(x, *, start: int, count: int):
     return x[:, start:start + count]
 
 
+def ChannelPermute(x, *, perm):
+    """y[:, c] = x[:, perm[c]]: the channels reordered (a channel shuffle, lowered)."""
+    return x[:, np.asarray(perm)]
+
+
 def AddGemm(a, b, *, act_min=-np.inf, act_max=np.inf, **window):
     """y = window_max(clamp(a + b, act_min, act_max)): the GEMM with K = 2 per channel, [a b] . [1 1]^T."""
     return _epilogue(a + b, act_min, act_max, **window)

@@ -1,0 +1,25 @@
+"""A user's own model, exported the way torch 2.13 does by default (dynamo: opset 20, external data, batch 1
+baked in) and with `dynamo=False`: ResNet-18, MobileNetV2 and ShuffleNetV2 from torchvision (random weights)
+lower with no host op, their lowered float graph equals ONNX Runtime on the same file, and they calibrate,
+compile and run on the simulator at batch 3 (examples/user_models.py measures the whole list)."""
+
+import importlib.util
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("onnxscript")  # the dynamo exporter
+if importlib.util.find_spec("torchvision") is None:  # imported through examples/zoo.py (its CUDA-built ops)
+    pytest.skip("torchvision is not installed (the examples extra)", allow_module_level=True)
+
+from examples import user_models, zoo  # noqa: E402
+
+
+@pytest.mark.parametrize("exporter", zoo.EXPORTERS)
+@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v2", "shufflenet_v2"])
+def test_a_torchvision_model_runs_end_to_end(tmp_path, name, exporter):
+    row = user_models.check(name, exporter, tmp_path)
+    assert row["host_ops"] == {} and row["gemm_share"] == 1.0
+    # float32 sums in another order than ONNX Runtime's: the logits agree to a few float32 ulps of their scale
+    assert row["relative_error"] < 1e-4
+    assert row["ran_batch"] == 3
