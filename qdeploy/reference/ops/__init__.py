@@ -11,47 +11,57 @@ from typing import Callable, Union
 
 import numpy as np
 
-from qdeploy.reference.ops.activation import (Clip, Clip_6, Elu, HardSigmoid, HardSwish, LeakyRelu, LogSoftmax,
-                                              LogSoftmax_1, Relu, Sigmoid, Softmax, Softmax_1, Tanh)
-from qdeploy.reference.ops.conv import Conv
-from qdeploy.reference.ops.elementwise import (Abs, Add, Cast, Ceil, Div, Equal, Exp, Floor, Greater, Less, Log,
-                                               Max, Mean, Min, Mul, Neg, Not, Pow, Reciprocal, Sqrt, Sub, Sum,
+from qdeploy.reference.ops.activation import (Clip, Clip_6, Elu, Erf, Gelu, HardSigmoid, HardSwish, LeakyRelu,
+                                              LogSoftmax, LogSoftmax_1, Mish, PRelu, Relu, Sigmoid, Softmax,
+                                              Softmax_1, Softplus, Tanh)
+from qdeploy.reference.ops.conv import Conv, ConvTranspose
+from qdeploy.reference.ops.elementwise import (Abs, Add, And, Cast, Ceil, Cos, Div, Equal, Exp, Floor, Greater,
+                                               GreaterOrEqual, Less, LessOrEqual, Log, Max, Mean, Min, Mod, Mul,
+                                               Neg, Not, Or, Pow, Reciprocal, Round, Sign, Sin, Sqrt, Sub, Sum,
                                                Where)
 from qdeploy.reference.ops.gemm import Gemm, MatMul
-from qdeploy.reference.ops.normalization import BatchNormalization, BatchNormalization_6
+from qdeploy.reference.ops.normalization import (BatchNormalization, BatchNormalization_6, GroupNormalization,
+                                                 GroupNormalization_18, InstanceNormalization, LayerNormalization)
+from qdeploy.reference.ops.resize import Resize
 from qdeploy.reference.ops.pool import AveragePool, GlobalAveragePool, GlobalMaxPool, MaxPool
 from qdeploy.reference.ops.reduce import (ReduceMax, ReduceMax_1, ReduceMean, ReduceMean_1, ReduceSum,
                                           ReduceSum_1)
 from qdeploy.reference.ops.tensor import (Concat, Constant, ConstantOfShape, Dropout, Dropout_7, Dropout_10,
                                           Expand, Flatten, Gather, Identity, Pad, Pad_2, Range, Reshape, Shape,
-                                          Size, Slice, Slice_1, Split, Split_2, Split_13, Squeeze, Squeeze_1,
-                                          Tile, Transpose, Unsqueeze, Unsqueeze_1)
+                                          DepthToSpace, Size, Slice, Slice_1, SpaceToDepth, Split, Split_2,
+                                          Split_13, Squeeze, Squeeze_1, Tile, Transpose, Unsqueeze, Unsqueeze_1)
 
 OpFunction = Callable[..., Union[np.ndarray, tuple[np.ndarray, ...]]]
 
 OPS: dict[str, OpFunction | dict[int, OpFunction]] = {
     # conv.py, pool.py, gemm.py, normalization.py
-    "Conv": Conv,
+    "Conv": Conv, "ConvTranspose": ConvTranspose,
     "MaxPool": MaxPool, "AveragePool": AveragePool,
     "GlobalAveragePool": GlobalAveragePool, "GlobalMaxPool": GlobalMaxPool,
     "Gemm": Gemm, "MatMul": MatMul,
     "BatchNormalization": {6: BatchNormalization_6, 9: BatchNormalization},  # 9: `spatial` removed
+    "LayerNormalization": LayerNormalization, "InstanceNormalization": InstanceNormalization,
+    "GroupNormalization": {18: GroupNormalization_18, 21: GroupNormalization},  # 21: scale, bias per channel
     # activation.py
     "Relu": Relu, "LeakyRelu": LeakyRelu, "Sigmoid": Sigmoid, "HardSigmoid": HardSigmoid,
-    "HardSwish": HardSwish, "Tanh": Tanh, "Elu": Elu,
+    "HardSwish": HardSwish, "Tanh": Tanh, "Elu": Elu, "Erf": Erf, "Gelu": Gelu, "Softplus": Softplus,
+    "Mish": Mish, "PRelu": PRelu,
     "Clip": {6: Clip_6, 11: Clip},                      # 11: min/max attributes -> optional inputs
     "Softmax": {1: Softmax_1, 13: Softmax},             # 13: coerce-to-2D -> one axis, default -1
     "LogSoftmax": {1: LogSoftmax_1, 13: LogSoftmax},
     # elementwise.py
     "Add": Add, "Sub": Sub, "Mul": Mul, "Div": Div, "Pow": Pow,
     "Sqrt": Sqrt, "Neg": Neg, "Abs": Abs, "Exp": Exp, "Log": Log, "Ceil": Ceil, "Floor": Floor,
-    "Reciprocal": Reciprocal,
+    "Reciprocal": Reciprocal, "Sign": Sign, "Round": Round, "Sin": Sin, "Cos": Cos, "Mod": Mod,
+    "LessOrEqual": LessOrEqual, "GreaterOrEqual": GreaterOrEqual, "And": And, "Or": Or,
     "Max": Max, "Min": Min, "Sum": Sum, "Mean": Mean,
     "Equal": Equal, "Less": Less, "Greater": Greater, "Not": Not, "Where": Where, "Cast": Cast,
     # tensor.py
     "Shape": Shape, "Size": Size, "Gather": Gather, "Concat": Concat, "Reshape": Reshape,
     "Flatten": Flatten, "Transpose": Transpose, "Expand": Expand, "ConstantOfShape": ConstantOfShape,
     "Constant": Constant, "Range": Range, "Identity": Identity, "Tile": Tile,
+    "DepthToSpace": DepthToSpace, "SpaceToDepth": SpaceToDepth,
+    "Resize": Resize,  # resize.py; 11: roi, sizes and the coordinate modes (opset 10's form is not supported)
     "Slice": {1: Slice_1, 10: Slice},                   # 10: starts/ends/axes attributes -> inputs, steps
     "Squeeze": {1: Squeeze_1, 13: Squeeze},             # 13: axes attribute -> input
     "Unsqueeze": {1: Unsqueeze_1, 13: Unsqueeze},

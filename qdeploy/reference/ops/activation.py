@@ -110,3 +110,47 @@ def LogSoftmax_1(input: np.ndarray, *, axis: int = 1) -> np.ndarray:
     """Opsets 1-12: log-softmax over the flattened dimensions [axis, rank).
     Spec: LogSoftmax-11 (https://onnx.ai/onnx/operators/onnx__LogSoftmax.html#logsoftmax-11)."""
     return _coerced_2d(_log_softmax, input, axis)
+
+
+def Erf(input: np.ndarray) -> np.ndarray:
+    """output = erf(input), the Gauss error function. Spec: Erf-13 (https://onnx.ai/onnx/operators/onnx__Erf.html)."""
+    from scipy.special import erf
+
+    return erf(input).astype(input.dtype, copy=False)
+
+
+def Gelu(X: np.ndarray, *, approximate: str = "none") -> np.ndarray:
+    """Y = 0.5 X (1 + erf(X / sqrt(2))); with approximate = "tanh", 0.5 X (1 + tanh(sqrt(2/pi) (X + 0.044715
+    X^3))). Spec: Gelu-20 (https://onnx.ai/onnx/operators/onnx__Gelu.html)."""
+    compute = np.float64  # the float32 result rounded once
+    x = X.astype(compute)
+    if approximate == "none":
+        from scipy.special import erf
+
+        y = 0.5 * x * (1 + erf(x / np.sqrt(2)))
+    elif approximate == "tanh":
+        y = 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+    else:
+        raise ValueError(f"approximate '{approximate}' is not one of none, tanh")
+    return y.astype(X.dtype)
+
+
+def Softplus(X: np.ndarray) -> np.ndarray:
+    """Y = ln(exp(X) + 1), computed without overflow. Spec: Softplus-1
+    (https://onnx.ai/onnx/operators/onnx__Softplus.html)."""
+    return np.logaddexp(X.dtype.type(0), X).astype(X.dtype, copy=False)
+
+
+def Mish(X: np.ndarray) -> np.ndarray:
+    """Y = X tanh(softplus(X)). Spec: Mish-18 (https://onnx.ai/onnx/operators/onnx__Mish.html)."""
+    x = X.astype(np.float64)
+    return (x * np.tanh(np.logaddexp(0, x))).astype(X.dtype)
+
+
+def PRelu(X: np.ndarray, slope: np.ndarray) -> np.ndarray:
+    """Y = slope * X for X < 0, X otherwise; slope broadcasts to X (unidirectionally).
+    Spec: PRelu-16 (https://onnx.ai/onnx/operators/onnx__PRelu.html)."""
+    slope = np.asarray(slope, X.dtype)
+    if np.broadcast_shapes(X.shape, slope.shape) != X.shape:
+        raise ValueError(f"slope of shape {slope.shape} does not broadcast to X of shape {X.shape}")
+    return np.where(X < 0, slope * X, X).astype(X.dtype, copy=False)

@@ -69,3 +69,69 @@ def Conv(X: np.ndarray, W: np.ndarray, B: np.ndarray | None = None, *, auto_pad:
     if B is not None:
         Y += np.asarray(B, dtype=compute).reshape((out_channels,) + (1,) * len(kernel))
     return Y.astype(dtype, copy=False)
+
+
+def ConvTranspose(X: np.ndarray, W: np.ndarray, B: np.ndarray | None = None, *, auto_pad: str = "NOTSET",
+                  dilations: list[int] | None = None, group: int = 1, kernel_shape: list[int] | None = None,
+                  output_padding: list[int] | None = None, output_shape: list[int] | None = None,
+                  pads: list[int] | None = None, strides: list[int] | None = None) -> np.ndarray:
+    """The gradient of Conv with respect to its input: each input position i scatters W[c, m, k] * X[n, c, i]
+    to full[n, g*Mg + m, i*s + k*d] (W of shape (C, M/group, k1, ...)); the output is `full` (size
+    s*(in-1) + output_padding + (k-1)*d + 1 per axis) with pads[begin] removed in front and pads[end] at the
+    back. output_shape, or auto_pad SAME_*, sets the pads from the total padding
+    s*(in-1) + output_padding + (k-1)*d + 1 - out: SAME_UPPER puts the larger half at the end, otherwise
+    (SAME_LOWER and output_shape) at the beginning. Spec: ConvTranspose-11
+    (https://onnx.ai/onnx/operators/onnx__ConvTranspose.html)."""
+    X, W = np.asarray(X), np.asarray(W)
+    if X.ndim < 3 or W.ndim != X.ndim:
+        raise ValueError(f"X has shape {X.shape} and W {W.shape}: expected (N, C, D1, ...) and (C, M/group, k1, ...)")
+    batch, channels = X.shape[:2]
+    spatial = X.ndim - 2
+    if group < 1 or channels % group or W.shape[0] != channels:
+        raise ValueError(f"W has {W.shape[0]} input channels and group {group}, for {channels} channels of X")
+    kernel = W.shape[2:]
+    if kernel_shape is not None and tuple(kernel_shape) != kernel:
+        raise ValueError(f"kernel_shape {list(kernel_shape)} does not match W's spatial shape {list(kernel)}")
+    strides = list(strides or [1] * spatial)
+    dilations = list(dilations or [1] * spatial)
+    output_padding = list(output_padding or [0] * spatial)
+    pads = list(pads or [0] * (2 * spatial))
+    inputs = X.shape[2:]
+    full = [strides[a] * (inputs[a] - 1) + output_padding[a] + (kernel[a] - 1) * dilations[a] + 1
+            for a in range(spatial)]
+    wanted = list(output_shape)[-spatial:] if output_shape else None
+    if wanted is None and auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        wanted = [inputs[a] * strides[a] for a in range(spatial)]
+    if wanted is not None:
+        for a in range(spatial):
+            total = full[a] - wanted[a]
+            small, large = total // 2, total - total // 2
+            pads[a], pads[a + spatial] = (small, large) if auto_pad == "SAME_UPPER" else (large, small)
+    elif auto_pad not in ("NOTSET", "VALID"):
+        raise ValueError(f"auto_pad '{auto_pad}' is not one of NOTSET, SAME_UPPER, SAME_LOWER, VALID")
+    if auto_pad == "VALID":
+        pads = [0] * (2 * spatial)
+    out_channels = W.shape[1] * group
+    compute = np.float32 if np.result_type(X, W) == np.float16 else np.result_type(X, W)
+    per_group_in, per_group_out = channels // group, W.shape[1]
+    # `full` grown by any negative pad (an output_shape longer than full: zeros there), then cropped.
+    before = [max(0, -pads[a]) for a in range(spatial)]
+    after = [max(0, -pads[a + spatial]) for a in range(spatial)]
+    Y = np.zeros((batch, out_channels, *[before[a] + full[a] + after[a] for a in range(spatial)]), compute)
+    x = X.astype(compute)
+    w = W.astype(compute)
+    for g in range(group):
+        xg = x[:, g * per_group_in:(g + 1) * per_group_in]  # (N, Cg, *in)
+        for tap in np.ndindex(*kernel):
+            # (N, Mg, *in): each input position's contribution through this kernel tap
+            contribution = np.tensordot(xg, w[g * per_group_in:(g + 1) * per_group_in, :, *tap], axes=([1], [0]))
+            contribution = np.moveaxis(contribution, -1, 1)
+            target = tuple(slice(before[a] + tap[a] * dilations[a],
+                                 before[a] + tap[a] * dilations[a] + strides[a] * (inputs[a] - 1) + 1, strides[a])
+                           for a in range(spatial))
+            Y[(slice(None), slice(g * per_group_out, (g + 1) * per_group_out)) + target] += contribution
+    crop = tuple(slice(before[a] + pads[a], before[a] + full[a] - pads[a + spatial]) for a in range(spatial))
+    Y = Y[(slice(None), slice(None)) + crop]
+    if B is not None:
+        Y = Y + np.asarray(B, compute).reshape((out_channels,) + (1,) * spatial)
+    return np.ascontiguousarray(Y).astype(np.result_type(X, W), copy=False)

@@ -192,3 +192,50 @@ def Cast(input: np.ndarray, *, to: int, saturate: int = 1, round_mode: str = "up
         raise Unsupported(f"Cast from {input.dtype} is not supported")
     with np.errstate(invalid="ignore", over="ignore"):
         return input.astype(dtype)
+
+
+def Sign(input: np.ndarray) -> np.ndarray:
+    """-1, 0 or 1 by the sign of each element. Spec: Sign-13 (https://onnx.ai/onnx/operators/onnx__Sign.html)."""
+    return np.sign(input).astype(input.dtype, copy=False)
+
+
+def Round(X: np.ndarray) -> np.ndarray:
+    """The nearest integer, halves to even. Spec: Round-11 (https://onnx.ai/onnx/operators/onnx__Round.html)."""
+    return np.round(X).astype(X.dtype, copy=False)
+
+
+def Sin(input: np.ndarray) -> np.ndarray:
+    """Spec: Sin-7 (https://onnx.ai/onnx/operators/onnx__Sin.html)."""
+    return np.sin(input).astype(input.dtype, copy=False)
+
+
+def Cos(input: np.ndarray) -> np.ndarray:
+    """Spec: Cos-7 (https://onnx.ai/onnx/operators/onnx__Cos.html)."""
+    return np.cos(input).astype(input.dtype, copy=False)
+
+
+def LessOrEqual(A: np.ndarray, B: np.ndarray) -> np.ndarray:
+    """Spec: LessOrEqual-16 (https://onnx.ai/onnx/operators/onnx__LessOrEqual.html)."""
+    return np.less_equal(A, B)
+
+
+def GreaterOrEqual(A: np.ndarray, B: np.ndarray) -> np.ndarray:
+    """Spec: GreaterOrEqual-16 (https://onnx.ai/onnx/operators/onnx__GreaterOrEqual.html)."""
+    return np.greater_equal(A, B)
+
+
+def And(A: np.ndarray, B: np.ndarray) -> np.ndarray:
+    """Spec: And-7 (https://onnx.ai/onnx/operators/onnx__And.html)."""
+    return np.logical_and(A, B)
+
+
+def Or(A: np.ndarray, B: np.ndarray) -> np.ndarray:
+    """Spec: Or-7 (https://onnx.ai/onnx/operators/onnx__Or.html)."""
+    return np.logical_or(A, B)
+
+
+def Mod(A: np.ndarray, B: np.ndarray, *, fmod: int = 0) -> np.ndarray:
+    """The remainder with the divisor's sign (fmod = 0, Python's %), or C's fmod, the dividend's sign.
+    Spec: Mod-13 (https://onnx.ai/onnx/operators/onnx__Mod.html)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return (np.fmod(A, B) if fmod else np.mod(A, B)).astype(A.dtype, copy=False)

@@ -362,3 +362,32 @@ def Tile(input: np.ndarray, repeats: np.ndarray) -> np.ndarray:
     if len(counts) != input.ndim or any(c < 0 for c in counts):
         raise ValueError(f"repeats {counts} must have one non-negative value per axis ({input.ndim})")
     return np.tile(input, counts)
+
+
+def DepthToSpace(input: np.ndarray, *, blocksize: int, mode: str = "DCR") -> np.ndarray:
+    """(N, C, H, W) -> (N, C / b^2, H b, W b), the channel axis read as (b, b, C / b^2) in mode DCR or
+    (C / b^2, b, b) in mode CRD. Spec: DepthToSpace-13 (https://onnx.ai/onnx/operators/onnx__DepthToSpace.html)."""
+    n, c, h, w = input.shape
+    b = blocksize
+    if mode == "DCR":
+        y = input.reshape(n, b, b, c // (b * b), h, w).transpose(0, 3, 4, 1, 5, 2)
+    elif mode == "CRD":
+        y = input.reshape(n, c // (b * b), b, b, h, w).transpose(0, 1, 4, 2, 5, 3)
+    else:
+        raise ValueError(f"mode '{mode}' is not one of DCR, CRD")
+    return y.reshape(n, c // (b * b), h * b, w * b)
+
+
+def SpaceToDepth(input: np.ndarray, *, blocksize: int, mode: str = "DCR") -> np.ndarray:
+    """(N, C, H, W) -> (N, C b^2, H / b, W / b), the inverse of DepthToSpace in the same mode.
+    Spec: SpaceToDepth-13 (https://onnx.ai/onnx/operators/onnx__SpaceToDepth.html)."""
+    n, c, h, w = input.shape
+    b = blocksize
+    y = input.reshape(n, c, h // b, b, w // b, b)
+    if mode == "DCR":
+        y = y.transpose(0, 3, 5, 1, 2, 4)
+    elif mode == "CRD":
+        y = y.transpose(0, 1, 3, 5, 2, 4)
+    else:
+        raise ValueError(f"mode '{mode}' is not one of DCR, CRD")
+    return y.reshape(n, c * b * b, h // b, w // b)
