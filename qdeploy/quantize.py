@@ -45,7 +45,7 @@ from qdeploy.errors import BadInput, Unsupported
 from qdeploy.ir import Graph, Node
 from qdeploy.lowering import LoweringResult
 from isa.kinds import RESHAPE_KINDS, VIEW_KINDS, WEIGHTED_GEMM_KINDS, Kind, handler
-from qdeploy.lowering.instructions import INSTRUCTION_OPS, has_window_max, node_kind
+from qdeploy.lowering.instructions import INSTRUCTION_OPS, has_window_max, is_channel_concat, node_kind
 from qdeploy.program import Program
 from isa.target import Target, target_to_dict
 from isa.tiling import record_tiles
@@ -116,17 +116,15 @@ class _Scales:
                 self._assign(out, thresholds, unsigned, override=concat_scale.get(out))
             elif node.op in VIEW_KINDS:
                 self.scale[out], self.unsigned[out] = self.scale[node.inputs[0]], self.unsigned[node.inputs[0]]
-            elif node.op == Kind.CONCAT:
+            else:  # a channel Concat's buffer, or a host op's output (requantized on the host)
                 self._assign(out, thresholds, unsigned=False)
-            else:
-                self._assign(out, thresholds, unsigned=False)  # host op output, requantized on the host
 
     def _concat_scales(self, thresholds: dict[str, float]) -> dict[str, tuple[str, float]]:
         """Producer output -> the Concat output whose scale it must take."""
         result = {}
         consumers = self.graph.consumers()
         for node in self.graph.nodes:
-            if node.op != Kind.CONCAT:
+            if not is_channel_concat(self.graph, node):
                 continue
             for name in node.inputs:
                 producer = self.producers.get(name)
@@ -360,7 +358,7 @@ class _Compiler:
         instructions = []
         for index, node in enumerate(graph.nodes):
             self.current = f"'{node.name}' ({node.op})"
-            kind = node_kind(node)
+            kind = node_kind(graph, node)
             base = {"kind": node.op, "name": node.name, "inputs": list(
                 node.inputs[:1] if kind in WEIGHTED_GEMM_KINDS else node.inputs), "output": node.outputs[0]}
             base.update(handler(COMPILERS, kind, "the compiler", f"node '{node.name}'")(self, index, node))
@@ -401,9 +399,7 @@ class _Compiler:
         return {"kind": Kind.HOST, "op": node.op, "opset": self.graph.opset, "operands": operands, "attrs": attrs}
 
     def _concat(self, index: int, node: Node) -> dict:
-        if node.attrs.get("axis") not in (1, -3):
-            raise Unsupported(f"node '{node.name}' (Concat): only the channel axis (1) is supported")
-        return {"axis": 1}
+        return {"axis": 1}  # node_kind: only a channel Concat is this kind; any other runs on the host
 
     def _channel_slice(self, index: int, node: Node) -> dict:
         """Channels [start, start + count) of the input: the consumer reads at an offset (no copy, no arithmetic)."""

@@ -139,6 +139,20 @@ def test_header_round_trips_the_toml(tmp_path, case, suffix):
     assert values["ACCEL_INPUT_HEX_WORD_BITS"] == 8 * array.rows
 
 
+@pytest.mark.parametrize("case", sorted(TOMLS))
+def test_every_c_header_compiles_warning_free(tmp_path, case):
+    """The .h of each test target (defaults, every key set, 64-bit sizes) compiles with -Wall -Werror."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler")
+    (tmp_path / "target.toml").write_text(TOMLS[case])
+    assert runner.invoke(app, ["target", "header", str(tmp_path / "target.toml"), "-o",
+                               str(tmp_path / "accel_params.h")]).exit_code == 0
+    (tmp_path / "main.c").write_text('#include "accel_params.h"\nint main(void) { return ACCEL_ROWS > 0 ? 0 : 1; }\n')
+    subprocess.run([compiler, "-Wall", "-Werror", "-o", str(tmp_path / "main"), str(tmp_path / "main.c")],
+                   check=True, cwd=tmp_path)
+
+
 def test_c_header_compiles_and_prints_the_same_values(tmp_path):
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:

@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from builders import make_model, rng_weights, run_onnxruntime, save
 from qdeploy.errors import BadInput, Unsupported
@@ -169,9 +169,23 @@ def test_fixed_batch_baked_into_a_reshape_target_is_freed(tmp_path, batch):
     np.testing.assert_allclose(ours, expected, rtol=RTOL, atol=ATOL)
 
 
-def test_fixed_batch_reshape_with_allowzero_is_left_as_written(tmp_path):
-    # allowzero = 1 makes a 0 in the target a literal zero, so the batch cannot be freed there: the graph only
-    # runs at its own batch, and the import says where it stops.
+def test_fixed_batch_reshape_with_allowzero_is_freed_when_its_target_has_no_zero(tmp_path):
+    # allowzero = 1 (torch's dynamo exporter writes it) changes the meaning of a 0 in the target only: a target
+    # [N, -1] reshapes the same with either value, so the batch is freed (the new 0 with allowzero = 0).
     path = save(fixed_batch_view_model(2, allowzero=1), tmp_path / "view.onnx")
-    with pytest.raises(BadInput, match="Gemm"):
+    graph = import_onnx(path).graph
+    (reshape,) = [n for n in graph.nodes if n.op == "Reshape"]
+    assert reshape.attrs["allowzero"] == 0 and graph.constant_data(reshape.inputs[1]).tolist() == [0, -1]
+    x = np.random.default_rng(5).standard_normal((4, 3, 6, 6)).astype(np.float32)
+    expected = np.concatenate([run_onnxruntime(path, {"x": x[i:i + 2]})[0] for i in (0, 2)])
+    np.testing.assert_allclose(run_graph(graph, {"x": x})["y"], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_reshape_whose_allowzero_target_holds_a_zero_is_left_as_written(tmp_path):
+    # With allowzero = 1 a 0 in the target is a literal zero: that target is not the batch's to free.
+    model = fixed_batch_view_model(2, allowzero=1)
+    model.graph.initializer[2].CopyFrom(numpy_helper.from_array(np.array([2, 0, -1], np.int64), "target"))
+    path = save(model, tmp_path / "zero.onnx")
+    with pytest.raises(BadInput):
         import_onnx(path)
+

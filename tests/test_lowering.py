@@ -58,8 +58,8 @@ def test_conv_bn_relu_becomes_one_gemm_with_relu_epilogue(tmp_path):
     assert (instr.kind, instr.name, instr.output) == ("ConvGemm", "conv", "y")  # writes the Relu's tensor
     assert (instr.m, instr.n, instr.k) == (64, 4, 27)
     assert instr.epilogue == {"bias": True, "clamp": [0.0, float("inf")]}
-    assert [(p.name, p.nodes_before, p.nodes_after) for p in result.passes][:2] == [
-        ("lower_gemm_ops", 3, 3), ("fold_batchnorm", 3, 2)]
+    assert [(p.name, p.nodes_before, p.nodes_after) for p in result.passes][:3] == [
+        ("lower_channel_permutations", 3, 3), ("lower_gemm_ops", 3, 3), ("fold_batchnorm", 3, 2)]
     assert result.gemm_mac_fraction == 1.0
 
 

@@ -13,7 +13,7 @@ from qdeploy.errors import QdeployError, Unsupported
 from qdeploy.ir import Graph, Node
 from isa.geometry import conv_output_size
 from isa.kinds import LAYOUT_KINDS, Kind, handler
-from qdeploy.lowering.instructions import INSTRUCTION_OPS, LAYOUT_OPS, has_window_max, node_kind
+from qdeploy.lowering.instructions import INSTRUCTION_OPS, LAYOUT_OPS, has_window_max, is_channel_concat, node_kind
 from qdeploy.lowering.rules import LOWERING
 from qdeploy.summary import node_macs
 
@@ -120,7 +120,7 @@ GEOMETRY = {Kind.CONV_GEMM: _conv_geometry, Kind.DENSE_GEMM: _dense_geometry, Ki
 
 
 def describe_instruction(graph: Graph, node: Node) -> Instruction:
-    m, n, k, groups, geometry = handler(GEOMETRY, node_kind(node), "the lowering description",
+    m, n, k, groups, geometry = handler(GEOMETRY, node_kind(graph, node), "the lowering description",
                                         f"node '{node.name}'")(graph, node)
     return Instruction(node.op, node.name, [i for i in node.inputs if not graph.tensors[i].is_constant],
                        node.outputs[0], m, n, k, groups, groups * m * n * k, geometry, _epilogue(node))
@@ -153,7 +153,7 @@ def lower(graph: Graph, equalize: bool = False) -> LoweringResult:
     for node in lowered.nodes:
         if node.op in INSTRUCTION_OPS:
             instructions.append(describe_instruction(lowered, node))
-        elif node.op in LAYOUT_OPS and (node.op != Kind.CONCAT or node.attrs.get("axis") == 1):
+        elif node.op in LAYOUT_OPS and (node.op != Kind.CONCAT or is_channel_concat(lowered, node)):
             layout.append({"kind": node.op, "name": node.name, "inputs": node.inputs, "output": node.outputs[0]})
         else:
             host_ops.append(HostOp(node.name, node.op, host_reason(lowered, node)))

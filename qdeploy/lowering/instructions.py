@@ -17,7 +17,7 @@ Epilogue attributes shared by every instruction (design.md section 3, epilogue o
 from __future__ import annotations
 
 from isa.kinds import ARRAY_KINDS, LAYOUT_KINDS, Kind
-from qdeploy.ir import Node
+from qdeploy.ir import Graph, Node
 
 # A lowered graph's node is an instruction when its op is one of the array kinds (isa/kinds.py), and a layout
 # step when its op is a layout kind (the ONNX ops Reshape, Flatten, Squeeze, Unsqueeze and a channel Concat keep
@@ -30,7 +30,19 @@ def has_window_max(attrs: dict) -> bool:
     return attrs.get("pool_kernel_shape") is not None
 
 
-def node_kind(node: Node) -> Kind:
-    """The instruction kind a lowered graph's node compiles to: its op when that is an array or layout kind,
-    else Host (an ONNX op run in float on the host)."""
+def is_channel_concat(graph: Graph, node: Node) -> bool:
+    """A Concat along the channel axis (1, or -rank + 1): the only Concat that is a layout step (its
+    producers write into slices of one buffer); any other Concat (of shape values, along H) is a host op."""
+    if node.op != Kind.CONCAT:
+        return False
+    shape = graph.tensors[node.outputs[0]].shape
+    axis = node.attrs.get("axis")
+    return shape is not None and len(shape) >= 2 and isinstance(axis, int) and axis % len(shape) == 1
+
+
+def node_kind(graph: Graph, node: Node) -> Kind:
+    """The instruction kind a lowered graph's node compiles to: its op when that is an array or layout kind
+    (a Concat only along the channels), else Host (an ONNX op run in float on the host)."""
+    if node.op == Kind.CONCAT:
+        return Kind.CONCAT if is_channel_concat(graph, node) else Kind.HOST
     return Kind(node.op) if node.op in ARRAY_KINDS or node.op in LAYOUT_KINDS else Kind.HOST

@@ -17,7 +17,7 @@ from qdeploy.passes.eliminate_dead import eliminate_dead_nodes
 from qdeploy.passes.pipeline import Pass
 from isa.kinds import WEIGHTED_GEMM_KINDS, Kind
 from isa.output_stage import Clamp, commutes_with_window_max
-from qdeploy.lowering.instructions import INSTRUCTION_OPS, has_window_max
+from qdeploy.lowering.instructions import INSTRUCTION_OPS, has_window_max, is_channel_concat
 from qdeploy.lowering.rules import (EPILOGUE_OPS, LOWERING, affine_of, batchnorm_scale_shift,
                                     finite_weights, identity_gemm)
 
@@ -305,7 +305,7 @@ def copy_shared_concat_inputs(graph: Graph) -> Graph:
     nodes: list[Node] = []
     tensors: list[Tensor] = []
     for node in graph.nodes:
-        if node.op != Kind.CONCAT or node.attrs.get("axis") != 1:
+        if not is_channel_concat(graph, node):
             nodes.append(node)
             continue
         inputs = list(node.inputs)
