@@ -339,13 +339,97 @@ def export_as_a_user_would(model: nn.Module, input_shape: tuple[int, ...], path:
 
 
 def export_user_model(name: str, folder: str | os.PathLike, exporter: str) -> Path:
-    """A TORCHVISION model, or EfficientNet-Lite0 ("efficientnet_lite0", pretrained), exported as a user would
-    to folder/<name>_<exporter>.onnx."""
+    """A TORCHVISION model, a DENSE one (64 x 64), or EfficientNet-Lite0 ("efficientnet_lite0", pretrained),
+    exported as a user would to folder/<name>_<exporter>.onnx."""
     if name == "efficientnet_lite0":
         model, size = load_efficientnet_lite0(), 224
+    elif name in DENSE:
+        model, size = _seeded(DENSE[name], 0).eval(), 64
     else:
         model, size = build_torchvision(name), TORCHVISION[name][1]
     return export_as_a_user_would(model, (1, 3, size, size), Path(folder) / f"{name}_{exporter}.onnx", exporter)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Dense prediction, built here (random weights): what detectors and segmenters are made of
+
+
+def _conv_bn_silu(c_in: int, c_out: int, kernel: int = 3, stride: int = 1) -> nn.Module:
+    return nn.Sequential(nn.Conv2d(c_in, c_out, kernel, stride, kernel // 2, bias=False), nn.BatchNorm2d(c_out),
+                         nn.SiLU())
+
+
+class _C2f(nn.Module):
+    """YOLOv8's C2f: a 1x1 conv, its output split in two along the channels, n convs chained on the second
+    half, everything concatenated and mixed by a 1x1 conv."""
+
+    def __init__(self, channels: int, n: int = 1):
+        super().__init__()
+        half = channels // 2
+        self.cv1 = _conv_bn_silu(channels, 2 * half, 1)
+        self.m = nn.ModuleList(_conv_bn_silu(half, half) for _ in range(n))
+        self.cv2 = _conv_bn_silu((2 + n) * half, channels, 1)
+
+    def forward(self, x):
+        parts = list(self.cv1(x).chunk(2, 1))
+        for block in self.m:
+            parts.append(block(parts[-1]))
+        return self.cv2(torch.cat(parts, 1))
+
+
+class _SPPF(nn.Module):
+    """YOLOv5/v8's spatial pyramid pooling, fast: three chained 5x5 max-pools, concatenated."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.cv1, self.cv2 = _conv_bn_silu(channels, channels // 2, 1), _conv_bn_silu(channels * 2, channels, 1)
+        self.pool = nn.MaxPool2d(5, 1, 2)
+
+    def forward(self, x):
+        x = self.cv1(x)
+        y1 = self.pool(x)
+        y2 = self.pool(y1)
+        return self.cv2(torch.cat([x, y1, y2, self.pool(y2)], 1))
+
+
+class YoloStyle(nn.Module):
+    """A YOLOv8n-style detector up to its raw box (4 x 16 DFL bins) and class maps: box decoding and NMS are
+    the host's, as in every deployment of these models."""
+
+    def __init__(self, classes: int = 4):
+        super().__init__()
+        self.stem = nn.Sequential(_conv_bn_silu(3, 16, 3, 2), _conv_bn_silu(16, 32, 3, 2), _C2f(32))
+        self.p4 = nn.Sequential(_conv_bn_silu(32, 64, 3, 2), _C2f(64))
+        self.p5 = nn.Sequential(_conv_bn_silu(64, 128, 3, 2), _C2f(128), _SPPF(128))
+        self.up = nn.Upsample(scale_factor=2, mode="nearest")
+        self.neck, self.reduce = _C2f(192), _conv_bn_silu(192, 64, 1)
+        self.head = nn.Conv2d(64, 4 * 16 + classes, 1)
+
+    def forward(self, x):
+        p4 = self.p4(self.stem(x))
+        p5 = self.p5(p4)
+        return self.head(self.reduce(self.neck(torch.cat([self.up(p5), p4], 1))))
+
+
+class UNetStyle(nn.Module):
+    """A two-level UNet: its decoder upsamples with a 2x2 stride-2 ConvTranspose, or bilinear x2."""
+
+    def __init__(self, bilinear: bool):
+        super().__init__()
+        self.down1 = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1),
+                                   nn.ReLU())
+        self.down2 = nn.Sequential(nn.MaxPool2d(2), nn.Conv2d(16, 32, 3, padding=1), nn.ReLU())
+        self.up = (nn.Upsample(scale_factor=2, mode="bilinear", align_corners=False) if bilinear
+                   else nn.ConvTranspose2d(32, 32, 2, 2))
+        self.out = nn.Sequential(nn.Conv2d(48, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 3, 1))
+
+    def forward(self, x):
+        skip = self.down1(x)
+        return self.out(torch.cat([self.up(self.down2(skip)), skip], 1))
+
+
+DENSE: dict[str, Callable[[], nn.Module]] = {
+    "yolo_style": YoloStyle, "unet_transpose": lambda: UNetStyle(False), "unet_bilinear": lambda: UNetStyle(True)}
 
 
 def op_counts(path: str | os.PathLike) -> dict[str, int]:

@@ -23,3 +23,24 @@ def test_a_torchvision_model_runs_end_to_end(tmp_path, name, exporter):
     # float32 sums in another order than ONNX Runtime's: the logits agree to a few float32 ulps of their scale
     assert row["relative_error"] < 1e-4
     assert row["ran_batch"] == 3
+
+
+@pytest.mark.parametrize("name", list(zoo.DENSE))
+def test_a_dense_prediction_model_runs_end_to_end_with_host_fallback(tmp_path, name):
+    """A YOLOv8n-style detector and two UNets (ConvTranspose, bilinear): their SiLU and upsampling stay on the
+    host for now; with --allow-host-fallback they calibrate, compile and run, close to the float model."""
+    import numpy as np
+
+    from qdeploy import api
+    from qdeploy.calibration import calibrate
+    from examples import images
+
+    path = zoo.export_user_model(name, tmp_path, "dynamo")
+    x = images.image_batch(3, seed=1, split="eval", size=64)
+    reference = next(iter(api.run(path, x).values()))
+    table = calibrate(path, images.image_batch(4, seed=0, split="calib", size=64), "kl", num_samples=4).table
+    program = api.compile(path, table, allow_host_fallback=True).program
+    assert any(instr["kind"] == "Host" for instr in program.instructions)
+    y = next(iter(api.run(program, x, dequantize=True).values()))
+    sqnr = 10 * np.log10(np.sum(reference ** 2) / np.sum((reference - y) ** 2))
+    assert sqnr > 20, sqnr  # measured 25.8-33.6 dB (README, "Your own model")
