@@ -29,6 +29,7 @@ import numpy as np
 from qdeploy.errors import BadInput
 from qdeploy.fileio import atomic_write
 from isa.geometry import pool_output_size
+from isa.instructions import Instruction, from_manifest
 from isa.kinds import RESHAPE_KINDS, Kind, UnknownKind, handler
 from isa.target import TargetError, target_from_dict
 
@@ -49,6 +50,11 @@ class Program:
     @property
     def instructions(self) -> list[dict[str, Any]]:
         return self.manifest["instructions"]
+
+    @property
+    def records(self) -> list[Instruction]:
+        """The instructions as typed records (isa/instructions.py), built anew from the manifest."""
+        return [from_manifest(record) for record in self.instructions]
 
     @property
     def tensors(self) -> dict[str, dict[str, Any]]:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from isa.kinds import PER_IMAGE_KINDS, RESHAPE_KINDS, WEIGHTED_GEMM_KINDS, Kind, handler
-from isa.output_stage import OutputStage
+from isa.instructions import Instruction, from_manifest
 from qdeploy.program import Program
 from isa.target import Arithmetic, Rounding, target_from_dict
 from simulator.kernels.depthwise import depthwise_conv
@@ -87,17 +87,18 @@ class Machine:
         self.arrays = program.arrays
         self.threads = max(1, len(os.sched_getaffinity(0)) if threads is None else int(threads))
         # How each GEMM instruction is computed (every method gives the same integers; see _GemmPlan).
+        self.records = program.records  # typed (isa/instructions.py)
         self.plans: dict[str, _GemmPlan] = {}
-        for instr in program.instructions:
-            if instr["kind"] in WEIGHTED_GEMM_KINDS:
-                self.plans[instr["name"]] = _plan(instr, self.arrays[instr["weight"]], program.tensors)
+        for instr in self.records:
+            if instr.kind in WEIGHTED_GEMM_KINDS:
+                self.plans[instr.name] = _plan(instr, self.arrays[instr.weight], program.tensors)
         self.last_use: dict[str, int] = {}
-        for step, instr in enumerate(program.instructions):
-            for name in instr["inputs"]:
+        for step, instr in enumerate(self.records):
+            for name in instr.inputs:
                 self.last_use[name] = step
         # A program made only of per-image kinds may run slices of the batch in parallel threads with the same
         # integers (isa/kinds.py PER_IMAGE_KINDS leaves Host out: the host executor may not be thread-safe).
-        self.per_image = all(instr["kind"] in PER_IMAGE_KINDS for instr in program.instructions)
+        self.per_image = all(instr.kind in PER_IMAGE_KINDS for instr in self.records)
         self._local = threading.local()  # per-thread scratch buffers (kernels.gemm._scratch)
         self._pool: ThreadPoolExecutor | None = None
 
@@ -138,24 +139,24 @@ class Machine:
         events: dict[str, int] = {}
         accumulators: dict[str, np.ndarray] = {}
         seconds: dict[str, float] = {}
-        for step, instr in enumerate(program.instructions):
+        for step, instr in enumerate(self.records):
             start = time.thread_time() if profile else 0.0
-            args = [env[name] for name in instr["inputs"]]
-            if instr["kind"] == Kind.CONV_GEMM:
+            args = [env[name] for name in instr.inputs]
+            if instr.kind == Kind.CONV_GEMM:
                 out, acc, count = self._conv(instr, args[0])  # acc (N, OH*OW, M), maybe a scratch view
                 if dump:  # a copy: ascontiguousarray returns a contiguous scratch view itself, later overwritten
                     acc = np.array(acc, order="C").reshape(-1, acc.shape[-1])
             else:
                 out, acc, count = self.execute(instr, args)
-            env[instr["output"]] = out
+            env[instr.output] = out
             if count is not None:
-                events[instr["name"]] = count
+                events[instr.name] = count
             if dump and acc is not None:
-                accumulators[instr["name"]] = acc if instr["kind"] == Kind.CONV_GEMM else np.array(acc)
+                accumulators[instr.name] = acc if instr.kind == Kind.CONV_GEMM else np.array(acc)
             if profile:
-                seconds[instr["name"]] = time.thread_time() - start
+                seconds[instr.name] = time.thread_time() - start
             if not dump:
-                for name in instr["inputs"]:
+                for name in instr.inputs:
                     if self.last_use[name] == step and name not in program.outputs:
                         env.pop(name, None)
         outputs = {name: env[name] for name in program.outputs}
@@ -174,37 +175,39 @@ class Machine:
         return buffers
 
     # --- instructions ------------------------------------------------------------------------------------
-    def execute(self, instr: dict, args: list[np.ndarray]):
-        """(output, accumulator or None, overflow events or None) of one instruction, by the KERNELS table."""
-        return handler(KERNELS, instr["kind"], "the simulator", f"instruction '{instr['name']}'")(self, instr, args)
+    def execute(self, instr: Instruction | dict, args: list[np.ndarray]):
+        """(output, accumulator or None, overflow events or None) of one instruction (a typed record, or a
+        manifest dict, read into one), by the KERNELS table."""
+        if isinstance(instr, dict):
+            instr = from_manifest(instr)
+        return handler(KERNELS, instr.kind, "the simulator", f"instruction '{instr.name}'")(self, instr, args)
 
-    def concat(self, instr: dict, args: list[np.ndarray]):
+    def concat(self, instr: Instruction, args: list[np.ndarray]):
         return np.concatenate(args, axis=1), None, None
 
-    def channel_slice(self, instr: dict, args: list[np.ndarray]):
+    def channel_slice(self, instr: Instruction, args: list[np.ndarray]):
         """The hardware reads the producer's buffer at a channel offset; the model copies the window."""
-        start = instr["start"]
-        return np.ascontiguousarray(args[0][:, start:start + instr["count"]]), None, None
+        return np.ascontiguousarray(args[0][:, instr.start:instr.start + instr.count]), None, None
 
-    def channel_permute(self, instr: dict, args: list[np.ndarray]):
+    def channel_permute(self, instr: Instruction, args: list[np.ndarray]):
         """Output channel c is input channel perm[c] (the hardware: permuted strides)."""
-        return np.ascontiguousarray(args[0][:, instr["perm"]]), None, None
+        return np.ascontiguousarray(args[0][:, list(instr.perm)]), None, None
 
-    def reshape(self, instr: dict, args: list[np.ndarray]):
-        return args[0].reshape((args[0].shape[0], *instr["shape"][1:])), None, None
+    def reshape(self, instr: Instruction, args: list[np.ndarray]):
+        return args[0].reshape((args[0].shape[0], *instr.shape[1:])), None, None
 
     # A host op (compiled with --allow-host-fallback) is not an accelerator instruction: the caller supplies
     # `host(op, opset, operands, attrs) -> float array`, e.g. qdeploy's float reference executor.
     host = None
 
-    def host_op(self, instr: dict, args: list[np.ndarray]):
+    def host_op(self, instr: Instruction, args: list[np.ndarray]):
         """Dequantize the operands, run the op in float on the host, quantize its output (rne, clamp)."""
         if self.host is None:
-            raise ProgramInputError(f"instruction '{instr['name']}' is host op {instr['op']}: this machine has no "
+            raise ProgramInputError(f"instruction '{instr.name}' is host op {instr.op}: this machine has no "
                                     f"host executor (run the program through qdeploy)")
-        tensors = iter(zip(args, [o["tensor"] for o in instr["operands"] if o and "tensor" in o]))
+        tensors = iter(zip(args, [o["tensor"] for o in instr.operands if o and "tensor" in o]))
         operands = []
-        for operand in instr["operands"]:
+        for operand in instr.operands:
             if operand is None:
                 operands.append(None)
             elif "array" in operand:
@@ -212,14 +215,14 @@ class Machine:
             else:
                 q, name = next(tensors)
                 operands.append(dequantize(self.program, name, q))
-        attrs = {k: self.arrays[v["array"]] if isinstance(v, dict) else v for k, v in instr["attrs"].items()}
-        y = self.host(instr["op"], instr["opset"], operands, attrs)
-        return quantize_input(self.program, instr["output"], np.asarray(y, np.float32)), None, None
+        attrs = {k: self.arrays[v["array"]] if isinstance(v, dict) else v for k, v in instr.attrs.items()}
+        y = self.host(instr.op, instr.opset, operands, attrs)
+        return quantize_input(self.program, instr.output, np.asarray(y, np.float32)), None, None
 
-    def _requantize(self, instr: dict, acc: np.ndarray) -> np.ndarray:
+    def _requantize(self, instr: Instruction, acc: np.ndarray) -> np.ndarray:
         """acc (..., C) -> the output stage's Requantize, Clamp and ClampPerChannel steps (isa/output_stage.py;
         the Bias is added in the accumulator by the GEMM kernels)."""
-        stage = OutputStage.of(instr)  # read from the record each time: callers may pass a variant of it
+        stage = instr.stage
         requant, (lo, hi) = stage.requantize, (stage.clamp.lo, stage.clamp.hi)
         if self.arithmetic.rounding == Rounding.FLOAT32_RNE:
             y = requantize(acc, mode=Rounding.FLOAT32_RNE, lo=lo, hi=hi, scale=self.arrays[requant.scale_f32])
@@ -230,27 +233,27 @@ class Machine:
             np.minimum(y, self.arrays[stage.clamp_per_channel.array].astype(y.dtype), out=y)
         return y
 
-    def _store(self, instr: dict, y: np.ndarray) -> np.ndarray:
+    def _store(self, instr: Instruction, y: np.ndarray) -> np.ndarray:
         """The output stage's last step, WindowMax, on the way to memory."""
-        window = OutputStage.of(instr).window_max
+        window = instr.stage.window_max
         if window is None:
             return y
         return window_max(y, window.kernel, window.strides, window.pads, window.dilations, window.ceil_mode)
 
-    def conv_gemm(self, instr: dict, args: list[np.ndarray]):
+    def conv_gemm(self, instr: Instruction, args: list[np.ndarray]):
         """(y NCHW, acc (N*OH*OW, M) before requantization, events)."""
         y, acc, events = self._conv(instr, args[0])
         return y, np.array(acc, order="C").reshape(-1, acc.shape[-1]), events  # a copy: acc may be scratch
 
-    def _conv(self, instr: dict, x: np.ndarray):
+    def _conv(self, instr: Instruction, x: np.ndarray):
         """(y NCHW, acc (N, OH*OW, M), events). acc of the depthwise and planar methods is a view of NCHW-ordered
         memory (requantize keeps that layout, so y needs no transpose) and may be this thread's scratch."""
-        plan = self.plans[instr["name"]]
+        plan = self.plans[instr.name]
         n = x.shape[0]
-        kernel, strides, pads, dilations = instr["kernel"], instr["strides"], instr["pads"], instr["dilations"]
+        kernel, strides, pads, dilations = instr.kernel, instr.strides, instr.pads, instr.dilations
         oh = conv_output_size(x.shape[2], kernel[0], strides[0], pads[0], pads[2], dilations[0])
         ow = conv_output_size(x.shape[3], kernel[1], strides[1], pads[1], pads[3], dilations[1])
-        bias = self.arrays[instr["bias"]]
+        bias = self.arrays[instr.bias]
         acc_bits, overflow = self.arithmetic.acc_bits, self.arithmetic.overflow
         if plan.method == "depthwise":
             acc4, events = depthwise_conv(x, plan.weight, bias, kernel, strides, pads, dilations, acc_bits, overflow,
@@ -262,7 +265,7 @@ class Machine:
                                  w_max_abs=plan.weight_max, scratch=self._scratch())
             acc, events = result.acc.transpose(0, 2, 1), result.events
         else:  # grouped: im2col + one GEMM per group, (G, N*OH*OW, M/G) -> (N, OH*OW, M), channel c = g*M/G + j
-            groups = instr["group"]
+            groups = instr.group
             cols = im2col(x, kernel, strides, pads, dilations, groups)
             result = gemm(cols, plan.weight, acc_bits, overflow, bias=bias.reshape(groups, -1))
             acc, events = np.ascontiguousarray(result.acc.transpose(1, 0, 2)).reshape(n, oh * ow, -1), result.events
@@ -270,29 +273,30 @@ class Machine:
         y = np.ascontiguousarray(y.transpose(0, 2, 1)).reshape(n, -1, oh, ow)  # no copy when acc was NCHW
         return self._store(instr, y), acc, events
 
-    def dense_gemm(self, instr: dict, args: list[np.ndarray]):
+    def dense_gemm(self, instr: Instruction, args: list[np.ndarray]):
         """(y (N, M), acc (N, M), events): the planar GEMM of w (M, K) with x^T, requantized in that layout."""
         (x,) = args
-        plan = self.plans[instr["name"]]
+        plan = self.plans[instr.name]
         if plan.method != "planar":
             result = gemm(x, plan.weight[0], self.arithmetic.acc_bits, self.arithmetic.overflow,
-                          bias=self.arrays[instr["bias"]])
+                          bias=self.arrays[instr.bias])
             return self._requantize(instr, result.acc), result.acc, result.events
         result = gemm_planar(plan.weight, np.ascontiguousarray(x.T)[None], self.arithmetic.acc_bits,
-                             self.arithmetic.overflow, bias=self.arrays[instr["bias"]], w_float=plan.weight_f32,
+                             self.arithmetic.overflow, bias=self.arrays[instr.bias], w_float=plan.weight_f32,
                              w_max_abs=plan.weight_max, scratch=self._scratch())
         acc = result.acc[0].T  # (N, M) view of (M, N) memory
         y = np.ascontiguousarray(self._requantize(instr, acc))
         return y, np.ascontiguousarray(acc), result.events
 
-    def add_gemm(self, instr: dict, args: list[np.ndarray]):
+    def add_gemm(self, instr: Instruction, args: list[np.ndarray]):
         """acc = a * w_a + b * w_b: a K = 2 GEMM per element, [a b] . [w_a w_b]^T, in the accumulator.
         With rounding float32_rne: the float32 output-stage add of ONNX Runtime's QLinearAdd (add_float32_rne)."""
         a, b = args
-        if self.arithmetic.rounding == Rounding.FLOAT32_RNE and "add_ratio_f32" in instr:
-            y, value = add_float32_rne(a, b, self.arrays[instr["add_ratio_f32"]], *instr["clamp"])
+        if self.arithmetic.rounding == Rounding.FLOAT32_RNE:
+            y, value = add_float32_rne(a, b, self.arrays[instr.add_ratio_f32], instr.stage.clamp.lo,
+                                       instr.stage.clamp.hi)
             return self._store(instr, y), value, 0
-        w_a, w_b = instr["add_weights"]
+        w_a, w_b = instr.add_weights
         acc = np.empty(a.size, np.int64)
         events = add_gemm_kernel(np.ascontiguousarray(a).reshape(-1), np.ascontiguousarray(b).reshape(-1),
                                  int(w_a), int(w_b), self.arithmetic.acc_min, self.arithmetic.acc_max,
@@ -351,14 +355,14 @@ class _GemmPlan:
     weight_max: np.ndarray | None = None  # max |w| per output channel (depthwise, planar)
 
 
-def _plan(instr: dict, w: np.ndarray, tensors: dict) -> _GemmPlan:
-    groups = instr.get("group", 1)
+def _plan(instr: Instruction, w: np.ndarray, tensors: dict) -> _GemmPlan:
+    groups = getattr(instr, "group", 1)  # a DenseGemm is one group
     if w.dtype == np.int8 and groups == 1:
         w = np.ascontiguousarray(w)
         return _GemmPlan("planar", w, w.astype(np.float32), channel_max_abs(w))
-    if instr["kind"] == Kind.CONV_GEMM and w.dtype == np.int8:
-        channels = tensors[instr["inputs"][0]]["shape"][1]
-        kh, kw = instr["kernel"]
+    if instr.kind == Kind.CONV_GEMM and w.dtype == np.int8:
+        channels = tensors[instr.inputs[0]]["shape"][1]
+        kh, kw = instr.kernel
         if groups == channels == w.shape[0] and w.shape[1] == kh * kw:
             w = np.ascontiguousarray(w)
             return _GemmPlan("depthwise", w, None, channel_max_abs(w))

@@ -1,0 +1,167 @@
+"""Typed instruction records: one frozen dataclass per kind, holding exactly the fields a program manifest
+stores for it (docs/design.md section 7), with its (de)serialisation: `from_manifest` builds the record from a
+manifest dict, `to_manifest` gives the dict back, field for field (tests/test_isa_records.py checks the round
+trip on the golden programs). The program format (qdeploy/program.py) checks every field's type and range
+against the program's arrays before records are built; the simulator reads records, not dicts.
+
+Arrays are named by their program array names (str); the output stage is `isa.output_stage.OutputStage`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
+
+from isa.kinds import RESHAPE_KINDS, Kind, handler
+from isa.output_stage import OutputStage
+
+
+@dataclass(frozen=True, kw_only=True)
+class Instruction:
+    """What every instruction has: its kind, its name, the tensors it reads and the one it writes."""
+
+    kind: Kind
+    name: str
+    inputs: tuple[str, ...]
+    output: str
+
+    # Manifest keys of optional fields that are written only when set (not as null).
+    OMITTED_WHEN_NONE: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def from_manifest(cls, record: dict) -> "Instruction":
+        values = {}
+        for f in fields(cls):
+            if f.name == "stage":
+                values["stage"] = OutputStage.of(record)
+            elif f.name in record:
+                value = record[f.name]
+                values[f.name] = tuple(value) if isinstance(value, list) else value
+            elif f.name not in cls.OMITTED_WHEN_NONE and f.name not in ("tiles",):
+                raise KeyError(f"instruction '{record.get('name')}' ({record.get('kind')}) has no field '{f.name}'")
+        values["kind"] = Kind(record["kind"])
+        return cls(**values)
+
+    def to_manifest(self) -> dict[str, Any]:
+        record: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "stage":
+                record.update(_stage_fields(value, self))
+            elif value is None and (f.name in self.OMITTED_WHEN_NONE or f.name == "tiles"):
+                continue
+            else:
+                record[f.name] = list(value) if isinstance(value, tuple) else value
+        return record
+
+
+def _stage_fields(stage: OutputStage, instr: "ArrayInstruction") -> dict[str, Any]:
+    """The manifest fields of an output stage (the bias is the weighted GEMMs' own field)."""
+    record: dict[str, Any] = {"mult": stage.requantize.mult, "shift": stage.requantize.shift,
+                              "scale_f32": stage.requantize.scale_f32,
+                              "clamp": [stage.clamp.lo, stage.clamp.hi]}
+    if stage.clamp_per_channel is not None:
+        record["clamp_hi"] = stage.clamp_per_channel.array
+    if instr.HAS_WINDOW_FIELD:
+        record["window"] = None if stage.window_max is None else stage.window_max.to_record()
+    return record
+
+
+@dataclass(frozen=True, kw_only=True)
+class ArrayInstruction(Instruction):
+    """An instruction on the GEMM array: `k` and `acc_bound_bits` as compiled, the output stage, the tiles."""
+
+    stage: OutputStage
+    k: int
+    acc_bound_bits: int
+    tiles: dict | None = None
+
+    HAS_WINDOW_FIELD: ClassVar[bool] = True  # the manifest holds "window" (null when none)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConvGemm(ArrayInstruction):
+    """im2col + one GEMM per group (eq. 9, 1): weight (M, C/group * kh * kw), int32 bias per channel."""
+
+    weight: str
+    bias: str
+    weight_scale: str
+    kernel: tuple[int, int]
+    strides: tuple[int, int]
+    pads: tuple[int, int, int, int]
+    dilations: tuple[int, int]
+    group: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class DenseGemm(ArrayInstruction):
+    """y = x . W^T + b on (N, K): weight (M, K)."""
+
+    weight: str
+    bias: str
+    weight_scale: str
+
+    HAS_WINDOW_FIELD: ClassVar[bool] = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class AddGemm(ArrayInstruction):
+    """The residual add: acc = a * w_a + b * w_b (16-bit pre-scale weights on the scale add_scale), or in
+    float32_rne the float32 add with the ratios add_ratio_f32 (qdeploy/quantize.py eq. 6-7)."""
+
+    add_weights: tuple[int, int]
+    add_scale: float
+    add_ratio_f32: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Concat(Instruction):
+    """Producers write channel slices of one buffer (axis 1)."""
+
+    axis: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Reshape(Instruction):
+    """Reshape, Flatten, Squeeze, Unsqueeze: a view with the static shape [None, ...] (batch free)."""
+
+    shape: tuple
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChannelSlice(Instruction):
+    """Channels [start, start + count) of the input."""
+
+    start: int
+    count: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChannelPermute(Instruction):
+    """Output channel c is input channel perm[c]."""
+
+    perm: tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Host(Instruction):
+    """An ONNX op run in float on the host: its operands ({"tensor": name}, {"array": name} or None) and
+    attributes (an array attribute as {"array": name})."""
+
+    op: str
+    opset: int
+    operands: tuple = field(default_factory=tuple)
+    attrs: dict = field(default_factory=dict)
+
+
+# The records' handler table: the dataclass of each kind.
+RECORDS: dict[Kind, type[Instruction]] = {
+    Kind.CONV_GEMM: ConvGemm, Kind.DENSE_GEMM: DenseGemm, Kind.ADD_GEMM: AddGemm, Kind.CONCAT: Concat,
+    **{kind: Reshape for kind in RESHAPE_KINDS}, Kind.CHANNEL_SLICE: ChannelSlice,
+    Kind.CHANNEL_PERMUTE: ChannelPermute, Kind.HOST: Host}
+
+
+def from_manifest(record: dict) -> Instruction:
+    """The typed record of a (checked) manifest instruction."""
+    cls = handler(RECORDS, record["kind"], "the instruction records", f"instruction '{record.get('name')}'")
+    return cls.from_manifest(record)
