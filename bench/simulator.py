@@ -64,7 +64,7 @@ def program_macs(program) -> int:
     window-max on store, DenseGemm M*K, AddGemm 2 per output element)."""
     from isa.tiling import gemm_shape
 
-    shapes = (gemm_shape(instr, program.tensors) for instr in program.instructions)
+    shapes = (gemm_shape(instr, program.tensors) for instr in program.records)
     return sum(shape.macs for shape in shapes if shape is not None)
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from isa.geometry import conv_output_size
+from isa.instructions import Instruction, from_manifest
 from isa.kinds import LAYOUT_KINDS, Kind, handler
 from isa.target import ArrayConfig, Target, acc_element_bytes, target_from_dict
 
@@ -47,28 +48,28 @@ def _prod(values: Iterable[int]) -> int:
     return math.prod(int(v) for v in values)
 
 
-def _conv_shape(instr: dict, in_shape: list, out_shape: list, batch: int, stored: int) -> GemmShape:
+def _conv_shape(instr: Instruction, in_shape: list, out_shape: list, batch: int, stored: int) -> GemmShape:
     """ConvGemm: m = batch*OH*OW, k = C/G*kh*kw, n = M/G per group."""
     _, _, height, width = in_shape
-    (kh, kw), (sh, sw), pads, (dh, dw) = instr["kernel"], instr["strides"], instr["pads"], instr["dilations"]
+    (kh, kw), (sh, sw), pads, (dh, dw) = instr.kernel, instr.strides, instr.pads, instr.dilations
     oh = conv_output_size(height, kh, sh, pads[0], pads[2], dh)
     ow = conv_output_size(width, kw, sw, pads[1], pads[3], dw)
-    groups = int(instr["group"])
-    return GemmShape(groups, batch * oh * ow, int(out_shape[1]) // groups, int(instr["k"]), stored)
+    groups = int(instr.group)
+    return GemmShape(groups, batch * oh * ow, int(out_shape[1]) // groups, int(instr.k), stored)
 
 
-def _dense_shape(instr: dict, in_shape: list, out_shape: list, batch: int, stored: int) -> GemmShape:
+def _dense_shape(instr: Instruction, in_shape: list, out_shape: list, batch: int, stored: int) -> GemmShape:
     """DenseGemm: m = batch, one group."""
-    return GemmShape(1, batch, _prod(out_shape[1:]), int(instr["k"]), stored)
+    return GemmShape(1, batch, _prod(out_shape[1:]), int(instr.k), stored)
 
 
-def _add_shape(instr: dict, in_shape: list, out_shape: list, batch: int, stored: int) -> GemmShape:
+def _add_shape(instr: Instruction, in_shape: list, out_shape: list, batch: int, stored: int) -> GemmShape:
     """AddGemm: one group per channel, m = batch*H*W, k = 2, n = 1."""
     channels = int(in_shape[1]) if len(in_shape) > 1 else 1
     return GemmShape(channels, batch * _prod(in_shape[2:]), 1, 2, stored)
 
 
-def _no_array_work(instr: dict, *_) -> None:
+def _no_array_work(instr: Instruction, *_) -> None:
     return None
 
 
@@ -77,13 +78,13 @@ GEMM_SHAPES = {Kind.CONV_GEMM: _conv_shape, Kind.DENSE_GEMM: _dense_shape, Kind.
                **{kind: _no_array_work for kind in LAYOUT_KINDS | {Kind.HOST}}}
 
 
-def gemm_shape(instr: dict, tensors: dict, batch: int = 1) -> GemmShape | None:
+def gemm_shape(instr: Instruction, tensors: dict, batch: int = 1) -> GemmShape | None:
     """The GEMM geometry of an instruction record of a program manifest (docs/design.md section 4), None for an
     instruction that puts no work on the array."""
-    in_shape = tensors[instr["inputs"][0]]["shape"] if instr["inputs"] else []
-    out_shape = tensors[instr["output"]]["shape"]
+    in_shape = tensors[instr.inputs[0]]["shape"] if instr.inputs else []
+    out_shape = tensors[instr.output]["shape"]
     stored = batch * _prod(out_shape[1:])
-    shape_of = handler(GEMM_SHAPES, instr["kind"], "the performance model", f"instruction '{instr['name']}'")
+    shape_of = handler(GEMM_SHAPES, instr.kind, "the performance model", f"instruction '{instr.name}'")
     return shape_of(instr, in_shape, out_shape, batch, stored)
 
 
@@ -228,14 +229,14 @@ def record_tiles(manifest: dict, target: Target | None = None) -> None:
     by the compiler)."""
     target = target or target_from_dict(manifest["target"])
     acc_bits = target.arithmetic.acc_bits
-    for instr in manifest["instructions"]:
-        shape = gemm_shape(instr, manifest["tensors"])
+    for record in manifest["instructions"]:
+        shape = gemm_shape(from_manifest(record), manifest["tensors"])
         if shape is not None:
-            instr["tiles"] = choose_tiles(shape, target.array, acc_bits).to_json(shape, acc_bits)
+            record["tiles"] = choose_tiles(shape, target.array, acc_bits).to_json(shape, acc_bits)
 
 
-def tiles_of(instr: dict, shape: GemmShape, target: Target) -> Tiles:
+def tiles_of(instr: Instruction, shape: GemmShape, target: Target) -> Tiles:
     """The tiles recorded in the program, or chosen now for programs compiled before tiles were recorded."""
-    if "tiles" in instr:
-        return Tiles.from_json(instr["tiles"])
+    if instr.tiles is not None:
+        return Tiles.from_json(instr.tiles)
     return choose_tiles(shape, target.array, target.arithmetic.acc_bits)

@@ -108,7 +108,7 @@ def estimate_performance(model: str | os.PathLike, program: Program) -> PerfRepo
         if all(name in constants or not name for name in record.inputs):
             constants.update(record.outputs)  # Constant nodes and what is computed from constants only
         nodes.append(record)
-    fused = trace_fused_ops(nodes, constants, program.instructions)
+    fused = trace_fused_ops(nodes, constants, program.records)
     return estimate_program(program.manifest, program.arrays, fused_ops=fused)
 
 

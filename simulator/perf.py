@@ -53,6 +53,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
+from isa.instructions import Instruction, from_manifest
 from isa.kinds import ARRAY_KINDS, RESHAPE_KINDS, WEIGHTED_GEMM_KINDS, Kind
 from isa.target import target_from_dict
 from isa.tiling import estimate, gemm_shape, tiles_of
@@ -65,7 +66,8 @@ from isa.tiling import estimate, gemm_shape, tiles_of
 TRANSPARENT_OPS = frozenset({"Identity", "Dropout", "Pad", "Cast"}) | RESHAPE_KINDS  # (ONNX ops of the same names)
 
 
-def trace_fused_ops(nodes: Iterable[Any], constants: set[str], instructions: list[dict]) -> dict[str, list[str]]:
+def trace_fused_ops(nodes: Iterable[Any], constants: set[str], instructions: list[Instruction]
+                    ) -> dict[str, list[str]]:
     """{instruction name: the ops it runs besides its GEMM, in order} from the model's graph.
 
     `nodes` have .op, .inputs, .outputs (ONNX nodes in any form, e.g. the model as loaded); `constants` names
@@ -78,9 +80,9 @@ def trace_fused_ops(nodes: Iterable[Any], constants: set[str], instructions: lis
     producer = {out: node for node in nodes for out in node.outputs if out}
     result: dict[str, list[str]] = {}
     for instr in instructions:
-        if instr["kind"] not in ARRAY_KINDS:
+        if instr.kind not in ARRAY_KINDS:
             continue
-        inputs, chain, tensor = set(instr["inputs"]), [], instr["output"]
+        inputs, chain, tensor = set(instr.inputs), [], instr.output
         for _ in range(len(producer) + 1):
             node = producer.get(tensor)
             if node is None:
@@ -99,22 +101,22 @@ def trace_fused_ops(nodes: Iterable[Any], constants: set[str], instructions: lis
             continue
         core, *extras = ops
         bias = ["BiasAdd"] if core.op in ("Conv", "Gemm") and len(core.inputs) > 2 and core.inputs[2] else []
-        result[instr["name"]] = bias + [node.op for node in extras]
+        result[instr.name] = bias + [node.op for node in extras]
     return result
 
 
-def fused_ops_of(instr: dict, tensors: dict, arithmetic, arrays: dict | None = None) -> list[str]:
+def fused_ops_of(instr: Instruction, tensors: dict, arithmetic, arrays: dict | None = None) -> list[str]:
     """The fused ops as far as the program shows them: "BiasAdd" (a nonzero bias), "Relu"/"Clip" (a clamp
     narrower than the tensor's range), "MaxPool" (a window-max). A BatchNormalization folded into the weights
     leaves no trace in the program; trace_fused_ops sees it."""
     ops = []
-    if instr["kind"] in WEIGHTED_GEMM_KINDS and (arrays is None or bool(arrays[instr["bias"]].any())):
+    if instr.kind in WEIGHTED_GEMM_KINDS and (arrays is None or bool(arrays[instr.bias].any())):
         ops.append("BiasAdd")
-    full = (0, 255) if tensors[instr["output"]]["dtype"] == "uint8" else (arithmetic.act_min, arithmetic.act_max)
-    lo, hi = instr["clamp"]
+    full = (0, 255) if tensors[instr.output]["dtype"] == "uint8" else (arithmetic.act_min, arithmetic.act_max)
+    lo, hi = instr.stage.clamp.lo, instr.stage.clamp.hi
     if (lo, hi) != tuple(full):
         ops.append("Relu" if hi == full[1] else "Clip")
-    if instr.get("window"):
+    if instr.stage.window_max is not None:
         ops.append("MaxPool")
     return ops
 
@@ -188,15 +190,15 @@ def estimate_program(manifest: dict, arrays: dict | None = None, batch: int = 1,
     layers, host_ops = [], []
     bw, launch = float(array.dram_bytes_per_cycle), array.launch_cycles
     traced = fused_ops or {}
-    for index, instr in enumerate(manifest["instructions"]):
+    for index, instr in enumerate(from_manifest(record) for record in manifest["instructions"]):
         shape = gemm_shape(instr, tensors, batch)
         if shape is None:
-            if instr["kind"] == Kind.HOST:
-                host_ops.append(instr["name"])
+            if instr.kind == Kind.HOST:
+                host_ops.append(instr.name)
             continue
         tiles = tiles_of(instr, shape, target)
         cost = estimate(shape, tiles, array)
-        ops = traced.get(instr["name"])
+        ops = traced.get(instr.name)
         if ops is None:
             ops = fused_ops_of(instr, tensors, target.arithmetic, arrays)
         # Unfused: the bare GEMM writes its whole result, then one kernel per op reads and writes the tensor
@@ -210,7 +212,7 @@ def estimate_program(manifest: dict, arrays: dict | None = None, batch: int = 1,
             size = out
         pes = array.rows * array.cols
         layers.append(LayerPerf(
-            index, instr["name"], instr["kind"], shape.groups, shape.m, shape.n, shape.k,
+            index, instr.name, instr.kind, shape.groups, shape.m, shape.n, shape.k,
             tiles.to_json(shape, target.arithmetic.acc_bits, batch), tiles.count(shape), shape.macs,
             cost.compute_cycles, cost.read_bytes, cost.write_bytes, cost.cycles, cost.bound,
             shape.macs / (cost.cycles * pes) if cost.cycles else 0.0, list(ops), 1, 1 + len(ops), read, write,

@@ -17,7 +17,7 @@ import numpy as np
 
 from isa.geometry import conv_output_size, pool_output_size
 from isa.kinds import RESHAPE_KINDS, Kind, handler
-from isa.output_stage import OutputStage
+from isa.instructions import Instruction, from_manifest
 from isa.target import Arithmetic
 
 INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1
@@ -274,10 +274,10 @@ def window_max(x: np.ndarray, kernel_shape: Sequence[int], strides: Sequence[int
 # order (isa/output_stage.py). `run_instruction` is what the machine's KERNELS table must equal, instruction
 # by instruction (tests/test_isa_twins.py).
 
-def _output_stage(instr: dict, acc: np.ndarray, arrays: dict, arithmetic: Arithmetic) -> np.ndarray:
+def _output_stage(instr: Instruction, acc: np.ndarray, arrays: dict, arithmetic: Arithmetic) -> np.ndarray:
     """Requantize, Clamp and ClampPerChannel of acc (rows, channels) with one channel's parameters per column
     (a single set broadcast to every column)."""
-    stage = OutputStage.of(instr)
+    stage = instr.stage
     mult, shift = arrays[stage.requantize.mult].reshape(-1), arrays[stage.requantize.shift].reshape(-1)
     scale = arrays[stage.requantize.scale_f32].reshape(-1)
     bounds = arrays[stage.clamp_per_channel.array].reshape(-1) if stage.clamp_per_channel else None
@@ -292,72 +292,72 @@ def _output_stage(instr: dict, acc: np.ndarray, arrays: dict, arithmetic: Arithm
     return y
 
 
-def _stored(instr: dict, y: np.ndarray, dtype: np.dtype) -> np.ndarray:
+def _stored(instr: Instruction, y: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """The WindowMax step (if any) on the NCHW result, in the output tensor's dtype."""
-    window = OutputStage.of(instr).window_max
+    window = instr.stage.window_max
     y = y.astype(dtype)
     if window is None:
         return y
     return window_max(y, window.kernel, window.strides, window.pads, window.dilations, window.ceil_mode)
 
 
-def _conv_gemm(instr: dict, args: list[np.ndarray], arrays: dict, arithmetic: Arithmetic, dtype) -> np.ndarray:
+def _conv_gemm(instr: Instruction, args: list[np.ndarray], arrays: dict, arithmetic: Arithmetic, dtype) -> np.ndarray:
     """(9) im2col, (1) the GEMM per group with the bias, the output stage, then window-max."""
     (x,) = args
-    groups = int(instr["group"])
-    cols = im2col(x, instr["kernel"], instr["strides"], instr["pads"], instr["dilations"], groups)
-    weight, bias = arrays[instr["weight"]], arrays[instr["bias"]]
+    groups = int(instr.group)
+    cols = im2col(x, instr.kernel, instr.strides, instr.pads, instr.dilations, groups)
+    weight, bias = arrays[instr.weight], arrays[instr.bias]
     per_group = weight.shape[0] // groups
     acc = np.concatenate([gemm(cols[g], weight[g * per_group:(g + 1) * per_group].T, arithmetic.acc_bits,
                                arithmetic.overflow, bias[g * per_group:(g + 1) * per_group])[0]
                           for g in range(groups)], axis=1)  # (N*OH*OW, M)
     n = x.shape[0]
-    oh = conv_output_size(x.shape[2], instr["kernel"][0], instr["strides"][0], instr["pads"][0], instr["pads"][2],
-                          instr["dilations"][0])
+    oh = conv_output_size(x.shape[2], instr.kernel[0], instr.strides[0], instr.pads[0], instr.pads[2],
+                          instr.dilations[0])
     y = _output_stage(instr, acc, arrays, arithmetic).reshape(n, oh, -1, weight.shape[0]).transpose(0, 3, 1, 2)
     return _stored(instr, y, dtype)
 
 
-def _dense_gemm(instr: dict, args: list[np.ndarray], arrays: dict, arithmetic: Arithmetic, dtype) -> np.ndarray:
+def _dense_gemm(instr: Instruction, args: list[np.ndarray], arrays: dict, arithmetic: Arithmetic, dtype) -> np.ndarray:
     """(1) x (N, K) . W^T with the bias, then the output stage."""
     (x,) = args
-    acc, _ = gemm(x, arrays[instr["weight"]].T, arithmetic.acc_bits, arithmetic.overflow, arrays[instr["bias"]])
+    acc, _ = gemm(x, arrays[instr.weight].T, arithmetic.acc_bits, arithmetic.overflow, arrays[instr.bias])
     return _output_stage(instr, acc, arrays, arithmetic).astype(dtype)
 
 
-def _add_gemm(instr: dict, args: list[np.ndarray], arrays: dict, arithmetic: Arithmetic, dtype) -> np.ndarray:
+def _add_gemm(instr: Instruction, args: list[np.ndarray], arrays: dict, arithmetic: Arithmetic, dtype) -> np.ndarray:
     """acc = accumulate([a * w_a, b * w_b]) per element and the output stage; in float32_rne the float32 add of
     qdeploy/quantize.py eq. (6)-(7): rne(f32(a * r_a + f32(b * r_b))), computed exactly with Fractions."""
     a, b = args
     if str(arithmetic.rounding) == "float32_rne":
-        r_a, r_b = (Fraction(float(r)) for r in arrays[instr["add_ratio_f32"]])
-        lo, hi = instr["clamp"]
+        r_a, r_b = (Fraction(float(r)) for r in arrays[instr.add_ratio_f32])
+        lo, hi = instr.stage.clamp.lo, instr.stage.clamp.hi
         y = np.zeros(a.size, np.int64)
         for i, (p, q) in enumerate(zip(a.reshape(-1).tolist(), b.reshape(-1).tolist())):
             value = float32_round(p * r_a + float32_round(q * r_b))
             y[i] = min(max(round(value) if abs(value) < 2 ** 31 else -(2 ** 31), lo), hi)
         return _stored(instr, y.reshape(a.shape), dtype)
-    w_a, w_b = instr["add_weights"]
+    w_a, w_b = instr.add_weights
     acc = np.array([accumulate([p * w_a, q * w_b], arithmetic.acc_bits, arithmetic.overflow)[0]
                     for p, q in zip(a.reshape(-1).tolist(), b.reshape(-1).tolist())], dtype=object).reshape(-1, 1)
     return _stored(instr, _output_stage(instr, acc, arrays, arithmetic).reshape(a.shape), dtype)
 
 
-def _concat(instr: dict, args: list[np.ndarray], arrays: dict, arithmetic: Arithmetic, dtype) -> np.ndarray:
+def _concat(instr: Instruction, args: list[np.ndarray], arrays: dict, arithmetic: Arithmetic, dtype) -> np.ndarray:
     return np.concatenate(args, axis=1)
 
 
-def _channel_slice(instr: dict, args: list[np.ndarray], arrays: dict, arithmetic: Arithmetic, dtype) -> np.ndarray:
-    return args[0][:, instr["start"]:instr["start"] + instr["count"]].copy()
+def _channel_slice(instr: Instruction, args: list[np.ndarray], arrays: dict, arithmetic: Arithmetic, dtype) -> np.ndarray:
+    return args[0][:, instr.start:instr.start + instr.count].copy()
 
 
-def _channel_permute(instr: dict, args: list[np.ndarray], arrays: dict, arithmetic: Arithmetic, dtype) -> np.ndarray:
+def _channel_permute(instr: Instruction, args: list[np.ndarray], arrays: dict, arithmetic: Arithmetic, dtype) -> np.ndarray:
     x = args[0]
-    return np.stack([x[:, source] for source in instr["perm"]], axis=1)
+    return np.stack([x[:, source] for source in instr.perm], axis=1)
 
 
-def _reshape(instr: dict, args: list[np.ndarray], arrays: dict, arithmetic: Arithmetic, dtype) -> np.ndarray:
-    return args[0].reshape((args[0].shape[0], *instr["shape"][1:]))
+def _reshape(instr: Instruction, args: list[np.ndarray], arrays: dict, arithmetic: Arithmetic, dtype) -> np.ndarray:
+    return args[0].reshape((args[0].shape[0], *instr.shape[1:]))
 
 
 # The twins' handler table. A Host instruction has none: it is a float op outside the accelerator.
@@ -367,10 +367,13 @@ TWINS = {Kind.CONV_GEMM: _conv_gemm, Kind.DENSE_GEMM: _dense_gemm, Kind.ADD_GEMM
          Kind.HOST: "a float op on the host: no integer twin"}
 
 
-def run_instruction(instr: dict, args: list[np.ndarray], arrays: dict, arithmetic: Arithmetic,
+def run_instruction(instr: Instruction | dict, args: list[np.ndarray], arrays: dict, arithmetic: Arithmetic,
                     dtype: np.dtype) -> np.ndarray:
-    """The output of one program instruction (a manifest record) on integer inputs, by its twin."""
-    twin = handler(TWINS, instr["kind"], "the Python-int twins", f"instruction '{instr['name']}'")
+    """The output of one program instruction (a typed record, or a manifest dict read into one) on integer
+    inputs, by its twin."""
+    if isinstance(instr, dict):
+        instr = from_manifest(instr)
+    twin = handler(TWINS, instr.kind, "the Python-int twins", f"instruction '{instr.name}'")
     if not callable(twin):
-        raise ValueError(f"instruction '{instr['name']}': {twin}")
+        raise ValueError(f"instruction '{instr.name}': {twin}")
     return twin(instr, args, arrays, arithmetic, np.dtype(dtype))

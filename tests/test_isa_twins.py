@@ -79,7 +79,8 @@ def test_every_kernel_equals_its_twin(tmp_path, rounding, unsigned, overflow, ac
 
 
 def test_a_kind_without_a_twin_is_named():
-    host = {"kind": "Host", "name": "h", "inputs": [], "output": "y", "op": "Erf"}
+    host = {"kind": "Host", "name": "h", "inputs": [], "output": "y", "op": "Erf", "opset": 17, "operands": [],
+            "attrs": {}}
     with pytest.raises(ValueError, match="instruction 'h': a float op on the host: no integer twin"):
         reference.run_instruction(host, [], {}, Arithmetic(), np.int8)
     with pytest.raises(ValueError, match="unknown instruction kind 'Lut'"):

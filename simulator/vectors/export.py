@@ -8,12 +8,13 @@ import os
 import re
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
+from isa.instructions import Instruction
 from isa.kinds import LAYOUT_KINDS, Kind, handler
 from isa.target import Target, acc_element_bytes, target_from_dict, target_to_dict
 from isa.tiling import GemmShape, Tiles, gemm_shape, tiles_of
@@ -65,32 +66,33 @@ def _per_channel(values: np.ndarray, channels: int) -> np.ndarray:
     return np.broadcast_to(values, (channels,)).copy() if values.size == 1 else values
 
 
-def _conv_operands(instr: dict, args: list[np.ndarray], arrays: dict, info: dict) -> tuple[np.ndarray, np.ndarray]:
+def _conv_operands(instr: Instruction, args: list[np.ndarray], arrays: dict, info: dict) -> tuple[np.ndarray, np.ndarray]:
     """ConvGemm: the im2col matrix per group (G, N*OH*OW, K) and the weights (G, K, M/G)."""
     x = args[0]
-    groups = int(instr["group"])
-    cols = im2col(x, instr["kernel"], instr["strides"], instr["pads"], instr["dilations"], groups)
-    w = arrays[instr["weight"]]
+    groups = int(instr.group)
+    cols = im2col(x, instr.kernel, instr.strides, instr.pads, instr.dilations, groups)
+    w = arrays[instr.weight]
     weight = np.ascontiguousarray(w.reshape(groups, w.shape[0] // groups, w.shape[1]).transpose(0, 2, 1))
-    info["conv"] = {k: instr[k] for k in ("kernel", "strides", "pads", "dilations", "group")}
+    info["conv"] = {k: list(getattr(instr, k)) if k != "group" else instr.group
+                    for k in ("kernel", "strides", "pads", "dilations", "group")}
     info["input_shape"] = list(x.shape)
     return cols, weight
 
 
-def _dense_operands(instr: dict, args: list[np.ndarray], arrays: dict, info: dict) -> tuple[np.ndarray, np.ndarray]:
+def _dense_operands(instr: Instruction, args: list[np.ndarray], arrays: dict, info: dict) -> tuple[np.ndarray, np.ndarray]:
     """DenseGemm: one group, (1, N, K) and (1, K, M)."""
     x = args[0]
-    return x.reshape(1, x.shape[0], -1), np.ascontiguousarray(arrays[instr["weight"]].T[None])
+    return x.reshape(1, x.shape[0], -1), np.ascontiguousarray(arrays[instr.weight].T[None])
 
 
-def _add_operands(instr: dict, args: list[np.ndarray], arrays: dict, info: dict) -> tuple[np.ndarray, np.ndarray]:
+def _add_operands(instr: Instruction, args: list[np.ndarray], arrays: dict, info: dict) -> tuple[np.ndarray, np.ndarray]:
     """AddGemm: group c holds rows [a, b] of channel c, (C, N*H*W, 2); weights [w_a, w_b], (C, 2, 1)."""
     a, b = args
     cols = np.stack([channels_last(a).T, channels_last(b).T], axis=2)  # (C, M, 2)
-    w_a, w_b = instr["add_weights"]
+    w_a, w_b = instr.add_weights
     weight = np.broadcast_to(np.array([[w_a], [w_b]], np.int16), (cols.shape[0], 2, 1)).copy()
     info["add_weights"] = [int(w_a), int(w_b)]
-    info["add_scale"] = instr.get("add_scale")
+    info["add_scale"] = instr.add_scale
     return cols, weight
 
 
@@ -100,51 +102,54 @@ OPERANDS: dict[Kind, Callable | str] = {
     **{kind: "layout only (no array work)" for kind in LAYOUT_KINDS}, Kind.HOST: "runs on the host"}
 
 
-def layer_vectors(program, target: Target, index: int, instr: dict, run, machine) -> LayerVectors:
+def layer_vectors(program, target: Target, index: int, instr: Instruction, run, machine) -> LayerVectors:
     """The vectors of one array instruction from a dumped run (Machine.run(..., dump=True))."""
     arrays, tensors = program.arrays, program.tensors
-    args = [run.tensors[name] for name in instr["inputs"]]
+    window, requant = instr.stage.window_max, instr.stage.requantize
+    args = [run.tensors[name] for name in instr.inputs]
     batch = int(args[0].shape[0])
     shape = gemm_shape(instr, tensors, batch)
     tiles = tiles_of(instr, shape, target)
-    info: dict[str, Any] = {"batch": batch, "input_tensors": list(instr["inputs"]),
-                            "output_tensor": instr["output"], "window": instr.get("window")}
-    kind = instr["kind"]
-    cols, weight = handler(OPERANDS, kind, "the golden vectors", f"instruction '{instr['name']}'")(
+    info: dict[str, Any] = {"batch": batch, "input_tensors": list(instr.inputs),
+                            "output_tensor": instr.output, "window": window and window.to_record()}
+    kind = instr.kind
+    cols, weight = handler(OPERANDS, kind, "the golden vectors", f"instruction '{instr.name}'")(
         instr, args, arrays, info)
     channels = weight.shape[0] * weight.shape[2]
-    bias = arrays[instr["bias"]] if "bias" in instr else np.zeros(channels, np.int64)
-    stored = run.tensors[instr["output"]]
-    acc = run.accumulators.get(instr["name"])
+    bias = arrays[instr.stage.bias.array] if instr.stage.bias else np.zeros(channels, np.int64)
+    stored = run.tensors[instr.output]
+    acc = run.accumulators.get(instr.name)
     extra = {}
     if acc is not None and acc.dtype.kind == "f":  # AddGemm in float32_rne: the float32 sum, not an acc
         value = channels_last(acc)
         bits = value.astype(np.float32).view(np.uint32).astype(np.int64)
         extra["value_f32"] = (bits, bits, 32, False, "cols",
                               "float32 bits of the output stage's sum before rounding (rows x channels)")
-        bits = arrays[instr["add_ratio_f32"]].astype(np.float32).view(np.uint32).astype(np.int64).reshape(1, -1)
+        bits = arrays[instr.add_ratio_f32].astype(np.float32).view(np.uint32).astype(np.int64).reshape(1, -1)
         extra["add_ratio_f32"] = (bits, bits, 32, False, "cols",
                                   "float32 bits of (r_a, r_b) = f32(s_a/s_out), f32(s_b/s_out)")
         acc = None
         info["output_stage"] = "float32 add (qdeploy/quantize.py eq. 6-7)"
     elif acc is not None:
         acc = channels_last(acc)
-    if "clamp_hi" in instr:  # an equalized ReLU6: out = min(clamp(requantize(acc), lo, hi), clamp_hi[c])
-        bound = arrays[instr["clamp_hi"]].astype(np.int32).reshape(-1)
+    if instr.stage.clamp_per_channel:  # an equalized ReLU6: out = min(clamp(requantize(acc), lo, hi), clamp_hi[c])
+        bound = arrays[instr.stage.clamp_per_channel.array].astype(np.int32).reshape(-1)
         extra["clamp_hi"] = (bound, bound.reshape(1, -1), 16, True, "cols",
                              "per-channel upper bound applied after the clamp (1 x channels)")
-    if instr.get("window") is None:
+    if window is None:
         grid, stored_matrix = stored, None
-    else:
-        grid, stored_matrix = machine.execute({**instr, "window": None}, args)[0], stored
+    else:  # the same instruction without its window-max: the grid it reads
+        unpooled = replace(instr, stage=replace(instr.stage, window_max=None))
+        grid, stored_matrix = machine.execute(unpooled, args)[0], stored
     # The output stage's result before window-max, as an RTL produces it: the grid the window-max reads
     # (N, C, OH, OW) needs no recomputation from the convolution's geometry.
     info["output_grid"] = list(grid.shape)
     out = channels_last(grid)
     return LayerVectors(
-        index, instr["name"], kind, np.ascontiguousarray(cols), weight, _per_channel(bias, channels),
-        _per_channel(arrays[instr["mult"]], channels), _per_channel(arrays[instr["shift"]], channels),
-        _per_channel(arrays[instr["scale_f32"]], channels).astype(np.float32), tuple(instr["clamp"]), tiles,
+        index, instr.name, kind, np.ascontiguousarray(cols), weight, _per_channel(bias, channels),
+        _per_channel(arrays[requant.mult], channels), _per_channel(arrays[requant.shift], channels),
+        _per_channel(arrays[requant.scale_f32], channels).astype(np.float32),
+        (instr.stage.clamp.lo, instr.stage.clamp.hi), tiles,
         acc, out, stored_matrix, info, extra)
 
 
@@ -363,12 +368,12 @@ def export_vectors(program, inputs: dict[str, np.ndarray], output: str | os.Path
     run = machine.run(inputs, dump=True)
     layers, skipped = [], []
     vectors = []
-    for index, instr in enumerate(program.instructions):
-        reason = handler(OPERANDS, instr["kind"], "the golden vectors", f"instruction '{instr['name']}'")
+    for index, instr in enumerate(program.records):
+        reason = handler(OPERANDS, instr.kind, "the golden vectors", f"instruction '{instr.name}'")
         if callable(reason):
             vectors.append(layer_vectors(program, target, index, instr, run, machine))
         else:
-            skipped.append({"index": index, "name": instr["name"], "kind": instr["kind"], "reason": reason})
+            skipped.append({"index": index, "name": instr.name, "kind": instr.kind, "reason": reason})
     batch = int(next(iter(run.tensors[name] for name in program.inputs)).shape[0])
     manifest = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "kind": "network",
