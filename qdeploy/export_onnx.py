@@ -81,6 +81,7 @@ from qdeploy.fileio import atomic_write
 from qdeploy.program import Program
 from isa.target import Rounding, target_from_dict
 from isa.geometry import conv_output_size
+from isa.instructions import Instruction
 from isa.kinds import RESHAPE_KINDS, Kind, handler
 
 OPSET = 13  # per-axis QuantizeLinear/DequantizeLinear; int8 Clip and MaxPool need 12
@@ -142,36 +143,36 @@ class _Builder:
                   for side, v in (("min", lo), ("max", hi))]
         return self.node("Clip", [value, *bounds], output, f"{name}/Clip")
 
-    def requantized_name(self, instr: dict) -> str:
+    def requantized_name(self, instr: Instruction) -> str:
         """Name of the requantizing op's output: the final tensor when no clamp or window follows."""
-        return f"{instr['output']}/requantized" if self.needs_clip(instr) or instr.get("window") else \
-            self.names[instr["output"]]
+        return f"{instr.output}/requantized" if self.needs_clip(instr) or instr.stage.window_max else \
+            self.names[instr.output]
 
-    def needs_clip(self, instr: dict) -> bool:
-        return tuple(instr["clamp"]) != _DTYPE_RANGE[self.dtype(instr["output"])]
+    def needs_clip(self, instr: Instruction) -> bool:
+        return (instr.stage.clamp.lo, instr.stage.clamp.hi) != _DTYPE_RANGE[self.dtype(instr.output)]
 
-    def epilogue(self, instr: dict, value: str) -> str:
+    def epilogue(self, instr: Instruction, value: str) -> str:
         """Clip to the program's [lo, hi] where it is narrower than the dtype, then the fused window-max."""
-        final, window = self.names[instr["output"]], instr.get("window")
+        final, window = self.names[instr.output], instr.stage.window_max
         if self.needs_clip(instr):
-            value = self.clip(value, *instr["clamp"], self.dtype(instr["output"]),
-                              f"{instr['output']}/clipped" if window else final, instr["name"])
+            value = self.clip(value, instr.stage.clamp.lo, instr.stage.clamp.hi, self.dtype(instr.output),
+                              f"{instr.output}/clipped" if window else final, instr.name)
         if window is not None:
-            pads, ceil_mode = _floor_mode_pads(window, self.window_input_size(instr),
-                                               self.program.tensors[instr["output"]]["shape"][2:])
-            value = self.node("MaxPool", [value], final, f"{instr['name']}/MaxPool",
-                              kernel_shape=window["kernel"], strides=window["strides"], pads=pads,
-                              dilations=window["dilations"], ceil_mode=ceil_mode)
+            pads, ceil_mode = _floor_mode_pads(window.to_record(), self.window_input_size(instr),
+                                               self.program.tensors[instr.output]["shape"][2:])
+            value = self.node("MaxPool", [value], final, f"{instr.name}/MaxPool",
+                              kernel_shape=list(window.kernel), strides=list(window.strides), pads=pads,
+                              dilations=list(window.dilations), ceil_mode=ceil_mode)
         return value
 
-    def window_input_size(self, instr: dict) -> list[int]:
+    def window_input_size(self, instr: Instruction) -> list[int]:
         """Spatial size of the tensor the fused window-max reads (the GEMM's output before the window)."""
-        x = self.program.tensors[instr["inputs"][0]]["shape"][2:]
-        if instr["kind"] != Kind.CONV_GEMM:
+        x = self.program.tensors[instr.inputs[0]]["shape"][2:]
+        if instr.kind != Kind.CONV_GEMM:
             return list(x)  # AddGemm: elementwise
         n = len(x)
-        return [conv_output_size(x[a], instr["kernel"][a], instr["strides"][a], instr["pads"][a],
-                                 instr["pads"][n + a], instr["dilations"][a]) for a in range(n)]
+        return [conv_output_size(x[a], instr.kernel[a], instr.strides[a], instr.pads[a],
+                                 instr.pads[n + a], instr.dilations[a]) for a in range(n)]
 
 
 def _floor_mode_pads(window: dict, in_size: list[int], out_size: list[int]) -> tuple[list[int], int]:
@@ -197,45 +198,45 @@ def _floor_mode_pads(window: dict, in_size: list[int], out_size: list[int]) -> t
     return pads, 0
 
 
-def _qlinear_conv(b: _Builder, instr: dict, x: str, kernel: list[int], attrs: dict, output: str) -> str:
+def _qlinear_conv(b: _Builder, instr: Instruction, x: str, kernel: list[int], attrs: dict, output: str) -> str:
     """QLinearConv with the program's weight (reshaped to (M, C/g, kh, kw)), per-channel weight scales and
     int32 bias; its output is saturated to the dtype range (the clamp follows in the epilogue)."""
-    program, name = b.program, instr["name"]
-    x_dtype, y_dtype = b.dtype(instr["inputs"][0]), b.dtype(instr["output"])
-    if "clamp_hi" in instr:
-        raise Unsupported(f"instruction '{name}' ({instr['kind']}): per-channel clamp bounds (an equalized ReLU6) "
+    program, name = b.program, instr.name
+    x_dtype, y_dtype = b.dtype(instr.inputs[0]), b.dtype(instr.output)
+    if instr.stage.clamp_per_channel is not None:
+        raise Unsupported(f"instruction '{name}' ({instr.kind}): per-channel clamp bounds (an equalized ReLU6) "
                           f"have no ONNX Runtime int8 op (calibrate without --equalize to export)")
     if x_dtype != y_dtype:
-        raise Unsupported(f"instruction '{name}' ({instr['kind']}): {x_dtype} input and {y_dtype} output; ONNX "
+        raise Unsupported(f"instruction '{name}' ({instr.kind}): {x_dtype} input and {y_dtype} output; ONNX "
                           f"Runtime's QLinearConv takes and gives one type (compile without unsigned_activations "
                           f"to export)")
-    weight = program.arrays[instr["weight"]]
+    weight = program.arrays[instr.weight]
     m, k = weight.shape
     taps = int(np.prod(kernel))
     w = b.constant(f"{name}/weight", weight.reshape(m, k // taps, *kernel))
-    w_scale = b.constant(f"{name}/weight_scale", program.arrays[instr["weight_scale"]].astype(np.float32))
+    w_scale = b.constant(f"{name}/weight_scale", program.arrays[instr.weight_scale].astype(np.float32))
     w_zero = b.constant(f"{name}/weight_zero_point", np.zeros(m, np.int8))
-    bias = b.constant(f"{name}/bias", program.arrays[instr["bias"]].astype(np.int32))
-    x_scale, x_zero = b.qparams(instr["inputs"][0])
-    y_scale, y_zero = b.qparams(instr["output"])
+    bias = b.constant(f"{name}/bias", program.arrays[instr.bias].astype(np.int32))
+    x_scale, x_zero = b.qparams(instr.inputs[0])
+    y_scale, y_zero = b.qparams(instr.output)
     return b.node("QLinearConv", [x, x_scale, x_zero, w, w_scale, w_zero, y_scale, y_zero, bias], output,
                   f"{name}/QLinearConv", kernel_shape=kernel, **attrs)
 
 
-def _conv_gemm(b: _Builder, instr: dict) -> str:
-    y = _qlinear_conv(b, instr, b.names[instr["inputs"][0]], list(instr["kernel"]),
-                      {"strides": instr["strides"], "pads": instr["pads"], "dilations": instr["dilations"],
-                       "group": instr["group"]}, b.requantized_name(instr))
+def _conv_gemm(b: _Builder, instr: Instruction) -> str:
+    y = _qlinear_conv(b, instr, b.names[instr.inputs[0]], list(instr.kernel),
+                      {"strides": list(instr.strides), "pads": list(instr.pads), "dilations": list(instr.dilations),
+                       "group": instr.group}, b.requantized_name(instr))
     return b.epilogue(instr, y)
 
 
-def _dense_gemm(b: _Builder, instr: dict) -> str:
-    name, x = instr["name"], instr["inputs"][0]
+def _dense_gemm(b: _Builder, instr: Instruction) -> str:
+    name, x = instr.name, instr.inputs[0]
     shape = b.program.tensors[x]["shape"]
     if len(shape) != 2:
         raise Unsupported(f"instruction '{name}' (DenseGemm): input '{x}' has shape {shape}; the ONNX export "
                           f"handles (N, K) inputs")
-    k, m = shape[1], b.program.arrays[instr["weight"]].shape[0]
+    k, m = shape[1], b.program.arrays[instr.weight].shape[0]
     as_image = b.node("Reshape", [b.names[x], b.constant(f"{name}/shape_in", np.array([0, k, 1, 1], np.int64))],
                       f"{name}/input_nchw", f"{name}/Reshape_in")
     y = _qlinear_conv(b, instr, as_image, [1, 1], {}, f"{name}/output_nchw")
@@ -244,46 +245,46 @@ def _dense_gemm(b: _Builder, instr: dict) -> str:
     return b.epilogue(instr, y)
 
 
-def _add_gemm(b: _Builder, instr: dict) -> str:
+def _add_gemm(b: _Builder, instr: Instruction) -> str:
     """DequantizeLinear -> Add -> QuantizeLinear; ONNX Runtime fuses it into QLinearAdd (module docstring).
     The program's first input is the Add's first input (the fused kernel treats A and B differently)."""
-    name = instr["name"]
+    name = instr.name
     floats = []
-    for side, tensor in zip("ab", instr["inputs"]):
+    for side, tensor in zip("ab", instr.inputs):
         scale, zero = b.qparams(tensor)
         floats.append(b.node("DequantizeLinear", [b.names[tensor], scale, zero], f"{name}/{side}_dequantized",
                              f"{name}/DequantizeLinear_{side}"))
     total = b.node("Add", floats, f"{name}/sum", f"{name}/Add")
-    y_scale, y_zero = b.qparams(instr["output"])
+    y_scale, y_zero = b.qparams(instr.output)
     y = b.node("QuantizeLinear", [total, y_scale, y_zero], b.requantized_name(instr), f"{name}/QuantizeLinear")
     return b.epilogue(instr, y)
 
 
-def _layout(b: _Builder, instr: dict) -> str:
-    shape = np.array([0, *instr["shape"][1:]], np.int64)  # 0: copy the (free) batch dimension
-    return b.node("Reshape", [b.names[instr["inputs"][0]], b.constant(f"{instr['name']}/shape", shape)],
-                  b.names[instr["output"]], instr["name"])
+def _layout(b: _Builder, instr: Instruction) -> str:
+    shape = np.array([0, *instr.shape[1:]], np.int64)  # 0: copy the (free) batch dimension
+    return b.node("Reshape", [b.names[instr.inputs[0]], b.constant(f"{instr.name}/shape", shape)],
+                  b.names[instr.output], instr.name)
 
 
-def _channel_slice(b: _Builder, instr: dict) -> str:
-    start, name = instr["start"], instr["name"]
+def _channel_slice(b: _Builder, instr: Instruction) -> str:
+    start, name = instr.start, instr.name
     bounds = [b.constant(f"{name}/{key}", np.array([value], np.int64))
-              for key, value in (("starts", start), ("ends", start + instr["count"]), ("axes", 1))]
-    return b.node("Slice", [b.names[instr["inputs"][0]], *bounds], b.names[instr["output"]], name)
+              for key, value in (("starts", start), ("ends", start + instr.count), ("axes", 1))]
+    return b.node("Slice", [b.names[instr.inputs[0]], *bounds], b.names[instr.output], name)
 
 
-def _channel_permute(b: _Builder, instr: dict) -> str:
-    order = b.constant(f"{instr['name']}/perm", np.array(instr["perm"], np.int64))
-    return b.node("Gather", [b.names[instr["inputs"][0]], order], b.names[instr["output"]], instr["name"], axis=1)
+def _channel_permute(b: _Builder, instr: Instruction) -> str:
+    order = b.constant(f"{instr.name}/perm", np.array(list(instr.perm), np.int64))
+    return b.node("Gather", [b.names[instr.inputs[0]], order], b.names[instr.output], instr.name, axis=1)
 
 
-def _concat(b: _Builder, instr: dict) -> str:
-    return b.node("Concat", [b.names[t] for t in instr["inputs"]], b.names[instr["output"]], instr["name"],
+def _concat(b: _Builder, instr: Instruction) -> str:
+    return b.node("Concat", [b.names[t] for t in instr.inputs], b.names[instr.output], instr.name,
                   axis=1)
 
 
-def _host(b: _Builder, instr: dict) -> str:
-    raise Unsupported(f"instruction '{instr['name']}': kind {instr['kind']!r} has no ONNX export (a host op runs "
+def _host(b: _Builder, instr: Instruction) -> str:
+    raise Unsupported(f"instruction '{instr.name}': kind '{instr.kind}' has no ONNX export (a host op runs "
                       f"in float outside the accelerator; supported: every accelerator kind)")
 
 
@@ -340,8 +341,8 @@ def export_program(program: Program, *, float_outputs: bool = False,
                            f"{name}/QuantizeLinear")
         if narrow:
             b.clip(quantized, arithmetic.act_min, arithmetic.act_max, "int8", names[name], name)
-    for instr in program.instructions:
-        handler(EXPORTERS, instr["kind"], "the ONNX export", f"instruction '{instr['name']}'")(b, instr)
+    for instr in program.records:
+        handler(EXPORTERS, instr.kind, "the ONNX export", f"instruction '{instr.name}'")(b, instr)
     graph_outputs = []
     for name in program.outputs:
         record = program.tensors[name]
