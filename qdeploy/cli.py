@@ -142,23 +142,24 @@ def _inspect_program(path: Path, json_output: bool) -> None:
             record = program.tensors[name]
             typer.echo(f"  {kind:<6} {name} {_format_shape(record['shape'])} {record['dtype']} "
                        f"scale {record['scale']:.6g}")
-    typer.echo(f"instructions ({len(program.instructions)}):")
-    width = max(len(i["name"]) for i in program.instructions)
-    for instr in program.instructions:
-        describe = handler(PROGRAM_PRINTERS, instr["kind"], "inspect", f"instruction '{instr['name']}'")
-        typer.echo(f"  {instr['kind']:<9} {instr['name']:<{width}} {describe(program, instr)}")
+    records = program.records
+    typer.echo(f"instructions ({len(records)}):")
+    width = max(len(instr.name) for instr in records)
+    for instr in records:
+        describe = handler(PROGRAM_PRINTERS, instr.kind, "inspect", f"instruction '{instr.name}'")
+        typer.echo(f"  {instr.kind:<9} {instr.name:<{width}} {describe(program, instr)}")
 
 
-def _describe_array_instruction(program, instr: dict) -> str:
-    text = f"clamp {instr['clamp']} k={instr['k']} acc bound {instr['acc_bound_bits']} bits"
-    if "clamp_hi" in instr:
-        bounds = program.arrays[instr["clamp_hi"]]
+def _describe_array_instruction(program, instr) -> str:
+    text = f"clamp {[instr.stage.clamp.lo, instr.stage.clamp.hi]} k={instr.k} acc bound {instr.acc_bound_bits} bits"
+    if instr.stage.clamp_per_channel is not None:
+        bounds = program.arrays[instr.stage.clamp_per_channel.array]
         text += f" per-channel upper bounds {int(bounds.min())}..{int(bounds.max())}"
     return text
 
 
-def _describe_data_movement(program, instr: dict) -> str:
-    return f"shape {instr.get('shape', '')}"
+def _describe_data_movement(program, instr) -> str:
+    return f"shape {list(instr.shape) if hasattr(instr, 'shape') else ''}"
 
 
 # `inspect`'s handler table for a program's instructions: the line after kind and name.

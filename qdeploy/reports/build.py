@@ -98,7 +98,7 @@ def _op_counts(graph) -> dict[str, int]:
 def _calibration_summary(table: CalibrationTable, program: Program) -> tuple[list[dict], list[dict], list[str]]:
     """Per calibrated tensor of the program: threshold, amax and the share of |x| above |T| (clipped); the
     histograms for the figure; and a warning when the program's scales do not come from this table."""
-    concat_inputs = {name for instr in program.instructions if instr["kind"] == Kind.CONCAT for name in instr["inputs"]}
+    concat_inputs = {name for instr in program.records if instr.kind == Kind.CONCAT for name in instr.inputs}
     rows, plots, differing = [], [], []
     for name, record in table.records.items():
         if name not in program.tensors:
@@ -276,8 +276,8 @@ def build_report(model: str | os.PathLike, program: str | os.PathLike | Program,
     summary = summarize(imported.original, imported.graph, imported.passes)
     host_ops = [{"node": h.node, "op": h.op, "reason": h.reason} for h in lowering.host_ops]
     lowered_host = {h["node"] for h in host_ops}
-    host_ops += [{"node": i["name"], "op": i.get("op", "?"), "reason": "runs on the host in float (program)"}
-                 for i in program.instructions if i["kind"] == Kind.HOST and i["name"] not in lowered_host]
+    host_ops += [{"node": i.name, "op": i.op, "reason": "runs on the host in float (program)"}
+                 for i in program.records if i.kind == Kind.HOST and i.name not in lowered_host]
 
     document = {
         "format": REPORT_FORMAT, "version": REPORT_VERSION, "toolkit_version": __version__,

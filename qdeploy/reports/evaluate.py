@@ -40,6 +40,7 @@ import numpy as np
 from qdeploy.reference import run_host_op
 from qdeploy.errors import BadInput
 from qdeploy.ir import Graph
+from isa.instructions import Instruction
 from isa.kinds import LAYOUT_KINDS, WEIGHTED_GEMM_KINDS, Kind
 from qdeploy.program import Program
 from qdeploy.reference.executor import run_node
@@ -141,14 +142,14 @@ class _Walk:
 SPLIT_WALKS = ("weights_only", "activations_only")
 
 
-def dequantized_parameters(program: Program, instr: dict, weight_shape: tuple[int, ...]
+def dequantized_parameters(program: Program, instr: Instruction, weight_shape: tuple[int, ...]
                            ) -> tuple[np.ndarray, np.ndarray]:
     """The float weight (in the lowered node's `weight_shape`) and bias a GEMM instruction's integers stand for:
     q_w[c] * s_w[c] and q_b[c] * s_in * s_w[c]."""
-    s_w = program.arrays[instr["weight_scale"]].astype(np.float64)
-    s_in = float(program.tensors[instr["inputs"][0]]["scale"])
-    weight = program.arrays[instr["weight"]].astype(np.float64) * s_w[:, None]
-    bias = program.arrays[instr["bias"]].astype(np.float64) * s_in * s_w
+    s_w = program.arrays[instr.weight_scale].astype(np.float64)
+    s_in = float(program.tensors[instr.inputs[0]]["scale"])
+    weight = program.arrays[instr.weight].astype(np.float64) * s_w[:, None]
+    bias = program.arrays[instr.bias].astype(np.float64) * s_in * s_w
     return weight.reshape(weight_shape).astype(np.float32), bias.astype(np.float32)
 
 
@@ -163,14 +164,15 @@ class Evaluator:
                  threads: int | None = None):
         self.program, self.graph = program, graph
         self.machine = Machine(program)
+        self.records = self.machine.records
         self.machine.host = run_host_op  # host-fallback ops run in float, as `qdeploy run` runs them
         self.nodes = {node.name: node for node in graph.nodes}
         self.layers: list[LayerStats] = []
         self.last_use: dict[str, int] = {}
-        for step, instr in enumerate(program.instructions):
-            for name in instr["inputs"]:
+        for step, instr in enumerate(self.records):
+            for name in instr.inputs:
                 self.last_use[name] = step
-            if instr["kind"] not in LAYOUT_KINDS:
+            if instr.kind not in LAYOUT_KINDS:
                 self.layers.append(self._new_layer(step))
         self.by_index = {layer.index: layer for layer in self.layers}
         self.inputs = {name: SqnrAccumulator() for name in program.inputs}
@@ -178,19 +180,19 @@ class Evaluator:
         self.peers = [PeerStats(label, logits) for label, logits in peers or []]
         self.split = {walk: SplitStats() for walk in SPLIT_WALKS}
         self.dequantized = {  # per GEMM instruction: the float weight and bias of the weights-only walk
-            instr["name"]: dequantized_parameters(
-                program, instr, graph.tensors[self.nodes[instr["name"]].inputs[1]].shape)
-            for instr in program.instructions if instr["kind"] in WEIGHTED_GEMM_KINDS}
+            instr.name: dequantized_parameters(
+                program, instr, graph.tensors[self.nodes[instr.name].inputs[1]].shape)
+            for instr in self.records if instr.kind in WEIGHTED_GEMM_KINDS}
         self.samples = 0
         self.threads = max(1, len(os.sched_getaffinity(0)) if threads is None else int(threads))
-        if any(instr["kind"] == Kind.HOST for instr in program.instructions) or ThreadpoolController is None:
+        if any(instr.kind == Kind.HOST for instr in self.records) or ThreadpoolController is None:
             self.threads = 1
         self._pool: ThreadPoolExecutor | None = None
 
     def _new_layer(self, step: int) -> LayerStats:
-        instr = self.program.instructions[step]
-        return LayerStats(step, instr["name"], instr["kind"], instr["output"],
-                          float(self.program.tensors[instr["output"]]["scale"]))
+        instr = self.records[step]
+        return LayerStats(step, instr.name, instr.kind, instr.output,
+                          float(self.program.tensors[instr.output]["scale"]))
 
     def close(self) -> None:
         if self._pool is not None:
@@ -240,26 +242,26 @@ class Evaluator:
             acts_env[name] = dequantize(program, name, int_env[name])
             inputs[name].update(feeds[name], acts_env[name])
         keep = set(program.outputs)
-        for step, instr in enumerate(program.instructions):
-            node = self.nodes[instr["name"]]
+        for step, instr in enumerate(self.records):
+            node = self.nodes[instr.name]
             reference = self._run_float(node, float_env)
-            output, _, events = self.machine.execute(instr, [int_env[n] for n in instr["inputs"]])
+            output, _, events = self.machine.execute(instr, [int_env[n] for n in instr.inputs])
             layer = layers.get(step)
             if layer is not None:
                 isolated, _, _ = self.machine.execute(
-                    instr, [quantize_input(program, n, float_env[n]) for n in instr["inputs"]])
-                layer.cumulative.update(reference, dequantize(program, instr["output"], output))
-                layer.isolated.update(reference, dequantize(program, instr["output"], isolated))
+                    instr, [quantize_input(program, n, float_env[n]) for n in instr.inputs])
+                layer.cumulative.update(reference, dequantize(program, instr.output, output))
+                layer.isolated.update(reference, dequantize(program, instr.output, isolated))
                 layer.overflow_events += int(events or 0)
-                layer.clipped += _clipped(reference, program, instr["output"])
+                layer.clipped += _clipped(reference, program, instr.output)
                 layer.elements += output.size
                 del isolated
-            float_env[instr["output"]], int_env[instr["output"]] = reference, output
-            weights_env[instr["output"]] = self._run_float(node, weights_env, self.dequantized.get(node.name))
+            float_env[instr.output], int_env[instr.output] = reference, output
+            weights_env[instr.output] = self._run_float(node, weights_env, self.dequantized.get(node.name))
             y = self._run_float(node, acts_env)
-            acts_env[instr["output"]] = dequantize(program, instr["output"],
-                                                   quantize_input(program, instr["output"], y))
-            for name in dict.fromkeys(instr["inputs"]):
+            acts_env[instr.output] = dequantize(program, instr.output,
+                                                   quantize_input(program, instr.output, y))
+            for name in dict.fromkeys(instr.inputs):
                 if self.last_use.get(name) == step and name not in keep:
                     for env in (float_env, int_env, weights_env, acts_env):
                         env.pop(name, None)

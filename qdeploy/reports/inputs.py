@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from isa.kinds import WEIGHTED_GEMM_KINDS
 from qdeploy.errors import BadInput
 from qdeploy.ir import Graph
 from qdeploy.program import Program
@@ -130,30 +131,30 @@ def check_program_matches(program: Program, graph: Graph, model: str, program_so
         if list(record["shape"]) != shape:
             raise mismatch(f"tensor '{name}' has shape {record['shape']} in the program, {shape} in the model")
     nodes = {node.name: node for node in graph.nodes}
-    names = [instr["name"] for instr in program.instructions]
+    names = [instr.name for instr in program.records]
     missing = [node.name for node in graph.nodes if node.name not in set(names)]
     if missing:
         raise mismatch(f"model node '{missing[0]}' has no instruction in the program")
-    for instr in program.instructions:
-        node = nodes.get(instr["name"])
+    for instr in program.records:
+        node = nodes.get(instr.name)
         if node is None:
-            raise mismatch(f"instruction '{instr['name']}' is not a node of the model")
-        if node.outputs[0] != instr["output"]:
-            raise mismatch(f"instruction '{instr['name']}' writes '{instr['output']}', the model's node "
+            raise mismatch(f"instruction '{instr.name}' is not a node of the model")
+        if node.outputs[0] != instr.output:
+            raise mismatch(f"instruction '{instr.name}' writes '{instr.output}', the model's node "
                            f"'{node.outputs[0]}'")
-        if "weight" in instr and "weight_scale" in instr and len(node.inputs) > 1:
+        if instr.kind in WEIGHTED_GEMM_KINDS and len(node.inputs) > 1:
             weight = graph.constant_data(node.inputs[1])
             if weight is None:
                 continue
             rows = weight.reshape(weight.shape[0], -1).astype(np.float64)
-            q = program.arrays[instr["weight"]].astype(np.float64)
-            scale = program.arrays[instr["weight_scale"]].astype(np.float64).reshape(-1, 1)
+            q = program.arrays[instr.weight].astype(np.float64)
+            scale = program.arrays[instr.weight_scale].astype(np.float64).reshape(-1, 1)
             if q.shape != rows.shape:
-                raise mismatch(f"layer '{instr['name']}' has weights {q.shape} in the program, {rows.shape} in "
+                raise mismatch(f"layer '{instr.name}' has weights {q.shape} in the program, {rows.shape} in "
                                f"the model")
             # |q s - w| <= s/2 by rounding; 1e-3 s covers the float32 storage of s (relative 6e-8 of 127 s).
             error = np.abs(q * scale - rows)
             if np.any(error > scale * (0.5 + 1e-3)):
                 step = float(np.max(error / np.where(scale > 0, scale, 1.0)))
-                raise mismatch(f"layer '{instr['name']}': its int8 weights are not the model's weights quantized "
+                raise mismatch(f"layer '{instr.name}': its int8 weights are not the model's weights quantized "
                                f"(off by up to {step:.3g} steps, rounding allows 0.5)")
