@@ -237,10 +237,10 @@ def _dense_gemm(b: _Builder, instr: Instruction) -> str:
         raise Unsupported(f"instruction '{name}' (DenseGemm): input '{x}' has shape {shape}; the ONNX export "
                           f"handles (N, K) inputs")
     k, m = shape[1], b.program.arrays[instr.weight].shape[0]
-    as_image = b.node("Reshape", [b.names[x], b.constant(f"{name}/shape_in", np.array([0, k, 1, 1], np.int64))],
+    as_image = b.node(Kind.RESHAPE, [b.names[x], b.constant(f"{name}/shape_in", np.array([0, k, 1, 1], np.int64))],
                       f"{name}/input_nchw", f"{name}/Reshape_in")
     y = _qlinear_conv(b, instr, as_image, [1, 1], {}, f"{name}/output_nchw")
-    y = b.node("Reshape", [y, b.constant(f"{name}/shape_out", np.array([0, m], np.int64))],
+    y = b.node(Kind.RESHAPE, [y, b.constant(f"{name}/shape_out", np.array([0, m], np.int64))],
                b.requantized_name(instr), f"{name}/Reshape_out")
     return b.epilogue(instr, y)
 
@@ -262,7 +262,7 @@ def _add_gemm(b: _Builder, instr: Instruction) -> str:
 
 def _layout(b: _Builder, instr: Instruction) -> str:
     shape = np.array([0, *instr.shape[1:]], np.int64)  # 0: copy the (free) batch dimension
-    return b.node("Reshape", [b.names[instr.inputs[0]], b.constant(f"{instr.name}/shape", shape)],
+    return b.node(Kind.RESHAPE, [b.names[instr.inputs[0]], b.constant(f"{instr.name}/shape", shape)],
                   b.names[instr.output], instr.name)
 
 
@@ -279,7 +279,7 @@ def _channel_permute(b: _Builder, instr: Instruction) -> str:
 
 
 def _concat(b: _Builder, instr: Instruction) -> str:
-    return b.node("Concat", [b.names[t] for t in instr.inputs], b.names[instr.output], instr.name,
+    return b.node(Kind.CONCAT, [b.names[t] for t in instr.inputs], b.names[instr.output], instr.name,
                   axis=1)
 
 
