@@ -343,8 +343,10 @@ def export_user_model(name: str, folder: str | os.PathLike, exporter: str) -> Pa
     exported as a user would to folder/<name>_<exporter>.onnx."""
     if name == "efficientnet_lite0":
         model, size = load_efficientnet_lite0(), 224
-    elif name in DENSE:
-        model, size = _seeded(DENSE[name], 0).eval(), 64
+    elif name in DENSE:  # torch's own initialisation, seeded (no random BatchNorm statistics)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model, size = DENSE[name]().eval(), 64
     else:
         model, size = build_torchvision(name), TORCHVISION[name][1]
     return export_as_a_user_would(model, (1, 3, size, size), Path(folder) / f"{name}_{exporter}.onnx", exporter)
@@ -428,8 +430,28 @@ class UNetStyle(nn.Module):
         return self.out(torch.cat([self.up(self.down2(skip)), skip], 1))
 
 
+class _SegmentationLogits(nn.Module):
+    """torchvision's segmentation models return {"out": logits}; the export wants the tensor."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model(x)["out"]
+
+
+def build_deeplabv3_mobilenet_v3() -> nn.Module:
+    """torchvision's DeepLabV3-MobileNetV3-Large (21 classes, no auxiliary head, random weights): its ASPP
+    pooling branch and its output are bilinear Resizes to sizes taken from the input's shape."""
+    segmentation = import_torchvision().models.segmentation
+    return _SegmentationLogits(segmentation.deeplabv3_mobilenet_v3_large(weights=None, weights_backbone=None,
+                                                                         aux_loss=False))
+
+
 DENSE: dict[str, Callable[[], nn.Module]] = {
-    "yolo_style": YoloStyle, "unet_transpose": lambda: UNetStyle(False), "unet_bilinear": lambda: UNetStyle(True)}
+    "yolo_style": YoloStyle, "unet_transpose": lambda: UNetStyle(False), "unet_bilinear": lambda: UNetStyle(True),
+    "deeplabv3_mobilenet_v3": build_deeplabv3_mobilenet_v3}
 
 
 def op_counts(path: str | os.PathLike) -> dict[str, int]:

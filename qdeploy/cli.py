@@ -187,6 +187,8 @@ def _format_epilogue(epilogue: dict) -> str:
 
 
 def _print_lowering(result) -> None:
+    from qdeploy.summary import format_host_work
+
     echo = typer.echo
     echo("lowering passes:")
     for record in result.passes:
@@ -206,9 +208,12 @@ def _print_lowering(result) -> None:
     for step in result.layout:
         echo(f"  layout    {step['name']:<{width}} {step['kind']}")
     if result.host_ops:
-        echo(f"host ops (not lowered, {len(result.host_ops)}):")
+        echo(f"host ops (not lowered, {len(result.host_ops)}), work by op:")
+        for line in format_host_work(result.host_ops):
+            echo(f"  {line}")
+        echo("host ops, each:")
         for host in result.host_ops:
-            echo(f"  {host.reason}")
+            echo(f"  {host.reason} [{host.macs:,} MACs, {host.elements:,} elements]")
     echo(f"GEMM-unit share of MACs: {100 * result.gemm_mac_fraction:.2f}%")
 
 
@@ -374,10 +379,19 @@ def compile(model: Path = typer.Argument(..., help="An .onnx model."),
         layers = [{"name": r.name, "kind": r.kind, "m": r.m, "n": r.n, "k": r.k, "groups": r.groups,
                    "input_scale": r.input_scale, "output_scale": r.output_scale, "rounding": r.rounding,
                    "acc_bound_bits": r.acc_bound_bits, "warnings": r.warnings} for r in result.layers]
-        typer.echo(json.dumps({"layers": layers, "output": str(output), "perf": perf.to_json()}, indent=2))
+        host_ops = [{"node": h.node, "op": h.op, "macs": h.macs, "elements": h.elements}
+                    for h in result.lowering.host_ops]
+        typer.echo(json.dumps({"layers": layers, "output": str(output), "perf": perf.to_json(),
+                               "host_ops": host_ops}, indent=2))
         return
     _print_layers(result.layers)
     _print_perf(perf)
+    if result.lowering.host_ops:
+        from qdeploy.summary import format_host_work
+
+        typer.echo(f"host ops (float on the host, {len(result.lowering.host_ops)}), work by op:")
+        for line in format_host_work(result.lowering.host_ops):
+            typer.echo(f"  {line}")
     options = result.program.manifest["options"]
     if not options["per_channel_weights"] and not options["equalization"]:
         typer.echo("note: per-tensor weights: a table from `qdeploy calibrate --equalize` usually does better "

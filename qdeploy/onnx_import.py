@@ -272,6 +272,30 @@ def _free_reshape_batch(nodes: list[Node], tensors: dict[str, Tensor], batch: in
     return rewritten
 
 
+def _free_resize_batch(nodes: list[Node], tensors: dict[str, Tensor], batch: int | None) -> list[Node]:
+    """Resize targets that spell out the file's fixed batch N: a constant `sizes` [N, C, H', W'] (torch's
+    dynamo exporter at a fixed batch) becomes sizes [C, H', W'] over axes 1.. (Resize-18's `axes`), which
+    leaves the batch as it comes, so the graph runs at every batch (as for Reshape, `_free_reshape_batch`)."""
+    if batch is None:
+        return nodes
+    rewritten = []
+    for node in nodes:
+        sizes = tensors.get(node.inputs[3]) if node.op == "Resize" and len(node.inputs) > 3 and node.inputs[3] \
+            else None
+        data = tensors.get(node.inputs[0]) if sizes is not None else None
+        if (sizes is not None and sizes.is_constant and (data is None or not data.is_constant)
+                and sizes.data.ndim == 1 and sizes.data.size >= 3 and int(sizes.data[0]) == batch
+                and "axes" not in node.attrs):
+            name = f"{node.name}/batch_free_sizes"
+            while name in tensors:
+                name += "_"
+            tensors[name] = constant(name, sizes.data[1:].copy())
+            node = node.replace(inputs=[*node.inputs[:3], name],
+                                attrs={**node.attrs, "axes": list(range(1, int(sizes.data.size)))})
+        rewritten.append(node)
+    return rewritten
+
+
 def load_onnx(path: str | os.PathLike, input_shapes: dict[str, tuple[int | None, ...]] | None = None
               ) -> Graph:
     """Read an ONNX file into the IR, as the file states it, with shapes inferred (shape_inference.py)."""
@@ -331,7 +355,8 @@ def load_onnx(path: str | os.PathLike, input_shapes: dict[str, tuple[int | None,
         except QdeployError as error:
             raise type(error)(f"{path}: {error}") from error
         nodes.append(Node(name, proto.op_type, list(proto.input), list(proto.output), attrs))
-    nodes = _free_reshape_batch(nodes, tensors, _stated_batch(onnx_graph, inputs, original_shapes))
+    batch = _stated_batch(onnx_graph, inputs, original_shapes)
+    nodes = _free_resize_batch(_free_reshape_batch(nodes, tensors, batch), tensors, batch)
     outputs = [value.name for value in onnx_graph.output]
     graph = Graph(onnx_graph.name or path.stem, nodes, tensors, inputs, outputs, opset)
     try:

@@ -117,6 +117,10 @@ class _Scales:
             elif node.op in VIEW_KINDS:
                 self.scale[out], self.unsigned[out] = self.scale[node.inputs[0]], self.unsigned[node.inputs[0]]
             else:  # a channel Concat's buffer, or a host op's output (requantized on the host)
+                if not np.issubdtype(graph.tensors[out].dtype, np.floating):
+                    raise Unsupported(f"node '{node.name}' ({node.op}) computes the integer tensor '{out}' on the "
+                                      f"host (shape arithmetic on an activation's run-time shape); a program "
+                                      f"carries int8 activations only, so this model cannot be compiled yet")
                 self._assign(out, thresholds, unsigned=False)
 
     def _concat_scales(self, thresholds: dict[str, float]) -> dict[str, tuple[str, float]]:

@@ -52,12 +52,55 @@ def node_macs(graph: Graph, node: Node) -> int:
         weight = _shape(graph, node.inputs[1])  # (M, C/group, k...)
         out = _shape(graph, node.outputs[0])  # (N, M, spatial...)
         return int(prod(d for d in out[1:]) * prod(weight[1:]))
+    if node.op == "ConvTranspose":
+        weight = _shape(graph, node.inputs[1])  # (C, M/group, k...): each input element meets M/group * k weights
+        data = _shape(graph, node.inputs[0])  # (N, C, spatial...)
+        return int(prod(d for d in data[1:]) * prod(weight[1:]))
     if node.op in ("Gemm", "MatMul"):
         a, out = _shape(graph, node.inputs[0]), _shape(graph, node.outputs[0])
         k = a[0] if node.op == "Gemm" and node.attrs.get("transA", 0) else a[-1]
-        per_sample = out[1:] if out and out[0] is None else out
-        return int(prod(d for d in per_sample) * k)
+        # The free batch dimension (None) may sit anywhere once activations are transposed (a sequence-first
+        # attention product is (L, N, E)): per sample it counts 1.
+        return int(prod(d for d in out if d is not None) * k)
     return 0
+
+
+def node_elements(graph: Graph, node: Node) -> int:
+    """Elements one sample of `node` writes (its outputs, batch axis excluded): the work of an op that does
+    no multiply-accumulate (an activation, a resize, a normalisation) is of this order."""
+    total = 0
+    for name in node.outputs:
+        if name and name in graph.tensors:
+            shape = _shape(graph, name)
+            total += int(prod(d or 1 for d in shape[1:])) if len(shape) > 1 else 1
+    return total
+
+
+@dataclass
+class HostWork:
+    """The host-fallback ops of one op type: how many nodes, their MACs and output elements per sample."""
+
+    op: str
+    nodes: int
+    macs: int
+    elements: int
+
+
+def host_work_by_op(host_ops: list) -> list[HostWork]:
+    """Host ops (records with op, macs, elements) totalled per op type, in order of first appearance."""
+    totals: dict[str, HostWork] = {}
+    for host in host_ops:
+        work = totals.setdefault(host.op, HostWork(host.op, 0, 0, 0))
+        work.nodes += 1
+        work.macs += host.macs
+        work.elements += host.elements
+    return list(totals.values())
+
+
+def format_host_work(host_ops: list) -> list[str]:
+    """One line per op type: 'Resize x2: 0 MACs, 49,152 elements per sample'."""
+    return [f"{w.op} x{w.nodes}: {w.macs:,} MACs, {w.elements:,} elements per sample"
+            for w in host_work_by_op(host_ops)]
 
 
 def parameter_count(graph: Graph) -> int:

@@ -15,7 +15,7 @@ from isa.geometry import conv_output_size
 from isa.kinds import LAYOUT_KINDS, Kind, handler
 from qdeploy.lowering.instructions import INSTRUCTION_OPS, LAYOUT_OPS, has_window_max, is_channel_concat, node_kind
 from qdeploy.lowering.rules import LOWERING
-from qdeploy.summary import node_macs
+from qdeploy.summary import node_elements, node_macs
 
 
 @dataclass
@@ -37,9 +37,14 @@ class Instruction:
 
 @dataclass
 class HostOp:
+    """A node that runs in float on the host, with its work per sample: multiply-accumulates (0 for ops that
+    do none) and output elements."""
+
     node: str
     op: str
     reason: str
+    macs: int = 0
+    elements: int = 0
 
 
 @dataclass
@@ -156,8 +161,9 @@ def lower(graph: Graph, equalize: bool = False) -> LoweringResult:
         elif node.op in LAYOUT_OPS and (node.op != Kind.CONCAT or is_channel_concat(lowered, node)):
             layout.append({"kind": node.op, "name": node.name, "inputs": node.inputs, "output": node.outputs[0]})
         else:
-            host_ops.append(HostOp(node.name, node.op, host_reason(lowered, node)))
-            host_macs += node_macs(lowered, node)
+            host_ops.append(HostOp(node.name, node.op, host_reason(lowered, node), node_macs(lowered, node),
+                                   node_elements(lowered, node)))
+            host_macs += host_ops[-1].macs
     gemm_macs = sum(i.macs for i in instructions)
     fraction = gemm_macs / (gemm_macs + host_macs) if gemm_macs + host_macs else 1.0
     return LoweringResult(lowered, records, instructions, layout, host_ops, fraction)

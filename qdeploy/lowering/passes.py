@@ -328,6 +328,36 @@ def copy_shared_concat_inputs(graph: Graph) -> Graph:
     return graph.with_nodes(nodes, tensors)
 
 
+def split_to_slices(graph: Graph) -> Graph:
+    """Each Split still in the graph (not along the channels: those became ChannelSlices) -> one Slice per
+    output, with the output shapes shape inference gave it: output k = input[..., offset_k : offset_k + size_k,
+    ...] along `axis` (ONNX Split and Slice specs). Why: a compiled host step writes one tensor, so a host op
+    must have one output (a Split along H compiled with host fallback failed with a KeyError). From the helper
+    branch `import`."""
+    nodes: list[Node] = []
+    tensors: list[Tensor] = []
+    for node in graph.nodes:
+        source = graph.tensors[node.inputs[0]] if node.op == "Split" else None
+        if source is None or source.shape is None:
+            nodes.append(node)
+            continue
+        axis = int(node.attrs.get("axis", 0)) % len(source.shape)
+        sizes = [graph.tensors[out].shape[axis] if graph.tensors[out].shape else None for out in node.outputs]
+        if axis == 0 or None in sizes or not all(node.outputs):
+            nodes.append(node)  # a batch split, or one with sizes unknown before run time: left as it is
+            continue
+        offset = 0
+        for k, (out, size) in enumerate(zip(node.outputs, sizes)):
+            bounds = [constant(graph.unique_name(f"{node.name}_slice{k}_{what}"), np.array([value], np.int64))
+                      for what, value in (("starts", offset), ("ends", offset + size), ("axes", axis))]
+            graph = graph.with_nodes(graph.nodes, bounds)  # keeps unique_name() honest
+            nodes.append(Node(graph.unique_name(f"{node.name}/slice{k}"), "Slice",
+                              [node.inputs[0], *(b.name for b in bounds)], [out], {}))
+            tensors.extend(bounds)
+            offset += size
+    return graph.with_nodes(nodes, tensors)
+
+
 # Lowering to GEMM-unit instructions (design.md section 4), on a simplified graph.
 LOWER: list[Pass] = [
     lower_channel_permutations,  # channel shuffle (Reshape -> Transpose -> Reshape) -> ChannelPermute
@@ -335,6 +365,7 @@ LOWER: list[Pass] = [
     fold_batchnorm,  # BN after a GEMM -> its weight rows and bias
     fold_constant_affine,  # Mul/Div/Add/Sub by a per-channel constant after a GEMM -> weights and bias
     lower_remaining_ops,  # standalone BN/affine, residual Add, average pooling -> GEMMs
+    split_to_slices,  # a Split left on the host -> one host Slice per output (a host step writes one tensor)
     fuse_epilogues,  # Relu/Clip/MaxPool -> output stage of their producer
     lower_standalone_epilogues,  # the rest of them -> identity GEMM with that output stage
     copy_shared_concat_inputs,  # a Concat input no exclusive instruction writes -> identity GEMM copy
@@ -342,6 +373,6 @@ LOWER: list[Pass] = [
 ]
 
 
-__all__ = ["LOWER", "copy_shared_concat_inputs", "lower_channel_permutations", "fold_batchnorm", "fold_constant_affine", "fuse_epilogues",
+__all__ = ["LOWER", "copy_shared_concat_inputs", "lower_channel_permutations", "split_to_slices", "fold_batchnorm", "fold_constant_affine", "fuse_epilogues",
            "lower_gemm_ops",
            "lower_remaining_ops", "lower_standalone_epilogues"]

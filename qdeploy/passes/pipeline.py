@@ -16,6 +16,7 @@ from qdeploy.passes.explicit_conv_pads import explicit_conv_pads
 from qdeploy.passes.fold_constants import fold_constants
 from qdeploy.passes.fold_pad import fold_pad_into_conv
 from qdeploy.passes.remove_identity import remove_identity
+from qdeploy.passes.resize_static_sizes import resize_static_sizes
 
 Pass = Callable[[Graph], Graph]
 
@@ -33,6 +34,7 @@ SIMPLIFY: list[Pass] = [
     remove_identity,  # Identity and inference-mode Dropout
     explicit_conv_pads,  # auto_pad SAME_*/VALID -> explicit pads
     fold_pad_into_conv,  # zero Pad before a Conv -> the Conv's pads
+    resize_static_sizes,  # Resize sizes computed from a run-time shape -> constant spatial sizes (axes 2..)
     eliminate_dead_nodes,
 ]
 

@@ -28,6 +28,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from pathlib import Path
 from typing import Callable
 
@@ -43,6 +44,7 @@ from qdeploy.reports import DEFAULT_BATCH_SIZE, metrics
 from qdeploy.reports.evaluate import Evaluator, check_original
 from qdeploy.fileio import atomic_write
 from qdeploy.reports.inputs import check_program_matches, load_labels, load_peer
+from qdeploy.summary import format_host_work
 
 CHECK_ORIGINAL_SAMPLES = 8  # samples of the first batch also run through the original (unlowered) graph
 WORST_LAYERS = 3
@@ -86,7 +88,8 @@ class ReportResult:
             lines.append(f"  peer {peer['name']} ({best['label']}, its best): top-1 agreement "
                          f"{metrics.format_percent(best['top1_agreement'])}, logits SQNR {sqnr}")
         if d["host_ops"]:
-            lines.append(f"  host-fallback ops: {', '.join(h['node'] for h in d['host_ops'])}")
+            work = format_host_work([SimpleNamespace(**h) for h in d["host_ops"]])
+            lines.append(f"  host-fallback ops ({len(d['host_ops'])}): {'; '.join(work)}")
         lines.append(f"wrote {self.output / 'report.md'} (+ report.json, {len(d['plots'])} PNG)")
         return "\n".join(lines)
 
@@ -274,9 +277,11 @@ def build_report(model: str | os.PathLike, program: str | os.PathLike | Program,
         warnings += calib_warnings
     arithmetic = program.manifest["target"]["arithmetic"]
     summary = summarize(imported.original, imported.graph, imported.passes)
-    host_ops = [{"node": h.node, "op": h.op, "reason": h.reason} for h in lowering.host_ops]
+    host_ops = [{"node": h.node, "op": h.op, "reason": h.reason, "macs": h.macs, "elements": h.elements}
+                for h in lowering.host_ops]
     lowered_host = {h["node"] for h in host_ops}
-    host_ops += [{"node": i.name, "op": i.op, "reason": "runs on the host in float (program)"}
+    host_ops += [{"node": i.name, "op": i.op, "reason": "runs on the host in float (program)",
+                  "macs": 0, "elements": 0}
                  for i in program.records if i.kind == Kind.HOST and i.name not in lowered_host]
 
     document = {

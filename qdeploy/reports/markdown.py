@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 from qdeploy.reports.metrics import db_from_json, format_json_db, format_percent
+from qdeploy.summary import format_host_work
 
 READING_GUIDE = (
     "**How to read this report.** The int8 program runs on the bit-accurate simulator of the accelerator and is "
@@ -186,7 +188,9 @@ def render_markdown(d: dict) -> str:
         ["lowered (instructions + layout)", str(nodes["lowered"]), _ops(nodes["ops_lowered"])]], "lrl") + [""]
     if d["host_ops"]:
         lines += ["Host-fallback ops (run in float on the host, not on the accelerator):", ""]
-        lines += [f"- `{h['node']}` ({h['op']}): {h['reason']}" for h in d["host_ops"]] + [""]
+        lines += [f"- {line}" for line in format_host_work([SimpleNamespace(**h) for h in d["host_ops"]])] + [""]
+        lines += [f"- `{h['node']}` ({h['op']}, {h.get('macs', 0):,} MACs, {h.get('elements', 0):,} elements per "
+                  f"sample): {h['reason']}" for h in d["host_ops"]] + [""]
     else:
         lines += ["Host-fallback ops: none; every operator runs on the accelerator.", ""]
 
