@@ -11,9 +11,10 @@ import numpy as np
 
 from calib.table import CalibrationTable
 from qdeploy.binding import bind_inputs, bind_program_inputs
-from qdeploy.errors import BadInput
+from qdeploy.errors import BadInput, QdeployError
 from qdeploy.lowering import LoweringResult, lower, require_lowered
 from qdeploy.onnx_import import import_onnx
+from qdeploy.prequantized import ModelQuantization
 from qdeploy.program import Program, read_program, write_program
 from qdeploy.quantize import CompileOptions, LayerReport, compile_graph
 from qdeploy.reference import run_graph, run_host_op
@@ -35,9 +36,13 @@ def inspect(model: str | os.PathLike, input_shapes: InputShapes | None = None) -
 def lower_model(model: str | os.PathLike, input_shapes: InputShapes | None = None,
                 equalize: bool = False) -> LoweringResult:
     """Import, simplify and lower an ONNX model to GEMM-unit instructions (`equalize`: then cross-layer
-    equalization, lowering/equalize.py)."""
+    equalization, lowering/equalize.py). A pre-quantized model lowers its float graph (prequantized.py)."""
     path = Path(model)
-    graph = import_onnx(path, input_shapes).graph  # its errors name the file already
+    return lower_graph(path, import_onnx(path, input_shapes).graph, equalize)  # import errors name the file already
+
+
+def lower_graph(path: Path, graph, equalize: bool) -> LoweringResult:
+    """Lower an imported graph of the model at `path` (errors name the file)."""
     try:
         return lower(graph, equalize)
     except BadInput as error:
@@ -50,6 +55,7 @@ class CompileResult:
     layers: list[LayerReport]
     lowering: LoweringResult
     output: Path | None
+    quantization: ModelQuantization | None = None  # what a pre-quantized model stated
 
 
 def load_target_file(path: str | os.PathLike | None) -> Target:
@@ -64,17 +70,33 @@ def load_target_file(path: str | os.PathLike | None) -> Target:
         raise BadInput(str(error)) from error
 
 
-def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTable,
+def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTable | None,
             target: str | os.PathLike | Target | None = None, *, per_tensor: bool = False,
             allow_host_fallback: bool = False, bias_correction: bool = True,
-            output: str | os.PathLike | None = None, input_shapes: InputShapes | None = None) -> CompileResult:
+            output: str | os.PathLike | None = None, input_shapes: InputShapes | None = None,
+            widen_scales: bool = False) -> CompileResult:
     """Lower `model`, quantize it with the calibration table and the target, and (with `output`) write the
-    .qdp program (atomically)."""
+    .qdp program (atomically). A pre-quantized model (QuantizeLinear/DequantizeLinear, QLinearConv) needs no
+    table: its own scales and integer weights win, and `calib` only fills the tensors it leaves in float
+    (qdeploy/prequantized.py; `widen_scales`: an activation with a zero point other than 0 or per-channel
+    scales gets one scale covering its range instead of being refused)."""
     path = Path(model)
-    table = calib if isinstance(calib, CalibrationTable) else CalibrationTable.load(calib)
+    table = calib if isinstance(calib, CalibrationTable) or calib is None else CalibrationTable.load(calib)
     target = target if isinstance(target, Target) else load_target_file(target)
-    lowering = lower_model(path, input_shapes, equalize=table.equalization)  # the graph it was calibrated on
+    imported = import_onnx(path, input_shapes, widen_scales)
+    stated = imported.quantization
+    if table is None and stated is None:
+        raise BadInput(f"{path}: the model carries no quantization (no QuantizeLinear/DequantizeLinear): "
+                       f"compile needs a calibration table (--calib) from `qdeploy calibrate`")
+    if stated is not None and table is not None and table.equalization:
+        raise BadInput(f"{calib}: the table was calibrated with --equalize, which rescales the weights of a "
+                       f"model whose integers are fixed; calibrate without --equalize")
+    equalize = table is not None and table.equalization
+    lowering = lower_graph(path, imported.graph, equalize)  # the graph it was calibrated on
     require_lowered(lowering, allow_host_fallback)
+    if table is None:
+        table = CalibrationTable({}, "model", 0)
+    thresholds = {**table.thresholds, **(stated.thresholds if stated is not None else {})}
     options = CompileOptions(per_channel_weights=target.arithmetic.per_channel_weights and not per_tensor,
                              allow_host_fallback=allow_host_fallback, bias_correction=bias_correction)
     means = {name: r.channel_mean for name, r in table.records.items() if r.channel_mean is not None}
@@ -84,13 +106,13 @@ def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTabl
             raise BadInput(f"{calib if not isinstance(calib, CalibrationTable) else 'calibration table'}: tensor "
                            f"'{name}' has {len(mean)} channel means, but the model's tensor has shape {list(shape)}")
     try:
-        program, layers = compile_graph(lowering, table.thresholds, target, options, means)
-    except BadInput as error:
-        raise BadInput(f"{path}: {error}") from error
+        program, layers = compile_graph(lowering, thresholds, target, options, means, stated)
+    except QdeployError as error:
+        raise type(error)(f"{path}: {error}") from error
     program.manifest["model"] = path.name
     program.manifest["options"]["equalization"] = table.equalization
     written = write_program(program, output) if output is not None else None
-    return CompileResult(program, layers, lowering, written)
+    return CompileResult(program, layers, lowering, written, stated)
 
 
 def estimate_performance(model: str | os.PathLike, program: Program) -> PerfReport:

@@ -31,7 +31,8 @@ from calib.histogram import NonFiniteValue, StreamingHistogram
 from calib.methods import THRESHOLD_METHODS, select_threshold
 from calib.table import (MIN_THRESHOLD, TENSORRT_METHOD, CalibrationTable, TensorRecord, read_tensorrt_cache,
                          threshold_from_tensorrt_scale)
-from qdeploy.api import InputShapes, lower_model
+from qdeploy.api import InputShapes, lower_graph
+from qdeploy.onnx_import import import_onnx
 from qdeploy.binding import bind_inputs
 from qdeploy.errors import BadInput
 from qdeploy.ir import Graph, topological_order
@@ -173,7 +174,12 @@ def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD,
                        f"rescales them; use one or the other")
     cache = read_tensorrt_cache(tensorrt_cache) if tensorrt_cache is not None else None
 
-    lowering = lower_model(model, input_shapes, equalize)
+    imported = import_onnx(model, input_shapes, widen_scales=True)  # only the float graph is calibrated here
+    stated = imported.quantization
+    if equalize and stated is not None:
+        raise BadInput(f"{model}: --equalize rescales the weights, and this pre-quantized model's integer weights "
+                       f"are fixed; calibrate without --equalize")
+    lowering = lower_graph(Path(model), imported.graph, equalize)
     graph = lowering.graph
     names = calibration_tensors(graph)
     timings = {"lower": time.perf_counter() - start}
@@ -230,6 +236,11 @@ def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD,
             records[name] = TensorRecord(name, method, threshold, amax, counts, _mean_of(channel_means, name))
     timings["thresholds"] = time.perf_counter() - select_start
 
+    if stated is not None:  # what compile will do with this table (qdeploy/prequantized.py)
+        own = [n for n in names if n in stated.tensors]
+        warnings.append(f"{model}: the model is pre-quantized and states the scales of {len(own)} of the {len(names)} "
+                        f"tensors; compile uses the model's scales for those (this table's thresholds for them are "
+                        f"overridden) and this table's for the other {len(names) - len(own)}")
     table_method = TENSORRT_METHOD if data is None else method
     table = CalibrationTable(records, table_method, samples, Path(model).name, equalize)
     pairs = len(equalizable_pairs(graph)) if equalize else 0

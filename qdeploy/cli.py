@@ -357,7 +357,8 @@ def calibrate(model: Path = typer.Argument(..., help="An .onnx model."),
 @app.command()
 @user_errors
 def compile(model: Path = typer.Argument(..., help="An .onnx model."),
-            calib: Path = typer.Option(..., help="Calibration table from `qdeploy calibrate`."),
+            calib: Optional[Path] = typer.Option(None, help="Calibration table from `qdeploy calibrate`; optional "
+                                                          "for a pre-quantized (QDQ) model, whose own scales win."),
             output: Path = typer.Option(..., "--output", "-o", help="Compiled program (.qdp)."),
             target: Optional[Path] = typer.Option(None, help="Accelerator target (TOML); default: built-in."),
             per_tensor: bool = typer.Option(False, "--per-tensor", help="One weight scale per tensor, not per channel."),
@@ -366,14 +367,20 @@ def compile(model: Path = typer.Argument(..., help="An .onnx model."),
             bias_correction: bool = typer.Option(True, "--bias-correction/--no-bias-correction",
                                                  help="Correct each channel's bias for the weights' rounding "
                                                       "(uses the channel means in the calibration table)."),
+            widen_scales: bool = typer.Option(False, "--widen-scales",
+                                              help="Pre-quantized model: give an activation with a zero point other "
+                                                   "than 0 or per-channel scales one scale covering its range, "
+                                                   "instead of refusing it."),
             input_shape: Optional[list[str]] = INPUT_SHAPE,
             json_output: bool = JSON) -> None:
-    """Quantize the lowered graph with the calibration table and write the integer program (.qdp)."""
+    """Quantize the lowered graph with the calibration table and write the integer program (.qdp). A model
+    that carries QuantizeLinear/DequantizeLinear (QAT, ONNX Runtime, NNCF) compiles with its own scales."""
     from qdeploy.fileio import check_output
 
     check_output(output, model, calib, target)
     result = _api().compile(model, calib, target, per_tensor=per_tensor, allow_host_fallback=allow_host_fallback,
-                         bias_correction=bias_correction, output=output, input_shapes=parse_input_shapes(input_shape))
+                         bias_correction=bias_correction, output=output, input_shapes=parse_input_shapes(input_shape),
+                         widen_scales=widen_scales)
     perf = _api().estimate_performance(model, result.program)
     if json_output:
         layers = [{"name": r.name, "kind": r.kind, "m": r.m, "n": r.n, "k": r.k, "groups": r.groups,
@@ -382,10 +389,11 @@ def compile(model: Path = typer.Argument(..., help="An .onnx model."),
         host_ops = [{"node": h.node, "op": h.op, "macs": h.macs, "elements": h.elements}
                     for h in result.lowering.host_ops]
         typer.echo(json.dumps({"layers": layers, "output": str(output), "perf": perf.to_json(),
-                               "host_ops": host_ops}, indent=2))
+                               "host_ops": host_ops, "prequantized": _stated_summary(result)}, indent=2))
         return
     _print_layers(result.layers)
     _print_perf(perf)
+    _print_stated(result)
     if result.lowering.host_ops:
         from qdeploy.summary import format_host_work
 
@@ -398,6 +406,35 @@ def compile(model: Path = typer.Argument(..., help="An .onnx model."),
                    "(cross-layer equalization; EfficientNet-Lite0: 8.4 -> 11.1 dB logits SQNR)")
     typer.echo(f"wrote {output} ({len(result.program.instructions)} instructions, "
                f"{len(result.layers)} on the GEMM unit)")
+
+
+def _stated_summary(result) -> dict | None:
+    """What a pre-quantized model stated and how the program used it (qdeploy/prequantized.py)."""
+    stated = result.quantization
+    if stated is None:
+        return None
+    tensors = result.program.manifest["tensors"]
+    inner = stated.unused_scales(result.lowering.graph)
+    return {"activation_scales": sum(name in tensors for name in stated.tensors),
+            "weights": len(stated.weights),
+            "from_table": sorted(name for name in tensors if name not in stated.tensors),
+            "inner_scales": inner, "widened": list(stated.widened)}
+
+
+def _print_stated(result) -> None:
+    summary = _stated_summary(result)
+    if summary is None:
+        return
+    echo = typer.echo
+    echo(f"pre-quantized model: {summary['activation_scales']} activation scales and {summary['weights']} "
+         f"GEMM weights (their integers) from the model; {len(summary['from_table'])} tensors from the "
+         f"calibration table")
+    if summary["inner_scales"]:
+        echo(f"  {len(summary['inner_scales'])} scales inside fused instructions are not used (the accelerator "
+             f"rounds once, at the fused output), e.g. '{summary['inner_scales'][0]}'")
+    for name in summary["widened"]:
+        echo(f"  warning: tensor '{name}': its zero point or per-channel scales were widened to one scale with "
+             f"zero point 0 (--widen-scales)")
 
 
 def _print_layers(layers) -> None:

@@ -18,6 +18,7 @@ from onnx import numpy_helper
 from isa.kinds import Kind  # the layout kinds are named after the ONNX ops they come from
 from qdeploy.errors import BadInput, QdeployError, Unsupported
 from qdeploy.ir import Graph, Node, Tensor, constant, validate
+from qdeploy.prequantized import QUANTIZATION_OPS, ModelQuantization, strip_quantization
 from qdeploy.reference import supported_ops
 
 MIN_OPSET, MAX_OPSET = 11, 21
@@ -298,14 +299,22 @@ def _free_resize_batch(nodes: list[Node], tensors: dict[str, Tensor], batch: int
 
 def load_onnx(path: str | os.PathLike, input_shapes: dict[str, tuple[int | None, ...]] | None = None
               ) -> Graph:
-    """Read an ONNX file into the IR, as the file states it, with shapes inferred (shape_inference.py)."""
+    """Read an ONNX file into the IR, as the file states it, with shapes inferred (shape_inference.py); a
+    pre-quantized model's float graph (`load_quantized_onnx`)."""
+    return load_quantized_onnx(path, input_shapes)[0]
+
+
+def load_quantized_onnx(path: str | os.PathLike, input_shapes: dict[str, tuple[int | None, ...]] | None = None,
+                        widen_scales: bool = False) -> tuple[Graph, ModelQuantization | None]:
+    """`load_onnx`, and the scales a pre-quantized model states (QuantizeLinear/DequantizeLinear, QLinearConv),
+    which are taken out of the graph (qdeploy/prequantized.py); None for a float model."""
     from qdeploy.shape_inference import infer_shapes
 
     path = Path(path)
     model = _read_model(path)
     opset = _opset(model, path)
     onnx_graph = model.graph
-    known_ops = set(supported_ops())
+    known_ops = set(supported_ops()) | set(QUANTIZATION_OPS)
     tensors: dict[str, Tensor] = {}
     for init in onnx_graph.initializer:
         tensors[init.name] = constant(init.name, tensor_array(init, f"{path}: initializer '{init.name}'"))
@@ -365,7 +374,9 @@ def load_onnx(path: str | os.PathLike, input_shapes: dict[str, tuple[int | None,
         raise BadInput(f"{path}: {error}") from error
     check_finite_constants(graph, path)
     try:
-        return infer_shapes(graph)
+        graph, quantization = strip_quantization(graph, widen_scales)
+        validate(graph)
+        return infer_shapes(graph), quantization
     except QdeployError as error:
         raise type(error)(f"{path}: {error}") from error
 
@@ -377,16 +388,17 @@ class ImportResult:
     original: Graph
     graph: Graph
     passes: list  # list[PassRecord]
+    quantization: ModelQuantization | None = None  # the scales of a pre-quantized model
 
 
-def import_onnx(path: str | os.PathLike, input_shapes: dict[str, tuple[int | None, ...]] | None = None
-                ) -> ImportResult:
+def import_onnx(path: str | os.PathLike, input_shapes: dict[str, tuple[int | None, ...]] | None = None,
+                widen_scales: bool = False) -> ImportResult:
     """Read and simplify an ONNX model (see passes.pipeline.SIMPLIFY)."""
     from qdeploy.passes.pipeline import SIMPLIFY, run_pipeline
 
-    original = load_onnx(path, input_shapes)
+    original, quantization = load_quantized_onnx(path, input_shapes, widen_scales)
     try:
         graph, records = run_pipeline(original, SIMPLIFY)
     except BadInput as error:
         raise BadInput(f"{path}: {error}") from error
-    return ImportResult(original, graph, records)
+    return ImportResult(original, graph, records, quantization)

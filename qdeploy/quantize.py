@@ -46,6 +46,7 @@ from qdeploy.ir import Graph, Node
 from qdeploy.lowering import LoweringResult
 from isa.kinds import RESHAPE_KINDS, VIEW_KINDS, WEIGHTED_GEMM_KINDS, Kind, handler
 from qdeploy.lowering.instructions import INSTRUCTION_OPS, has_window_max, is_channel_concat, node_kind
+from qdeploy.prequantized import ModelQuantization, model_bias, model_weights
 from qdeploy.program import Program
 from isa.target import Target, target_to_dict
 from isa.tiling import record_tiles
@@ -97,10 +98,12 @@ def rne(x: np.ndarray) -> np.ndarray:
 
 
 class _Scales:
-    """Per-tensor quantization: scale and signedness, from the calibration thresholds."""
+    """Per-tensor quantization: scale and signedness, from the calibration thresholds; a pre-quantized
+    model's tensors take the signedness the model states (`stated`)."""
 
-    def __init__(self, graph: Graph, thresholds: dict[str, float], target: Target):
-        self.graph, self.target = graph, target
+    def __init__(self, graph: Graph, thresholds: dict[str, float], target: Target,
+                 stated: ModelQuantization | None = None):
+        self.graph, self.target, self.stated = graph, target, stated
         self.producers = graph.producers()
         self.scale: dict[str, float] = {}
         self.unsigned: dict[str, bool] = {}
@@ -141,14 +144,24 @@ class _Scales:
     def _assign(self, name: str, thresholds: dict[str, float], unsigned: bool, override: str | None = None):
         key = override or name
         if key not in thresholds:
+            if self.stated is not None:
+                raise BadInput(f"the model states no scale for tensor '{key}' (no QuantizeLinear on it); pass a "
+                               f"calibration table (--calib) to fill the tensors the model leaves in float")
             raise BadInput(f"the calibration table has no entry for tensor '{key}' of this model; "
                            f"recalibrate with this model")
+        if self.stated is not None and key in self.stated.tensors:
+            unsigned = self.stated.tensors[key].unsigned
+            if unsigned and not self.target.arithmetic.unsigned_activations:
+                raise Unsupported(f"tensor '{key}' is uint8 in the model (node '{self.stated.tensors[key].node}') "
+                                  f"and the target has no unsigned activations (set unsigned_activations = true)")
         threshold = float(thresholds[key])
         if not math.isfinite(threshold) or threshold <= 0:
             raise BadInput(f"calibration table: tensor '{key}' has threshold {threshold}, expected a finite "
                            f"positive number")
         self.unsigned[name] = unsigned
-        self.scale[name] = threshold / (255.0 if unsigned else 127.0)
+        # float32, as the program stores it and the hardware reads it: multipliers computed from these
+        # scales are the ones a reader recomputes from the program (and from its ONNX export).
+        self.scale[name] = float(np.float32(threshold / (255.0 if unsigned else 127.0)))
 
     def range(self, name: str) -> tuple[int, int]:
         if self.unsigned[name]:
@@ -190,9 +203,11 @@ def _bits_for(bound: float) -> int:
 
 class _Compiler:
     def __init__(self, lowered: LoweringResult, thresholds: dict[str, float], target: Target,
-                 options: CompileOptions, channel_means: dict[str, tuple[float, ...]] | None = None):
+                 options: CompileOptions, channel_means: dict[str, tuple[float, ...]] | None = None,
+                 stated: ModelQuantization | None = None):
         self.graph, self.target, self.options = lowered.graph, target, options
-        self.scales = _Scales(self.graph, thresholds, target)
+        self.scales = _Scales(self.graph, thresholds, target, stated)
+        self.stated_weights = stated.weights if stated is not None else {}
         self.channel_means = {name: np.asarray(mean, np.float64) for name, mean in (channel_means or {}).items()}
         self.arrays: dict[str, np.ndarray] = {}
         self.reports: list[LayerReport] = []
@@ -209,14 +224,20 @@ class _Compiler:
         weight = graph.constant_data(node.inputs[1]).astype(np.float64)
         bias = graph.constant_data(node.inputs[2]).astype(np.float64)
         rows = weight.reshape(weight.shape[0], -1)  # (M, C/g*kh*kw): the GEMM's weight matrix, k = (c, kh, kw)
-        quantized = quantize_weights(rows, per_channel=self.options.per_channel_weights)
-        q_w, s_w = quantized.q, quantized.scale.astype(np.float64).reshape(-1)
-        s_w = np.array(np.broadcast_to(s_w, (rows.shape[0],)))
-        q_w, s_w = self._fit_bias(node, rows, bias, q_w, s_w, s_in)
-        correction = self._bias_correction(node, weight, (q_w * s_w[:, None]).reshape(weight.shape))
-        if correction is not None:
-            bias = bias + correction
-        q_bias = rne(bias / (s_in * s_w))
+        stated = self.stated_weights.get(node.name)
+        if stated is not None:  # a pre-quantized model's integers and scales (qdeploy/prequantized.py)
+            q_w, s_w = model_weights(rows, stated, node.name)
+            q_bias = model_bias(bias, stated, s_in, s_w)
+            q_bias = rne(bias / (s_in * s_w)) if q_bias is None else q_bias.astype(np.float64)
+        else:
+            quantized = quantize_weights(rows, per_channel=self.options.per_channel_weights)
+            q_w, s_w = quantized.q, quantized.scale.astype(np.float32).astype(np.float64).reshape(-1)
+            s_w = np.array(np.broadcast_to(s_w, (rows.shape[0],)))
+            q_w, s_w = self._fit_bias(node, rows, bias, q_w, s_w, s_in)
+            correction = self._bias_correction(node, weight, (q_w * s_w[:, None]).reshape(weight.shape))
+            if correction is not None:
+                bias = bias + correction
+            q_bias = rne(bias / (s_in * s_w))
         saturated = int(np.sum((q_bias < INT32_MIN) | (q_bias > INT32_MAX)))
         q_bias = np.clip(q_bias, INT32_MIN, INT32_MAX).astype(np.int32)
         lo, hi = _clamp_bounds(node.attrs, s_out, scales.range(y))
@@ -253,7 +274,9 @@ class _Compiler:
         widen = needed > s_w
         if not np.any(widen):
             return q_w, s_w
-        s_w = np.where(widen, needed, s_w)
+        needed32 = needed.astype(np.float32)
+        needed32 = np.where(needed32 < needed, np.nextafter(needed32, np.float32(np.inf)), needed32)  # float32, not below
+        s_w = np.where(widen, needed32.astype(np.float64), s_w)
         q_w = q_w.copy()
         q_w[widen] = np.clip(np.round(rows[widen] / s_w[widen, None]), -127, 127).astype(np.int8)
         return q_w, s_w
@@ -375,7 +398,8 @@ class _Compiler:
         manifest = {"toolkit_version": __version__, "target": target_to_dict(self.target),
                     "options": {"per_channel_weights": self.options.per_channel_weights,
                                 "bias_correction": self.options.bias_correction and bool(self.channel_means),
-                                "unsigned_activations": self.target.arithmetic.unsigned_activations},
+                                "unsigned_activations": self.target.arithmetic.unsigned_activations,
+                                **({"prequantized": True} if self.stated_weights or self.scales.stated else {})},
                     "inputs": list(graph.inputs), "outputs": list(graph.outputs),
                     "tensors": tensors, "instructions": instructions}
         return Program(manifest, self.arrays)
@@ -429,16 +453,19 @@ COMPILERS = {Kind.CONV_GEMM: _Compiler.gemm, Kind.DENSE_GEMM: _Compiler.gemm, Ki
 
 def compile_graph(lowered: LoweringResult, thresholds: dict[str, float], target: Target,
                   options: CompileOptions | None = None,
-                  channel_means: dict[str, tuple[float, ...]] | None = None) -> tuple[Program, list[LayerReport]]:
+                  channel_means: dict[str, tuple[float, ...]] | None = None,
+                  stated: ModelQuantization | None = None) -> tuple[Program, list[LayerReport]]:
     """Quantize the lowered graph (equations (1)-(5) of the module docstring) into a Program;
-    `channel_means` (tensor -> mean per channel, from calibration) enables the bias correction (2b)."""
+    `channel_means` (tensor -> mean per channel, from calibration) enables the bias correction (2b).
+    `stated`: what a pre-quantized model states; its tensors take the model's signedness, its GEMMs the
+    model's integer weights and scales, and its bias where no fold changed it (qdeploy/prequantized.py)."""
     options = options or CompileOptions()
     if not target.array.window_max_on_store:
         pooled = [n for n in lowered.graph.nodes if n.op in INSTRUCTION_OPS and has_window_max(n.attrs)]
         if pooled:
             raise Unsupported(f"instruction '{pooled[0].name}' ends in a MaxPool, which runs as window-max on the "
                               f"store path, and the target has none (window_max_on_store = false)")
-    compiler = _Compiler(lowered, thresholds, target, options, channel_means)
+    compiler = _Compiler(lowered, thresholds, target, options, channel_means, stated)
     program = compiler.compile()
     record_tiles(program.manifest, target)  # "tiles" per GEMM instruction (simulator/perf.py, docs/hardware.md)
     return program, compiler.reports

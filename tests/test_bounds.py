@@ -108,7 +108,9 @@ def test_a_widened_bias_leaves_room_for_unsigned_products(tmp_path):
     assert program.tensors["r"]["dtype"] == "uint8" and k == 3
     room = 2 ** (acc_bits - 1) - 1 - k * 255 * 127
     q_bias = program.arrays[instr["bias"]]
-    assert abs(int(q_bias[0])) == room  # widened to exactly the room left
+    # widened to the room left: the scale is the float32 at or just above |b| / (s_in * room), so the bias
+    # lands on the room or one below it
+    assert room - 1 <= abs(int(q_bias[0])) <= room
     assert abs(int(q_bias[1])) < room  # the other channel keeps its max-abs scale
     assert instr["acc_bound_bits"] <= acc_bits
 

@@ -781,7 +781,7 @@ def test_usage_errors_of_the_command_are_one_line(work, tmp_path):
                                timeout=300)
         return SimpleNamespace(exit_code=child.returncode, stderr=child.stderr, output=child.stdout + child.stderr)
 
-    one_line_error(qdeploy("compile", work["model"]), "Missing option '--calib'", "qdeploy compile --help")
+    one_line_error(qdeploy("compile", work["model"]), "Missing option '--output'", "qdeploy compile --help")
     one_line_error(qdeploy("calibrate", work["model"], "--data", work["x"], "-o", tmp_path / "t.json",
                            "--num-samples", "many"), "--num-samples")
     one_line_error(qdeploy("frobnicate"), "No such command")
