@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-EXAMPLES = {"digits": "examples/digits/run.py", "efficientnet_lite0": "examples/efficientnet_lite0/run.py"}
+EXAMPLES = {"digits": "examples/digits/run.py", "efficientnet_lite0": "examples/efficientnet_lite0/run.py",
+            "prequantized": "examples/efficientnet_lite0/prequantized.py"}  # after efficientnet_lite0: its images
 
 
 def main(argv: list[str] | None = None) -> int:

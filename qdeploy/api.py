@@ -30,7 +30,7 @@ InputShapes = dict[str, tuple[int | None, ...]]
 def inspect(model: str | os.PathLike, input_shapes: InputShapes | None = None) -> ModelSummary:
     """Summary of an ONNX model before and after import-time simplification."""
     result = import_onnx(model, input_shapes)
-    return summarize(result.original, result.graph, result.passes)
+    return summarize(result.original, result.graph, result.passes, result.quantization)
 
 
 def lower_model(model: str | os.PathLike, input_shapes: InputShapes | None = None,

@@ -79,6 +79,10 @@ def _print_summary(model: Path, summary) -> None:
     for kind, infos in (("input", summary.inputs), ("output", summary.outputs)):
         for info in infos:
             echo(f"  {kind:<6} {info.name}  {_format_shape(info.shape)}  {info.dtype}")
+    if summary.prequantized:
+        echo(f"pre-quantized: {summary.prequantized['activation_scales']} activation scales and "
+             f"{summary.prequantized['quantized_weights']} quantized GEMM weights (QuantizeLinear/DequantizeLinear "
+             f"taken out below; `compile` needs no calibration table)")
     before, after = sum(summary.ops_before.values()), sum(summary.ops_after.values())
     echo(f"nodes: {before} as imported -> {after} after simplification")
     for record in summary.passes:

@@ -36,6 +36,8 @@ class ModelSummary:
     macs: int
     layers: list[LayerMacs] = field(default_factory=list)
     passes: list[dict] = field(default_factory=list)
+    # a pre-quantized model: {"activation_scales", "quantized_weights"} it states (qdeploy/prequantized.py)
+    prequantized: dict | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -115,7 +117,8 @@ def _tensor_info(graph: Graph, name: str) -> TensorInfo:
     return TensorInfo(name, list(tensor.shape) if tensor.shape is not None else [], str(np.dtype(tensor.dtype)))
 
 
-def summarize(original: Graph, simplified: Graph, passes: list | None = None) -> ModelSummary:
+def summarize(original: Graph, simplified: Graph, passes: list | None = None, quantization=None) -> ModelSummary:
+    """`quantization`: the ModelQuantization a pre-quantized model states (its Q/DQ are out of `original`)."""
     layers = [LayerMacs(n.name, n.op, node_macs(simplified, n)) for n in simplified.nodes]
     layers = [layer for layer in layers if layer.macs]
     return ModelSummary(
@@ -127,4 +130,6 @@ def summarize(original: Graph, simplified: Graph, passes: list | None = None) ->
         macs=sum(layer.macs for layer in layers),
         layers=layers,
         passes=[asdict(p) for p in (passes or [])],
+        prequantized=None if quantization is None else {"activation_scales": len(quantization.tensors),
+                                                        "quantized_weights": len(quantization.weights)},
     )
