@@ -165,12 +165,15 @@ class CalibrationData:
 
     source: str
     samples: int
-    _read: Callable[[int, int], Iterator[Batch]]  # (batch_size, limit) -> batches, run in the prefetch thread
+    # (batch_size, limit, window) -> batches, run in the prefetch thread; window = (start, stop) or None
+    _read: Callable[[int, int, tuple[int, int] | None], Iterator[Batch]]
     warnings: list[str] = field(default_factory=list)
 
-    def batches(self, batch_size: int) -> Iterator[Batch]:
-        """Batches of `batch_size` samples (the last may be smaller), decoded ahead in a thread."""
-        return _prefetch(self._read(batch_size, self.samples), PREFETCH_BATCHES)
+    def batches(self, batch_size: int, window: tuple[int, int] | None = None) -> Iterator[Batch]:
+        """Batches of `batch_size` samples (the last may be smaller), decoded ahead in a thread. `window`:
+        only samples start..stop-1 (a shard, qdeploy/cluster.py), batched from `start`; an image folder's
+        window is its files start..stop-1, so an unreadable file there leaves the shard one sample short."""
+        return _prefetch(self._read(batch_size, self.samples, window), PREFETCH_BATCHES)
 
 
 def _prefetch(source: Iterator[Batch], depth: int) -> Iterator[Batch]:
@@ -236,10 +239,12 @@ def image_folder(folder: str | os.PathLike, preprocess: Preprocess, size: tuple[
         raise BadInput(f"{folder}: no images (.jpg, .jpeg, .png) in the folder or its subfolders")
     warnings: list[str] = []
 
-    def read(batch_size: int, limit: int) -> Iterator[Batch]:
+    def read(batch_size: int, limit: int, window: tuple[int, int] | None) -> Iterator[Batch]:
         pending: list[np.ndarray] = []
-        produced = 0
-        for path in files:
+        first, stop = window or (0, len(files))
+        produced = first
+        limit = first + limit if window is None else stop
+        for path in files[first:stop]:
             if produced + len(pending) >= limit:
                 break
             try:
@@ -257,7 +262,7 @@ def image_folder(folder: str | os.PathLike, preprocess: Preprocess, size: tuple[
         if pending:
             yield Batch(produced, np.stack(pending), len(pending))
             produced += len(pending)
-        if produced == 0:
+        if produced == first and window is None:
             raise BadInput(f"{folder}: none of the {len(files)} images could be decoded")
 
     return CalibrationData(str(folder), min(num_samples, len(files)), read, warnings)
@@ -291,6 +296,18 @@ class _NpyRows:
         self.shape, self.dtype = tuple(shape), dtype
         self.row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
 
+    def skip(self, rows: int) -> None:
+        """Move past `rows` rows (a seek in a file; reading and dropping in an .npz member)."""
+        if self.stream.seekable():
+            self.stream.seek(rows * self.row_bytes, os.SEEK_CUR)
+            return
+        left = rows * self.row_bytes
+        while left:
+            chunk = self.stream.read(min(left, 1 << 24))
+            if not chunk:
+                raise EOFError("the array ends early")
+            left -= len(chunk)
+
     def read(self, rows: int) -> np.ndarray:
         data = self.stream.read(rows * self.row_bytes)
         if len(data) != rows * self.row_bytes:
@@ -299,8 +316,10 @@ class _NpyRows:
         return array.astype(self.dtype.newbyteorder("="))  # a writable copy in native byte order
 
 
-def _rows_of(arrays: dict[str, np.ndarray], batch_size: int, limit: int, source: str) -> Iterator[Batch]:
-    for start in range(0, limit, batch_size):
+def _rows_of(arrays: dict[str, np.ndarray], batch_size: int, limit: int, source: str,
+             window: tuple[int, int] | None = None) -> Iterator[Batch]:
+    first, limit = window or (0, limit)
+    for start in range(first, limit, batch_size):
         stop = min(start + batch_size, limit)
         batch = {name: np.ascontiguousarray(array[start:stop]) for name, array in arrays.items()}
         yield _check_finite(Batch(start, batch, stop - start), source)
@@ -328,8 +347,8 @@ def in_memory(arrays: dict[str, np.ndarray] | np.ndarray, num_samples: int,
     count = _sample_count({n: a.shape for n, a in named.items()}, source)
     bare = not isinstance(arrays, dict)
 
-    def read(batch_size: int, limit: int) -> Iterator[Batch]:
-        for batch in _rows_of(named, batch_size, limit, source):
+    def read(batch_size: int, limit: int, window: tuple[int, int] | None) -> Iterator[Batch]:
+        for batch in _rows_of(named, batch_size, limit, source, window):
             yield Batch(batch.start, batch.arrays[None], batch.size) if bare else batch
 
     return CalibrationData(source, min(num_samples, count), read)
@@ -363,11 +382,14 @@ def array_file(path: str | os.PathLike, num_samples: int) -> CalibrationData:
         raise BadInput(f"{path}: the .npz file holds no arrays")
     count = _sample_count(shapes, source)
 
-    def read(batch_size: int, limit: int) -> Iterator[Batch]:
+    def read(batch_size: int, limit: int, window: tuple[int, int] | None) -> Iterator[Batch]:
+        first, limit = window or (0, limit)
         with (contextlib.nullcontext() if npy else zipfile.ZipFile(path)) as archive:
             streams = open_streams(archive)
             try:
-                for start in range(0, limit, batch_size):
+                for stream in streams.values():
+                    stream.skip(first)
+                for start in range(first, limit, batch_size):
                     rows = min(batch_size, limit - start)
                     try:
                         batch = {name: stream.read(rows) for name, stream in streams.items()}

@@ -150,6 +150,31 @@ class StreamingHistogram:
                 _bin_from(flat, self.fine, scale, old_limit)
         self.amax = max(self.amax, amax)
 
+    def merge(self, other: StreamingHistogram) -> None:
+        """Add `other`'s values (a histogram of another part of the data set): both are folded to the larger of
+        the two ranges and their counts added, which is the histogram one pass over all the values would have
+        given (the fold is exact, module docstring), whatever the order or grouping of the parts."""
+        if other.exponent is None:  # only zeros: they wait for a range, or go to bin 0 of this one
+            if self.exponent is None:
+                self.zeros_before_range += other.zeros_before_range
+            else:
+                self.fine[0] += other.zeros_before_range
+            return
+        other_fine, other_exponent = other.fine, other.exponent
+        if self.exponent is None or other_exponent > self.exponent:
+            self._grow(math.ldexp(1.0, other_exponent - 1))  # the range [0, 2**other_exponent)
+        if other_exponent < self.exponent:
+            shift = self.exponent - other_exponent
+            if shift >= FINE_BITS:
+                other_fine = np.concatenate([[other_fine.sum()], np.zeros(FINE_BINS - 1, np.int64)])
+            else:
+                folded = other_fine.reshape(-1, 1 << shift).sum(axis=1)
+                other_fine = np.zeros(FINE_BINS, np.int64)
+                other_fine[:folded.size] = folded
+        self.fine += other_fine
+        self.fine[0] += other.zeros_before_range
+        self.amax = max(self.amax, other.amax)
+
     def result(self) -> Histogram:
         """The NUM_BINS-bin histogram over [0, amax] (module docstring: each value in its exact bin or, within
         1/16 of a bin width of an edge, possibly its neighbour)."""

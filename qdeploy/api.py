@@ -207,13 +207,16 @@ def report(model: str | os.PathLike, program: str | os.PathLike | Program, data,
            labels=None, calib: str | os.PathLike | CalibrationTable | None = None,
            peer: str | os.PathLike | None = None, ablation: str | os.PathLike | None = None,
            num_samples: int | None = None, batch_size: int | None = None, preprocess=None,
-           input_shapes: InputShapes | None = None, progress=None, command: str | None = None):
+           input_shapes: InputShapes | None = None, progress=None, command: str | None = None,
+           cluster: str | None = None):
     """Accuracy-drop report of the int8 `program` against the float `model` on `data`, written to the folder
     `output` (report.md, report.json, PNG figures); returns a qdeploy.reports.build.ReportResult (its `document` is
-    report.json). See qdeploy/reports/build.py for the arguments."""
+    report.json). `cluster`: walk the data on a Dask cluster (qdeploy/cluster.py), same report. See
+    qdeploy/reports/build.py for the arguments."""
     from qdeploy.reports import DEFAULT_BATCH_SIZE
     from qdeploy.reports.build import build_report
 
     return build_report(model, program, data, output, labels=labels, calib=calib, peer=peer, ablation=ablation,
                         num_samples=num_samples, batch_size=DEFAULT_BATCH_SIZE if batch_size is None else batch_size,
-                        preprocess=preprocess, input_shapes=input_shapes, progress=progress, command=command)
+                        preprocess=preprocess, input_shapes=input_shapes, progress=progress, command=command,
+                        cluster=cluster)

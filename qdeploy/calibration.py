@@ -82,8 +82,10 @@ class _Collector:
     thread while the graph goes on made calibration 3x slower, as OpenBLAS's spinning threads lost their
     cores to it.)"""
 
-    def __init__(self, graph: Graph, names: list[str]):
+    def __init__(self, graph: Graph, names: list[str], keep_sample_sums: bool = False):
         self.graph = graph
+        self.keep_sample_sums = keep_sample_sums  # a shard keeps per-sample sums for `merge` instead of adding them
+        self.sample_sums: dict[str, np.ndarray] = {}
         self.order = topological_order(graph)
         self.last_use: dict[str, int] = {}
         for step, node in enumerate(self.order):
@@ -91,13 +93,29 @@ class _Collector:
                 self.last_use[name] = step
         self.histograms = {name: StreamingHistogram() for name in names}
         # Per-channel (axis 1) sums and element counts: the mean input of each GEMM, which the compiler's
-        # bias correction multiplies by the weights' quantization error (quantize.py, eq. (2b)).
+        # bias correction multiplies by the weights' quantization error (quantize.py, eq. (2b)). Each sample's
+        # sum is added in sample order, so the sums do not depend on how samples are batched or sharded.
         self.channel_sums: dict[str, np.ndarray] = {}
         self.channel_counts: dict[str, int] = {}
 
     def channel_means(self) -> dict[str, np.ndarray]:
         return {name: sums / self.channel_counts[name] for name, sums in self.channel_sums.items()
                 if self.channel_counts[name]}
+
+    def add_channel_sums(self, name: str, per_sample: np.ndarray, elements: int) -> None:
+        """Add (samples, channels) per-sample sums one sample after the other (add.accumulate is sequential)."""
+        start = self.channel_sums.get(name)
+        rows = per_sample if start is None else np.vstack([start[None], per_sample])
+        self.channel_sums[name] = np.add.accumulate(rows, axis=0)[-1]
+        self.channel_counts[name] = self.channel_counts.get(name, 0) + elements
+
+    def merge(self, other: _Collector) -> None:
+        """Add a collector that saw the samples after this one's (a later shard): histograms merge exactly,
+        channel sums continue in sample order (the other's per-sample sums, kept by `keep_sample_sums`)."""
+        for name, histogram in other.histograms.items():
+            self.histograms[name].merge(histogram)
+        for name, per_sample in other.sample_sums.items():
+            self.add_channel_sums(name, per_sample, other.channel_counts[name])
 
     def _observe(self, name: str, array: np.ndarray, first_sample: int) -> None:
         histogram = self.histograms.get(name)
@@ -106,9 +124,15 @@ class _Collector:
         try:
             histogram.update(array)
             if array.ndim >= 2 and array.size:
-                sums = array.swapaxes(0, 1).reshape(array.shape[1], -1).sum(axis=1, dtype=np.float64)
-                self.channel_sums[name] = self.channel_sums.get(name, 0) + sums
-                self.channel_counts[name] = self.channel_counts.get(name, 0) + array.size // array.shape[1]
+                per_sample = np.ascontiguousarray(array).reshape(array.shape[0], array.shape[1], -1).sum(
+                    axis=2, dtype=np.float64)
+                elements = array.size // array.shape[1]
+                if self.keep_sample_sums:
+                    kept = self.sample_sums.get(name)
+                    self.sample_sums[name] = per_sample if kept is None else np.vstack([kept, per_sample])
+                    self.channel_counts[name] = self.channel_counts.get(name, 0) + elements
+                else:
+                    self.add_channel_sums(name, per_sample, elements)
         except NonFiniteValue as error:
             per_sample = max(1, array.size // max(1, array.shape[0])) if array.ndim else 1
             raise BadInput(f"tensor '{name}' has {error.value} for sample {first_sample + error.index // per_sample} "
@@ -135,6 +159,82 @@ class _Collector:
                     env.pop(name, None)
 
 
+@dataclass
+class ShardJob:
+    """What a cluster worker needs to calibrate a window of the data (qdeploy/cluster.py)."""
+
+    model: str
+    input_shapes: InputShapes | None
+    equalize: bool
+    data: object  # a path (str) or the arrays themselves
+    samples: int
+    preprocess: Preprocess | None
+    strict: bool
+    batch_size: int
+    names: list[str]
+
+
+@dataclass
+class ShardStats:
+    """A shard's statistics, for `_Collector.merge`."""
+
+    histograms: dict[str, StreamingHistogram]
+    sample_sums: dict[str, np.ndarray]
+    channel_counts: dict[str, int]
+    samples: int
+    warnings: list[str]
+
+
+_LOWERED: dict[tuple, Graph] = {}  # per worker process: the lowered graph of each model it calibrated
+
+
+def lowered_graph_of(model: str, input_shapes: InputShapes | None, equalize: bool) -> Graph:
+    """The lowered float graph of `model`, computed once per process (a cluster worker runs many shards)."""
+    stat = os.stat(model)
+    key = (model, stat.st_mtime_ns, stat.st_size, repr(input_shapes), equalize)
+    if key not in _LOWERED:
+        imported = import_onnx(model, input_shapes, widen_scales=True)
+        _LOWERED.clear()
+        _LOWERED[key] = lower_graph(Path(model), imported.graph, equalize).graph
+    return _LOWERED[key]
+
+
+def calibrate_shard(job: ShardJob, window: tuple[int, int]) -> ShardStats:
+    """Run the lowered graph over samples window[0]..window[1]-1, on a cluster worker."""
+    graph = lowered_graph_of(job.model, job.input_shapes, job.equalize)
+    source = open_data(job.data, num_samples=job.samples, input_names=graph.inputs,
+                       input_shapes=[graph.tensors[n].shape for n in graph.inputs], preprocess=job.preprocess,
+                       strict=job.strict)
+    collector = _Collector(graph, job.names, keep_sample_sums=True)
+    samples = 0
+    with contextlib.closing(source.batches(job.batch_size, window)) as batches:
+        for batch in batches:
+            collector.run(bind_inputs(graph, batch.arrays, source.source), batch.start)
+            samples += batch.size
+    return ShardStats(collector.histograms, collector.sample_sums, collector.channel_counts, samples,
+                      source.warnings)
+
+
+def _collect_on_cluster(spec: str, job: ShardJob, collector: _Collector, warnings: list[str],
+                        progress: Progress | None) -> int:
+    """Calibrate shard by shard on the cluster `spec`, merging into `collector` in sample order."""
+    from qdeploy.cluster import connect, map_in_order, shard_windows
+
+    samples = 0
+
+    def fold(stats: ShardStats) -> None:
+        nonlocal samples
+        collector.merge(stats)
+        warnings.extend(stats.warnings)
+        samples += stats.samples
+        if progress is not None:
+            progress(samples, job.samples)
+
+    with connect(spec) as client:
+        map_in_order(client, calibrate_shard, shard_windows(job.samples, job.batch_size), job, fold)
+    return samples
+
+
 def _mean_of(channel_means: dict[str, np.ndarray], name: str) -> tuple[float, ...] | None:
     mean = channel_means.get(name)
     return None if mean is None else tuple(float(v) for v in mean)
@@ -144,7 +244,8 @@ def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD,
               num_samples: int = DEFAULT_NUM_SAMPLES, batch_size: int = DEFAULT_BATCH_SIZE,
               percentile: float = DEFAULT_PERCENTILE, preprocess: Preprocess | None = None, strict: bool = False,
               tensorrt_cache: str | os.PathLike | None = None, input_shapes: InputShapes | None = None,
-              equalize: bool = False, progress: Progress | None = None) -> CalibrationResult:
+              equalize: bool = False, progress: Progress | None = None,
+              cluster: str | None = None) -> CalibrationResult:
     """Choose an activation threshold |T| for every tensor the int8 program of `model` quantizes.
 
     data: a folder of images (preprocessed per `preprocess`; H, W default to the model input's), a .npy/.npz
@@ -194,14 +295,19 @@ def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD,
                            strict=strict)
         collector = _Collector(graph, names)
         collect_start = time.perf_counter()
-        with contextlib.closing(source.batches(batch_size)) as batches:
-            for batch in batches:
-                feeds = bind_inputs(graph, batch.arrays, source.source)
-                collector.run(feeds, batch.start)
-                samples += batch.size
-                if progress is not None:
-                    progress(samples, source.samples)
-        warnings += source.warnings
+        if cluster is None:
+            with contextlib.closing(source.batches(batch_size)) as batches:
+                for batch in batches:
+                    feeds = bind_inputs(graph, batch.arrays, source.source)
+                    collector.run(feeds, batch.start)
+                    samples += batch.size
+                    if progress is not None:
+                        progress(samples, source.samples)
+            warnings += source.warnings
+        else:
+            job = ShardJob(str(model), input_shapes, equalize, data if isinstance(data, (np.ndarray, dict))
+                           else str(data), source.samples, preprocess, strict, batch_size, names)
+            samples = _collect_on_cluster(cluster, job, collector, warnings, progress)
         histograms = collector.histograms
         channel_means = collector.channel_means()
         timings["collect"] = time.perf_counter() - collect_start

@@ -67,6 +67,8 @@ def parse_input_shapes(specs: list[str] | None) -> dict[str, tuple[int | None, .
 
 INPUT_SHAPE = typer.Option(None, "--input-shape", help="Fix symbolic dims: NAME:N,3,224,224 (repeatable).")
 JSON = typer.Option(False, "--json", help="Print machine-readable JSON instead of tables.")
+CLUSTER = typer.Option(None, "--cluster", help="Run the forward passes on a Dask cluster: local, local:N or "
+                                                 "tcp://HOST:PORT (same results; pip install 'qdeploy[distributed]').")
 
 
 def _format_shape(shape: list) -> str:
@@ -315,6 +317,7 @@ def calibrate(model: Path = typer.Argument(..., help="An .onnx model."),
                                                  "activation, before measuring (recorded in the table; compile "
                                                  "follows it)."),
               input_shape: Optional[list[str]] = INPUT_SHAPE,
+              cluster: Optional[str] = CLUSTER,
               json_output: bool = JSON) -> None:
     """Run the lowered float graph on calibration data, collect |x| histograms of every tensor the int8
     program quantizes, choose thresholds |T| (KL by default) and write the calibration table."""
@@ -342,7 +345,7 @@ def calibrate(model: Path = typer.Argument(..., help="An .onnx model."),
                                  preprocess=preprocess, strict=strict,
                                  tensorrt_cache=import_tensorrt_cache,
                                  input_shapes=parse_input_shapes(input_shape), equalize=equalize,
-                                 progress=progress)
+                                 progress=progress, cluster=cluster)
     finally:
         progress.close()
     for warning in result.warnings:
@@ -482,6 +485,7 @@ def report(model: Path = typer.Argument(..., help="The float .onnx model."),
            layout: str = typer.Option(DEFAULT_LAYOUT, help="NCHW | NHWC."),
            channels: str = typer.Option(DEFAULT_CHANNELS, help="RGB | BGR | GRAY."),
            input_shape: Optional[list[str]] = INPUT_SHAPE,
+           cluster: Optional[str] = CLUSTER,
            json_output: bool = JSON) -> None:
     """Accuracy-drop report of the int8 program (simulator) against the float model on evaluation data:
     top-1/top-5 agreement, accuracy and drop with --labels, logits SQNR and cosine, per-layer SQNR cumulative
@@ -506,7 +510,8 @@ def report(model: Path = typer.Argument(..., help="The float .onnx model."),
     try:
         result = _api().report(model, program, data, output, labels=labels, calib=calib, peer=peer,
                             ablation=ablation, num_samples=num_samples, batch_size=batch_size, preprocess=preprocess,
-                            input_shapes=parse_input_shapes(input_shape), progress=progress, command=command)
+                            input_shapes=parse_input_shapes(input_shape), progress=progress, command=command,
+                            cluster=cluster)
     finally:
         progress.close()
     for warning in result.warnings:

@@ -151,12 +151,77 @@ def _summarise_peer(peer, stats_list, evaluator: Evaluator, labels: np.ndarray |
                                 "logits_sqnr_db": metrics.json_number(ours_sqnr - metrics.db_from_json(best["logits_sqnr_db"]))}}
 
 
+def source_strict(label_array, compared) -> bool:
+    """Labels and peers are per sample: with either, an unreadable image is an error, not a skipped sample."""
+    return label_array is not None or bool(compared)
+
+
+@dataclass
+class WalkJob:
+    """What a cluster worker needs to walk a window of the data (qdeploy/cluster.py)."""
+
+    model: str
+    program: Program
+    input_shapes: object
+    data: object  # a path (str) or the arrays themselves
+    samples: int
+    preprocess: Preprocess | None
+    strict: bool
+    batch_size: int
+    threads: int  # the client's slicing of a batch (Evaluator.walk_batch), so the sums add up the same
+
+
+_EVALUATORS: dict[tuple, tuple] = {}  # per worker process: (graph, evaluator) of the job it last walked
+
+
+def walk_shard(job: WalkJob, window: tuple[int, int]) -> list[tuple[int, list]]:
+    """The walks of each batch of samples window[0]..window[1]-1, on a cluster worker: [(batch start, walks)]."""
+    from qdeploy.binding import bind_inputs
+    from qdeploy.lowering import lower
+    from qdeploy.onnx_import import import_onnx
+
+    stat = os.stat(job.model)
+    # the manifest records every array's SHA-256, so it names the program
+    key = (job.model, stat.st_mtime_ns, stat.st_size, repr(job.input_shapes),
+           json.dumps(job.program.manifest, sort_keys=True, default=str), job.threads)
+    if key not in _EVALUATORS:
+        imported = import_onnx(job.model, job.input_shapes)
+        equalized = bool(job.program.manifest.get("options", {}).get("equalization", False))
+        graph = lower(imported.graph, equalized).graph
+        for old in _EVALUATORS.values():
+            old[1].close()
+        _EVALUATORS.clear()
+        _EVALUATORS[key] = (graph, Evaluator(job.program, graph, threads=job.threads))
+    graph, evaluator = _EVALUATORS[key]
+    source = open_data(job.data, num_samples=job.samples, input_names=graph.inputs,
+                       input_shapes=[graph.tensors[n].shape for n in graph.inputs], preprocess=job.preprocess,
+                       strict=job.strict)
+    result = []
+    with contextlib.closing(source.batches(job.batch_size, window)) as batches:
+        for batch in batches:
+            result.append((batch.start, evaluator.walk_batch(bind_inputs(graph, batch.arrays, source.source))))
+    return result
+
+
+def _walk_on_cluster(spec: str, job: WalkJob, evaluator: Evaluator, added) -> None:
+    """Walk shard by shard on the cluster `spec`, adding each batch's walks to `evaluator` in data order."""
+    from qdeploy.cluster import connect, map_in_order, shard_windows
+
+    def fold(batches: list[tuple[int, list]]) -> None:
+        for start, walks in batches:
+            float_logits, _ = evaluator.add_walks(walks, start)
+            added(None, float_logits)
+
+    with connect(spec) as client:
+        map_in_order(client, walk_shard, shard_windows(job.samples, job.batch_size), job, fold)
+
+
 def build_report(model: str | os.PathLike, program: str | os.PathLike | Program, data, output: str | os.PathLike,
                  *, labels: str | os.PathLike | np.ndarray | None = None,
                  calib: str | os.PathLike | CalibrationTable | None = None, peer: str | os.PathLike | None = None,
                  ablation: str | os.PathLike | None = None, num_samples: int | None = None, batch_size: int = DEFAULT_BATCH_SIZE,
                  preprocess: Preprocess | None = None, input_shapes=None, progress: Progress | None = None,
-                 command: str | None = None) -> ReportResult:
+                 command: str | None = None, cluster: str | None = None) -> ReportResult:
     """Evaluate `program` against `model` on `data` and write the report folder `output` (module docstring).
 
     data: an image folder (with `preprocess`), a .npy/.npz file, an array or {input: array}, as for calibration.
@@ -165,7 +230,8 @@ def build_report(model: str | os.PathLike, program: str | os.PathLike | Program,
     peer: a peer file of another toolkit's int8 logits on the same data (qdeploy/reports/inputs.py).
     ablation: a file in the same format with logits of other qdeploy settings on the same data (each option off
       and on); its rows form the report's "Ablation" section.
-    num_samples: the first N samples (default: all). command: the command line, recorded in the report."""
+    num_samples: the first N samples (default: all). command: the command line, recorded in the report.
+    cluster: walk the batches on a Dask cluster (qdeploy/cluster.py); the report is the same."""
     from qdeploy.binding import bind_inputs
     from qdeploy.lowering import lower
     from qdeploy.onnx_import import import_onnx
@@ -207,7 +273,7 @@ def build_report(model: str | os.PathLike, program: str | os.PathLike | Program,
 
     source = open_data(data, num_samples=sys.maxsize, input_names=graph.inputs,
                        input_shapes=[graph.tensors[n].shape for n in graph.inputs], preprocess=preprocess,
-                       strict=label_array is not None or bool(compared))
+                       strict=source_strict(label_array, compared))
     available = source.samples
     if label_array is not None:
         if len(label_array) != available:
@@ -229,16 +295,32 @@ def build_report(model: str | os.PathLike, program: str | os.PathLike | Program,
     evaluator = Evaluator(program, graph, [(e.label, e.logits) for _, f in compared for e in f.entries])
     lowering_error = None
     walk_start = time.perf_counter()
-    with contextlib.closing(source.batches(batch_size)) as batches, contextlib.closing(evaluator):
-        for batch in batches:
-            feeds = bind_inputs(graph, batch.arrays, source.source)
-            float_logits, _ = evaluator.run_batch(feeds, batch.start)
-            if lowering_error is None:
-                head = {name: array[:CHECK_ORIGINAL_SAMPLES] for name, array in feeds.items()}
-                lowering_error = check_original(imported.graph, head, float_logits[:CHECK_ORIGINAL_SAMPLES],
-                                                program.outputs[0])
-            if progress is not None:
-                progress(evaluator.samples, source.samples)
+
+    def added(feeds: dict[str, np.ndarray] | None, float_logits: np.ndarray) -> None:
+        """After each batch: the lowering check on the first one (its head re-read on a cluster), progress."""
+        nonlocal lowering_error
+        if lowering_error is None:
+            if feeds is None:
+                with contextlib.closing(source.batches(min(CHECK_ORIGINAL_SAMPLES, len(float_logits)))) as head_batches:
+                    feeds = bind_inputs(graph, next(head_batches).arrays, source.source)
+            head = {name: array[:CHECK_ORIGINAL_SAMPLES] for name, array in feeds.items()}
+            lowering_error = check_original(imported.graph, head, float_logits[:CHECK_ORIGINAL_SAMPLES],
+                                            program.outputs[0])
+        if progress is not None:
+            progress(evaluator.samples, source.samples)
+
+    with contextlib.closing(evaluator):
+        if cluster is None:
+            with contextlib.closing(source.batches(batch_size)) as batches:
+                for batch in batches:
+                    feeds = bind_inputs(graph, batch.arrays, source.source)
+                    float_logits, _ = evaluator.run_batch(feeds, batch.start)
+                    added(feeds, float_logits)
+        else:
+            job = WalkJob(str(model), program, input_shapes, data if isinstance(data, (np.ndarray, dict))
+                          else str(data), source.samples, preprocess, source_strict(label_array, compared),
+                          batch_size, evaluator.threads)
+            _walk_on_cluster(cluster, job, evaluator, added)
     walk_seconds = time.perf_counter() - walk_start
     if evaluator.samples == 0:
         raise BadInput(f"{source.source}: no samples to evaluate")

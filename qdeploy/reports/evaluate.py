@@ -202,6 +202,10 @@ class Evaluator:
     def run_batch(self, feeds: dict[str, np.ndarray], start: int) -> tuple[np.ndarray, np.ndarray]:
         """Walk one batch (in slices, see the class docstring) and add its statistics; returns the float and the
         dequantized int8 first output."""
+        return self.add_walks(self.walk_batch(feeds), start)
+
+    def walk_batch(self, feeds: dict[str, np.ndarray]) -> list[_Walk]:
+        """The walks of one batch's slices (the heavy part; a cluster worker runs it: qdeploy/cluster.py)."""
         batch = min(array.shape[0] for array in feeds.values())
         pieces = min(batch, 2 * self.threads) if self.threads > 1 else 1  # two per thread: less waiting at the end
         if pieces < 2:
@@ -213,6 +217,11 @@ class Evaluator:
                 self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="qdeploy-report")
             with _one_blas_thread():
                 walks = list(self._pool.map(self._walk, slices))
+        return walks
+
+    def add_walks(self, walks: list[_Walk], start: int) -> tuple[np.ndarray, np.ndarray]:
+        """Add one batch's walks (from `walk_batch`, here or on a worker) to the statistics, in slice order; the
+        batches must come in data order. Returns the float and the dequantized int8 first output."""
         for walk in walks:
             for index, part in walk.layers.items():
                 self.by_index[index].merge(part)

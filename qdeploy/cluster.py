@@ -1,0 +1,141 @@
+"""Calibration and reports on a Dask cluster (`--cluster`): the data set cut into shards of whole batches, each
+shard's forward passes on a worker, the partial results folded on the client in shard order.
+
+Both jobs are map-reduce. What a shard returns and how the client folds it:
+
+- calibration: the |x| histograms of the shard (calib/histogram.py `StreamingHistogram.merge`: folded to the
+  larger range and added, exact and order-free) and its per-sample channel sums (added in sample order, as the
+  single-process run adds them: qdeploy/calibration.py `_Collector.merge`);
+- report: each batch's walks (qdeploy/reports/evaluate.py `Evaluator.walk_batch`), added batch by batch in order
+  by the client (`Evaluator.add_walks`) as the single-process run adds them.
+
+So the table and the report are byte-identical to the single-process run's (timings aside), given the same
+batch size: a batch's float forward pass is the same computation wherever it runs. The results of shards that
+finish early wait for their turn (at most `IN_FLIGHT_PER_WORKER` shards per worker are submitted ahead). A
+worker that dies loses nothing: Dask recomputes its unfinished shards on another worker (the tasks are pure).
+
+Cluster specs: `local` (one worker process per core) or `local:N` start a cluster on this machine bound to
+127.0.0.1 with no dashboard; `tcp://HOST:PORT` joins a running scheduler (`dask scheduler`, `dask worker`: start
+them with `--host 127.0.0.1` and `--no-dashboard`, their defaults listen on every interface). Every worker must
+run this qdeploy version (checked before any work). Dask is imported only here, when `--cluster` is given: it is
+the optional extra `pip install 'qdeploy[distributed]'`."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from typing import Any, Callable, Iterator
+
+from qdeploy import __version__
+from qdeploy.errors import BadInput, QdeployError
+
+IN_FLIGHT_PER_WORKER = 2
+BATCHES_PER_SHARD = 4
+
+
+def _worker_version() -> str:
+    import qdeploy
+
+    return qdeploy.__version__
+
+
+@contextlib.contextmanager
+def connect(spec: str) -> Iterator[Any]:
+    """A dask.distributed Client for `spec` (module docstring), closed (and a local cluster stopped) on exit."""
+    try:
+        from distributed import Client, LocalCluster
+    except ImportError:
+        raise BadInput(f"--cluster {spec}: Dask is not installed (pip install 'qdeploy[distributed]')") from None
+    cluster = None
+    if spec == "local" or spec.startswith("local:"):
+        count = spec.partition(":")[2]
+        if count and (not count.isdigit() or int(count) < 1):
+            raise BadInput(f"--cluster {spec}: expected local, local:N (N >= 1 workers) or tcp://HOST:PORT")
+        workers = int(count) if count else max(1, len(os.sched_getaffinity(0)))
+        cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, host="127.0.0.1",
+                               scheduler_port=0, dashboard_address=None, silence_logs=logging.ERROR)
+        address = cluster
+    elif spec.startswith("tcp://"):
+        address = spec
+    else:
+        raise BadInput(f"--cluster {spec}: expected local, local:N (N >= 1 workers) or tcp://HOST:PORT")
+    try:
+        try:
+            client = Client(address, timeout="10s")
+        except (OSError, TimeoutError) as error:
+            raise BadInput(f"--cluster {spec}: cannot reach the scheduler ({error})") from error
+        try:
+            _check_workers(client, spec)
+            yield client
+        finally:
+            client.close()
+    finally:
+        if cluster is not None:
+            cluster.close()
+
+
+def _check_workers(client, spec: str) -> None:
+    try:
+        client.wait_for_workers(1, timeout=30)
+    except TimeoutError:
+        raise BadInput(f"--cluster {spec}: the scheduler has no workers") from None
+    try:
+        versions = client.run(_worker_version)
+    except Exception as error:  # a worker that cannot import qdeploy raises there
+        raise BadInput(f"--cluster {spec}: a worker cannot run qdeploy ({type(error).__name__}: {error})") from None
+    for worker, version in sorted(versions.items()):
+        if version != __version__:
+            raise BadInput(f"--cluster {spec}: worker {worker} runs qdeploy {version}, this client {__version__}; "
+                           f"every worker needs the same version")
+
+
+def shard_windows(samples: int, batch_size: int, batches_per_shard: int = BATCHES_PER_SHARD) -> list[tuple[int, int]]:
+    """Sample windows [start, stop) of whole batches (the last may be short) covering 0..samples-1."""
+    step = batch_size * batches_per_shard
+    return [(start, min(start + step, samples)) for start in range(0, samples, step)]
+
+
+def map_in_order(client, function: Callable, windows: list[tuple[int, int]], job: Any,
+                 fold: Callable[[Any], None]) -> None:
+    """Run function(job, window) for every window on the cluster and call fold(result) in window order. At most
+    IN_FLIGHT_PER_WORKER shards per worker are running or waiting for their turn, so memory stays bounded."""
+    from distributed import as_completed
+
+    workers = max(1, len(client.scheduler_info()["workers"]))
+    limit = IN_FLIGHT_PER_WORKER * workers
+    # The job goes with every shard rather than scattered once: scattered data dies with its worker, a task's
+    # arguments stay with the scheduler, so a dead worker's shard can run again elsewhere.
+    index_of: dict[str, int] = {}
+    running = as_completed()
+    submitted = 0
+
+    def submit() -> None:
+        nonlocal submitted
+        start, stop = windows[submitted]
+        future = client.submit(function, job, (start, stop), key=f"qdeploy-shard-{submitted}-{start}-{stop}",
+                               pure=False)
+        index_of[future.key] = submitted
+        running.add(future)
+        submitted += 1
+
+    waiting: dict[int, Any] = {}
+    folded = 0
+    while submitted < len(windows) and submitted < limit:
+        submit()
+    for future in running:
+        index = index_of.pop(future.key)
+        try:
+            waiting[index] = future.result()  # a shard's own error (a BadInput about the data) is raised as is
+        except QdeployError:
+            raise
+        except Exception as error:  # the cluster failed the shard (workers lost too often, cancelled, ...)
+            start, stop = windows[index]
+            raise BadInput(f"cluster: the shard of samples {start}..{stop - 1} failed ({type(error).__name__}: "
+                           f"{error})") from error
+        future.release()
+        while folded in waiting:
+            fold(waiting.pop(folded))
+            folded += 1
+        while submitted < len(windows) and len(index_of) + len(waiting) < limit:
+            submit()
