@@ -422,9 +422,11 @@ def _stated_summary(result) -> dict | None:
         return None
     tensors = result.program.manifest["tensors"]
     inner = stated.unused_scales(result.lowering.graph)
+    wide = sorted(name for name, record in tensors.items() if record["dtype"] == "int32")
     return {"activation_scales": sum(name in tensors for name in stated.tensors),
             "weights": len(stated.weights),
-            "from_table": sorted(name for name in tensors if name not in stated.tensors),
+            "from_table": sorted(name for name in tensors if name not in stated.tensors and name not in wide),
+            "int32_outputs": wide,
             "inner_scales": inner, "widened": list(stated.widened)}
 
 
@@ -436,6 +438,9 @@ def _print_stated(result) -> None:
     echo(f"pre-quantized model: {summary['activation_scales']} activation scales and {summary['weights']} "
          f"GEMM weights (their integers) from the model; {len(summary['from_table'])} tensors from the "
          f"calibration table")
+    for name in summary["int32_outputs"]:
+        echo(f"  output '{name}' has no scale in the model (left in float): written as int32 at the GEMM's "
+             f"resolution (--calib gives it an int8 scale instead)")
     if summary["inner_scales"]:
         echo(f"  {len(summary['inner_scales'])} scales inside fused instructions are not used (the accelerator "
              f"rounds once, at the fused output), e.g. '{summary['inner_scales'][0]}'")

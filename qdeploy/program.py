@@ -127,7 +127,8 @@ def _read_member(archive: zipfile.ZipFile, member: str, limit: int, path: Path) 
 # output-size formulas) and bounded by MAX_TENSOR_ELEMENTS, so that a damaged program fails here with one line
 # instead of inside the simulator. Fields not listed are allowed (later versions add some).
 
-TENSOR_DTYPES = {"int8": (-128, 127), "uint8": (0, 255)}
+TENSOR_DTYPES = {"int8": (-128, 127), "uint8": (0, 255),
+                 "int32": (-(2 ** 31 - 1), 2 ** 31 - 1)}  # int32: a weighted GEMM's output that no instruction reads
 
 
 class _Invalid(Exception):
@@ -382,7 +383,7 @@ def validate_program(program: Program) -> None:
         if not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale) and scale > 0):
             raise _Invalid(f"{where}: scale must be a finite number > 0, got {json.dumps(scale)[:40]}")
         if not isinstance(dtype, str) or dtype not in TENSOR_DTYPES:
-            raise _Invalid(f"{where}: dtype must be int8 or uint8, got {json.dumps(dtype)[:40]}")
+            raise _Invalid(f"{where}: dtype must be int8, uint8 or int32, got {json.dumps(dtype)[:40]}")
     for key in ("inputs", "outputs"):
         for name in manifest[key]:
             if not isinstance(name, str) or name not in manifest["tensors"]:
@@ -402,6 +403,9 @@ def validate_program(program: Program) -> None:
         inputs, output = _field(instr, "inputs", where), _field(instr, "output", where)
         if not isinstance(inputs, list) or not all(isinstance(i, str) and i in defined for i in inputs):
             raise _Invalid(f"{where} reads {json.dumps(inputs)[:60]}: not all of them are defined before it")
+        wide = [i for i in inputs if manifest["tensors"][i]["dtype"] == "int32"]
+        if wide:
+            raise _Invalid(f"{where} reads the int32 tensor '{wide[0]}': int32 tensors are outputs only")
         if not isinstance(output, str) or output in defined or output not in manifest["tensors"]:
             raise _Invalid(f"{where} writes {json.dumps(output)[:60]}: not a new tensor with a record")
         shape = _instruction_shape(program, instr, where, defined, rounding)

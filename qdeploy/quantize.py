@@ -10,6 +10,9 @@ channel c:
                rounding (bias correction; E[x] per channel from the calibration table; off: delta = 0)
   (3) acc[c]   = sum_k q_x[k] * q_w[c, k] + q_b[c]                     (acc_bits, wrap or saturate)
   (4) M[c]     = s_in * s_w[c] / s_out  -> integer mult[c] (Q(mult_bits-1)) and right shift[c]
+  (4b) an output a pre-quantized model leaves in float (qdeploy/prequantized.py) with no table to fill it is
+               int32 with s_out = max_c s_in * s_w[c] (so M[c] <= 1 and y fits wherever acc does): the GEMM's
+               result at nearly the accumulator's resolution, for the host to read
   (5) y        = clamp(requantize(acc, M), lo, hi), lo/hi from the fused activation, then min(y, hi[c]) with
                hi[c] = round(act_max[c] / s_out) where equalization made the bound per channel, then window-max
 
@@ -107,12 +110,17 @@ class _Scales:
         self.producers = graph.producers()
         self.scale: dict[str, float] = {}
         self.unsigned: dict[str, bool] = {}
+        self.wide: set[str] = set()  # int32 outputs: their scale is set by the compiler (_Compiler.gemm)
         concat_scale = self._concat_scales(thresholds)
+        consumers = graph.consumers()
         for name in graph.inputs:
             self._assign(name, thresholds, unsigned=False)
         for node in graph.nodes:
             out = node.outputs[0]
-            if node.op in INSTRUCTION_OPS:
+            if self._left_in_float(node, thresholds, consumers):
+                self.wide.add(out)
+                self.unsigned[out] = False
+            elif node.op in INSTRUCTION_OPS:
                 # A Concat's buffer is signed (its other slices may be negative), so are the slices' writers.
                 unsigned = (target.arithmetic.unsigned_activations and node.attrs["act_min"] >= 0
                             and out not in concat_scale)
@@ -125,6 +133,13 @@ class _Scales:
                                       f"host (shape arithmetic on an activation's run-time shape); a program "
                                       f"carries int8 activations only, so this model cannot be compiled yet")
                 self._assign(out, thresholds, unsigned=False)
+
+    def _left_in_float(self, node: Node, thresholds: dict[str, float], consumers) -> bool:
+        """A pre-quantized model's output that it leaves in float (NNCF's logits) and no table fills: the GEMM
+        writes it as int32 (eq. (4b) of the module docstring) instead of refusing it for want of a scale."""
+        out = node.outputs[0]
+        return (self.stated is not None and out not in thresholds and out in self.graph.outputs
+                and not consumers.get(out) and node.op in WEIGHTED_GEMM_KINDS and not has_window_max(node.attrs))
 
     def _concat_scales(self, thresholds: dict[str, float]) -> dict[str, tuple[str, float]]:
         """Producer output -> the Concat output whose scale it must take."""
@@ -164,6 +179,8 @@ class _Scales:
         self.scale[name] = float(np.float32(threshold / (255.0 if unsigned else 127.0)))
 
     def range(self, name: str) -> tuple[int, int]:
+        if name in self.wide:
+            return -INT32_MAX, INT32_MAX
         if self.unsigned[name]:
             return 0, 255
         return self.target.arithmetic.act_min, self.target.arithmetic.act_max
@@ -220,7 +237,7 @@ class _Compiler:
     def gemm(self, index: int, node: Node) -> dict:
         graph, scales = self.graph, self.scales
         x, y = node.inputs[0], node.outputs[0]
-        s_in, s_out = scales.scale[x], scales.scale[y]
+        s_in = scales.scale[x]
         weight = graph.constant_data(node.inputs[1]).astype(np.float64)
         bias = graph.constant_data(node.inputs[2]).astype(np.float64)
         rows = weight.reshape(weight.shape[0], -1)  # (M, C/g*kh*kw): the GEMM's weight matrix, k = (c, kh, kw)
@@ -238,6 +255,10 @@ class _Compiler:
             if correction is not None:
                 bias = bias + correction
             q_bias = rne(bias / (s_in * s_w))
+        if y in scales.wide:  # eq. (4b): s_out = max_c s_in s_w[c] (float32, not below), so every M[c] <= 1
+            widest = np.float32(np.max(s_in * s_w))
+            scales.scale[y] = float(widest if widest >= np.max(s_in * s_w) else np.nextafter(widest, np.float32(np.inf)))
+        s_out = scales.scale[y]
         saturated = int(np.sum((q_bias < INT32_MIN) | (q_bias > INT32_MAX)))
         q_bias = np.clip(q_bias, INT32_MIN, INT32_MAX).astype(np.int32)
         lo, hi = _clamp_bounds(node.attrs, s_out, scales.range(y))
@@ -393,8 +414,8 @@ class _Compiler:
             instructions.append(base)
         tensors = {}
         for name, scale in self.scales.scale.items():
-            tensors[name] = {"shape": _shape(graph, name), "scale": scale,
-                             "dtype": "uint8" if self.scales.unsigned[name] else "int8"}
+            dtype = "int32" if name in self.scales.wide else "uint8" if self.scales.unsigned[name] else "int8"
+            tensors[name] = {"shape": _shape(graph, name), "scale": scale, "dtype": dtype}
         manifest = {"toolkit_version": __version__, "target": target_to_dict(self.target),
                     "options": {"per_channel_weights": self.options.per_channel_weights,
                                 "bias_correction": self.options.bias_correction and bool(self.channel_means),

@@ -112,7 +112,8 @@ def fused_ops_of(instr: Instruction, tensors: dict, arithmetic, arrays: dict | N
     ops = []
     if instr.kind in WEIGHTED_GEMM_KINDS and (arrays is None or bool(arrays[instr.bias].any())):
         ops.append("BiasAdd")
-    full = (0, 255) if tensors[instr.output]["dtype"] == "uint8" else (arithmetic.act_min, arithmetic.act_max)
+    dtype = tensors[instr.output]["dtype"]
+    full = {"uint8": (0, 255), "int32": (-(2 ** 31 - 1), 2 ** 31 - 1)}.get(dtype, (arithmetic.act_min, arithmetic.act_max))
     lo, hi = instr.stage.clamp.lo, instr.stage.clamp.hi
     if (lo, hi) != tuple(full):
         ops.append("Relu" if hi == full[1] else "Clip")

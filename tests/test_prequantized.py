@@ -218,8 +218,8 @@ def test_export_onnx_then_compile_gives_the_same_integers(request, tmp_path, fix
 # ---- what the accelerator cannot hold ------------------------------------------------------------------------
 
 def qdq_conv(tmp_path, *, weight_zero_point: int = 0, weight_min: int = -127, act_axis: bool = False,
-             act_dtype=np.int8, quantize_output: bool = True):
-    """x -> Q/DQ -> Conv(DQ(W int8), DQ(B int32)) -> Relu -> Q/DQ -> y, built by hand."""
+             act_dtype=np.int8, quantize_output: bool = True, pool: bool = False):
+    """x -> Q/DQ -> Conv(DQ(W int8), DQ(B int32)) -> Relu [-> MaxPool] -> Q/DQ -> y, built by hand."""
     n = helper.make_node
     wq = np.clip(np.round(rng_weights(0, 4, 3, 3, 3) * 100), -127, 127).astype(np.int8)
     wq[0, 0, 0, 0] = weight_min
@@ -233,7 +233,11 @@ def qdq_conv(tmp_path, *, weight_zero_point: int = 0, weight_min: int = -127, ac
              n("DequantizeLinear", ["xq", "s_x", "z_x"], ["xd"], axis=1),
              n("DequantizeLinear", ["wq", "s_w", "z_w"], ["w"], axis=0),
              n("DequantizeLinear", ["bq", "s_b", "z_b"], ["b"], axis=0),
-             n("Conv", ["xd", "w", "b"], ["c"], pads=[1, 1, 1, 1]), n("Relu", ["c"], ["r" if quantize_output else "y"])]
+             n("Conv", ["xd", "w", "b"], ["c"], pads=[1, 1, 1, 1])]
+    last = "r" if quantize_output else "y"
+    nodes.append(n("Relu", ["c"], ["p" if pool else last]))
+    if pool:
+        nodes.append(n("MaxPool", ["p"], [last], kernel_shape=[1, 1]))
     if quantize_output:
         nodes += [n("QuantizeLinear", ["r", "s_y", "z_y"], ["rq"]), n("DequantizeLinear", ["rq", "s_y", "z_y"], ["y"])]
     model = make_model(nodes, [("x", ["N", 3, 6, 6])], [("y", ["N", 4, 6, 6])], inits, opset=13)
@@ -257,7 +261,7 @@ def test_a_hand_built_qdq_conv_keeps_its_integers_and_scales(tmp_path):
     ({"weight_min": -128}, ("weight 'wq'", "-128")),
     ({"act_axis": True}, ("tensor 'x'", "per channel", "--widen-scales")),
     ({"act_dtype": np.uint8}, ("tensor 'x'", "uint8", "unsigned_activations")),
-    ({"quantize_output": False}, ("tensor 'y'", "--calib")),
+    ({"quantize_output": False, "pool": True}, ("tensor 'y'", "--calib")),
 ])
 def test_what_the_target_cannot_hold_is_one_line_naming_the_tensor(tmp_path, kwargs, fragments):
     path = qdq_conv(tmp_path, **kwargs)
@@ -275,6 +279,31 @@ def test_widen_scales_gives_a_per_channel_activation_the_widest_scale(tmp_path):
     assert result.quantization.widened == ["x"]
     # int8 with zero point 0 covers [-128 s, 127 s]: the widest channel's interval, on the symmetric grid
     assert result.program.tensors["x"]["scale"] == np.float32(128 * float(np.float32(0.03)) / 127)
+
+
+def test_an_output_the_model_leaves_in_float_is_written_as_int32(tmp_path):
+    """NNCF leaves a classifier's logits in float: with no table, the GEMM writes them as int32 with
+    s_out = max_c s_in s_w[c] (quantize.py eq. (4b)); with the model's integer weights and bias and M[c] <= 1,
+    the simulator's output is the float Conv of the dequantized input to within one step of s_out per value."""
+    path = qdq_conv(tmp_path, quantize_output=False)
+    program = api.compile(path, None, EXACT).program  # act_min -128: QuantizeLinear's range
+    record = program.tensors["y"]
+    assert record["dtype"] == "int32" and record["scale"] == np.float32(0.02) * np.float32(0.01)
+    x = np.random.default_rng(1).standard_normal((2, 3, 6, 6)).astype(np.float32)
+    ours = api.run_program_file(program, x, dequantize=True)["y"]
+    theirs = integer_session_float(path, x)
+    assert np.max(np.abs(ours - theirs)) <= 1.01 * record["scale"]
+    result = cli("compile", path, "-o", tmp_path / "m.qdp")
+    assert result.exit_code == 0 and "written as int32" in result.output
+    one_line_error(cli("export-onnx", tmp_path / "m.qdp", "-o", tmp_path / "m.onnx"), "int32 output", "'y'")
+
+
+def integer_session_float(path, x: np.ndarray) -> np.ndarray:
+    """The model run by ONNX Runtime as written (DequantizeLinear -> float Conv -> Relu)."""
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return session.run(None, {"x": x})[0]
 
 
 def test_a_tensor_the_model_leaves_in_float_is_filled_from_the_table(tmp_path):

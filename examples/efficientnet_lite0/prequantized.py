@@ -9,8 +9,9 @@
 2. NNCF's quantization of the same model on the same calibration photographs, if nncf is installed
    (`pip install nncf`): `nncf.quantize` with its defaults, and with per-tensor activations;
 3. `qdeploy compile MODEL.qdq.onnx` for each, with no calibration table: the model's scales and integer weights.
-   NNCF leaves the classifier's output in float (a table from `qdeploy calibrate` fills that one tensor) and by
-   default quantizes the depthwise convolutions' inputs per channel (`--widen-scales`, or its per-tensor variant);
+   NNCF leaves the classifier's output in float (the program writes it as int32, qdeploy/quantize.py eq. (4b))
+   and by default quantizes the depthwise convolutions' inputs per channel (`--widen-scales`, or its per-tensor
+   variant);
 4. bit-exactness: the simulator against ONNX Runtime's integer kernels (ORT_ENABLE_ALL with
    session.qdqisint8allowed = 1) on the held-out photographs, logits code by code;
 5. fidelity against the float model on the same photographs (logits SQNR, top-1 agreement): our program, and the
@@ -124,10 +125,8 @@ def main(out: Path, report_dir: Path, n_calib: int = N_CALIB, n_eval: int = N_EV
         slug = label.lower().replace(" ", "_").replace(",", "").replace("-", "_")
         program = folder / f"{slug}.qdp"
         flags = []
-        if label.startswith("NNCF"):  # uint8 after ReLU6; the logits are left in float
-            table = folder / f"{slug}.calib.json"
-            qdeploy("calibrate", qdq, "--data", calib_dir, *PREPROCESS_FLAGS, "-o", table)
-            flags = ["--calib", table, "--target", folder / "unsigned.toml"]
+        if label.startswith("NNCF"):  # uint8 after ReLU6; its logits, left in float, come out as int32
+            flags = ["--target", folder / "unsigned.toml"]
             flags += ["--widen-scales"] if label == "NNCF defaults" else []  # its per-channel depthwise inputs
         else:
             flags = ["--target", folder / "exact.toml"]
@@ -178,8 +177,8 @@ def _markdown(summary: dict) -> str:
               "which every DequantizeLinear -> op -> QuantizeLinear unit runs as an int8 kernel (QLinearConv, "
               "QLinearAdd, QGemm, QLinearGlobalAveragePool); the ONNX Runtime programs are compiled with "
               "`rounding = \"float32_rne\"` and `act_min = -128`, where the simulator computes what those kernels "
-              "compute (docs/design.md section 9). NNCF leaves the classifier's output in float (`--calib`: a table "
-              "from `qdeploy calibrate` gives that one tensor its scale) and by default quantizes the depthwise "
+              "compute (docs/design.md section 9). NNCF leaves the classifier's output in float (the program writes "
+              "it as int32 at the GEMM's resolution: no table needed) and by default quantizes the depthwise "
               "convolutions' inputs per channel (`--widen-scales`: one scale per tensor covering every channel's "
               "range); with per-tensor activations (`QuantizationParameters(per_channel=False)`) it needs no "
               "widening. NNCF's models use uint8 after ReLU6, so they compile for a target with "

@@ -386,14 +386,18 @@ _INTEGER_KERNELS = {  # mode: (general kernel, fast kernel, shift range of the f
 
 
 def output_dtype(lo: int, hi: int) -> np.dtype:
-    """int8 for a clamp range within [-128, 127]; uint8 for one within [0, 255] reaching above 127."""
+    """int8 for a clamp range within [-128, 127]; uint8 for one within [0, 255] reaching above 127; int32 for
+    one reaching beyond both (the int32 output of a GEMM, qdeploy/quantize.py eq. (4b))."""
     if not lo <= hi:
         raise ValueError(f"clamp range [{lo}, {hi}] is empty")
     if -128 <= lo and hi <= 127:
         return np.dtype(np.int8)
     if 0 <= lo and hi <= 255:
         return np.dtype(np.uint8)
-    raise ValueError(f"clamp range [{lo}, {hi}] fits neither int8 [-128, 127] nor uint8 [0, 255]")
+    if (lo < -128 or hi > 255) and -(2 ** 31) <= lo and hi < 2 ** 31:
+        return np.dtype(np.int32)
+    raise ValueError(f"clamp range [{lo}, {hi}] fits neither int8 [-128, 127] nor uint8 [0, 255] (nor is it an "
+                     f"int32 range reaching beyond both)")
 
 
 def _per_channel(values, channels: int, dtype, name: str) -> np.ndarray:

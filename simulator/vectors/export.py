@@ -361,6 +361,10 @@ def export_vectors(program, inputs: dict[str, np.ndarray], output: str | os.Path
     run_host_op) when the program has any."""
     from simulator.machine import Machine
 
+    wide = [name for name, record in program.tensors.items() if record["dtype"] == "int32"]
+    if wide:  # the vector files hold 8-bit elements (module docstring)
+        raise VectorError(f"tensor '{wide[0]}' is an int32 output (a pre-quantized model left it in float); "
+                          f"golden vectors carry int8 and uint8 tensors only")
     target = target_from_dict(program.manifest["target"])
     machine = Machine(program)
     if host is not None:
