@@ -72,7 +72,8 @@ THRESHOLD_METHODS: dict[str, ThresholdMethod] = {
     "mse": mse_threshold,  # minimum expected quantization MSE
 }
 
-METHOD_OPTIONS: dict[str, tuple[str, ...]] = {"percentile": ("percentile",)}  # keyword options each accepts
+# keyword options each accepts; kl's max_clipped_fraction is rule (7) of calib/kl.py, set per tensor by calibrate
+METHOD_OPTIONS: dict[str, tuple[str, ...]] = {"percentile": ("percentile",), "kl": ("max_clipped_fraction",)}
 
 
 def select_threshold(method: str, counts: np.ndarray, bin_width: float, **options) -> float:

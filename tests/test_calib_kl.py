@@ -6,7 +6,8 @@ import math
 import numpy as np
 import pytest
 
-from calib.kl import ZERO_TENSOR_THRESHOLD, kl_candidate, kl_divergences, kl_threshold
+from calib.kl import (CONSUMER_CLIP_BUDGET, MAX_CLIPPED_FRACTION, ZERO_TENSOR_THRESHOLD, clipping_budget,
+                      kl_candidate, kl_divergences, kl_threshold)
 from calib.methods import (THRESHOLD_METHODS, max_threshold, mse_threshold, percentile_threshold,
                            select_threshold)
 
@@ -222,3 +223,36 @@ def test_select_threshold_passes_only_accepted_options():
     assert select_threshold("max", c, 1.0, percentile=99) == 5.0
     with pytest.raises(ValueError, match="unknown threshold method"):
         select_threshold("entropy", c, 1.0)
+
+
+# ---- rule (7): the clipping budget of a tensor follows its readers' fan-in --------------------------------
+
+
+def squared_exponential_histogram(seed=0, n_values=100_000):
+    x = np.random.default_rng(seed).exponential(size=n_values) ** 2  # a long, thin tail: KL clips ~0.25% of it
+    return np.histogram(x, 2048, (0, x.max()))[0]
+
+
+def test_clipping_budget_is_the_fan_in_share_capped_at_the_floor():
+    assert clipping_budget(None) == clipping_budget(0) == MAX_CLIPPED_FRACTION == 0.01
+    assert clipping_budget(2) == clipping_budget(9) == 0.01  # a residual add, a 3x3 depthwise: rule (6) only
+    assert clipping_budget(576) == pytest.approx(0.1 / 576)
+    assert clipping_budget(1280) == pytest.approx(CONSUMER_CLIP_BUDGET / 1280)
+
+
+def test_a_wide_reader_keeps_the_tail_kl_alone_would_clip():
+    c = squared_exponential_histogram()
+    nonzero = c[1:].sum()
+    alone = kl_candidate(c)
+    assert 0.1 / 576 < c[alone:].sum() / nonzero <= 0.01  # rule (6) allows what KL picks
+    budget = clipping_budget(576)
+    wide = kl_candidate(c, budget)
+    assert wide > alone and c[wide:].sum() <= budget * nonzero
+    # the chosen candidate is still KL's best among the admitted ones
+    kl = kl_divergences(c)
+    admitted = [i for i in range(128, 2049) if c[i:].sum() <= budget * nonzero]
+    assert wide == min(admitted, key=lambda i: (kl[i - 128], i))
+    assert kl_threshold(c, 0.5, budget) == (wide + 0.5) * 0.5
+    assert select_threshold("kl", c, 0.5, max_clipped_fraction=budget) == (wide + 0.5) * 0.5
+    with pytest.raises(ValueError, match="max_clipped_fraction"):
+        kl_candidate(c, 1.5)
