@@ -13,6 +13,9 @@ images as `qdeploy calibrate`, preprocessed by the same code (calib/data.py), 16
 makes ORT fold each batch into its statistics before the next (without it ORT keeps every intermediate tensor of
 every image: about 14 GB for this model at 128 images).
 
+NNCF (`nncf.quantize` with its defaults, when nncf is installed) joins them as one more entry, calibrated on the
+same images.
+
 The int8 models run in ONNX Runtime with graph optimizations disabled: QDQ semantics, DequantizeLinear -> float
 op -> QuantizeLinear, the arithmetic the quantizer chose. With the default optimizations ORT fuses the QDQ
 pairs into its int8 kernels, and on this project's machines (x86-64, AVX2, no VNNI) that gives far worse logits
@@ -136,6 +139,7 @@ def measure(model: Path, calib_dir: Path, eval_dir: Path, out: Path, preprocess:
         entries.append({"label": method, "logits": f"logits_{method.lower()}.npy",
                         "settings": {"calibrate_method": method, "calibration_images": len(calib),
                                      "quantize_seconds": round(seconds, 1)}})
+    nncf_entry = _nncf_entry(model, calib, evaluation, out, reference, log)
     best = max(METHODS, key=lambda m: scores[m])
     kernels = _run(out / f"int8_{best.lower()}.onnx", evaluation, optimized=True)
     vnni = _has_vnni()
@@ -148,10 +152,41 @@ def measure(model: Path, calib_dir: Path, eval_dir: Path, out: Path, preprocess:
         f"({platform.machine()}, {'with' if vnni else 'without'} VNNI)"
         + ("." if vnni else "; ORT's documentation warns that its u8 x s8 kernels can saturate 16-bit sums on "
                             "CPUs without VNNI (it recommends reduce_range there)."))
-    peer = {"name": f"ONNX Runtime {ort.__version__} quantize_static", "description": description,
-            "entries": entries, "key": key}
+    name = f"ONNX Runtime {ort.__version__} quantize_static"
+    if nncf_entry is not None:
+        entries.append(nncf_entry)
+        name += f" and NNCF {nncf_entry['settings']['nncf']}"
+        description += (f" NNCF: `nncf.quantize` with its defaults (ONNX backend; symmetric int8 weights per channel, "
+                        f"int8/uint8 activations, the depthwise inputs per channel, fast bias correction) on the "
+                        f"same {len(calib)} calibration images, run as written by ONNX Runtime.")
+    peer = {"name": name, "description": description, "entries": entries, "key": key}
     path.write_text(json.dumps(peer, indent=1) + "\n")
     return path
+
+
+def _nncf_entry(model: Path, calib: np.ndarray, evaluation: np.ndarray, out: Path, reference: np.ndarray,
+                log) -> dict | None:
+    """NNCF's int8 model of `model` (nncf.quantize defaults on the same calibration images) as a peer entry; None
+    when nncf is not installed."""
+    try:
+        import nncf
+        import onnx
+    except ImportError:
+        log("  nncf is not installed: the peer has ONNX Runtime's entries only (pip install nncf)")
+        return None
+    start = time.perf_counter()
+    dataset = nncf.Dataset([calib[i:i + 1] for i in range(len(calib))], lambda x: {"input": x})
+    with _quiet():
+        quantized = nncf.quantize(onnx.load(str(model)), dataset, subset_size=len(calib))
+    onnx.save(quantized, str(out / "int8_nncf.onnx"))
+    seconds = time.perf_counter() - start
+    logits = _run(out / "int8_nncf.onnx", evaluation, optimized=False)
+    np.save(out / "logits_nncf.npy", logits.astype(np.float32))
+    log(f"  NNCF {nncf.__version__} nncf.quantize: {seconds:.0f} s; vs ORT float: top-1 agreement "
+        f"{100 * _agreement(reference, logits):.1f}%, logits SQNR {_sqnr(reference, logits):.1f} dB")
+    return {"label": "NNCF defaults", "logits": "logits_nncf.npy",
+            "settings": {"nncf": nncf.__version__, "calibration_images": len(calib),
+                         "quantize_seconds": round(seconds, 1)}}
 
 
 @contextlib.contextmanager
