@@ -196,11 +196,7 @@ class ShardJob:
     model: str
     input_shapes: InputShapes | None
     equalize: bool
-    data: object  # a path (str) or the arrays themselves
-    samples: int
-    preprocess: Preprocess | None
-    strict: bool
-    batch_size: int
+    data: object  # qdeploy.cluster.ShardData
     names: list[str]
 
 
@@ -232,17 +228,12 @@ def lowered_graph_of(model: str, input_shapes: InputShapes | None, equalize: boo
 def calibrate_shard(job: ShardJob, window: tuple[int, int]) -> ShardStats:
     """Run the lowered graph over samples window[0]..window[1]-1, on a cluster worker."""
     graph = lowered_graph_of(job.model, job.input_shapes, job.equalize)
-    source = open_data(job.data, num_samples=job.samples, input_names=graph.inputs,
-                       input_shapes=[graph.tensors[n].shape for n in graph.inputs], preprocess=job.preprocess,
-                       strict=job.strict)
     collector = _Collector(graph, job.names, keep_sample_sums=True)
-    samples = 0
-    with contextlib.closing(source.batches(job.batch_size, window)) as batches:
-        for batch in batches:
-            collector.run(bind_inputs(graph, batch.arrays, source.source), batch.start)
-            samples += batch.size
-    return ShardStats(collector.histograms, collector.sample_sums, collector.channel_counts, samples,
-                      source.warnings)
+    samples, warnings = 0, []
+    for start, size, feeds in job.data.batches(graph, window, warnings):
+        collector.run(feeds, start)
+        samples += size
+    return ShardStats(collector.histograms, collector.sample_sums, collector.channel_counts, samples, warnings)
 
 
 def _collect_on_cluster(spec: str, job: ShardJob, collector: _Collector, warnings: list[str],
@@ -258,10 +249,10 @@ def _collect_on_cluster(spec: str, job: ShardJob, collector: _Collector, warning
         warnings.extend(stats.warnings)
         samples += stats.samples
         if progress is not None:
-            progress(samples, job.samples)
+            progress(samples, job.data.samples)
 
     with connect(spec) as client:
-        map_in_order(client, calibrate_shard, shard_windows(job.samples, job.batch_size), job, fold)
+        map_in_order(client, calibrate_shard, shard_windows(job.data.samples, job.data.batch_size), job, fold)
     return samples
 
 
@@ -336,8 +327,11 @@ def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD,
                         progress(samples, source.samples)
             warnings += source.warnings
         else:
-            job = ShardJob(str(model), input_shapes, equalize, data if isinstance(data, (np.ndarray, dict))
-                           else str(data), source.samples, preprocess, strict, batch_size, names)
+            from qdeploy.cluster import ShardData
+
+            shard_data = ShardData(data if isinstance(data, (np.ndarray, dict)) else str(data), source.samples,
+                                   preprocess, strict, batch_size)
+            job = ShardJob(str(model), input_shapes, equalize, shard_data, names)
             samples = _collect_on_cluster(cluster, job, collector, warnings, progress)
         histograms = collector.histograms
         channel_means = collector.channel_means()

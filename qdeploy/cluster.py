@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from qdeploy import __version__
@@ -88,6 +89,31 @@ def _check_workers(client, spec: str) -> None:
         if version != __version__:
             raise BadInput(f"--cluster {spec}: worker {worker} runs qdeploy {version}, this client {__version__}; "
                            f"every worker needs the same version")
+
+
+@dataclass
+class ShardData:
+    """The data set as each worker opens it for its shard (calibration and report alike)."""
+
+    data: object  # a path (str) or the arrays themselves
+    samples: int
+    preprocess: object  # calib.data.Preprocess | None
+    strict: bool
+    batch_size: int
+
+    def batches(self, graph, window: tuple[int, int], warnings: list[str]) -> Iterator[tuple[int, int, dict]]:
+        """(first sample, size, feeds of `graph`'s inputs) per batch of samples window[0]..window[1]-1; the
+        shard's skipped images go to `warnings` at the end."""
+        from calib.data import open_data
+        from qdeploy.binding import bind_inputs
+
+        source = open_data(self.data, num_samples=self.samples, input_names=graph.inputs,
+                           input_shapes=[graph.tensors[n].shape for n in graph.inputs],
+                           preprocess=self.preprocess, strict=self.strict)
+        with contextlib.closing(source.batches(self.batch_size, window)) as batches:
+            for batch in batches:
+                yield batch.start, batch.size, bind_inputs(graph, batch.arrays, source.source)
+        warnings.extend(source.warnings)
 
 
 def shard_windows(samples: int, batch_size: int, batches_per_shard: int = BATCHES_PER_SHARD) -> list[tuple[int, int]]:

@@ -219,7 +219,9 @@ def test_channel_sums_do_not_depend_on_batching_or_sharding(lite0):
     tables = [calibrate(lite0["model"], x, "kl", batch_size=b).table.to_text() for b in (3, 5)]
     graph = lowered_graph_of(str(lite0["model"]), None, False)
     names = calibration_tensors(graph)
-    job = ShardJob(str(lite0["model"]), None, False, x, 6, None, False, 2, names)
+    from qdeploy.cluster import ShardData
+
+    job = ShardJob(str(lite0["model"]), None, False, ShardData(x, 6, None, False, 2), names)
     collector = _Collector(graph, names)
     for window in ((0, 2), (2, 6)):
         collector.merge(calibrate_shard(job, window))

@@ -163,44 +163,28 @@ class WalkJob:
     model: str
     program: Program
     input_shapes: object
-    data: object  # a path (str) or the arrays themselves
-    samples: int
-    preprocess: Preprocess | None
-    strict: bool
-    batch_size: int
+    data: object  # qdeploy.cluster.ShardData
     threads: int  # the client's slicing of a batch (Evaluator.walk_batch), so the sums add up the same
 
 
-_EVALUATORS: dict[tuple, tuple] = {}  # per worker process: (graph, evaluator) of the job it last walked
+_EVALUATORS: dict[tuple, Evaluator] = {}  # per worker process: the evaluator of the job it last walked
 
 
 def walk_shard(job: WalkJob, window: tuple[int, int]) -> list[tuple[int, list]]:
     """The walks of each batch of samples window[0]..window[1]-1, on a cluster worker: [(batch start, walks)]."""
-    from qdeploy.binding import bind_inputs
-    from qdeploy.lowering import lower
-    from qdeploy.onnx_import import import_onnx
+    from qdeploy.calibration import lowered_graph_of
 
-    stat = os.stat(job.model)
+    equalized = bool(job.program.manifest.get("options", {}).get("equalization", False))
+    graph = lowered_graph_of(job.model, job.input_shapes, equalized)  # lowered once per worker process
     # the manifest records every array's SHA-256, so it names the program
-    key = (job.model, stat.st_mtime_ns, stat.st_size, repr(job.input_shapes),
-           json.dumps(job.program.manifest, sort_keys=True, default=str), job.threads)
+    key = (id(graph), json.dumps(job.program.manifest, sort_keys=True, default=str), job.threads)
     if key not in _EVALUATORS:
-        imported = import_onnx(job.model, job.input_shapes)
-        equalized = bool(job.program.manifest.get("options", {}).get("equalization", False))
-        graph = lower(imported.graph, equalized).graph
         for old in _EVALUATORS.values():
-            old[1].close()
+            old.close()
         _EVALUATORS.clear()
-        _EVALUATORS[key] = (graph, Evaluator(job.program, graph, threads=job.threads))
-    graph, evaluator = _EVALUATORS[key]
-    source = open_data(job.data, num_samples=job.samples, input_names=graph.inputs,
-                       input_shapes=[graph.tensors[n].shape for n in graph.inputs], preprocess=job.preprocess,
-                       strict=job.strict)
-    result = []
-    with contextlib.closing(source.batches(job.batch_size, window)) as batches:
-        for batch in batches:
-            result.append((batch.start, evaluator.walk_batch(bind_inputs(graph, batch.arrays, source.source))))
-    return result
+        _EVALUATORS[key] = Evaluator(job.program, graph, threads=job.threads)
+    evaluator = _EVALUATORS[key]
+    return [(start, evaluator.walk_batch(feeds)) for start, _, feeds in job.data.batches(graph, window, [])]
 
 
 def _walk_on_cluster(spec: str, job: WalkJob, evaluator: Evaluator, added) -> None:
@@ -213,7 +197,7 @@ def _walk_on_cluster(spec: str, job: WalkJob, evaluator: Evaluator, added) -> No
             added(None, float_logits)
 
     with connect(spec) as client:
-        map_in_order(client, walk_shard, shard_windows(job.samples, job.batch_size), job, fold)
+        map_in_order(client, walk_shard, shard_windows(job.data.samples, job.data.batch_size), job, fold)
 
 
 def build_report(model: str | os.PathLike, program: str | os.PathLike | Program, data, output: str | os.PathLike,
@@ -317,9 +301,11 @@ def build_report(model: str | os.PathLike, program: str | os.PathLike | Program,
                     float_logits, _ = evaluator.run_batch(feeds, batch.start)
                     added(feeds, float_logits)
         else:
-            job = WalkJob(str(model), program, input_shapes, data if isinstance(data, (np.ndarray, dict))
-                          else str(data), source.samples, preprocess, source_strict(label_array, compared),
-                          batch_size, evaluator.threads)
+            from qdeploy.cluster import ShardData
+
+            shard_data = ShardData(data if isinstance(data, (np.ndarray, dict)) else str(data), source.samples,
+                                   preprocess, source_strict(label_array, compared), batch_size)
+            job = WalkJob(str(model), program, input_shapes, shard_data, evaluator.threads)
             _walk_on_cluster(cluster, job, evaluator, added)
     walk_seconds = time.perf_counter() - walk_start
     if evaluator.samples == 0:
