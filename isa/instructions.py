@@ -115,6 +115,24 @@ class AddGemm(ArrayInstruction):
 
 
 @dataclass(frozen=True, kw_only=True)
+class MulGemm(ArrayInstruction):
+    """y = a * b of two activations, b broadcast to a's shape (each of b's axes is 1 or a's): per element of b a
+    K = 1 GEMM, the a elements it multiplies times the weight b read from memory (squeeze-excite: b is (N, C, 1, 1),
+    one group per sample and channel). acc = a * b, M = s_a * s_b / s_out (qdeploy/quantize.py eq. 8)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MatMulGemm(ArrayInstruction):
+    """y = a @ b of two activations, batched over the leading axes (ONNX MatMul without broadcasting): one group per
+    sample and leading index, (M x K) . (K x N); with transpose_b the second operand is stored (..., N, K) and read
+    transposed (Q K^T). acc = sum_k a * b, M = s_a * s_b / s_out (qdeploy/quantize.py eq. 8)."""
+
+    transpose_b: bool
+
+    HAS_WINDOW_FIELD: ClassVar[bool] = False
+
+
+@dataclass(frozen=True, kw_only=True)
 class Concat(Instruction):
     """Producers write channel slices of one buffer (axis 1)."""
 
@@ -156,7 +174,8 @@ class Host(Instruction):
 
 # The records' handler table: the dataclass of each kind.
 RECORDS: dict[Kind, type[Instruction]] = {
-    Kind.CONV_GEMM: ConvGemm, Kind.DENSE_GEMM: DenseGemm, Kind.ADD_GEMM: AddGemm, Kind.CONCAT: Concat,
+    Kind.CONV_GEMM: ConvGemm, Kind.DENSE_GEMM: DenseGemm, Kind.ADD_GEMM: AddGemm, Kind.MUL_GEMM: MulGemm,
+    Kind.MATMUL_GEMM: MatMulGemm, Kind.CONCAT: Concat,
     **{kind: Reshape for kind in RESHAPE_KINDS}, Kind.CHANNEL_SLICE: ChannelSlice,
     Kind.CHANNEL_PERMUTE: ChannelPermute, Kind.HOST: Host}
 

@@ -16,6 +16,7 @@ from qdeploy.ir import Graph, Node, Tensor, constant
 from qdeploy.passes.eliminate_dead import eliminate_dead_nodes
 from qdeploy.passes.pipeline import Pass
 from isa.kinds import WEIGHTED_GEMM_KINDS, Kind
+from isa.instructions import RECORDS
 from isa.output_stage import Clamp, commutes_with_window_max
 from qdeploy.lowering.instructions import INSTRUCTION_OPS, has_window_max, is_channel_concat
 from qdeploy.lowering.rules import (EPILOGUE_OPS, LOWERING, affine_of, batchnorm_scale_shift,
@@ -210,6 +211,8 @@ def fuse_epilogues(graph: Graph) -> Graph:
             producer = _sole_producer(graph, node, producers, consumers)
             if epilogue is None or producer is None or producer.name in replaced:
                 continue
+            if "pool_kernel_shape" in epilogue and not RECORDS[Kind(producer.op)].HAS_WINDOW_FIELD:
+                continue  # an instruction without a window-max on its store path (DenseGemm, MatMulGemm)
             merged = merge_epilogue(producer.attrs, epilogue)
             if merged is None:
                 continue

@@ -51,3 +51,14 @@ def ChannelPermute(x, *, perm):
 def AddGemm(a, b, *, act_min=-np.inf, act_max=np.inf, **window):
     """y = window_max(clamp(a + b, act_min, act_max)): the GEMM with K = 2 per channel, [a b] . [1 1]^T."""
     return _epilogue(a + b, act_min, act_max, **window)
+
+
+def MulGemm(a, b, *, act_min=-np.inf, act_max=np.inf, **window):
+    """y = window_max(clamp(a * b, act_min, act_max)), b broadcast to a's shape: a K = 1 GEMM per element of b."""
+    return _epilogue(a * b, act_min, act_max, **window)
+
+
+def MatMulGemm(a, b, *, transpose_b=0, act_min=-np.inf, act_max=np.inf):
+    """y = clamp(a @ b, act_min, act_max), or a @ b^T (last two axes) with transpose_b: one GEMM per leading
+    index. numpy.matmul runs one GEMM per leading index, so a sample's result does not depend on its batch."""
+    return _epilogue(np.matmul(a, np.swapaxes(b, -1, -2) if transpose_b else b), act_min, act_max)
