@@ -118,7 +118,11 @@ class AddGemm(ArrayInstruction):
 class MulGemm(ArrayInstruction):
     """y = a * b of two activations, b broadcast to a's shape (each of b's axes is 1 or a's): per element of b a
     K = 1 GEMM, the a elements it multiplies times the weight b read from memory (squeeze-excite: b is (N, C, 1, 1),
-    one group per sample and channel). acc = a * b, M = s_a * s_b / s_out (qdeploy/quantize.py eq. 8)."""
+    one group per sample and channel). acc = a * b, M = s_a * s_b / s_out (qdeploy/quantize.py eq. 8). No
+    window-max: its groups are b's elements, not the channels a window-max on store reads (a MaxPool after it runs
+    in an identity GEMM)."""
+
+    HAS_WINDOW_FIELD: ClassVar[bool] = False
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -15,8 +15,8 @@ How each instruction is exported (x = the input tensor, y = the output; s_x, s_y
   bias input; a 1x1 QLinearConv has, and is the same GEMM.
 - AddGemm: DequantizeLinear(a), DequantizeLinear(b) -> Add -> QuantizeLinear(s_y) [-> Clip] [-> MaxPool].
   The default domain has no QLinearAdd (com.microsoft has, and ONNX Runtime fuses this pattern into it).
-- MulGemm: Cast(a), Cast(b) to int32 -> Mul (the K = 1 accumulators, b broadcast) -> requantize [-> Clip]
-  [-> MaxPool]; MatMulGemm: [Transpose(b) ->] MatMulInteger(a, b) (int32 accumulators) -> requantize [-> Clip].
+- MulGemm: Cast(a), Cast(b) to int32 -> Mul (the K = 1 accumulators, b broadcast) -> requantize [-> Clip];
+  MatMulGemm: [Transpose(b) ->] MatMulInteger(a, b) (int32 accumulators) -> requantize [-> Clip].
   requantize is Cast(acc) to float32 -> Mul by the program's `scale_f32` -> QuantizeLinear(scale 1, zero point 0
   of the output's dtype): rne(f32(f32(acc) * M)) saturated, the program's `float32_rne` requantization exactly
   (the division by a scale of 1 is exact).
@@ -174,7 +174,7 @@ class _Builder:
         """Spatial size of the tensor the fused window-max reads (the GEMM's output before the window)."""
         x = self.program.tensors[instr.inputs[0]]["shape"][2:]
         if instr.kind != Kind.CONV_GEMM:
-            return list(x)  # AddGemm, MulGemm: elementwise
+            return list(x)  # AddGemm: elementwise
         n = len(x)
         return [conv_output_size(x[a], instr.kernel[a], instr.strides[a], instr.pads[a],
                                  instr.pads[n + a], instr.dilations[a]) for a in range(n)]

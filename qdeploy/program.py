@@ -278,7 +278,7 @@ def _mul_gemm(program: Program, instr: dict, where: str, in_shapes: list, out_dt
     if len(a) != len(b) or any(q not in (1, p) for p, q in zip(a, b)):
         raise _Invalid(f"{where}: multiplies {a} by {b}, which does not broadcast to it")
     _check_epilogue(program, instr, 1, where, out_dtype, rounding)
-    return _window_of(instr, a, where)
+    return a
 
 
 def _matmul_gemm(program: Program, instr: dict, where: str, in_shapes: list, out_dtype: str, rounding: str

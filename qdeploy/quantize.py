@@ -403,9 +403,7 @@ class _Compiler:
         lo, hi = _clamp_bounds(node.attrs, s_out, scales.range(y))
         record = {**self._requant(index, s_a, np.array([s_b]), s_out), "clamp": [lo, hi],
                   "acc_bound_bits": _bits_for(bound), "k": k}
-        if node.op == Kind.MUL_GEMM:
-            record["window"] = _window(node.attrs)
-        else:
+        if node.op == Kind.MATMUL_GEMM:
             record["transpose_b"] = bool(node.attrs["transpose_b"])
         self._report(node, record, s_a, np.array([s_b]), s_out, 0)
         return record

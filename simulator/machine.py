@@ -315,7 +315,7 @@ class Machine:
         events = mul_gemm_kernel(np.ascontiguousarray(a).reshape(-1), b, self.arithmetic.acc_min,
                                  self.arithmetic.acc_max, self.arithmetic.overflow == "saturate", acc)
         y = self._requantize(instr, acc.reshape(-1, 1)).reshape(a.shape)
-        return self._store(instr, y), acc.reshape(a.shape), events
+        return y, acc.reshape(a.shape), events
 
     def matmul_gemm(self, instr: Instruction, args: list[np.ndarray]):
         """acc = a @ b (b read transposed with transpose_b): one GEMM per sample and leading index, (M x K) . (K x P)

@@ -344,12 +344,12 @@ def _add_gemm(instr: Instruction, args: list[np.ndarray], arrays: dict, arithmet
 
 
 def _mul_gemm(instr: Instruction, args: list[np.ndarray], arrays: dict, arithmetic: Arithmetic, dtype) -> np.ndarray:
-    """(8) acc = accumulate([a * b]) per element, b broadcast to a's shape, then the output stage and window-max."""
+    """(8) acc = accumulate([a * b]) per element, b broadcast to a's shape, then the output stage."""
     a, b = args
     b = np.broadcast_to(b, a.shape)
     acc = np.array([accumulate([p * q], arithmetic.acc_bits, arithmetic.overflow)[0]
                     for p, q in zip(a.reshape(-1).tolist(), b.reshape(-1).tolist())], dtype=object).reshape(-1, 1)
-    return _stored(instr, _output_stage(instr, acc, arrays, arithmetic).reshape(a.shape), dtype)
+    return _output_stage(instr, acc, arrays, arithmetic).reshape(a.shape).astype(dtype)
 
 
 def _matmul_gemm(instr: Instruction, args: list[np.ndarray], arrays: dict, arithmetic: Arithmetic, dtype) -> np.ndarray:

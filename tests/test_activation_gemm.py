@@ -49,7 +49,8 @@ def squeeze_excite_model(tmp_path):
 
 
 def gating_model(tmp_path):
-    """Every MulGemm form without a host op: a product of two activations of one shape (+ReLU, + MaxPool),
+    """Every MulGemm form without a host op: a product of two activations of one shape (+ReLU; the MaxPool after it
+    runs in an identity GEMM: a MulGemm has no window-max),
     a gate per sample and channel (N, C, 1, 1) on the left of the Mul, a spatial gate (N, 1, H, W), a square."""
     nodes = [
         helper.make_node("Conv", ["x", "Wa", "Ba"], ["ca"], name="conv_a", pads=[1, 1, 1, 1]),
@@ -127,8 +128,8 @@ def test_gating_forms_lower_to_mul_gemm_with_the_broadcast_operand_second(tmp_pa
     assert {name: nodes[name].op for name in ("product", "channel_gate", "spatial_gate", "square")} == \
         dict.fromkeys(("product", "channel_gate", "spatial_gate", "square"), Kind.MUL_GEMM)
     assert nodes["channel_gate"].inputs == ["b", "g"]  # swapped: the (N, C, 1, 1) gate is read with repeats
-    assert nodes["product"].outputs == ["p"] and nodes["product"].attrs["act_min"] == 0  # ReLU, MaxPool fused
-    assert nodes["product"].attrs["pool_kernel_shape"] == [2, 2]
+    assert nodes["product"].outputs == ["abr"] and nodes["product"].attrs["act_min"] == 0  # the ReLU fused
+    assert nodes["pool"].op == Kind.CONV_GEMM and nodes["pool"].attrs["pool_kernel_shape"] == [2, 2]  # no window
 
 
 def test_attention_runs_both_matmuls_on_the_array_with_the_transpose_folded(tmp_path):
@@ -351,6 +352,35 @@ def test_golden_vectors_hold_both_operands_as_the_array_sees_them(tmp_path):
             acc = np.load(folder / "acc.npy")
             g, m, _ = x.shape
             np.testing.assert_array_equal(acc, np.matmul(x, w).transpose(1, 0, 2).reshape(m, -1), layer["name"])
-            assert layer["files"]["weight"]["signed"] == (np.load(folder / "weight.npy").dtype != np.uint8)
+            operand = np.load(root / layer["dir"] / "weight.npy")  # a uint8 activation is widened to int16
+            assert layer["files"]["weight"]["bits"] == (8 if operand.dtype == np.int8 else 16)
             checked.add(layer["name"])
     assert checked == {"product", "channel_gate", "spatial_gate", "square", "qk", "qv", "av"}
+
+
+def test_the_reference_rtl_reproduces_the_activation_gemms(tmp_path):
+    """hw/ (the reference SystemVerilog tile and output stage) runs every layer of both models from their golden
+    vectors, the activation operand in the weight's place, and `vectors compare` finds nothing: an 18-bit
+    wrapping accumulator and uint8 activations (uint8 x uint8, uint8 x int8 products)."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "hw"))
+    import rtl
+
+    from simulator.vectors import compare_vectors
+
+    if not rtl.icarus_available():
+        pytest.skip("Icarus Verilog is not installed (apt-get install iverilog)")
+    target = Target(arithmetic=Arithmetic(rounding="half_up", unsigned_activations=True, acc_bits=18))
+    for build in (gating_model, lambda folder: attention_model(folder, softmax=False)):
+        path = build(tmp_path)
+        feeds = feeds_of(path, 1)
+        program = api.compile(path, calibrated(path, feeds), target).program
+        export_vectors(program, feeds, tmp_path / path.stem)
+        ran = rtl.run(tmp_path / path.stem, tmp_path / f"{path.stem}_dump")
+        report = compare_vectors(tmp_path / path.stem, tmp_path / f"{path.stem}_dump")
+        layers = json.loads((tmp_path / path.stem / "manifest.json").read_text())["layers"]
+        assert not ran.skipped and len(ran.layers) == len(layers) and report.ok, report.to_json()
+        assert {layer["kind"] for layer in layers} & {Kind.MUL_GEMM, Kind.MATMUL_GEMM}

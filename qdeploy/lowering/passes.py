@@ -212,7 +212,7 @@ def fuse_epilogues(graph: Graph) -> Graph:
             if epilogue is None or producer is None or producer.name in replaced:
                 continue
             if "pool_kernel_shape" in epilogue and not RECORDS[Kind(producer.op)].HAS_WINDOW_FIELD:
-                continue  # an instruction without a window-max on its store path (DenseGemm, MatMulGemm)
+                continue  # an instruction without a window-max on its store path (isa/instructions.py)
             merged = merge_epilogue(producer.attrs, epilogue)
             if merged is None:
                 continue

@@ -96,9 +96,15 @@ def _add_operands(instr: Instruction, args: list[np.ndarray], arrays: dict, info
     return cols, weight
 
 
+def _weight_operand(b: np.ndarray) -> np.ndarray:
+    """An activation in the weight operand's place: int8 as it is, uint8 widened to int16 (the weight files are
+    signed: 8 bits, or 16 as the AddGemm's pre-scale weights)."""
+    return np.ascontiguousarray(b if b.dtype == np.int8 else b.astype(np.int16))
+
+
 def _mul_operands(instr: Instruction, args: list[np.ndarray], arrays: dict, info: dict):
     """MulGemm: group g is element g of b (batch included, b's own order), (G, M, 1) the M elements of a it
-    multiplies (in a's order) and (G, 1, 1) the weight b[g] as read from memory (int8 or uint8). acc and out are
+    multiplies (in a's order) and (G, 1, 1) the weight b[g] as read from memory (_weight_operand). acc and out are
     (M, G): column g holds group g's products (squeeze-excite: row h*W + w, column n*C + c)."""
     a, b = args
     owner = np.broadcast_to(np.arange(b.size).reshape(b.shape), a.shape).reshape(-1)
@@ -109,12 +115,12 @@ def _mul_operands(instr: Instruction, args: list[np.ndarray], arrays: dict, info
         return np.ascontiguousarray(y.reshape(-1)[order].reshape(groups, m).T)
 
     info["operand_shape"] = list(b.shape)
-    return a.reshape(-1)[order].reshape(groups, m, 1), np.ascontiguousarray(b.reshape(groups, 1, 1)), to_matrix
+    return a.reshape(-1)[order].reshape(groups, m, 1), _weight_operand(b.reshape(groups, 1, 1)), to_matrix
 
 
 def _matmul_operands(instr: Instruction, args: list[np.ndarray], arrays: dict, info: dict):
     """MatMulGemm: one group per sample and leading index, a as (G, M, K) and b as the array reads it, (G, K, P)
-    (transposed from memory with transpose_b; int8 or uint8). acc and out are (M, G*P): column g*P + j."""
+    (transposed from memory with transpose_b; _weight_operand). acc and out are (M, G*P): column g*P + j."""
     a, b = args
     if instr.transpose_b:
         b = np.swapaxes(b, -1, -2)
@@ -125,7 +131,7 @@ def _matmul_operands(instr: Instruction, args: list[np.ndarray], arrays: dict, i
 
     info["transpose_b"] = bool(instr.transpose_b)
     info["operand_shape"] = list(args[1].shape)
-    return (np.ascontiguousarray(a.reshape(-1, m, k)), np.ascontiguousarray(b.reshape(-1, k, p)), to_matrix)
+    return np.ascontiguousarray(a.reshape(-1, m, k)), _weight_operand(b.reshape(-1, k, p)), to_matrix
 
 
 # The golden vectors' handler table: the GEMM operands an array instruction streams (and, for a kind whose
@@ -238,10 +244,9 @@ class Writer:
 
         put("input", vectors.input, vectors.input.reshape(g * m, k), act_bits, act_signed, rows,
             "row g*M + m = row m of group g's im2col matrix (design.md eq. 9), col k = (c*kh + i)*kw + j")
-        # AddGemm: 16-bit pre-scale weights; MulGemm, MatMulGemm: an activation, int8 or uint8
-        weight_bits = 8 * vectors.weight.dtype.itemsize
-        put("weight", vectors.weight, vectors.weight.reshape(g * k, ng), weight_bits, vectors.weight.dtype != np.uint8,
-            cols,
+        # AddGemm: 16-bit pre-scale weights; MulGemm, MatMulGemm: a uint8 operand, widened to int16
+        weight_bits = 8 if vectors.weight.dtype == np.int8 else 16
+        put("weight", vectors.weight, vectors.weight.reshape(g * k, ng), weight_bits, True, cols,
             "row g*K + k, col j: weight of group g, reduction index k, output channel g*Ng + j")
         channel = "one value per output channel c = g*Ng + j"
         put("bias", vectors.bias.astype(np.int32), vectors.bias.reshape(1, -1), 32, True, cols,
@@ -309,8 +314,7 @@ class Writer:
                         "input": self.file(f"{base}_input", x, x_hex, 8, x.dtype != np.uint8, rows,
                                            "for each k-tile: the tile's rows, each tk/R lines (k-tile padded "
                                            "to tk); npy: rows m0..m1 of the group, all K"),
-                        "weight": self.file(f"{base}_weight", w, w_hex, 8 * w.dtype.itemsize, w.dtype != np.uint8,
-                                            cols,
+                        "weight": self.file(f"{base}_weight", w, w_hex, 8 if w.dtype == np.int8 else 16, True, cols,
                                             "for each k-tile: its reduction rows k, each ceil(tn/C) lines"),
                         "bias": self.file(f"{base}_bias", vectors.bias[c0:c1].astype(np.int32),
                                           vectors.bias[c0:c1].reshape(1, -1), 32, True, cols, "channels c0..c1"),

@@ -53,9 +53,9 @@ def AddGemm(a, b, *, act_min=-np.inf, act_max=np.inf, **window):
     return _epilogue(a + b, act_min, act_max, **window)
 
 
-def MulGemm(a, b, *, act_min=-np.inf, act_max=np.inf, **window):
-    """y = window_max(clamp(a * b, act_min, act_max)), b broadcast to a's shape: a K = 1 GEMM per element of b."""
-    return _epilogue(a * b, act_min, act_max, **window)
+def MulGemm(a, b, *, act_min=-np.inf, act_max=np.inf):
+    """y = clamp(a * b, act_min, act_max), b broadcast to a's shape: a K = 1 GEMM per element of b."""
+    return _epilogue(a * b, act_min, act_max)
 
 
 def MatMulGemm(a, b, *, transpose_b=0, act_min=-np.inf, act_max=np.inf):
