@@ -35,7 +35,8 @@ MulGemm and MatMulGemm multiply two activations, a (scale s_a) by b (scale s_b),
 the product needs no correction terms and no bias:
 
   (8) acc = sum_k q_a[k] * q_b[k]   (K = 1 for MulGemm, the contraction length for MatMulGemm),
-      M   = s_a * s_b / s_out (one multiplier; float32_rne: f32(f32(s_a * s_b) / s_out)), then (5);
+      M   = c * s_a * s_b / s_out (one multiplier; float32_rne: f32(f32(s_a * f32(c * s_b)) / s_out)), then (5),
+            c a positive constant scale folded from a Mul/Div after a MatMulGemm (1 otherwise);
       |acc| <= K * max|q_a| * max|q_b| (128 for int8, 255 for uint8): `acc_bound_bits`.
 
 Layout ops keep their input's scale; a Concat's inputs are written by their producers straight into the
@@ -401,11 +402,12 @@ class _Compiler:
         k = describe_instruction(self.graph, node).k
         bound = k * max(abs(v) for v in scales.range(a)) * max(abs(v) for v in scales.range(b))
         lo, hi = _clamp_bounds(node.attrs, s_out, scales.range(y))
-        record = {**self._requant(index, s_a, np.array([s_b]), s_out), "clamp": [lo, hi],
+        s_b_scaled = s_b * node.attrs.get("product_scale", 1.0)  # a folded constant scale c: M = c s_a s_b / s_out
+        record = {**self._requant(index, s_a, np.array([s_b_scaled]), s_out), "clamp": [lo, hi],
                   "acc_bound_bits": _bits_for(bound), "k": k}
         if node.op == Kind.MATMUL_GEMM:
             record["transpose_b"] = bool(node.attrs["transpose_b"])
-        self._report(node, record, s_a, np.array([s_b]), s_out, 0)
+        self._report(node, record, s_a, np.array([s_b_scaled]), s_out, 0)
         return record
 
     def _report(self, node: Node, record: dict, s_in: float, s_w: np.ndarray, s_out: float, saturated: int):

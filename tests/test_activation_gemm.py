@@ -72,21 +72,23 @@ def gating_model(tmp_path):
 
 
 def attention_model(tmp_path, softmax: bool = True):
-    """Two heads of attention on q, k, v (N, 2, 5, 4): Q' K'^T with Q' = ReLU(q), K' = ReLU(k) (a Transpose of the
-    last two axes, folded into the operand read), Softmax (host) or not, times v; and Q' v^T."""
+    """Two heads of attention on q, k, v (N, 2, 5, 4): Q' K'^T / sqrt(d) with Q' = ReLU(q), K' = ReLU(k) (a
+    Transpose of the last two axes, folded into the operand read; the Div, into the multiplier), Softmax (host) or
+    not, times v; and Q' v^T."""
     nodes = [
         helper.make_node("Relu", ["q"], ["qr"], name="relu_q"),
         helper.make_node("Relu", ["k"], ["kr"], name="relu_k"),
         helper.make_node("Transpose", ["kr"], ["kt"], name="k_transposed", perm=[0, 1, 3, 2]),
         helper.make_node("MatMul", ["qr", "kt"], ["scores"], name="qk"),
+        helper.make_node("Div", ["scores", "root_d"], ["scaled"], name="scale"),
         helper.make_node("Transpose", ["v"], ["vt"], name="v_transposed", perm=[0, 1, 3, 2]),
         helper.make_node("MatMul", ["qr", "vt"], ["qv"], name="qv"),
     ]
     if softmax:
-        nodes.append(helper.make_node("Softmax", ["scores"], ["attention"], name="softmax", axis=-1))
-    nodes.append(helper.make_node("MatMul", ["attention" if softmax else "scores", "v"], ["y"], name="av"))
+        nodes.append(helper.make_node("Softmax", ["scaled"], ["attention"], name="softmax", axis=-1))
+    nodes.append(helper.make_node("MatMul", ["attention" if softmax else "scaled", "v"], ["y"], name="av"))
     inputs = [(name, ["N", 2, 5, 4]) for name in "qkv"]
-    model = make_model(nodes, inputs, [("y", ["N", 2, 5, 4]), ("qv", ["N", 2, 5, 5])])
+    model = make_model(nodes, inputs, [("y", ["N", 2, 5, 4]), ("qv", ["N", 2, 5, 5])], {"root_d": np.float32(2)})
     return save(model, tmp_path / f"attention{'_softmax' if softmax else ''}.onnx")
 
 
@@ -138,6 +140,7 @@ def test_attention_runs_both_matmuls_on_the_array_with_the_transpose_folded(tmp_
     nodes = {node.name: node for node in lowering.graph.nodes}
     assert [nodes[n].op for n in ("qk", "qv", "av")] == [Kind.MATMUL_GEMM] * 3
     assert nodes["qk"].inputs == ["qr", "kr"] and nodes["qk"].attrs["transpose_b"] == 1
+    assert nodes["qk"].outputs == ["scaled"] and nodes["qk"].attrs["product_scale"] == 0.5 and "scale" not in nodes
     assert nodes["av"].attrs["transpose_b"] == 0 and "k_transposed" not in nodes and "v_transposed" not in nodes
     (qk,) = [i for i in lowering.instructions if i.name == "qk"]
     assert (qk.groups, qk.m, qk.n, qk.k) == (2, 5, 5, 4)
@@ -203,7 +206,8 @@ def test_multiplier_and_exact_accumulator_bound(tmp_path, unsigned):
             "uint8" if m == 255 else "int8" for m in operand_max), name
         bound = instr["k"] * operand_max[0] * operand_max[1]
         assert 2 ** (instr["acc_bound_bits"] - 2) - 1 < bound <= 2 ** (instr["acc_bound_bits"] - 1) - 1, name
-        real = tensors[a]["scale"] * tensors[b]["scale"] / tensors[instr["output"]]["scale"]
+        folded = 0.5 if name == "qk" else 1.0  # the Div by sqrt(d) = 2 after Q K^T
+        real = folded * tensors[a]["scale"] * tensors[b]["scale"] / tensors[instr["output"]]["scale"]
         mult, shift = int(program.arrays[instr["mult"]][0]), int(program.arrays[instr["shift"]][0])
         assert abs(mult * 2.0 ** -shift / real - 1) <= 2 ** -31, name  # isa/multiplier.py: M ~ mult * 2^-shift
 

@@ -76,6 +76,8 @@ def _epilogue(node: Node) -> dict:
     result = {"bias": node.op in WEIGHTED_GEMM_KINDS}
     if attrs["act_min"] != float("-inf") or attrs["act_max"] != float("inf"):
         result["clamp"] = [attrs["act_min"], attrs["act_max"]]
+    if "product_scale" in attrs:  # a constant scale folded into a product of two activations
+        result["scale"] = attrs["product_scale"]
     if "act_max_channels" in attrs:
         result["clamp_max_channels"] = list(attrs["act_max_channels"])
     if has_window_max(attrs):

@@ -53,12 +53,18 @@ def AddGemm(a, b, *, act_min=-np.inf, act_max=np.inf, **window):
     return _epilogue(a + b, act_min, act_max, **window)
 
 
-def MulGemm(a, b, *, act_min=-np.inf, act_max=np.inf):
-    """y = clamp(a * b, act_min, act_max), b broadcast to a's shape: a K = 1 GEMM per element of b."""
-    return _epilogue(a * b, act_min, act_max)
+def _scaled(y: np.ndarray, product_scale: float | None) -> np.ndarray:
+    """y * c for a folded constant scale c (lowering/passes.py fold_constant_affine), as the Mul it replaces."""
+    return y if product_scale is None else y * np.float32(product_scale)
 
 
-def MatMulGemm(a, b, *, transpose_b=0, act_min=-np.inf, act_max=np.inf):
-    """y = clamp(a @ b, act_min, act_max), or a @ b^T (last two axes) with transpose_b: one GEMM per leading
+def MulGemm(a, b, *, act_min=-np.inf, act_max=np.inf, product_scale=None):
+    """y = clamp(c * (a * b), act_min, act_max), b broadcast to a's shape: a K = 1 GEMM per element of b."""
+    return _epilogue(_scaled(a * b, product_scale), act_min, act_max)
+
+
+def MatMulGemm(a, b, *, transpose_b=0, act_min=-np.inf, act_max=np.inf, product_scale=None):
+    """y = clamp(c * (a @ b), act_min, act_max), or a @ b^T (last two axes) with transpose_b: one GEMM per leading
     index. numpy.matmul runs one GEMM per leading index, so a sample's result does not depend on its batch."""
-    return _epilogue(np.matmul(a, np.swapaxes(b, -1, -2) if transpose_b else b), act_min, act_max)
+    y = np.matmul(a, np.swapaxes(b, -1, -2) if transpose_b else b)
+    return _epilogue(_scaled(y, product_scale), act_min, act_max)
