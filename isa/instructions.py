@@ -128,9 +128,11 @@ class MulGemm(ArrayInstruction):
 @dataclass(frozen=True, kw_only=True)
 class MatMulGemm(ArrayInstruction):
     """y = a @ b of two activations, batched over the leading axes (ONNX MatMul without broadcasting): one group per
-    sample and leading index, (M x K) . (K x N); with transpose_b the second operand is stored (..., N, K) and read
-    transposed (Q K^T). acc = sum_k a * b, M = s_a * s_b / s_out (qdeploy/quantize.py eq. 8)."""
+    sample and leading index, (M x K) . (K x N); with transpose_a the first operand is stored (..., K, M), with
+    transpose_b the second (..., N, K), and each is read transposed (attention's Q K^T, or Q^T K on channels-first
+    features). acc = sum_k a * b, M = c * s_a * s_b / s_out (qdeploy/quantize.py eq. 8)."""
 
+    transpose_a: bool
     transpose_b: bool
 
     HAS_WINDOW_FIELD: ClassVar[bool] = False

@@ -77,9 +77,9 @@ def _mul_shape(instr: Instruction, in_shapes: list, out_shape: list, batch: int,
 
 
 def _matmul_shape(instr: Instruction, in_shapes: list, out_shape: list, batch: int, stored: int) -> GemmShape:
-    """MatMulGemm: one group per sample and leading index, (M x K) . (K x P)."""
+    """MatMulGemm: one group per sample and leading index, (M x K) . (K x P); K is the instruction's k."""
     a = in_shapes[0]
-    return GemmShape(batch * _prod(a[1:-2]), int(a[-2]), int(out_shape[-1]), int(a[-1]), stored)
+    return GemmShape(batch * _prod(a[1:-2]), int(out_shape[-2]), int(out_shape[-1]), int(instr.k), stored)
 
 
 def _no_array_work(instr: Instruction, *_) -> None:

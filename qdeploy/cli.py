@@ -165,9 +165,10 @@ def _describe_array_instruction(program, instr) -> str:
 
 
 def _describe_activation_product(program, instr) -> str:
-    """MulGemm, MatMulGemm: the array line and the second operand (read transposed or not)."""
-    second = f"{instr.inputs[1]}^T" if getattr(instr, "transpose_b", False) else instr.inputs[1]
-    return f"{_describe_array_instruction(program, instr)}, second operand {second}"
+    """MulGemm, MatMulGemm: the array line and the two operands (^T: read transposed)."""
+    first, second = (f"{name}^T" if getattr(instr, flag, False) else name
+                     for name, flag in zip(instr.inputs, ("transpose_a", "transpose_b")))
+    return f"{_describe_array_instruction(program, instr)}, operands {first} by {second}"
 
 
 def _describe_data_movement(program, instr) -> str:
@@ -218,8 +219,9 @@ def _print_lowering(result) -> None:
             shape = (f"im2col {kh}x{kw}/{geometry['strides'][0]} pad {geometry['pads']} "
                      f"{'x'.join(map(str, geometry['input']))}->{'x'.join(map(str, geometry['output']))}")
         elif "operand" in geometry:  # MulGemm, MatMulGemm: the second operand is an activation
+            first = "x".join(map(str, geometry["input"])) + ("^T" if geometry.get("transpose_a") else "")
             operand = "x".join(map(str, geometry["operand"])) + ("^T" if geometry.get("transpose_b") else "")
-            shape = (f"{'x'.join(map(str, geometry['input']))} by {operand} -> "
+            shape = (f"{first} by {operand} -> "
                      f"{'x'.join(map(str, geometry['output']))}")
         groups = f" groups={instr.groups}" if instr.groups > 1 else ""
         echo(f"  {instr.kind:<9} {instr.name:<{width}} M={instr.m:<6} N={instr.n:<5} K={instr.k:<5}{groups:<12} "

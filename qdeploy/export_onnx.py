@@ -16,7 +16,7 @@ How each instruction is exported (x = the input tensor, y = the output; s_x, s_y
 - AddGemm: DequantizeLinear(a), DequantizeLinear(b) -> Add -> QuantizeLinear(s_y) [-> Clip] [-> MaxPool].
   The default domain has no QLinearAdd (com.microsoft has, and ONNX Runtime fuses this pattern into it).
 - MulGemm: Cast(a), Cast(b) to int32 -> Mul (the K = 1 accumulators, b broadcast) -> requantize [-> Clip];
-  MatMulGemm: [Transpose(b) ->] MatMulInteger(a, b) (int32 accumulators) -> requantize [-> Clip].
+  MatMulGemm: [Transpose(a), Transpose(b) ->] MatMulInteger(a, b) (int32 accumulators) -> requantize [-> Clip].
   requantize is Cast(acc) to float32 -> Mul by the program's `scale_f32` -> QuantizeLinear(scale 1, zero point 0
   of the output's dtype): rne(f32(f32(acc) * M)) saturated, the program's `float32_rne` requantization exactly
   (the division by a scale of 1 is exact).
@@ -287,14 +287,17 @@ def _mul_gemm(b: _Builder, instr: Instruction) -> str:
 
 
 def _matmul_gemm(b: _Builder, instr: Instruction) -> str:
-    """[Transpose b's last two axes ->] MatMulInteger (int32 accumulators, zero points 0), then _requantize_acc."""
-    name, (a, operand) = instr.name, instr.inputs
-    second = b.names[operand]
-    if instr.transpose_b:
-        rank = len(b.program.tensors[operand]["shape"])
-        second = b.node("Transpose", [second], f"{name}/b_transposed", f"{name}/Transpose",
-                        perm=[*range(rank - 2), rank - 1, rank - 2])
-    acc = b.node("MatMulInteger", [b.names[a], second], f"{name}/acc", f"{name}/MatMulInteger")
+    """[Transpose an operand's last two axes ->] MatMulInteger (int32 accumulators, zero points 0), then
+    _requantize_acc."""
+    name, read = instr.name, []
+    for side, tensor, flag in zip("ab", instr.inputs, (instr.transpose_a, instr.transpose_b)):
+        value = b.names[tensor]
+        if flag:
+            rank = len(b.program.tensors[tensor]["shape"])
+            value = b.node("Transpose", [value], f"{name}/{side}_transposed", f"{name}/Transpose_{side}",
+                           perm=[*range(rank - 2), rank - 1, rank - 2])
+        read.append(value)
+    acc = b.node("MatMulInteger", read, f"{name}/acc", f"{name}/MatMulInteger")
     return _requantize_acc(b, instr, acc)
 
 

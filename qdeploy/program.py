@@ -284,13 +284,13 @@ def _mul_gemm(program: Program, instr: dict, where: str, in_shapes: list, out_dt
 def _matmul_gemm(program: Program, instr: dict, where: str, in_shapes: list, out_dtype: str, rounding: str
                  ) -> tuple[int, ...]:
     a, b = in_shapes
-    transpose_b = _field(instr, "transpose_b", where)
-    if not isinstance(transpose_b, bool):
-        raise _Invalid(f"{where}: transpose_b must be true or false, got {json.dumps(transpose_b)[:20]}")
-    if len(b) >= 2 and transpose_b:
-        b = b[:-2] + b[:-3:-1]
+    flags = [_field(instr, key, where) for key in ("transpose_a", "transpose_b")]
+    if not all(isinstance(flag, bool) for flag in flags):
+        raise _Invalid(f"{where}: transpose_a and transpose_b must be true or false, got {json.dumps(flags)[:40]}")
+    a, b = (shape[:-2] + shape[:-3:-1] if flag and len(shape) >= 2 else shape for shape, flag in zip((a, b), flags))
     if len(a) < 2 or len(a) != len(b) or a[:-2] != b[:-2] or a[-1] != b[-2]:
-        raise _Invalid(f"{where}: multiplies {a} by {b} (transpose_b {transpose_b}): not (..., M, K) by (..., K, P)")
+        raise _Invalid(f"{where}: multiplies {a} by {b} as read (transpose_a {flags[0]}, transpose_b {flags[1]}): "
+                       f"not (..., M, K) by (..., K, P)")
     _check_epilogue(program, instr, 1, where, out_dtype, rounding)
     if instr["k"] != a[-1]:
         raise _Invalid(f"{where}: k = {instr['k']} is not the contraction length {a[-1]}")

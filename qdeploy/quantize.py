@@ -406,7 +406,7 @@ class _Compiler:
         record = {**self._requant(index, s_a, np.array([s_b_scaled]), s_out), "clamp": [lo, hi],
                   "acc_bound_bits": _bits_for(bound), "k": k}
         if node.op == Kind.MATMUL_GEMM:
-            record["transpose_b"] = bool(node.attrs["transpose_b"])
+            record.update(transpose_a=bool(node.attrs["transpose_a"]), transpose_b=bool(node.attrs["transpose_b"]))
         self._report(node, record, s_a, np.array([s_b_scaled]), s_out, 0)
         return record
 

@@ -318,9 +318,12 @@ class Machine:
         return y, acc.reshape(a.shape), events
 
     def matmul_gemm(self, instr: Instruction, args: list[np.ndarray]):
-        """acc = a @ b (b read transposed with transpose_b): one GEMM per sample and leading index, (M x K) . (K x P)
-        into the acc_bits register (kernels.gemm), then the output stage. acc has the output's shape."""
+        """acc = a @ b (a, b read transposed with transpose_a, transpose_b): one GEMM per sample and leading index,
+        (M x K) . (K x P) into the acc_bits register (kernels.gemm), then the output stage. acc has the output's
+        shape."""
         a, b = args
+        if instr.transpose_a:
+            a = np.swapaxes(a, -1, -2)
         if instr.transpose_b:
             b = np.swapaxes(b, -1, -2)
         m, k, p = a.shape[-2], a.shape[-1], b.shape[-1]

@@ -353,8 +353,10 @@ def _mul_gemm(instr: Instruction, args: list[np.ndarray], arrays: dict, arithmet
 
 
 def _matmul_gemm(instr: Instruction, args: list[np.ndarray], arrays: dict, arithmetic: Arithmetic, dtype) -> np.ndarray:
-    """(8) (1) acc = a @ b per leading index (b^T with transpose_b), then the output stage."""
+    """(8) (1) acc = a @ b per leading index (a^T, b^T with transpose_a, transpose_b), then the output stage."""
     a, b = args
+    if instr.transpose_a:
+        a = np.swapaxes(a, -1, -2)
     if instr.transpose_b:
         b = np.swapaxes(b, -1, -2)
     m, k, p = a.shape[-2], a.shape[-1], b.shape[-1]

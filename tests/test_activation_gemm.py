@@ -74,7 +74,7 @@ def gating_model(tmp_path):
 def attention_model(tmp_path, softmax: bool = True):
     """Two heads of attention on q, k, v (N, 2, 5, 4): Q' K'^T / sqrt(d) with Q' = ReLU(q), K' = ReLU(k) (a
     Transpose of the last two axes, folded into the operand read; the Div, into the multiplier), Softmax (host) or
-    not, times v; and Q' v^T."""
+    not, times v; Q' v^T; and Q'^T v (the first operand read transposed)."""
     nodes = [
         helper.make_node("Relu", ["q"], ["qr"], name="relu_q"),
         helper.make_node("Relu", ["k"], ["kr"], name="relu_k"),
@@ -83,12 +83,15 @@ def attention_model(tmp_path, softmax: bool = True):
         helper.make_node("Div", ["scores", "root_d"], ["scaled"], name="scale"),
         helper.make_node("Transpose", ["v"], ["vt"], name="v_transposed", perm=[0, 1, 3, 2]),
         helper.make_node("MatMul", ["qr", "vt"], ["qv"], name="qv"),
+        helper.make_node("Transpose", ["qr"], ["qt"], name="q_transposed", perm=[0, 1, 3, 2]),
+        helper.make_node("MatMul", ["qt", "v"], ["qtv"], name="qtv"),
     ]
     if softmax:
         nodes.append(helper.make_node("Softmax", ["scaled"], ["attention"], name="softmax", axis=-1))
     nodes.append(helper.make_node("MatMul", ["attention" if softmax else "scaled", "v"], ["y"], name="av"))
     inputs = [(name, ["N", 2, 5, 4]) for name in "qkv"]
-    model = make_model(nodes, inputs, [("y", ["N", 2, 5, 4]), ("qv", ["N", 2, 5, 5])], {"root_d": np.float32(2)})
+    outputs = [("y", ["N", 2, 5, 4]), ("qv", ["N", 2, 5, 5]), ("qtv", ["N", 2, 4, 4])]
+    model = make_model(nodes, inputs, outputs, {"root_d": np.float32(2)})
     return save(model, tmp_path / f"attention{'_softmax' if softmax else ''}.onnx")
 
 
@@ -138,12 +141,16 @@ def test_attention_runs_both_matmuls_on_the_array_with_the_transpose_folded(tmp_
     lowering = api.lower_model(attention_model(tmp_path))
     assert [h.op for h in lowering.host_ops] == ["Softmax"]
     nodes = {node.name: node for node in lowering.graph.nodes}
-    assert [nodes[n].op for n in ("qk", "qv", "av")] == [Kind.MATMUL_GEMM] * 3
+    assert [nodes[n].op for n in ("qk", "qv", "av", "qtv")] == [Kind.MATMUL_GEMM] * 4
     assert nodes["qk"].inputs == ["qr", "kr"] and nodes["qk"].attrs["transpose_b"] == 1
     assert nodes["qk"].outputs == ["scaled"] and nodes["qk"].attrs["product_scale"] == 0.5 and "scale" not in nodes
-    assert nodes["av"].attrs["transpose_b"] == 0 and "k_transposed" not in nodes and "v_transposed" not in nodes
+    assert nodes["av"].attrs["transpose_b"] == 0 and not {"k_transposed", "v_transposed", "q_transposed"} & set(nodes)
+    assert (nodes["qtv"].inputs, nodes["qtv"].attrs["transpose_a"], nodes["qtv"].attrs["transpose_b"]) == \
+        (["qr", "v"], 1, 0)
     (qk,) = [i for i in lowering.instructions if i.name == "qk"]
     assert (qk.groups, qk.m, qk.n, qk.k) == (2, 5, 5, 4)
+    (qtv,) = [i for i in lowering.instructions if i.name == "qtv"]
+    assert (qtv.groups, qtv.m, qtv.n, qtv.k) == (2, 4, 4, 5)
 
 
 def test_a_mul_of_x_by_a_function_of_x_is_left_for_the_lookup_table(tmp_path):
@@ -199,7 +206,8 @@ def test_multiplier_and_exact_accumulator_bound(tmp_path, unsigned):
     tensors = program.tensors
     by_name = {i["name"]: i for i in program.instructions}
     for name, operand_max in (("qk", (255, 255) if unsigned else (127, 127)),
-                              ("qv", (255, 127) if unsigned else (127, 127)), ("av", (127, 127))):
+                              ("qv", (255, 127) if unsigned else (127, 127)), ("av", (127, 127)),
+                              ("qtv", (255, 127) if unsigned else (127, 127))):
         instr = by_name[name]
         a, b = instr["inputs"]
         assert (tensors[a]["dtype"], tensors[b]["dtype"]) == tuple(
@@ -226,7 +234,7 @@ def test_a_damaged_matmul_record_is_refused(tmp_path):
     from qdeploy.errors import BadInput
 
     with pytest.raises(BadInput, match=r"instruction 'qk' \(\"MatMulGemm\"\): multiplies \(2, 5, 4\) by "
-                                       r"\(2, 5, 4\) \(transpose_b False\)"):
+                                       r"\(2, 5, 4\) as read \(transpose_a False, transpose_b False\)"):
         read_program(tmp_path / "bad.qdp")
 
 
@@ -359,7 +367,7 @@ def test_golden_vectors_hold_both_operands_as_the_array_sees_them(tmp_path):
             operand = np.load(root / layer["dir"] / "weight.npy")  # a uint8 activation is widened to int16
             assert layer["files"]["weight"]["bits"] == (8 if operand.dtype == np.int8 else 16)
             checked.add(layer["name"])
-    assert checked == {"product", "channel_gate", "spatial_gate", "square", "qk", "qv", "av"}
+    assert checked == {"product", "channel_gate", "spatial_gate", "square", "qk", "qv", "av", "qtv"}
 
 
 def test_the_reference_rtl_reproduces_the_activation_gemms(tmp_path):

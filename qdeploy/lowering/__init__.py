@@ -130,8 +130,9 @@ def _matmul_geometry(graph: Graph, node: Node) -> tuple[int, int, int, int, dict
     """MatMulGemm: one (M x K) . (K x P) GEMM per leading index (per sample)."""
     a_shape, out_shape = _shape(graph, node.inputs[0]), _shape(graph, node.outputs[0])
     geometry = {"input": a_shape[1:], "operand": _shape(graph, node.inputs[1])[1:], "output": out_shape[1:],
-                "transpose_b": int(node.attrs["transpose_b"])}
-    return int(a_shape[-2]), int(out_shape[-1]), int(a_shape[-1]), int(prod(a_shape[1:-2])), geometry
+                "transpose_a": int(node.attrs["transpose_a"]), "transpose_b": int(node.attrs["transpose_b"])}
+    m, k = (a_shape[-1], a_shape[-2]) if node.attrs["transpose_a"] else (a_shape[-2], a_shape[-1])
+    return int(m), int(out_shape[-1]), int(k), int(prod(a_shape[1:-2])), geometry
 
 
 def _not_an_instruction(graph: Graph, node: Node):

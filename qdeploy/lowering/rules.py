@@ -154,21 +154,23 @@ def _swapped_last_axes(graph: Graph, name: str) -> str | None:
 
 def lower_activation_matmul(graph: Graph, node: Node) -> Lowered:
     """MatMul of two activations a (N, ..., M, K) and b (N, ..., K, P) with equal leading axes -> MatMulGemm, one
-    (M x K) . (K x P) GEMM per sample and leading index (ONNX MatMul = numpy.matmul). A Transpose swapping b's
-    last two axes is folded into the operand read (transpose_b: attention's Q K^T); the Transpose is then dead."""
-    a, b = node.inputs[:2]
-    source = _swapped_last_axes(graph, b)
-    a_shape = _static_shape(graph, node, a)
-    b_shape = _static_shape(graph, node, source if source is not None else b)
-    b_logical = b_shape[:-2] + b_shape[:-3:-1] if source is not None else b_shape
-    if len(a_shape) < 2 or len(a_shape) != len(b_logical) or a_shape[:-2] != b_logical[:-2] or \
-            a_shape[-1] != b_logical[-2]:
-        raise Unsupported(f"node '{node.name}' (MatMul): activations of shapes {graph.tensors[a].shape} and "
-                          f"{graph.tensors[b].shape}; the GEMM unit multiplies (N, ..., M, K) by (N, ..., K, P) "
-                          f"with equal leading axes (no broadcasting)")
-    attrs = {**no_epilogue(), "transpose_b": int(source is not None)}
-    return Lowered([Node(node.name, Kind.MATMUL_GEMM, [a, source if source is not None else b],
-                         [node.outputs[0]], attrs)])
+    (M x K) . (K x P) GEMM per sample and leading index (ONNX MatMul = numpy.matmul). A Transpose swapping an
+    operand's last two axes is folded into its read (transpose_b: attention's Q K^T; transpose_a: Q^T K on
+    channels-first features); the Transpose is then dead."""
+    operands, flags, logical = [], {}, []
+    for name, flag in zip(node.inputs[:2], ("transpose_a", "transpose_b")):
+        source = _swapped_last_axes(graph, name)
+        stored = _static_shape(graph, node, source if source is not None else name)
+        operands.append(source if source is not None else name)
+        flags[flag] = int(source is not None)
+        logical.append(stored[:-2] + stored[:-3:-1] if source is not None else stored)
+    a_shape, b_shape = logical
+    if len(a_shape) < 2 or len(a_shape) != len(b_shape) or a_shape[:-2] != b_shape[:-2] or \
+            a_shape[-1] != b_shape[-2]:
+        raise Unsupported(f"node '{node.name}' (MatMul): activations of shapes {graph.tensors[node.inputs[0]].shape} "
+                          f"and {graph.tensors[node.inputs[1]].shape}; the GEMM unit multiplies (N, ..., M, K) by "
+                          f"(N, ..., K, P) with equal leading axes (no broadcasting)")
+    return Lowered([Node(node.name, Kind.MATMUL_GEMM, operands, [node.outputs[0]], {**no_epilogue(), **flags})])
 
 
 def _channels(graph: Graph, node: Node) -> int:

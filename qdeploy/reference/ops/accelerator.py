@@ -63,8 +63,9 @@ def MulGemm(a, b, *, act_min=-np.inf, act_max=np.inf, product_scale=None):
     return _epilogue(_scaled(a * b, product_scale), act_min, act_max)
 
 
-def MatMulGemm(a, b, *, transpose_b=0, act_min=-np.inf, act_max=np.inf, product_scale=None):
-    """y = clamp(c * (a @ b), act_min, act_max), or a @ b^T (last two axes) with transpose_b: one GEMM per leading
-    index. numpy.matmul runs one GEMM per leading index, so a sample's result does not depend on its batch."""
-    y = np.matmul(a, np.swapaxes(b, -1, -2) if transpose_b else b)
+def MatMulGemm(a, b, *, transpose_a=0, transpose_b=0, act_min=-np.inf, act_max=np.inf, product_scale=None):
+    """y = clamp(c * (a @ b), act_min, act_max), a or b transposed (last two axes) with transpose_a / transpose_b:
+    one GEMM per leading index. numpy.matmul runs one GEMM per leading index, so a sample's result does not depend
+    on its batch."""
+    y = np.matmul(np.swapaxes(a, -1, -2) if transpose_a else a, np.swapaxes(b, -1, -2) if transpose_b else b)
     return _epilogue(_scaled(y, product_scale), act_min, act_max)
