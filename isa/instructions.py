@@ -137,6 +137,14 @@ class MatMulGemm(ArrayInstruction):
 
     HAS_WINDOW_FIELD: ClassVar[bool] = False
 
+    def grouped_operands(self, a, b) -> tuple:
+        """(a, b) as the array reads them, (G, M, K) and (G, K, P) with one group per sample and leading index:
+        each operand (a numpy array, (N, ..., rows, cols) as stored) transposed on its last two axes when its flag
+        says so."""
+        a = a.swapaxes(-1, -2) if self.transpose_a else a
+        b = b.swapaxes(-1, -2) if self.transpose_b else b
+        return a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:])
+
 
 @dataclass(frozen=True, kw_only=True)
 class Concat(Instruction):

@@ -321,15 +321,10 @@ class Machine:
         """acc = a @ b (a, b read transposed with transpose_a, transpose_b): one GEMM per sample and leading index,
         (M x K) . (K x P) into the acc_bits register (kernels.gemm), then the output stage. acc has the output's
         shape."""
-        a, b = args
-        if instr.transpose_a:
-            a = np.swapaxes(a, -1, -2)
-        if instr.transpose_b:
-            b = np.swapaxes(b, -1, -2)
-        m, k, p = a.shape[-2], a.shape[-1], b.shape[-1]
-        result = gemm(np.ascontiguousarray(a).reshape(-1, m, k), np.ascontiguousarray(b).reshape(-1, k, p),
-                      self.arithmetic.acc_bits, self.arithmetic.overflow)
-        shape = a.shape[:-1] + (p,)
+        a, b = instr.grouped_operands(*args)
+        result = gemm(np.ascontiguousarray(a), np.ascontiguousarray(b), self.arithmetic.acc_bits,
+                      self.arithmetic.overflow)
+        shape = args[0].shape[:-2] + (a.shape[1], b.shape[2])
         y = self._requantize(instr, result.acc.reshape(-1, 1)).reshape(shape)
         return y, result.acc.reshape(shape), result.events
 

@@ -354,15 +354,11 @@ def _mul_gemm(instr: Instruction, args: list[np.ndarray], arrays: dict, arithmet
 
 def _matmul_gemm(instr: Instruction, args: list[np.ndarray], arrays: dict, arithmetic: Arithmetic, dtype) -> np.ndarray:
     """(8) (1) acc = a @ b per leading index (a^T, b^T with transpose_a, transpose_b), then the output stage."""
-    a, b = args
-    if instr.transpose_a:
-        a = np.swapaxes(a, -1, -2)
-    if instr.transpose_b:
-        b = np.swapaxes(b, -1, -2)
-    m, k, p = a.shape[-2], a.shape[-1], b.shape[-1]
+    a, b = instr.grouped_operands(*args)
     acc = np.concatenate([gemm(a2, b2, arithmetic.acc_bits, arithmetic.overflow)[0].reshape(-1)
-                          for a2, b2 in zip(a.reshape(-1, m, k), b.reshape(-1, k, p))]).reshape(-1, 1)
-    return _output_stage(instr, acc, arrays, arithmetic).reshape(a.shape[:-1] + (p,)).astype(dtype)
+                          for a2, b2 in zip(a, b)]).reshape(-1, 1)
+    shape = args[0].shape[:-2] + (a.shape[1], b.shape[2])
+    return _output_stage(instr, acc, arrays, arithmetic).reshape(shape).astype(dtype)
 
 
 def _concat(instr: Instruction, args: list[np.ndarray], arrays: dict, arithmetic: Arithmetic, dtype) -> np.ndarray:

@@ -122,19 +122,15 @@ def _matmul_operands(instr: Instruction, args: list[np.ndarray], arrays: dict, i
     """MatMulGemm: one group per sample and leading index, a as (G, M, K) and b as (G, K, P), as the array reads them
     (transposed from memory with transpose_a, transpose_b; b by _weight_operand). acc and out are (M, G*P): column
     g*P + j."""
-    a, b = args
-    if instr.transpose_a:
-        a = np.swapaxes(a, -1, -2)
-    if instr.transpose_b:
-        b = np.swapaxes(b, -1, -2)
-    m, k, p = a.shape[-2], a.shape[-1], b.shape[-1]
+    a, b = instr.grouped_operands(*args)
+    m, p = a.shape[1], b.shape[2]
 
     def to_matrix(y: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(y.reshape(-1, m, p).transpose(1, 0, 2).reshape(m, -1))
 
     info["transpose_a"], info["transpose_b"] = bool(instr.transpose_a), bool(instr.transpose_b)
     info["operand_shape"] = list(args[1].shape)
-    return np.ascontiguousarray(a.reshape(-1, m, k)), _weight_operand(b.reshape(-1, k, p)), to_matrix
+    return np.ascontiguousarray(a), _weight_operand(b), to_matrix
 
 
 # The golden vectors' handler table: the GEMM operands an array instruction streams (and, for a kind whose
