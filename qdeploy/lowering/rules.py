@@ -133,8 +133,13 @@ def lower_matmul(graph: Graph, node: Node) -> Lowered:
 
 
 def _static_shape(graph: Graph, node: Node, name: str) -> tuple[int, ...]:
-    """The per-sample shape of activation `name` (batch first and free); Unsupported when a dim is unknown."""
-    shape = graph.tensors[name].shape
+    """The per-sample shape of float activation `name` (batch first and free); Unsupported when a dim is unknown
+    or the tensor is not float (shape arithmetic on an activation's run-time shape)."""
+    tensor = graph.tensors[name]
+    shape = tensor.shape
+    if not np.issubdtype(tensor.dtype, np.floating):
+        raise Unsupported(f"node '{node.name}' ({node.op}): input '{name}' has dtype {np.dtype(tensor.dtype)}, "
+                          f"not float")
     if shape is None or len(shape) < 2 or any(d is None for d in shape[1:]):
         raise Unsupported(f"node '{node.name}' ({node.op}): input '{name}' has shape {shape}; needs the batch "
                           f"first and static dims after it")
