@@ -20,6 +20,8 @@ report.json (format "qdeploy-report", version 1; fractions in [0, 1], SQNR in dB
 
 from __future__ import annotations
 
+from isa.target import target_from_dict
+
 import collections
 import contextlib
 import json
@@ -237,7 +239,9 @@ def build_report(model: str | os.PathLike, program: str | os.PathLike | Program,
     program = program if isinstance(program, Program) else read_program(program)
     try:
         imported = import_onnx(model, input_shapes)
-        lowering = lower(imported.graph, bool(program.manifest.get("options", {}).get("equalization", False)))
+        lookups = target_from_dict(program.manifest["target"]).array.lookup_tables > 0
+        lowering = lower(imported.graph, bool(program.manifest.get("options", {}).get("equalization", False)),
+                         lookups)
     except BadInput as error:
         if str(error).startswith(str(model)):
             raise
