@@ -161,7 +161,7 @@ def lower(graph: Graph, equalize: bool = False, lookups: bool = True) -> Lowerin
     from qdeploy.lowering.passes import LOWER
     from qdeploy.passes.pipeline import run_pipeline
 
-    passes = [p for p in LOWER if lookups or p is not fuse_lookups]
+    passes = [p for p in LOWER if lookups or p is not fuse_lookups]  # recognised functions: one host op each
     lowered, records = run_pipeline(graph, passes + ([equalize_cross_layer] if equalize else []))
     instructions, layout, host_ops = [], [], []
     host_macs = 0

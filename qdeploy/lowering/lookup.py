@@ -13,7 +13,8 @@ x * 0.5 * (1 + erf(x / sqrt 2)) or the tanh form; Mish is x * tanh(softplus(x));
 Where(x > 20, x, Softplus(x))). `recognise_unary_functions` finds each connected set of elementwise nodes
 whose one activation input is x (every other operand a one-element constant) and whose one output y is read
 outside the set, and evaluates it on a probe of x values: when it equals one of `COMPOSITES` there to float32
-precision, the set is that function. No pattern is written out, so every exporter's arrangement is covered.
+precision, the set is that function (`recognise_functions` makes it one node of that ONNX op). No pattern is
+written out, so every exporter's arrangement is covered.
 
 `fuse_lookups` then puts each function into the output stage of the instruction producing x (when x is read by
 nothing else and that instruction has no window-max: a window-max before f in the float graph would move
@@ -187,16 +188,27 @@ def _largest_function(graph: Graph, region: list[Node], x: str, producers, consu
     return None
 
 
+def recognise_functions(graph: Graph) -> Graph:
+    """Each recognised set of elementwise nodes (`recognise_unary_functions`) -> one node of the function's ONNX
+    op (Swish for SiLU, Gelu, Mish, ...), named after the set's last node. Runs first, before the constant
+    operands of a set (Div by sqrt 2, Mul by 0.5) could become affine GEMMs."""
+    for nodes, x, y, function, params in recognise_unary_functions(graph):
+        names = {node.name for node in nodes}
+        single = Node(nodes[-1].name, function, [x], [y], dict(params))
+        at = min(i for i, node in enumerate(graph.nodes) if node.name in names)
+        kept = [node for node in graph.nodes if node.name not in names]
+        at = sum(1 for node in graph.nodes[:at] if node.name not in names)
+        graph = graph.with_nodes(kept[:at] + [single] + kept[at:])
+    return graph
+
+
 def fuse_lookups(graph: Graph) -> Graph:
-    """Every unary function of FUNCTIONS (one node, or a recognised set of nodes) -> a lookup table in the output
-    stage of the instruction producing its input, or of an identity GEMM (module docstring)."""
-    functions = [([node], node.inputs[0], node.outputs[0], *fn) for node in graph.nodes
-                 if (fn := function_of(node)) is not None]
-    recognised = recognise_unary_functions(graph)
-    in_sets = {id(n) for nodes, *_ in recognised for n in nodes}
-    functions = [f for f in functions if id(f[0][0]) not in in_sets] + recognised
-    for nodes, x, y, function, params in functions:
-        graph = _fuse_one(graph, nodes, x, y, function, params)
+    """Every unary function of FUNCTIONS -> a lookup table in the output stage of the instruction producing its
+    input, or of an identity GEMM (module docstring)."""
+    for node in list(graph.nodes):
+        function = function_of(node)
+        if function is not None:
+            graph = _fuse_one(graph, [node], node.inputs[0], node.outputs[0], *function)
     return graph
 
 

@@ -18,7 +18,7 @@ from qdeploy.passes.pipeline import Pass
 from isa.kinds import WEIGHTED_GEMM_KINDS, Kind
 from isa.output_stage import Clamp, commutes_with_window_max
 from qdeploy.lowering.instructions import INSTRUCTION_OPS, has_lookup, has_window_max, is_channel_concat
-from qdeploy.lowering.lookup import fuse_lookups
+from qdeploy.lowering.lookup import fuse_lookups, recognise_functions
 from qdeploy.lowering.rules import (EPILOGUE_OPS, LOWERING, affine_of, batchnorm_scale_shift,
                                     finite_weights, identity_gemm)
 
@@ -364,6 +364,7 @@ def split_to_slices(graph: Graph) -> Graph:
 
 # Lowering to GEMM-unit instructions (design.md section 4), on a simplified graph.
 LOWER: list[Pass] = [
+    recognise_functions,  # an exporter's multi-op SiLU/GELU/Mish/Softplus -> one node of that ONNX op
     lower_channel_permutations,  # channel shuffle (Reshape -> Transpose -> Reshape) -> ChannelPermute
     lower_gemm_ops,  # Conv -> ConvGemm (im2col), Gemm/MatMul -> DenseGemm
     fold_batchnorm,  # BN after a GEMM -> its weight rows and bias
