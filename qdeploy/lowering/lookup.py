@@ -190,8 +190,8 @@ def _largest_function(graph: Graph, region: list[Node], x: str, producers, consu
 
 def recognise_functions(graph: Graph) -> Graph:
     """Each recognised set of elementwise nodes (`recognise_unary_functions`) -> one node of the function's ONNX
-    op (Swish for SiLU, Gelu, Mish, ...), named after the set's last node. Runs first, before the constant
-    operands of a set (Div by sqrt 2, Mul by 0.5) could become affine GEMMs."""
+    op (Swish for SiLU, Gelu, Mish, ...), named after the set's last node. Runs before the constant operands of
+    a set (Div by sqrt 2, Mul by 0.5) could fold into a GEMM or become affine GEMMs."""
     for nodes, x, y, function, params in recognise_unary_functions(graph):
         names = {node.name for node in nodes}
         single = Node(nodes[-1].name, function, [x], [y], dict(params))

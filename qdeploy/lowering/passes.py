@@ -364,10 +364,10 @@ def split_to_slices(graph: Graph) -> Graph:
 
 # Lowering to GEMM-unit instructions (design.md section 4), on a simplified graph.
 LOWER: list[Pass] = [
-    recognise_functions,  # an exporter's multi-op SiLU/GELU/Mish/Softplus -> one node of that ONNX op
     lower_channel_permutations,  # channel shuffle (Reshape -> Transpose -> Reshape) -> ChannelPermute
     lower_gemm_ops,  # Conv -> ConvGemm (im2col), Gemm/MatMul -> DenseGemm
     fold_batchnorm,  # BN after a GEMM -> its weight rows and bias
+    recognise_functions,  # an exporter's multi-op SiLU/GELU/Mish/Softplus -> one node of that ONNX op
     fold_constant_affine,  # Mul/Div/Add/Sub by a per-channel constant after a GEMM -> weights and bias
     lower_remaining_ops,  # standalone BN/affine, residual Add, average pooling -> GEMMs
     split_to_slices,  # a Split left on the host -> one host Slice per output (a host step writes one tensor)
