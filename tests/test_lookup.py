@@ -377,7 +377,9 @@ def test_the_reference_rtl_runs_tables(tmp_path, silu_vectors):
 
 # --- trained networks: SiLU and HardSwish with squeeze-excite on scikit-learn's digits -------------------------
 
-DIGITS_EPOCHS = 8  # the example trains 30; 8 is enough for the float net to learn (> 90%) and keeps this fast
+# The example's 30 epochs (about 20 s a network on one core): the networks the 0.5-point bar is about. (With 8
+# epochs the HardSwish network, 94.9% in float, lost 0.67 points: 3 of the 450 images.)
+DIGITS_EPOCHS = 30
 
 
 @pytest.mark.parametrize("activation,functions", [("silu", {"Swish", "Sigmoid"}),
@@ -395,7 +397,7 @@ def test_trained_squeeze_excite_digits_lose_at_most_half_a_point(tmp_path, activ
     data = digits.load_data()
     model = digits.train(data, seed=0, epochs=DIGITS_EPOCHS, activation=activation, squeeze_excite=True)
     float_accuracy = digits.accuracy(model, data.test_x, data.test_y)
-    assert float_accuracy > 0.9
+    assert float_accuracy > 0.97
     path = zoo.export_model(model, (1, 1, digits.SIZE, digits.SIZE), tmp_path / "digits.onnx")
     lowering = api.lower_model(path)
     assert [h.op for h in lowering.host_ops] == ["Mul", "Mul"]  # the two squeeze-excite gates' products
