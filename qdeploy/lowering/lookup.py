@@ -121,37 +121,25 @@ def recognise_unary_functions(graph: Graph) -> list[tuple[list[Node], str, str, 
     COMPOSITES from one activation x (module docstring), each node in at most one set."""
     producers, consumers = graph.producers(), graph.consumers()
     order = topological_order(graph)
-    position = {id(n): i for i, n in enumerate(order)}
+    # Each candidate x with the nodes that may read it: a graph input (every node), a node's output (later ones).
+    starts = [(x, order) for x in graph.inputs] + \
+        [(node.outputs[0], order[i + 1:]) for i, node in enumerate(order) if node.outputs and node.outputs[0]]
     taken: set[int] = set()
     found = []
-    for start in order:
-        for x in [start.outputs[0]] if start.outputs and start.outputs[0] else []:
-            if graph.tensors[x].is_constant or not np.issubdtype(graph.tensors[x].dtype, np.floating):
+    for x, later in starts:
+        if graph.tensors[x].is_constant or not np.issubdtype(graph.tensors[x].dtype, np.floating):
+            continue
+        region: list[Node] = []
+        inside = {x}
+        for node in later:
+            if node.op not in ELEMENTWISE or id(node) in taken or len(node.outputs) != 1:
                 continue
-            region: list[Node] = []
-            inside = {x}
-            for node in order[position[id(start)] + 1:]:
-                if node.op not in ELEMENTWISE or id(node) in taken or len(node.outputs) != 1:
-                    continue
-                operands = [n for n in node.inputs if n]
-                if any(n not in inside and not _scalar_constant(graph, n) for n in operands) or \
-                        not any(n in inside for n in operands):
-                    continue
-                region.append(node)
-                inside.add(node.outputs[0])
-            match = _largest_function(graph, region, x, producers, consumers)
-            if match is not None:
-                nodes, y, function, params = match
-                taken.update(id(n) for n in nodes)
-                found.append((nodes, x, y, function, params))
-    for x in graph.inputs:  # a function of a graph input
-        region, inside = [], {x}
-        for node in order:
-            if node.op in ELEMENTWISE and id(node) not in taken and len(node.outputs) == 1 and \
-                    all(n in inside or _scalar_constant(graph, n) for n in node.inputs if n) and \
-                    any(n in inside for n in node.inputs if n):
-                region.append(node)
-                inside.add(node.outputs[0])
+            operands = [n for n in node.inputs if n]
+            if any(n not in inside and not _scalar_constant(graph, n) for n in operands) or \
+                    not any(n in inside for n in operands):
+                continue
+            region.append(node)
+            inside.add(node.outputs[0])
         match = _largest_function(graph, region, x, producers, consumers)
         if match is not None:
             nodes, y, function, params = match
