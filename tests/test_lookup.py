@@ -8,7 +8,6 @@ flipped entry; a target without tables leaves the activations on the host."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import numpy as np
 import onnx
@@ -243,10 +242,46 @@ def test_a_max_pool_after_silu_is_right(tmp_path, unsigned):
     (expected,) = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})
     sqnr = 10 * np.log10(np.sum(expected ** 2) / np.sum((y - expected) ** 2))
     assert sqnr > 30, sqnr  # int8 with max thresholds: ~6 dB per bit minus the range's headroom
-    # Moving the table before the window (what a lowering that ignored `monotonic` would do) is wrong here:
-    moved = dict(program.manifest)
-    identity = next(i for i in program.instructions if i["name"] not in ("conv1", "conv2"))
-    assert identity["lookup"]["monotonic"] is False
+    # Moving the table before the window (what a lowering that ignored `monotonic` would do) is wrong here: the
+    # identity's SiLU table applied to conv2's unpooled codes, then the window, gives other integers.
+    from dataclasses import replace
+
+    from simulator.kernels.window_max import window_max
+
+    records = {i.name: i for i in program.records}
+    identity = next(i for name, i in records.items() if name not in ("conv1", "conv2"))
+    assert identity.stage.lookup.monotonic is False
+    conv2 = records["conv2"]
+    unpooled = Machine(program).execute(replace(conv2, stage=replace(conv2.stage, window_max=None)),
+                                        [run.tensors["p1"]])[0]
+    table = program.arrays[identity.stage.lookup.table]
+    looked_up = table[unpooled.astype(np.int64) + identity.stage.lookup.offset]
+    moved = window_max(looked_up, (3, 3), (1, 1), (1, 1, 1, 1), (1, 1), False)
+    assert np.count_nonzero(moved != run.tensors["y"]) > moved.size // 20
+
+
+def test_a_monotonic_table_fuses_behind_the_window_max(tmp_path):
+    """Conv -> MaxPool -> Sigmoid is one instruction: the output stage applies the table before the window-max,
+    exact for a monotonic table (max(f(a), f(b)) = f(max(a, b))); its input is calibrated before the window."""
+    nodes = [n("Conv", ["x", "W", "B"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+             n("MaxPool", ["c"], ["p"], name="pool", kernel_shape=[2, 2], strides=[2, 2]),
+             n("Sigmoid", ["p"], ["y"], name="sigmoid")]
+    path = save(make_model(nodes, [("x", ["N", 3, 6, 6])], [("y", ["N", 4, 3, 3])],
+                           {"W": rng_weights(1, 4, 3, 3, 3), "B": rng_weights(2, 4)}), tmp_path / "m.onnx")
+    (instr,) = api.lower_model(path).instructions
+    assert instr.epilogue["lookup"]["function"] == "Sigmoid" and "window_max" in instr.epilogue
+    x = np.random.default_rng(11).standard_normal((4, 3, 6, 6)).astype(np.float32)
+    for unsigned in (False, True):
+        target = Target(arithmetic=Arithmetic(unsigned_activations=unsigned))
+        program = api.compile(path, max_table(path, x), target).program
+        (record,) = program.records
+        assert record.stage.lookup.monotonic and record.stage.window_max is not None
+        run = Machine(program).run({"x": x}, dump=True)
+        run_twins(program, run, target.arithmetic)
+        y = run.tensors["y"].astype(np.float32) * program.tensors["y"]["scale"]
+        (expected,) = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+        sqnr = 10 * np.log10(np.sum(expected ** 2) / np.sum((y - expected) ** 2))
+        assert sqnr > 30, sqnr  # as for the SiLU network above: int8 throughout, max thresholds
 
 
 # --- every array kind, machine = twin ----------------------------------------------------------------------
@@ -414,3 +449,27 @@ def test_trained_squeeze_excite_digits_lose_at_most_half_a_point(tmp_path, activ
     for name in tables:  # measured like any layer: a number, or null for an exact result (+inf)
         assert all(layers[name][key] is None or 0 < layers[name][key] < 200
                    for key in ("sqnr_isolated_db", "sqnr_cumulative_db")), layers[name]
+
+
+def test_the_performance_model_reads_each_table_once(tmp_path):
+    """(P2): an instruction with a table reads its 256 bytes with the output-stage parameters; the lookup itself
+    adds no cycles (C table reads per cycle as the outputs leave the array); unfused, it is its own kernel."""
+    from dataclasses import replace
+
+    from isa.tiling import estimate, gemm_shape, tiles_of
+    from simulator.perf import estimate_program
+
+    path = conv_function_model(tmp_path, ["SiLU_mul", "Gelu"])
+    x = np.random.default_rng(12).standard_normal((2, 3, 6, 6)).astype(np.float32)
+    program = api.compile(path, max_table(path, x), Target()).program
+    target = Target()
+    for instr in program.records:
+        shape = gemm_shape(instr, program.tensors)
+        assert shape.table_bytes == 256
+        tiles = tiles_of(instr, shape, target)
+        with_table, without = estimate(shape, tiles, target.array), estimate(replace(shape, table_bytes=0), tiles,
+                                                                             target.array)
+        assert with_table.read_bytes - without.read_bytes == 256
+        assert with_table.compute_cycles == without.compute_cycles
+    layers = estimate_program(program.manifest, program.arrays).layers
+    assert [layer.fused_ops for layer in layers] == [["BiasAdd", "Swish"], ["BiasAdd", "Gelu"]]

@@ -17,9 +17,9 @@ precision, the set is that function (`recognise_functions` makes it one node of 
 written out, so every exporter's arrangement is covered.
 
 `fuse_lookups` then puts each function into the output stage of the instruction producing x (when x is read by
-nothing else and that instruction has no window-max: a window-max before f in the float graph would move
-behind the table, exact only for a monotonic f; such an f gets an identity GEMM instead), or, when there is no
-such producer, into an identity GEMM. The fused instruction gets the attributes `lookup_function` and
+nothing else; when that instruction ends in a window-max, only for a monotonic f, since the table then runs
+before the window-max that came first in the float graph: a non-monotonic f (SiLU, GELU, Mish, HardSwish) gets
+an identity GEMM after it), or, when there is no such producer, into an identity GEMM. The fused instruction gets the attributes `lookup_function` and
 `lookup_params` and a second output: the pre-activation tensor (x itself when fused into its producer), which
 calibration measures like any other tensor, so the table's input has its own threshold. A clamp after a
 table cannot join the output stage (it would run before the table), nor can a second table."""
@@ -33,8 +33,9 @@ from qdeploy.ir import Graph, Node, Tensor, topological_order
 from qdeploy.lowering.instructions import INSTRUCTION_OPS, has_window_max
 from qdeploy.lowering.rules import identity_gemm
 
-# Monotonic non-decreasing (over the reals), by function and parameters: such a table commutes with a
-# window-max, and its output is non-negative where `NON_NEGATIVE` says so (uint8 on unsigned targets).
+# Monotonic non-decreasing (over the reals), by function and parameters: such a table commutes with a window-max
+# (fuse_lookups may put it behind one). Its output is non-negative where `NON_NEGATIVE` says so (uint8 on
+# unsigned targets).
 FUNCTIONS = {
     "Sigmoid": lambda p: True,
     "Tanh": lambda p: True,
@@ -207,10 +208,18 @@ def _fuse_one(graph: Graph, nodes: list[Node], x: str, y: str, function: str, pa
     producer = producers.get(x)
     readers = consumers.get(x, [])
     if (producer is not None and producer.op in INSTRUCTION_OPS and len(producer.outputs) == 1
-            and x not in graph.outputs and all(r.name in names for r in readers)
-            and not has_window_max(producer.attrs)):
-        fused = producer.replace(attrs={**producer.attrs, **lookup}, outputs=[y, x])
-        return graph.with_nodes([fused if n is producer else n for n in graph.nodes if n.name not in names])
+            and x not in graph.outputs and all(r.name in names for r in readers)):
+        if not has_window_max(producer.attrs):  # the table reads x itself
+            fused = producer.replace(attrs={**producer.attrs, **lookup}, outputs=[y, x])
+            return graph.with_nodes([fused if n is producer else n for n in graph.nodes if n.name not in names])
+        if FUNCTIONS[function](params):
+            # Behind the producer's window-max: the output stage applies the table first, exact only for a
+            # monotonic f (isa/output_stage.py commutes_with_window_max): max(f(a), f(b)) = f(max(a, b)), and
+            # rne and clamp keep the table monotonic. The table reads the unpooled values: a new tensor.
+            pre = Tensor(graph.unique_name(f"{y}/lookup_input"), None, graph.tensors[x].dtype)
+            fused = producer.replace(attrs={**producer.attrs, **lookup}, outputs=[y, pre.name])
+            return graph.with_nodes([fused if n is producer else n for n in graph.nodes if n.name not in names],
+                                    [pre])
     try:
         lowered = identity_gemm(graph, Node(nodes[-1].name, "Identity", [x], [y], {}))
     except Unsupported:
