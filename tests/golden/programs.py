@@ -132,7 +132,8 @@ CASES = {
     "host_op_half_away": (host_op_net, (2, 6, 6), "max", False, {"rounding": "half_away",
                                                                  "array": {"lookup_tables": 0}},
                           {"allow_host_fallback": True}),
-    "lookup_float32_rne": (lookup_net, (3, 8, 8), "kl", False, {"rounding": "float32_rne", "act_min": -128}, {}),
+    "lookup_float32_rne": (lookup_net, (3, 8, 8), "kl", False, {"rounding": "float32_rne", "act_min": -128,
+                                                                "unsigned_activations": False}, {}),
     "lookup_half_up_unsigned": (lookup_net, (3, 8, 8), "kl", False, {"unsigned_activations": True}, {}),
 }
 
