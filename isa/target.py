@@ -102,7 +102,8 @@ class ArrayConfig:
     `lookup_tables` is how many 256-entry lookup tables the output stage holds (isa/output_stage.py `Lookup`:
     Sigmoid, SiLU, GELU, ... fused into an instruction's output stage); 0 means the output stage has none, and
     those activations stay on the host (--allow-host-fallback). An instruction loads its table (256 bytes)
-    before its first store; with N tables, N distinct tables stay resident across instructions.
+    before its first store; the cycle estimate charges that load to every instruction with a table (a design
+    keeping N > 1 tables resident across instructions would save some of those loads: not modelled yet).
     """
 
     rows: int = 16
