@@ -448,7 +448,7 @@ def test_trained_squeeze_excite_digits_lose_at_most_half_a_point(tmp_path, activ
     report = api.report(path, result.program, data.test_x[:64], tmp_path / "report", calib=table).document
     tables = {i["name"] for i in result.program.instructions if "lookup" in i}
     layers = {layer["name"]: layer for layer in report["layers"]}
-    assert tables <= set(layers)
+    assert tables <= set(layers) and all(layers[name]["lookup"] in functions for name in tables)
     for name in tables:  # measured like any layer: a number, or null for an exact result (+inf)
         assert all(layers[name][key] is None or 0 < layers[name][key] < 200
                    for key in ("sqnr_isolated_db", "sqnr_cumulative_db")), layers[name]
