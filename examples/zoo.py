@@ -308,6 +308,9 @@ TORCHVISION: dict[str, tuple[str, int]] = {
     "inception_v3": ("inception_v3", 128), "densenet121": ("densenet121", 128),
     "regnet_x_400mf": ("regnet_x_400mf", 128), "shufflenet_v2": ("shufflenet_v2_x1_0", 128),
     "mnasnet": ("mnasnet1_0", 128),
+    # HardSwish / SiLU activations and squeeze-excite (issue 18): output-stage lookup tables
+    "mobilenet_v3_small": ("mobilenet_v3_small", 128), "mobilenet_v3_large": ("mobilenet_v3_large", 128),
+    "efficientnet_b0": ("efficientnet_b0", 128), "regnet_y_400mf": ("regnet_y_400mf", 128),
 }
 EXPORTERS = ("dynamo", "torchscript")  # torch 2.13's default, and `dynamo=False`
 

@@ -64,6 +64,14 @@ def why_not(layer: dict) -> str | None:
     return None
 
 
+def lookup_args(layer: dict) -> list[str]:
+    """The plusarg of an output-stage lookup table (isa/output_stage.py Lookup): the code's offset into it."""
+    lookup = layer.get("lookup")
+    if not lookup:
+        return []
+    return [f"+LOOKUP_OFFSET={128 if lookup['input_dtype'] == 'int8' else 0}"]
+
+
 def window_args(layer: dict) -> list[str]:
     """The plusargs of a fused window-max: output grid, window, pooled size (isa/geometry.py)."""
     from isa.geometry import pool_output_size
@@ -102,7 +110,7 @@ def run(vectors: str | Path, dump: str | Path, rounding: str | None = None) -> R
                     f"+INBITS={files['input']['bits']}",
                     f"+UNSIGNED={int(not files['input']['signed'])}", f"+LO={low}", f"+HI={high}",
                     f"+CLAMP_HI={int('clamp_hi' in files)}", f"+SIGNED_OUT={int(files['out']['signed'])}",
-                    *window_args(layer)]
+                    *window_args(layer), *lookup_args(layer)]
             result = subprocess.run(["vvp", "-n", str(simulation), *args], capture_output=True, text=True)
             if result.returncode or not (out_dir / "out.hex").exists():
                 raise RtlError(f"vvp failed on {layer['dir']}: {(result.stderr or result.stdout).strip()[-300:]}")

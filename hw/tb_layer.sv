@@ -5,6 +5,7 @@
 //   +dir=<layer dir> +dump=<dump layer dir> +G=<groups> +M=<m> +N=<n> +K=<k> +WBITS=<8|16> +INBITS=<8|16>
 //   +UNSIGNED=<0|1>
 //   +LO=<clamp lo> +HI=<clamp hi> +CLAMP_HI=<0|1> +SIGNED_OUT=<0|1>
+// and, for an output-stage lookup table (lookup_table.hex, 256 entries), +LOOKUP_OFFSET=<128 for int8 codes|0>
 // and, for a fused MaxPool (the window-max on store, writing stored.hex), +WINDOW=1 with the output grid
 // +NB=<batch> +OH +OW, the window +KH +KW +SH +SW +PT +PL +PB +PR +DH +DW and the pooled size +POH +POW.
 // ROUNDING defaults to the target's; overriding it (iverilog -Ptb_layer.ROUNDING=n) simulates a wrong design.
@@ -22,6 +23,7 @@ module tb_layer;
   logic [C*16-1:0]  weight16  [0:MAX_WORDS-1];
   logic [C*32-1:0]  bias_mem  [0:4095], mult_mem [0:4095], shift_mem [0:4095], scale_mem [0:4095];
   logic [C*16-1:0]  clamp_hi_mem [0:4095];
+  logic [C*8-1:0]   table_mem [0:255];  // the lookup table: entry e at word e / C, lane e % C
   logic [C*AB-1:0]  acc_mem   [0:MAX_WORDS-1];
   logic [C*8-1:0]   out_mem   [0:MAX_WORDS-1];
   logic [C*8-1:0]   stored_mem [0:MAX_WORDS-1];
@@ -33,13 +35,17 @@ module tb_layer;
 
   string dir, dump;
   int G, M, N, K, WBITS, INBITS, UNSIGNED, LO, HI, HAS_CLAMP_HI, SIGNED_OUT;
+  int LOOKUP_OFFSET;
   int WINDOW, NB, OH, OW, KH, KW, SH, SW, PT, PL, PB, PR, DH, DW, POH, POW;
 
   // one value of the `out` matrix (row, channel) as a signed integer
   function automatic int out_value(input int row, input int channel, input int row_words);
     logic [7:0] bits;
     bits = out_mem[row*row_words + channel / C][(channel % C)*8 +: 8];
-    return SIGNED_OUT ? $signed(bits) : bits;
+    // Not `SIGNED_OUT ? $signed(bits) : bits`: a conditional with one unsigned operand is unsigned, so a negative
+    // code came back as 256 + code and won every window it was in (found by a window-max after SiLU).
+    if (SIGNED_OUT) return $signed(bits);
+    return bits;
   endfunction
 
   // (10) window-max on store: the maximum over each window's in-bounds taps (padding never wins), ONNX MaxPool
@@ -109,6 +115,8 @@ module tb_layer;
     $readmemh({dir, "/shift.hex"}, shift_mem);
     $readmemh({dir, "/scale_f32.hex"}, scale_mem);
     if (HAS_CLAMP_HI) $readmemh({dir, "/clamp_hi.hex"}, clamp_hi_mem);
+    if (!$value$plusargs("LOOKUP_OFFSET=%d", LOOKUP_OFFSET)) LOOKUP_OFFSET = -1;
+    if (LOOKUP_OFFSET >= 0) $readmemh({dir, "/lookup_table.hex"}, table_mem);
     for (int g = 0; g < G; g++)
       for (int nt = 0; nt < n_words; nt++)
         for (int i = 0; i < M; i++) begin
@@ -142,6 +150,8 @@ module tb_layer;
             shift = element32(2, channel);
             scale = element32(3, channel);
             y = output_stage(acc, element32(1, channel), shift, scale, ROUNDING, LO, HI, hi_channel);
+            if (LOOKUP_OFFSET >= 0)  // the Lookup step: the clamped code indexes the table
+              y = table_mem[(y + LOOKUP_OFFSET) / C][((y + LOOKUP_OFFSET) % C)*8 +: 8];
             acc_mem[i*gn_words + channel / C][(channel % C)*AB +: AB] = acc[AB-1:0];
             out_mem[i*gn_words + channel / C][(channel % C)*8 +: 8] = y[7:0];
           end

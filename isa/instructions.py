@@ -62,6 +62,8 @@ def _stage_fields(stage: OutputStage, instr: "ArrayInstruction") -> dict[str, An
                               "clamp": [stage.clamp.lo, stage.clamp.hi]}
     if stage.clamp_per_channel is not None:
         record["clamp_hi"] = stage.clamp_per_channel.array
+    if stage.lookup is not None:
+        record["lookup"] = stage.lookup.to_record()
     if instr.HAS_WINDOW_FIELD:
         record["window"] = None if stage.window_max is None else stage.window_max.to_record()
     return record

@@ -36,6 +36,8 @@ WEIGHTED_GEMM_KINDS = frozenset({Kind.CONV_GEMM, Kind.DENSE_GEMM})  # GEMMs with
 # GEMMs whose second operand is an activation produced earlier in the program (no constant weights, no bias)
 ACTIVATION_GEMM_KINDS = frozenset({Kind.MUL_GEMM, Kind.MATMUL_GEMM})
 ARRAY_KINDS = WEIGHTED_GEMM_KINDS | {Kind.ADD_GEMM} | ACTIVATION_GEMM_KINDS  # on the array, through the output stage
+# Array kinds whose output stage may hold a lookup table (a table after a product runs in an identity GEMM)
+LOOKUP_KINDS = WEIGHTED_GEMM_KINDS | {Kind.ADD_GEMM}
 RESHAPE_KINDS = frozenset({Kind.RESHAPE, Kind.FLATTEN, Kind.SQUEEZE, Kind.UNSQUEEZE})  # a view with a new shape
 VIEW_KINDS = RESHAPE_KINDS | {Kind.CHANNEL_SLICE, Kind.CHANNEL_PERMUTE}  # one input's data (or part, or reordered), its scale
 LAYOUT_KINDS = VIEW_KINDS | {Kind.CONCAT}  # move or relabel data only

@@ -2,14 +2,15 @@
 (docs/design.md section 3). After gemmlowp's output pipeline ("a tuple of output stages", gemmlowp
 doc/output.md), it is an ordered tuple of typed steps; this module is the one place that orders them:
 
-    Bias -> Requantize -> Clamp -> ClampPerChannel -> WindowMax -> (store)
+    Bias -> Requantize -> Clamp -> ClampPerChannel -> Lookup -> WindowMax -> (store)
 
 Every step is present or absent per instruction (`OutputStage.steps` lists the present ones in that order).
 In the float graph a fused MaxPool may come before an activation (Conv -> MaxPool -> Relu) while the hardware
 applies window-max last; that reordering is exact only for steps that commute with a maximum, i.e. monotonic
 non-decreasing ones. Each step declares `monotonic`; the lowering fuses a step behind a window-max only when
 it is (`commutes_with_window_max`), so a future non-monotonic step (a lookup table for SiLU, GELU) is placed
-correctly instead of silently reordered.
+correctly instead of silently reordered. The one non-monotonic step is the `Lookup` (a 256-entry table of
+output codes for Sigmoid, SiLU, GELU, ...): its `monotonic` is the table's own (entries non-decreasing).
 """
 
 from __future__ import annotations
@@ -70,41 +71,70 @@ class WindowMax:
                 "dilations": list(self.dilations), "ceil_mode": int(self.ceil_mode)}
 
 
-Step = Bias | Requantize | Clamp | ClampPerChannel | WindowMax
-STEP_ORDER: tuple[type, ...] = (Bias, Requantize, Clamp, ClampPerChannel, WindowMax)
+@dataclass(frozen=True)
+class Lookup:
+    """y = table[q - q_min]: the clamped code q of the requantized pre-activation (dtype `input_dtype`: int8,
+    q_min = -128, or uint8, q_min = 0) indexes a 256-entry table of output codes (the output's dtype) that
+    tabulates a unary function (Sigmoid, SiLU, GELU, ...: `function`, informative) on the 256 input codes with
+    the pre-activation scale `input_scale` and the output scale (qdeploy/quantize.py eq. (5b)). `monotonic`:
+    the table is non-decreasing (then, and only then, it commutes with a window-max)."""
+
+    table: str
+    function: str
+    input_scale: float
+    input_dtype: str
+    monotonic: bool
+
+    @property
+    def offset(self) -> int:
+        """What the code adds to become the table index: 128 for int8 codes, 0 for uint8."""
+        return 128 if self.input_dtype == "int8" else 0
+
+    def to_record(self) -> dict:
+        return {"table": self.table, "function": self.function, "input_scale": self.input_scale,
+                "input_dtype": self.input_dtype, "monotonic": self.monotonic}
 
 
-def commutes_with_window_max(step: type) -> bool:
-    """Whether `step` may be applied before a window-max that came before it in the float graph:
-    max(f(a), f(b)) = f(max(a, b)) holds for every monotonic non-decreasing f."""
-    return step.monotonic
+Step = Bias | Requantize | Clamp | ClampPerChannel | Lookup | WindowMax
+STEP_ORDER: tuple[type, ...] = (Bias, Requantize, Clamp, ClampPerChannel, Lookup, WindowMax)
+
+
+def commutes_with_window_max(step) -> bool:
+    """Whether `step` (a step class, or a Lookup whose flag is its table's) may be applied before a window-max
+    that came before it in the float graph: max(f(a), f(b)) = f(max(a, b)) holds for every monotonic
+    non-decreasing f."""
+    return bool(step.monotonic)
 
 
 @dataclass(frozen=True)
 class OutputStage:
     """The output stage of one array instruction, read from its program record (manifest fields `bias`,
-    `mult`/`shift`/`scale_f32`, `clamp`, `clamp_hi`, `window`). The fields are in STEP_ORDER."""
+    `mult`/`shift`/`scale_f32`, `clamp`, `clamp_hi`, `lookup`, `window`). The fields are in STEP_ORDER."""
 
     requantize: Requantize
     clamp: Clamp
     bias: Bias | None = None
     clamp_per_channel: ClampPerChannel | None = None
+    lookup: Lookup | None = None
     window_max: WindowMax | None = None
 
     @property
     def steps(self) -> tuple[Step, ...]:
         """The present steps in STEP_ORDER."""
-        present = (self.bias, self.requantize, self.clamp, self.clamp_per_channel, self.window_max)
+        present = (self.bias, self.requantize, self.clamp, self.clamp_per_channel, self.lookup, self.window_max)
         return tuple(step for step in present if step is not None)
 
     @staticmethod
     def of(record: dict) -> "OutputStage":
-        window = record.get("window")
+        window, lookup = record.get("window"), record.get("lookup")
         return OutputStage(
             requantize=Requantize(record["mult"], record["shift"], record["scale_f32"]),
             clamp=Clamp(int(record["clamp"][0]), int(record["clamp"][1])),
             bias=Bias(record["bias"]) if "bias" in record else None,
             clamp_per_channel=ClampPerChannel(record["clamp_hi"]) if "clamp_hi" in record else None,
+            lookup=None if lookup is None else Lookup(lookup["table"], lookup["function"],
+                                                      float(lookup["input_scale"]), lookup["input_dtype"],
+                                                      bool(lookup["monotonic"])),
             window_max=None if window is None else WindowMax(
                 tuple(window["kernel"]), tuple(window["strides"]), tuple(window["pads"]),
                 tuple(window["dilations"]), bool(window["ceil_mode"])))

@@ -99,6 +99,11 @@ class ArrayConfig:
     `*_bytes` split into `*_banks` equal banks; with 2 or more banks a memory is double-buffered (ping and pong
     halves of banks // 2 banks each: DMA fills one while the array uses the other), with 1 bank it is not.
     `launch_cycles` is the E phase of a kernel: cycles to emit one instruction before its first DMA.
+    `lookup_tables` is how many 256-entry lookup tables the output stage holds (isa/output_stage.py `Lookup`:
+    Sigmoid, SiLU, GELU, ... fused into an instruction's output stage); 0 means the output stage has none, and
+    those activations stay on the host (--allow-host-fallback). An instruction loads its table (256 bytes)
+    before its first store; the cycle estimate charges that load to every instruction with a table (a design
+    keeping N > 1 tables resident across instructions would save some of those loads: not modelled yet).
     """
 
     rows: int = 16
@@ -111,6 +116,7 @@ class ArrayConfig:
     scratchpad_banks: int = 4
     accumulator_banks: int = 2
     launch_cycles: int = 100
+    lookup_tables: int = 1
 
     def __post_init__(self) -> None:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -193,13 +199,14 @@ _RULES: dict[str, dict[str, tuple[str, Any]]] = {
         "scratchpad_banks": ("int", _int_in(1, 1 << 12)),
         "accumulator_banks": ("int", _int_in(1, 1 << 12)),
         "launch_cycles": ("int", _int_in(0, 1 << 32)),
+        "lookup_tables": ("int", _int_in(0, 1 << 16)),
     },
 }
 
 # Keys added after the first release: target_to_dict leaves them out while they hold their default.
 ADDED_KEYS: dict[str, tuple[str, ...]] = {
     "arithmetic": (),
-    "array": ("scratchpad_banks", "accumulator_banks", "launch_cycles"),
+    "array": ("scratchpad_banks", "accumulator_banks", "launch_cycles", "lookup_tables"),
 }
 
 _KIND_TEST = {

@@ -7,7 +7,7 @@ performance report read them back, so this is part of the hardware contract.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterable
 
 from isa.geometry import conv_output_size
@@ -33,6 +33,7 @@ class GemmShape:
     n: int
     k: int
     stored_bytes: int
+    table_bytes: int = 0  # the output stage's lookup table (256 bytes), read once with the parameters
 
     @property
     def macs(self) -> int:
@@ -99,7 +100,11 @@ def gemm_shape(instr: Instruction, tensors: dict, batch: int = 1) -> GemmShape |
     out_shape = tensors[instr.output]["shape"]
     stored = batch * _prod(out_shape[1:])
     shape_of = handler(GEMM_SHAPES, instr.kind, "the performance model", f"instruction '{instr.name}'")
-    return shape_of(instr, in_shapes, out_shape, batch, stored)
+    shape = shape_of(instr, in_shapes, out_shape, batch, stored)
+    stage = getattr(instr, "stage", None)
+    if shape is not None and stage is not None and stage.lookup is not None:
+        shape = replace(shape, table_bytes=256)
+    return shape
 
 
 @dataclass(frozen=True)
@@ -179,7 +184,7 @@ def estimate(shape: GemmShape, tiles: Tiles, array: ArrayConfig, stored_bytes: i
     rows_per_m = (m // tm) * max(tm, rows) + (max(m % tm, rows) if m % tm else 0)  # S_m
     compute = g * (_ceil(k, rows) * _ceil(n, cols) * rows_per_m + nm * nn * nk * (rows + cols))  # (P1)
     p_x, p_w = _passes(tiles.order, nm, nn, nk)
-    params = g * n * PARAM_BYTES_PER_CHANNEL
+    params = g * n * PARAM_BYTES_PER_CHANNEL + shape.table_bytes
     read = g * (m * k * p_x + k * n * p_w) + params  # (P2)
     write = shape.stored_bytes if stored_bytes is None else stored_bytes  # (P3)
     first_read = (min(tm, m) * min(tk, k) + min(tk, k) * min(tn, n) + params) / bw

@@ -41,10 +41,11 @@ def lower_model(model: str | os.PathLike, input_shapes: InputShapes | None = Non
     return lower_graph(path, import_onnx(path, input_shapes).graph, equalize)  # import errors name the file already
 
 
-def lower_graph(path: Path, graph, equalize: bool) -> LoweringResult:
-    """Lower an imported graph of the model at `path` (errors name the file)."""
+def lower_graph(path: Path, graph, equalize: bool, lookups: bool = True) -> LoweringResult:
+    """Lower an imported graph of the model at `path` (errors name the file); `lookups`: the target has lookup
+    tables (isa/target.py `lookup_tables`)."""
     try:
-        return lower(graph, equalize)
+        return lower(graph, equalize, lookups)
     except BadInput as error:
         raise BadInput(f"{path}: {error}") from error
 
@@ -92,7 +93,8 @@ def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTabl
         raise BadInput(f"{calib}: the table was calibrated with --equalize, which rescales the weights of a "
                        f"model whose integers are fixed; calibrate without --equalize")
     equalize = table is not None and table.equalization
-    lowering = lower_graph(path, imported.graph, equalize)  # the graph it was calibrated on
+    lowering = lower_graph(path, imported.graph, equalize,  # the graph it was calibrated on
+                           target.array.lookup_tables > 0)
     require_lowered(lowering, allow_host_fallback)
     if table is None:
         table = CalibrationTable({}, "model", 0)

@@ -161,6 +161,10 @@ def _describe_array_instruction(program, instr) -> str:
     if instr.stage.clamp_per_channel is not None:
         bounds = program.arrays[instr.stage.clamp_per_channel.array]
         text += f" per-channel upper bounds {int(bounds.min())}..{int(bounds.max())}"
+    if instr.stage.lookup is not None:
+        lookup = instr.stage.lookup
+        text += (f" then lookup table {lookup.function} ({lookup.input_dtype} codes, scale "
+                 f"{lookup.input_scale:.6g}{'' if lookup.monotonic else ', non-monotonic'})")
     return text
 
 
@@ -196,6 +200,8 @@ def _format_epilogue(epilogue: dict) -> str:
     if "clamp_max_channels" in epilogue:  # an equalized ReLU6: one upper bound per channel
         bounds = epilogue["clamp_max_channels"]
         parts.append(f"per-channel max {min(bounds):.3g}..{max(bounds):.3g}")
+    if "lookup" in epilogue:  # an output-stage lookup table (Sigmoid, SiLU as Swish, GELU, ...)
+        parts.append(f"lookup[{epilogue['lookup']['function']}]")
     if "window_max" in epilogue:
         window = epilogue["window_max"]
         parts.append(f"maxpool{window['kernel'][0]}x{window['kernel'][1]}/{window['strides'][0]}")

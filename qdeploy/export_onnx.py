@@ -20,6 +20,10 @@ How each instruction is exported (x = the input tensor, y = the output; s_x, s_y
   requantize is Cast(acc) to float32 -> Mul by the program's `scale_f32` -> QuantizeLinear(scale 1, zero point 0
   of the output's dtype): rne(f32(f32(acc) * M)) saturated, the program's `float32_rne` requantization exactly
   (the division by a scale of 1 is exact).
+- a lookup table (a fused Sigmoid, SiLU, GELU, ...: isa/output_stage.py Lookup): the requantizing op writes the
+  table's input p (its own scale `input_scale`), [-> Clip(lo, hi)], then Cast(p, int32) -> Add(128 for int8
+  codes) -> Gather(table, index) with the 256-entry table as an int8/uint8 initializer [-> MaxPool]: integer
+  ops only, so exactly the program's table read.
 - Reshape, Flatten, Squeeze, Unsqueeze: Reshape(x, [0, d1, ...]) (0 copies the free batch dimension).
 - Concat: Concat(axis=1); the inputs share the output's scale.
 - outputs: the int8 tensors; with `float_outputs`, DequantizeLinear(y, s_y, 0).
@@ -134,6 +138,21 @@ class _Builder:
     def dtype(self, tensor: str) -> str:
         return self.program.tensors[tensor]["dtype"]
 
+    def requantized_dtype(self, instr: Instruction) -> str:
+        """dtype of the requantizing op's output: the table's input with a lookup, the output otherwise."""
+        lookup = instr.stage.lookup
+        return self.dtype(instr.output) if lookup is None else lookup.input_dtype
+
+    def requantized_qparams(self, instr: Instruction) -> tuple[str, str]:
+        """(scale, zero point) of the requantizing op's output (the table's input with a lookup)."""
+        lookup = instr.stage.lookup
+        if lookup is None:
+            return self.qparams(instr.output)
+        scale, zero = f"{instr.name}/lookup_input/scale", f"{instr.name}/lookup_input/zero_point"
+        self.constant(scale, np.array(lookup.input_scale, np.float32))
+        self.constant(zero, np.zeros((), np.dtype(lookup.input_dtype)))
+        return scale, zero
+
     def qparams(self, tensor: str) -> tuple[str, str]:
         """(scale, zero point) initializers of a program tensor: float32(scale), 0 of the tensor's dtype."""
         scale, zero = f"{tensor}/scale", f"{tensor}/zero_point"
@@ -150,18 +169,28 @@ class _Builder:
 
     def requantized_name(self, instr: Instruction) -> str:
         """Name of the requantizing op's output: the final tensor when no clamp or window follows."""
-        return f"{instr.output}/requantized" if self.needs_clip(instr) or instr.stage.window_max else \
-            self.names[instr.output]
+        later = self.needs_clip(instr) or instr.stage.window_max or instr.stage.lookup
+        return f"{instr.output}/requantized" if later else self.names[instr.output]
 
     def needs_clip(self, instr: Instruction) -> bool:
-        return (instr.stage.clamp.lo, instr.stage.clamp.hi) != _DTYPE_RANGE[self.dtype(instr.output)]
+        return (instr.stage.clamp.lo, instr.stage.clamp.hi) != _DTYPE_RANGE[self.requantized_dtype(instr)]
 
     def epilogue(self, instr: Instruction, value: str) -> str:
-        """Clip to the program's [lo, hi] where it is narrower than the dtype, then the fused window-max."""
-        final, window = self.names[instr.output], instr.stage.window_max
+        """Clip to the program's [lo, hi] where it is narrower than the dtype, the table read, then the fused
+        window-max."""
+        final, window, lookup = self.names[instr.output], instr.stage.window_max, instr.stage.lookup
         if self.needs_clip(instr):
-            value = self.clip(value, instr.stage.clamp.lo, instr.stage.clamp.hi, self.dtype(instr.output),
-                              f"{instr.output}/clipped" if window else final, instr.name)
+            value = self.clip(value, instr.stage.clamp.lo, instr.stage.clamp.hi, self.requantized_dtype(instr),
+                              f"{instr.output}/clipped" if window or lookup else final, instr.name)
+        if lookup is not None:
+            index = self.node("Cast", [value], f"{instr.output}/lookup_code", f"{instr.name}/lookup_Cast",
+                              to=onnx.TensorProto.INT32)
+            if lookup.offset:
+                offset = self.constant(f"{instr.name}/lookup_offset", np.array(lookup.offset, np.int32))
+                index = self.node("Add", [index, offset], f"{instr.output}/lookup_index", f"{instr.name}/lookup_Add")
+            table = self.constant(f"{instr.name}/lookup_table", self.program.arrays[lookup.table])
+            value = self.node("Gather", [table, index], f"{instr.output}/looked_up" if window else final,
+                              f"{instr.name}/lookup_Gather", axis=0)
         if window is not None:
             pads, ceil_mode = _floor_mode_pads(window.to_record(), self.window_input_size(instr),
                                                self.program.tensors[instr.output]["shape"][2:])
@@ -207,7 +236,7 @@ def _qlinear_conv(b: _Builder, instr: Instruction, x: str, kernel: list[int], at
     """QLinearConv with the program's weight (reshaped to (M, C/g, kh, kw)), per-channel weight scales and
     int32 bias; its output is saturated to the dtype range (the clamp follows in the epilogue)."""
     program, name = b.program, instr.name
-    x_dtype, y_dtype = b.dtype(instr.inputs[0]), b.dtype(instr.output)
+    x_dtype, y_dtype = b.dtype(instr.inputs[0]), b.requantized_dtype(instr)
     if instr.stage.clamp_per_channel is not None:
         raise Unsupported(f"instruction '{name}' ({instr.kind}): per-channel clamp bounds (an equalized ReLU6) "
                           f"have no ONNX Runtime int8 op (calibrate without --equalize to export)")
@@ -223,7 +252,7 @@ def _qlinear_conv(b: _Builder, instr: Instruction, x: str, kernel: list[int], at
     w_zero = b.constant(f"{name}/weight_zero_point", np.zeros(m, np.int8))
     bias = b.constant(f"{name}/bias", program.arrays[instr.bias].astype(np.int32))
     x_scale, x_zero = b.qparams(instr.inputs[0])
-    y_scale, y_zero = b.qparams(instr.output)
+    y_scale, y_zero = b.requantized_qparams(instr)
     return b.node("QLinearConv", [x, x_scale, x_zero, w, w_scale, w_zero, y_scale, y_zero, bias], output,
                   f"{name}/QLinearConv", kernel_shape=kernel, **attrs)
 
@@ -260,7 +289,7 @@ def _add_gemm(b: _Builder, instr: Instruction) -> str:
         floats.append(b.node("DequantizeLinear", [b.names[tensor], scale, zero], f"{name}/{side}_dequantized",
                              f"{name}/DequantizeLinear_{side}"))
     total = b.node("Add", floats, f"{name}/sum", f"{name}/Add")
-    y_scale, y_zero = b.qparams(instr.output)
+    y_scale, y_zero = b.requantized_qparams(instr)
     y = b.node("QuantizeLinear", [total, y_scale, y_zero], b.requantized_name(instr), f"{name}/QuantizeLinear")
     return b.epilogue(instr, y)
 

@@ -190,9 +190,12 @@ def _window_shape(spec, channels: int, height: int, width: int, where: str, conv
 
 def _check_epilogue(program: Program, instr: dict, channels: int, where: str, out_dtype: str, rounding: str
                     ) -> None:
-    """clamp within the output's integer range; per-channel mult, shift, scale_f32 (design.md section 3), and
-    clamp_hi (optional) within the clamp."""
+    """clamp within the output's integer range (the table input's, with a lookup); per-channel mult, shift,
+    scale_f32 (design.md section 3), clamp_hi (optional) within the clamp, and the lookup (optional): a
+    256-entry table of the output's dtype, read by int8 or uint8 codes."""
     lo, hi = TENSOR_DTYPES[out_dtype]
+    if "lookup" in instr:
+        lo, hi = _check_lookup(program, instr["lookup"], where, out_dtype)
     clamp = _ints(_field(instr, "clamp", where), f"{where}: clamp", 2, lo, hi)
     for key in ("k", "acc_bound_bits"):  # reported by `qdeploy inspect`
         _ints([_field(instr, key, where)], f"{where}: {key}", 1, 0)
@@ -211,6 +214,26 @@ def _check_epilogue(program: Program, instr: dict, channels: int, where: str, ou
         bounds = _array(program, instr, "clamp_hi", where, "int32", (channels,))
         if bounds.size and (bounds.min() < clamp[0] or bounds.max() > clamp[1]):
             raise _Invalid(f"{where}: clamp_hi must lie within the clamp range {clamp}")
+
+
+def _check_lookup(program: Program, lookup, where: str, out_dtype: str) -> tuple[int, int]:
+    """The lookup field (isa/output_stage.py Lookup); returns the integer range of the table's input."""
+    where = f"{where}: lookup"
+    if not isinstance(lookup, dict) or set(lookup) != {"table", "function", "input_scale", "input_dtype",
+                                                        "monotonic"}:
+        raise _Invalid(f"{where} must be an object with table, function, input_scale, input_dtype, monotonic")
+    if out_dtype not in ("int8", "uint8") or lookup["input_dtype"] not in ("int8", "uint8"):
+        raise _Invalid(f"{where}: reads {json.dumps(lookup['input_dtype'])[:20]} codes and writes {out_dtype}; "
+                       f"expected int8 or uint8 for both")
+    scale = lookup["input_scale"]
+    if not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale) and scale > 0):
+        raise _Invalid(f"{where}: input_scale must be a finite number > 0")
+    if not isinstance(lookup["function"], str) or not isinstance(lookup["monotonic"], bool):
+        raise _Invalid(f"{where}: function must be a string and monotonic true or false")
+    table = _array(program, lookup, "table", where, out_dtype, (256,))
+    if lookup["monotonic"] != bool(np.all(np.diff(table.astype(np.int64)) >= 0)):
+        raise _Invalid(f"{where}: monotonic is {str(lookup['monotonic']).lower()}, but the table says otherwise")
+    return TENSOR_DTYPES[lookup["input_dtype"]]
 
 
 def _window_of(instr: dict, out: tuple[int, ...], where: str) -> tuple[int, ...]:

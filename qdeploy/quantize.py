@@ -15,6 +15,12 @@ channel c:
                result at nearly the accumulator's resolution, for the host to read
   (5) y        = clamp(requantize(acc, M), lo, hi), lo/hi from the fused activation, then min(y, hi[c]) with
                hi[c] = round(act_max[c] / s_out) where equalization made the bound per channel, then window-max
+  (5b) with a lookup table (a fused Sigmoid, SiLU, GELU, ...: lowering/lookup.py), (4)-(5) requantize and clamp
+               to the pre-activation p (its own calibrated scale s_p, int8, or uint8 when it is non-negative on
+               an unsigned target) and the output is y = table[p - p_min] with, for each of the 256 codes
+               p = p_min + i,  table[i] = clamp(rne(f(p * s_p) / s_out), out_lo, out_hi)
+               (f in float64 by the reference executor, rne = round half to even of the float64 value, out_lo /
+               out_hi the output's integer range); then window-max
 
 AddGemm (the residual add) is the output stage's two-input GEMM, K = 2 per channel, with 16-bit pre-scale
 weights on a common scale s_acc = max(s_a, s_b) / 2^14: acc = q_a * w_a + q_b * w_b with
@@ -56,7 +62,8 @@ from qdeploy.errors import BadInput, Unsupported
 from qdeploy.ir import Graph, Node
 from qdeploy.lowering import LoweringResult
 from isa.kinds import RESHAPE_KINDS, VIEW_KINDS, WEIGHTED_GEMM_KINDS, Kind, handler
-from qdeploy.lowering.instructions import INSTRUCTION_OPS, has_window_max, is_channel_concat, node_kind
+from qdeploy.lowering.instructions import INSTRUCTION_OPS, has_lookup, has_window_max, is_channel_concat, node_kind
+from qdeploy.lowering.lookup import NON_NEGATIVE, evaluate
 from qdeploy.prequantized import ModelQuantization, model_bias, model_weights
 from qdeploy.program import Program
 from isa.target import Target, target_to_dict
@@ -119,6 +126,7 @@ class _Scales:
         self.scale: dict[str, float] = {}
         self.unsigned: dict[str, bool] = {}
         self.wide: set[str] = set()  # int32 outputs: their scale is set by the compiler (_Compiler.gemm)
+        self.lookup_input: dict[str, tuple[float, bool]] = {}  # output -> (scale, unsigned) of its table's input
         concat_scale = self._concat_scales(thresholds)
         consumers = graph.consumers()
         for name in graph.inputs:
@@ -130,8 +138,13 @@ class _Scales:
                 self.unsigned[out] = False
             elif node.op in INSTRUCTION_OPS:
                 # A Concat's buffer is signed (its other slices may be negative), so are the slices' writers.
-                unsigned = (target.arithmetic.unsigned_activations and node.attrs["act_min"] >= 0
-                            and out not in concat_scale)
+                non_negative = node.attrs["act_min"] >= 0
+                if has_lookup(node.attrs):  # (5b): the table's input p, then y = f(p)
+                    self._assign(node.outputs[1], thresholds, target.arithmetic.unsigned_activations and non_negative)
+                    self.lookup_input[out] = (self.scale.pop(node.outputs[1]), self.unsigned.pop(node.outputs[1]))
+                    function, params = node.attrs["lookup_function"], node.attrs["lookup_params"]
+                    non_negative = function in NON_NEGATIVE and NON_NEGATIVE[function](params)
+                unsigned = target.arithmetic.unsigned_activations and non_negative and out not in concat_scale
                 self._assign(out, thresholds, unsigned, override=concat_scale.get(out))
             elif node.op in VIEW_KINDS:
                 self.scale[out], self.unsigned[out] = self.scale[node.inputs[0]], self.unsigned[node.inputs[0]]
@@ -192,6 +205,14 @@ class _Scales:
         if self.unsigned[name]:
             return 0, 255
         return self.target.arithmetic.act_min, self.target.arithmetic.act_max
+
+    def requantized(self, name: str) -> tuple[float, tuple[int, int]]:
+        """(scale, integer range) that the requantization of the instruction writing `name` produces: the table's
+        input p with a lookup (eq. (5b)), the output itself otherwise."""
+        if name not in self.lookup_input:
+            return self.scale[name], self.range(name)
+        scale, unsigned = self.lookup_input[name]
+        return scale, (0, 255) if unsigned else (self.target.arithmetic.act_min, self.target.arithmetic.act_max)
 
 
 def _requant_params(real: np.ndarray, target: Target) -> dict[str, np.ndarray]:
@@ -266,10 +287,10 @@ class _Compiler:
         if y in scales.wide:  # eq. (4b): s_out = max_c s_in s_w[c] (float32, not below), so every M[c] <= 1
             widest = np.float32(np.max(s_in * s_w))
             scales.scale[y] = float(widest if widest >= np.max(s_in * s_w) else np.nextafter(widest, np.float32(np.inf)))
-        s_out = scales.scale[y]
+        s_out, q_range = scales.requantized(y)
         saturated = int(np.sum((q_bias < INT32_MIN) | (q_bias > INT32_MAX)))
         q_bias = np.clip(q_bias, INT32_MIN, INT32_MAX).astype(np.int32)
-        lo, hi = _clamp_bounds(node.attrs, s_out, scales.range(y))
+        lo, hi = _clamp_bounds(node.attrs, s_out, q_range)
         x_lo, x_hi = scales.range(x)
         k = rows.shape[1]
         bound = k * max(abs(x_lo), abs(x_hi)) * int(np.max(np.abs(q_w), initial=0)) + \
@@ -284,6 +305,7 @@ class _Compiler:
         if "act_max_channels" in node.attrs:  # per-channel bounds of an equalized ReLU6 (lowering/equalize.py)
             channel_hi = np.clip(np.round(np.asarray(node.attrs["act_max_channels"]) / s_out), lo, hi)
             record["clamp_hi"] = self.array(index, "clamp_hi", channel_hi.astype(np.int32))
+        record.update(self._lookup(index, node))
         if node.op == Kind.CONV_GEMM:
             record.update(kernel=list(weight.shape[2:]), group=int(node.attrs["group"]),
                           strides=list(node.attrs["strides"]), pads=list(node.attrs["pads"]),
@@ -378,17 +400,18 @@ class _Compiler:
         scales = self.scales
         a, b = node.inputs
         y = node.outputs[0]
-        s_a, s_b, s_out = scales.scale[a], scales.scale[b], scales.scale[y]
+        (s_a, s_b), (s_out, q_range) = (scales.scale[a], scales.scale[b]), scales.requantized(y)
         s_acc = max(s_a, s_b) / 2 ** ADD_PRESCALE_BITS
         w_a, w_b = int(np.round(s_a / s_acc)), int(np.round(s_b / s_acc))
-        lo, hi = _clamp_bounds(node.attrs, s_out, scales.range(y))
+        lo, hi = _clamp_bounds(node.attrs, s_out, q_range)
         bound = 255 * (w_a + w_b)
         # float32_rne: eq. (6), the float32 scale ratios of ONNX Runtime's QLinearAdd.
         ratio = np.array([np.float32(s_a) / np.float32(s_out), np.float32(s_b) / np.float32(s_out)], np.float32)
         record = {"add_weights": [w_a, w_b], "add_scale": s_acc,
                   "add_ratio_f32": self.array(index, "add_ratio_f32", ratio),
                   **self._requant(index, 1.0, np.array([s_acc]), s_out),
-                  "clamp": [lo, hi], "window": _window(node.attrs), "acc_bound_bits": _bits_for(bound), "k": 2}
+                  "clamp": [lo, hi], "window": _window(node.attrs), "acc_bound_bits": _bits_for(bound), "k": 2,
+                  **self._lookup(index, node)}
         self._report(node, record, s_a, np.array([s_acc]), s_out, 0)
         return record
 
@@ -409,6 +432,27 @@ class _Compiler:
             record.update(transpose_a=bool(node.attrs["transpose_a"]), transpose_b=bool(node.attrs["transpose_b"]))
         self._report(node, record, s_a, np.array([s_b_scaled]), s_out, 0)
         return record
+
+    def _lookup(self, index: int, node: Node) -> dict:
+        """The `lookup` field of eq. (5b) (none without a fused table): the 256-entry table of output codes."""
+        y = node.outputs[0]
+        if not has_lookup(node.attrs):
+            return {}
+        if self.target.array.lookup_tables == 0:
+            raise Unsupported(f"node '{node.name}' ({node.op}) applies {node.attrs['lookup_function']} as a lookup "
+                              f"table and the target has none (lookup_tables = 0)")
+        s_p, unsigned = self.scales.lookup_input[y]
+        codes = np.arange(256, dtype=np.float64) + (0 if unsigned else -128)
+        function, params = node.attrs["lookup_function"], node.attrs["lookup_params"]
+        values = evaluate(function, params, codes * s_p)
+        out_lo, out_hi = self.scales.range(y)
+        with np.errstate(over="ignore", invalid="ignore"):
+            table = np.clip(np.round(values / self.scales.scale[y]), out_lo, out_hi)
+        dtype = np.uint8 if self.scales.unsigned[y] else np.int8
+        table = table.astype(dtype)
+        return {"lookup": {"table": self.array(index, "lookup_table", table), "function": function,
+                           "input_scale": s_p, "input_dtype": "uint8" if unsigned else "int8",
+                           "monotonic": bool(np.all(np.diff(table.astype(np.int64)) >= 0))}}
 
     def _report(self, node: Node, record: dict, s_in: float, s_w: np.ndarray, s_out: float, saturated: int):
         from qdeploy.lowering import describe_instruction

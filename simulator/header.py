@@ -51,6 +51,9 @@ def _entries(target: Target) -> list[tuple[str, object, str]]:
         ("WEIGHT_HEX_WORD_BITS", 8 * array.cols, "one weight.hex word: cols x int8 (AddGemm: x int16)"),
         ("ACC_HEX_WORD_BITS", word_bits * array.cols, "one acc.hex word: cols accumulators"),
         ("OUT_HEX_WORD_BITS", 8 * array.cols, "one out.hex word: cols x int8"),
+        ("LOOKUP_TABLE_ENTRIES", 256 if array.lookup_tables else 0, "entries of one output-stage lookup table "
+                                                                    "(int8/uint8 output codes, lookup_table.hex)"),
+        ("LOOKUP_TABLE_BYTES", 256 * array.lookup_tables, "bytes of all lookup tables the output stage holds"),
     ]
     entries += [(PREFIX + name, value, f"derived: {comment}") for name, value, comment in derived]
     return entries

@@ -231,7 +231,15 @@ class Machine:
                            lo, hi)
         if stage.clamp_per_channel is not None:  # per-channel upper bounds (channel = last axis), within [lo, hi]
             np.minimum(y, self.arrays[stage.clamp_per_channel.array].astype(y.dtype), out=y)
-        return y
+        return self._lookup(instr, y)
+
+    def _lookup(self, instr: Instruction, y: np.ndarray) -> np.ndarray:
+        """The output stage's Lookup step: y = table[q + offset] (offset 128 for int8 codes, 0 for uint8), one
+        table read per output element, in the table's (the output's) dtype."""
+        lookup = instr.stage.lookup
+        if lookup is None:
+            return y
+        return np.take(self.arrays[lookup.table], y.astype(np.int16) + np.int16(lookup.offset))
 
     def _store(self, instr: Instruction, y: np.ndarray) -> np.ndarray:
         """The output stage's last step, WindowMax, on the way to memory."""
@@ -295,7 +303,7 @@ class Machine:
         if self.arithmetic.rounding == Rounding.FLOAT32_RNE:
             y, value = add_float32_rne(a, b, self.arrays[instr.add_ratio_f32], instr.stage.clamp.lo,
                                        instr.stage.clamp.hi)
-            return self._store(instr, y), value, 0
+            return self._store(instr, self._lookup(instr, y)), value, 0
         w_a, w_b = instr.add_weights
         acc = np.empty(a.size, np.int64)
         events = add_gemm_kernel(np.ascontiguousarray(a).reshape(-1), np.ascontiguousarray(b).reshape(-1),

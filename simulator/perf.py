@@ -19,9 +19,12 @@ Per instruction, with nm = ceil(m/tm), nn = ceil(n/tn), nk = ceil(k/tk), bw = dr
                 S_m = sum over m-tiles of max(rows in the tile, R)
        (each pass of the array streams the tile's rows, at least R cycles while the next weights load; every
        tile pays R + C cycles of pipeline fill and drain)
-  (P2) reads    B_r = G * (m*k * p_x + k*n * p_w) + G*n*9
+  (P2) reads    B_r = G * (m*k * p_x + k*n * p_w) + G*n*9 [+ 256]
        input (im2col, as the array sees it) read p_x times, weights p_w times, 9 bytes of output-stage
-       parameters per channel (int32 bias, int32 multiplier, int8 shift) once. Loop order m_outer
+       parameters per channel (int32 bias, int32 multiplier, int8 shift) once, and the 256-byte lookup table
+       of an instruction with one. The output stage reads its table once per output element, C elements per
+       cycle as they leave the array, so the lookup adds no cycles to (P1); unfused, the activation is its
+       own elementwise kernel (P6). Loop order m_outer
        (for m-tile: for n-tile: for k-tile): p_x = 1 if nk = 1 (the input tile stays) else nn, p_w = 1 if
        nn = nk = 1 else nm; n_outer swaps the roles of x and w.
   (P3) writes   B_w = bytes of the stored int8 output (after window-max, when fused)
@@ -117,6 +120,8 @@ def fused_ops_of(instr: Instruction, tensors: dict, arithmetic, arrays: dict | N
     lo, hi = instr.stage.clamp.lo, instr.stage.clamp.hi
     if (lo, hi) != tuple(full):
         ops.append("Relu" if hi == full[1] else "Clip")
+    if instr.stage.lookup is not None:
+        ops.append(instr.stage.lookup.function)
     if instr.stage.window_max is not None:
         ops.append("MaxPool")
     return ops

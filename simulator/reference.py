@@ -275,8 +275,8 @@ def window_max(x: np.ndarray, kernel_shape: Sequence[int], strides: Sequence[int
 # by instruction (tests/test_isa_twins.py).
 
 def _output_stage(instr: Instruction, acc: np.ndarray, arrays: dict, arithmetic: Arithmetic) -> np.ndarray:
-    """Requantize, Clamp and ClampPerChannel of acc (rows, channels) with one channel's parameters per column
-    (a single set broadcast to every column)."""
+    """Requantize, Clamp, ClampPerChannel and Lookup of acc (rows, channels) with one channel's parameters per
+    column (a single set broadcast to every column)."""
     stage = instr.stage
     mult, shift = arrays[stage.requantize.mult].reshape(-1), arrays[stage.requantize.shift].reshape(-1)
     scale = arrays[stage.requantize.scale_f32].reshape(-1)
@@ -288,8 +288,17 @@ def _output_stage(instr: Instruction, acc: np.ndarray, arrays: dict, arithmetic:
         for r in range(rows):
             value = requantize(int(acc[r, c]), int(mult[p]), int(shift[p]), arithmetic.rounding, stage.clamp.lo,
                                stage.clamp.hi, scale=scale[p])
-            y[r, c] = min(value, int(bounds[c])) if bounds is not None else value
+            y[r, c] = _looked_up(instr, min(value, int(bounds[c])) if bounds is not None else value, arrays)
     return y
+
+
+def _looked_up(instr: Instruction, code: int, arrays: dict) -> int:
+    """The Lookup step on one code: table[code - code_min] with code_min = -128 (int8 codes) or 0 (uint8)."""
+    lookup = instr.stage.lookup
+    if lookup is None:
+        return code
+    code_min = -128 if lookup.input_dtype == "int8" else 0
+    return int(arrays[lookup.table][code - code_min])
 
 
 def _stored(instr: Instruction, y: np.ndarray, dtype: np.dtype) -> np.ndarray:
@@ -335,7 +344,7 @@ def _add_gemm(instr: Instruction, args: list[np.ndarray], arrays: dict, arithmet
         y = np.zeros(a.size, np.int64)
         for i, (p, q) in enumerate(zip(a.reshape(-1).tolist(), b.reshape(-1).tolist())):
             value = float32_round(p * r_a + float32_round(q * r_b))
-            y[i] = min(max(round(value) if abs(value) < 2 ** 31 else -(2 ** 31), lo), hi)
+            y[i] = _looked_up(instr, min(max(round(value) if abs(value) < 2 ** 31 else -(2 ** 31), lo), hi), arrays)
         return _stored(instr, y.reshape(a.shape), dtype)
     w_a, w_b = instr.add_weights
     acc = np.array([accumulate([p * w_a, q * w_b], arithmetic.acc_bits, arithmetic.overflow)[0]

@@ -94,7 +94,7 @@ def header_to_table(values: dict[str, object]) -> dict[str, dict[str, object]]:
                              "unsigned_activations", "per_channel_weights"],
               "array": ["rows", "cols", "scratchpad_bytes", "accumulator_bytes", "dram_bytes_per_cycle",
                         "clock_mhz", "window_max_on_store", "scratchpad_banks", "accumulator_banks",
-                        "launch_cycles"]}
+                        "launch_cycles", "lookup_tables"]}
     result: dict[str, dict[str, object]] = {}
     for table, keys in tables.items():
         result[table] = {}

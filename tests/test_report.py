@@ -213,14 +213,15 @@ def test_empty_or_missing_data(resnet_case, tmp_path):
 
 
 def test_host_fallback_op_is_listed_and_measured(tmp_path):
-    """A Sigmoid has no GEMM lowering: compiled with host fallback it runs in float on the host; the report
-    lists it under host ops and measures its output like any layer's."""
+    """An Erf has no GEMM lowering (a Sigmoid now runs as an output-stage lookup table): compiled with host
+    fallback it runs in float on the host; the report lists it under host ops and measures its output like any
+    layer's."""
     from onnx import helper
 
     from builders import make_model, rng_weights, save
 
     nodes = [helper.make_node("Conv", ["x", "W"], ["c"], name="conv", pads=[1, 1, 1, 1]),
-             helper.make_node("Sigmoid", ["c"], ["s"], name="sigmoid"),
+             helper.make_node("Erf", ["c"], ["s"], name="erf"),
              helper.make_node("GlobalAveragePool", ["s"], ["g"], name="gap"),
              helper.make_node("Flatten", ["g"], ["f"], name="flat"),
              helper.make_node("Gemm", ["f", "Wfc"], ["y"], name="fc", transB=1)]
@@ -231,10 +232,10 @@ def test_host_fallback_op_is_listed_and_measured(tmp_path):
     table = qdeploy.calibrate(model, tmp_path / "x.npy").table
     api.compile(model, table, allow_host_fallback=True, output=tmp_path / "m.qdp")
     document = api.report(model, tmp_path / "m.qdp", tmp_path / "x.npy", tmp_path / "out").document
-    assert [(h["node"], h["op"]) for h in document["host_ops"]] == [("sigmoid", "Sigmoid")]
-    host = next(layer for layer in document["layers"] if layer["name"] == "sigmoid")
+    assert [(h["node"], h["op"]) for h in document["host_ops"]] == [("erf", "Erf")]
+    host = next(layer for layer in document["layers"] if layer["name"] == "erf")
     assert host["kind"] == "Host" and host["sqnr_isolated_db"] > 25  # int8 in and out, float in between
-    assert "`sigmoid` (Sigmoid)" in (tmp_path / "out" / "report.md").read_text()
+    assert "`erf` (Erf)" in (tmp_path / "out" / "report.md").read_text()
 
 
 def test_peer_and_ablation_rows_are_measured_like_ours(resnet_case, tmp_path):

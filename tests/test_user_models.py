@@ -29,9 +29,9 @@ def test_a_torchvision_model_runs_end_to_end(tmp_path, name, exporter):
 @pytest.mark.parametrize("name", list(zoo.DENSE))
 def test_a_dense_prediction_model_runs_end_to_end_with_host_fallback(tmp_path, name, exporter):
     """A YOLOv8n-style detector, two UNets (ConvTranspose, bilinear) and torchvision's DeepLabV3-MobileNetV3
-    (its Resize sizes taken from the input's shape, or baked at batch 1 by the dynamo exporter): their SiLU,
-    HardSwish and upsampling stay on the host for now; with --allow-host-fallback they calibrate, compile and
-    run at batch 3, close to the float model."""
+    (its Resize sizes taken from the input's shape, or baked at batch 1 by the dynamo exporter): their upsampling
+    (and ConvTranspose) stay on the host for now (SiLU and HardSwish run as output-stage lookup tables); with
+    --allow-host-fallback they calibrate, compile and run at batch 3, close to the float model."""
     import numpy as np
 
     from qdeploy import api

@@ -1,7 +1,9 @@
 """True accuracy drop on labelled real handwriting: scikit-learn's digits, end to end.
 
-    python examples/digits/run.py [--out OUTDIR] [--report REPORT_DIR]
-        (defaults: out/digits for the model, arrays and program; reports/digits for the report)
+    python examples/digits/run.py [--out OUTDIR] [--report REPORT_DIR] [--activation silu|hardswish --squeeze-excite]
+        (defaults: out/digits for the model, arrays and program; reports/digits for the report; ReLU, no
+        squeeze-excite. The issue-18 variants compile with --allow-host-fallback: the squeeze-excite Mul, an
+        activation times an activation, runs on the host; their activations and gates are lookup tables)
 
 Trains the small CNN of examples/digits/train.py (fixed seed and split, CPU, deterministic), exports it to ONNX
 with a dynamic batch, writes the training images (calibration) and the held-out images with their labels as
@@ -29,7 +31,7 @@ from examples.commands import qdeploy  # noqa: E402
 MODEL_NAME = "digits_cnn"
 
 
-def main(out: Path, report_dir: Path, seed: int = 0) -> dict:
+def main(out: Path, report_dir: Path, seed: int = 0, activation: str = "relu", squeeze_excite: bool = False) -> dict:
     """Train, export, calibrate, compile, run and report; returns report.json's content."""
     from examples import zoo
 
@@ -38,7 +40,7 @@ def main(out: Path, report_dir: Path, seed: int = 0) -> dict:
     data = digits.load_data()
     print(f"training the digits CNN on {len(data.train_x)} images (seed {seed}; {len(data.test_x)} held out)",
           flush=True)
-    model = digits.train(data, seed=seed)
+    model = digits.train(data, seed=seed, activation=activation, squeeze_excite=squeeze_excite)
     print(f"  torch accuracy: training {digits.accuracy(model, data.train_x, data.train_y):.4f}, held out "
           f"{digits.accuracy(model, data.test_x, data.test_y):.4f} ({time.perf_counter() - start:.1f} s)", flush=True)
     onnx_path = zoo.export_model(model, (1, 1, digits.SIZE, digits.SIZE), out / f"{MODEL_NAME}.onnx")
@@ -47,7 +49,8 @@ def main(out: Path, report_dir: Path, seed: int = 0) -> dict:
 
     calib, program = out / "calib.json", out / f"{MODEL_NAME}.qdp"
     qdeploy("calibrate", onnx_path, "--data", out / "train_x.npy", "--method", "kl", "-o", calib)
-    qdeploy("compile", onnx_path, "--calib", calib, "-o", program)
+    qdeploy("compile", onnx_path, "--calib", calib, "-o", program,
+            *(["--allow-host-fallback"] if squeeze_excite else []))
     qdeploy("run", program, "--input", out / "test_x.npy", "--dequantize", "-o", out / "test_logits_int8.npy")
     qdeploy("report", onnx_path, program, "--data", out / "test_x.npy", "--labels", out / "test_labels.npy",
             "--calib", calib, "-o", report_dir)
@@ -63,5 +66,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=REPO / "out" / "digits", help="model, arrays and program")
     parser.add_argument("--report", type=Path, default=REPO / "reports" / "digits", help="report folder")
+    parser.add_argument("--activation", choices=list(digits.ACTIVATIONS), default="relu")
+    parser.add_argument("--squeeze-excite", action="store_true", help="squeeze-excite blocks after blocks 2 and 3")
     arguments = parser.parse_args()
-    main(arguments.out, arguments.report)
+    main(arguments.out, arguments.report, activation=arguments.activation, squeeze_excite=arguments.squeeze_excite)

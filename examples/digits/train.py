@@ -17,6 +17,10 @@ Model (`DigitsCNN`), BatchNormalization kept in the export (qdeploy folds it):
     Conv 3x3  8 -> 16, pad 1 + BN + ReLU + MaxPool 2x2    8 x 8
     Conv 3x3 16 -> 32, pad 1 + BN + ReLU + MaxPool 2x2    4 x 4
     GlobalAveragePool, Flatten, Linear 32 -> 10
+The variants of issue 18 (`DigitsCNN(activation=..., squeeze_excite=True)`) replace each ReLU by SiLU or
+HardSwish and follow the second and third blocks with a squeeze-excite block (Hu et al., CVPR 2018), as in
+EfficientNet (SiLU, Sigmoid gate) and MobileNetV3 (HardSwish, HardSigmoid gate):
+    s = gate(Conv 1x1 C/4 -> C (ReLU(Conv 1x1 C -> C/4 (GlobalAveragePool(x))))),  y = x * s
 
 Training: AdamW (lr 0.01, weight decay 1e-4), cosine learning rate over 30 epochs, batches of 64, cross
 entropy; one random shift of up to one original pixel per image and epoch (background fill). Deterministic:
@@ -63,16 +67,35 @@ def load_data() -> DigitsData:
     return DigitsData(np.ascontiguousarray(train_x), train_y, np.ascontiguousarray(test_x), test_y)
 
 
-def _block(in_channels: int, out_channels: int, pool: bool = False) -> list[nn.Module]:
-    layers = [nn.Conv2d(in_channels, out_channels, 3, padding=1, bias=False), nn.BatchNorm2d(out_channels),
-              nn.ReLU()]
-    return layers + ([nn.MaxPool2d(2)] if pool else [])
+ACTIVATIONS = {"relu": (nn.ReLU, nn.Sigmoid), "silu": (nn.SiLU, nn.Sigmoid), "hardswish": (nn.Hardswish, nn.Hardsigmoid)}
+
+
+class SqueezeExcite(nn.Module):
+    """y = x * gate(W2 relu(W1 mean_hw(x) + b1) + b2) per channel (module docstring)."""
+
+    def __init__(self, channels: int, gate: type[nn.Module]):
+        super().__init__()
+        self.squeeze = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Conv2d(channels, channels // 4, 1), nn.ReLU(),
+                                     nn.Conv2d(channels // 4, channels, 1), gate())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.squeeze(x)
+
+
+def _block(in_channels: int, out_channels: int, pool: bool = False, activation: str = "relu",
+           squeeze_excite: bool = False) -> list[nn.Module]:
+    act, gate = ACTIVATIONS[activation]
+    layers = [nn.Conv2d(in_channels, out_channels, 3, padding=1, bias=False), nn.BatchNorm2d(out_channels), act()]
+    layers += [nn.MaxPool2d(2)] if pool else []
+    return layers + ([SqueezeExcite(out_channels, gate)] if squeeze_excite else [])
 
 
 class DigitsCNN(nn.Module):
-    def __init__(self, num_classes: int = 10):
+    def __init__(self, num_classes: int = 10, activation: str = "relu", squeeze_excite: bool = False):
         super().__init__()
-        self.features = nn.Sequential(*_block(1, 8), *_block(8, 16, pool=True), *_block(16, 32, pool=True))
+        self.features = nn.Sequential(*_block(1, 8, activation=activation),
+                                      *_block(8, 16, True, activation, squeeze_excite),
+                                      *_block(16, 32, True, activation, squeeze_excite))
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.fc = nn.Linear(32, num_classes)
 
@@ -90,15 +113,16 @@ def _shift(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     return padded[torch.arange(len(x))[:, None, None], rows[:, :, None], columns[:, None, :]][:, None]
 
 
-def train(data: DigitsData, seed: int = 0, epochs: int = EPOCHS) -> DigitsCNN:
-    """Train DigitsCNN on the training split (module docstring); returns the model in eval mode."""
+def train(data: DigitsData, seed: int = 0, epochs: int = EPOCHS, **variant) -> DigitsCNN:
+    """Train DigitsCNN (`variant`: activation, squeeze_excite) on the training split (module docstring); returns
+    the model in eval mode."""
     torch.manual_seed(seed)
     torch.use_deterministic_algorithms(True)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         generator = torch.Generator().manual_seed(seed)
-        model = DigitsCNN()
+        model = DigitsCNN(**variant)
         x, y = torch.from_numpy(data.train_x), torch.from_numpy(data.train_y)
         optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY)
         steps = epochs * -(-len(x) // BATCH_SIZE)

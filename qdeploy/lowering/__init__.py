@@ -80,6 +80,8 @@ def _epilogue(node: Node) -> dict:
         result["scale"] = attrs["product_scale"]
     if "act_max_channels" in attrs:
         result["clamp_max_channels"] = list(attrs["act_max_channels"])
+    if attrs.get("lookup_function") is not None:
+        result["lookup"] = {"function": attrs["lookup_function"], **attrs["lookup_params"]}
     if has_window_max(attrs):
         result["window_max"] = {"kernel": attrs["pool_kernel_shape"], "strides": attrs["pool_strides"],
                                 "pads": attrs["pool_pads"], "dilations": attrs["pool_dilations"],
@@ -162,18 +164,26 @@ def host_reason(graph: Graph, node: Node) -> str:
             return str(error)
     if node.op in ("Relu", "Clip", "LeakyRelu", "MaxPool"):
         return f"node '{node.name}' ({node.op}): attributes or operands do not fit the GEMM output stage"
+    from qdeploy.lowering.lookup import FUNCTIONS
+
+    if node.op in FUNCTIONS:
+        return (f"node '{node.name}' ({node.op}): a lookup-table activation, and the target's output stage has "
+                f"no lookup table (lookup_tables = 0)")
     return (f"node '{node.name}' ({node.op}): no lowering to the GEMM unit for {node.op} "
             f"(lowered: {', '.join(sorted(LOWERING))}, Relu, Clip, MaxPool; layout: {', '.join(sorted(LAYOUT_OPS))})")
 
 
-def lower(graph: Graph, equalize: bool = False) -> LoweringResult:
+def lower(graph: Graph, equalize: bool = False, lookups: bool = True) -> LoweringResult:
     """Run the LOWER passes on a simplified graph (then cross-layer equalization, with `equalize`) and describe
-    the result."""
+    the result. `lookups`: the target's output stage has lookup tables (`lookup_tables` > 0); without, the
+    activations they compute stay host ops."""
     from qdeploy.lowering.equalize import equalize_cross_layer
+    from qdeploy.lowering.lookup import fuse_lookups
     from qdeploy.lowering.passes import LOWER
     from qdeploy.passes.pipeline import run_pipeline
 
-    lowered, records = run_pipeline(graph, LOWER + ([equalize_cross_layer] if equalize else []))
+    passes = [p for p in LOWER if lookups or p is not fuse_lookups]  # recognised functions: one host op each
+    lowered, records = run_pipeline(graph, passes + ([equalize_cross_layer] if equalize else []))
     instructions, layout, host_ops = [], [], []
     host_macs = 0
     for node in lowered.nodes:

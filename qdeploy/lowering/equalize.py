@@ -33,7 +33,9 @@ GEMM_OPS = WEIGHTED_GEMM_KINDS
 
 def _rescalable(node: Node) -> bool:
     """The activation commutes with a per-channel positive scale once its upper bound is scaled too: none, ReLU,
-    or a clamp [0, c]."""
+    or a clamp [0, c]; never a lookup table (a function of the unscaled value)."""
+    if node.attrs.get("lookup_function") is not None:
+        return False
     return node.attrs["act_min"] == -math.inf and node.attrs["act_max"] == math.inf or node.attrs["act_min"] == 0.0
 
 

@@ -12,6 +12,10 @@ Epilogue attributes shared by every instruction (design.md section 3, epilogue o
                      equalization rescaled a ReLU6's channels: lowering/equalize.py)
   pool_kernel_shape, pool_strides, pool_pads, pool_dilations, pool_ceil_mode
                      window-max on store (a fused MaxPool; absent when none)
+  lookup_function, lookup_params
+                     a unary function (an ONNX op and its attributes: Sigmoid, Swish, Gelu, ...) applied after
+                     the clamp and before the window-max, as a lookup table (lowering/lookup.py); such an
+                     instruction has a second output, the pre-activation tensor the table reads (calibrated)
 """
 
 from __future__ import annotations
@@ -28,6 +32,10 @@ LAYOUT_OPS = LAYOUT_KINDS
 
 def has_window_max(attrs: dict) -> bool:
     return attrs.get("pool_kernel_shape") is not None
+
+
+def has_lookup(attrs: dict) -> bool:
+    return attrs.get("lookup_function") is not None
 
 
 def is_channel_concat(graph: Graph, node: Node) -> bool:

@@ -18,7 +18,8 @@ from qdeploy.passes.pipeline import Pass
 from isa.kinds import ACTIVATION_GEMM_KINDS, WEIGHTED_GEMM_KINDS, Kind
 from isa.instructions import RECORDS
 from isa.output_stage import Clamp, commutes_with_window_max
-from qdeploy.lowering.instructions import INSTRUCTION_OPS, has_window_max, is_channel_concat
+from qdeploy.lowering.instructions import INSTRUCTION_OPS, has_lookup, has_window_max, is_channel_concat
+from qdeploy.lowering.lookup import fuse_lookups, recognise_functions
 from qdeploy.lowering.rules import (EPILOGUE_OPS, LOWERING, affine_of, batchnorm_scale_shift,
                                     finite_weights, identity_gemm)
 
@@ -70,7 +71,7 @@ def _sole_producer(graph: Graph, node: Node, producers, consumers) -> Node | Non
 
 def _plain(producer: Node) -> bool:
     return producer.attrs["act_min"] == -INF and producer.attrs["act_max"] == INF and \
-        not has_window_max(producer.attrs)
+        not has_window_max(producer.attrs) and not has_lookup(producer.attrs)
 
 
 def _fold_affine_into(graph: Graph, producer: Node, scale: np.ndarray, shift: np.ndarray,
@@ -189,6 +190,8 @@ def merge_epilogue(attrs: dict, epilogue: dict) -> dict | None:
     follows a fused MaxPool moves before it: exact only for a step that commutes with a maximum (a monotonic
     one, as a clamp is). Only one window-max fits the output stage."""
     merged = dict(attrs)
+    if has_lookup(attrs) and "pool_kernel_shape" not in epilogue:
+        return None  # a clamp after a table would run before it (the output stage's order)
     if "pool_kernel_shape" in epilogue:
         if has_window_max(attrs):
             return None
@@ -226,7 +229,8 @@ def fuse_epilogues(graph: Graph) -> Graph:
             merged = merge_epilogue(producer.attrs, epilogue)
             if merged is None:
                 continue
-            replaced[producer.name] = producer.replace(attrs=merged, outputs=[node.outputs[0]])
+            # (a table's input, the producer's second output, stays)
+            replaced[producer.name] = producer.replace(attrs=merged, outputs=[node.outputs[0], *producer.outputs[1:]])
             removed.add(node.name)
         if replaced:
             changed = True
@@ -376,10 +380,13 @@ LOWER: list[Pass] = [
     lower_channel_permutations,  # channel shuffle (Reshape -> Transpose -> Reshape) -> ChannelPermute
     lower_gemm_ops,  # Conv -> ConvGemm (im2col), Gemm/MatMul -> DenseGemm
     fold_batchnorm,  # BN after a GEMM -> its weight rows and bias
+    recognise_functions,  # an exporter's multi-op SiLU/GELU/Mish/Softplus -> one node of that ONNX op
     fold_constant_affine,  # Mul/Div/Add/Sub by a per-channel constant after a GEMM -> weights and bias
     lower_remaining_ops,  # standalone BN/affine, residual Add, average pooling -> GEMMs
     split_to_slices,  # a Split left on the host -> one host Slice per output (a host step writes one tensor)
     fuse_epilogues,  # Relu/Clip/MaxPool -> output stage of their producer
+    fuse_lookups,  # Sigmoid, SiLU, GELU, ... -> a lookup table in their producer's (or an identity GEMM's) output stage
+    fuse_epilogues,  # a MaxPool after a table (the window-max follows the table in the output stage)
     lower_standalone_epilogues,  # the rest of them -> identity GEMM with that output stage
     copy_shared_concat_inputs,  # a Concat input no exclusive instruction writes -> identity GEMM copy
     eliminate_dead_nodes,

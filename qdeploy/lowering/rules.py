@@ -269,41 +269,13 @@ def affine_of(graph: Graph, node: Node) -> tuple[str, np.ndarray, np.ndarray] | 
     return None
 
 
-# Elementwise ops that make a Mul of x by a function of x a unary function of x (SiLU = x * Sigmoid(x), HardSwish
-# = x * HardSigmoid(x), Mish = x * Tanh(Softplus(x)), GELU's Erf form): such a Mul is one output-stage lookup, not
-# a product of two activations, so lower_activation_mul leaves it alone.
-UNARY_OPS = {"Sigmoid", "HardSigmoid", "Tanh", "Softplus", "Erf", "Relu", "Clip", "Neg", "Exp"}
-UNARY_DEPTH = 4  # links followed back from the gate (GELU's Erf form has three: Div, Erf, Add)
-
-
-def unary_of(graph: Graph, gate: str, x: str) -> bool:
-    """Whether `gate` is computed from `x` alone by at most UNARY_DEPTH elementwise steps (UNARY_OPS, or Add, Sub,
-    Mul, Div with a constant): then x * gate is a unary function of x."""
-    producers = graph.producers()
-    for _ in range(UNARY_DEPTH):
-        producer = producers.get(gate)
-        if producer is None:
-            return False
-        active = [name for name in producer.inputs if name and graph.constant_data(name) is None]
-        elementwise = producer.op in UNARY_OPS or producer.op in ("Add", "Sub", "Mul", "Div")
-        if not elementwise or len(active) != 1:
-            return False
-        gate = active[0]
-        if gate == x:
-            return True
-    return False
-
-
 def lower_activation_mul(graph: Graph, node: Node) -> Lowered:
     """Mul of two activations -> MulGemm: y = a * b with b broadcast to a's shape (ONNX broadcasting with equal
     ranks: each of b's axes is 1 or a's; the operands are swapped when a is the broadcast one, a product commutes).
-    Squeeze-excite's x * s with s (N, C, 1, 1) is a K = 1 GEMM per sample and channel whose weight is s[n, c]."""
+    Squeeze-excite's x * s with s (N, C, 1, 1) is a K = 1 GEMM per sample and channel whose weight is s[n, c].
+    A Mul of x by a function of x that is one unary function (SiLU, HardSwish, GELU) is no longer here: LOWER's
+    recognise_functions made it one node for an output-stage lookup table first."""
     a, b = node.inputs[:2]
-    for gate, x in ((b, a), (a, b)):
-        if unary_of(graph, gate, x):
-            raise Unsupported(f"node '{node.name}' (Mul): '{gate}' is an elementwise function of '{x}', so the Mul "
-                              f"is a unary function of '{x}' (SiLU, HardSwish, GELU), left for an output-stage "
-                              f"lookup table")
     a_shape, b_shape = _static_shape(graph, node, a), _static_shape(graph, node, b)
     if len(a_shape) == len(b_shape) and all(q in (1, p) for p, q in zip(b_shape, a_shape)) and a_shape != b_shape:
         a, b, a_shape, b_shape = b, a, b_shape, a_shape

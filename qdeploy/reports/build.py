@@ -7,8 +7,8 @@ report.json (format "qdeploy-report", version 1; fractions in [0, 1], SQNR in dB
   top1_agreement, top5_agreement, logits_sqnr_db, cosine, cosine_min, accuracy_float, accuracy_int8,
   accuracy_drop_points, top5_accuracy_float, top5_accuracy_int8 (the accuracies null without labels),
   samples, data, model, program, labels, output (the output measured), input_sqnr_db {input: dB},
-  layers [{index, name, kind, output, sqnr_cumulative_db, sqnr_isolated_db, overflow_events, clipped_fraction,
-  scale}], worst_layers {isolated, cumulative}, tensors [{name, method, threshold, amax, scale,
+  layers [{index, name, kind, output, lookup (the output-stage table's function, or null), sqnr_cumulative_db,
+  sqnr_isolated_db, overflow_events, clipped_fraction, scale}], worst_layers {isolated, cumulative}, tensors [{name, method, threshold, amax, scale,
   clipped_fraction}] (with a calibration table), host_ops [{node, op, reason}], nodes {as_exported, simplified,
   lowered, ops_*, passes, gemm_mac_fraction, macs_per_sample}, settings {calibration_method,
   calibration_samples, per_channel_weights, compile_options, arithmetic, preprocess, batch_size},
@@ -19,6 +19,8 @@ report.json (format "qdeploy-report", version 1; fractions in [0, 1], SQNR in dB
   histograms}, seconds, command, warnings."""
 
 from __future__ import annotations
+
+from isa.target import target_from_dict
 
 import collections
 import contextlib
@@ -237,7 +239,9 @@ def build_report(model: str | os.PathLike, program: str | os.PathLike | Program,
     program = program if isinstance(program, Program) else read_program(program)
     try:
         imported = import_onnx(model, input_shapes)
-        lowering = lower(imported.graph, bool(program.manifest.get("options", {}).get("equalization", False)))
+        lookups = target_from_dict(program.manifest["target"]).array.lookup_tables > 0
+        lowering = lower(imported.graph, bool(program.manifest.get("options", {}).get("equalization", False)),
+                         lookups)
     except BadInput as error:
         if str(error).startswith(str(model)):
             raise
@@ -329,9 +333,12 @@ def build_report(model: str | os.PathLike, program: str | os.PathLike | Program,
         accuracy = {"accuracy_float": acc_f, "accuracy_int8": acc_q, "accuracy_drop_points": 100 * (acc_f - acc_q),
                     "top5_accuracy_float": acc5_f, "top5_accuracy_int8": acc5_q}
 
+    tables = {instr.name: instr.stage.lookup.function for instr in program.records
+              if getattr(instr, "stage", None) is not None and instr.stage.lookup is not None}
     layers = []
     for layer in evaluator.layers:
         layers.append({"index": layer.index, "name": layer.name, "kind": layer.kind, "output": layer.output,
+                       "lookup": tables.get(layer.name),
                        "sqnr_cumulative_db": metrics.json_number(layer.cumulative.db),
                        "sqnr_isolated_db": metrics.json_number(layer.isolated.db),
                        "overflow_events": layer.overflow_events, "clipped_fraction": layer.clipped_fraction,

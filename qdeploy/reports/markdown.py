@@ -144,7 +144,9 @@ def render_markdown(d: dict) -> str:
               "layout steps move data and add no error). *clipped* is the share of the layer's float outputs beyond "
               "|T|, which int8 cannot represent; *overflows* counts accumulator overflow events.",
               "", f"![per-layer SQNR, cumulative and isolated]({d['plots']['sqnr']})", ""]
-    rows = [[str(i), f"`{layer['name']}`", layer["kind"], format_json_db(layer["sqnr_cumulative_db"]),
+    rows = [[str(i), f"`{layer['name']}`",
+             layer["kind"] + (f" + {layer['lookup']} table" if layer.get("lookup") else ""),
+             format_json_db(layer["sqnr_cumulative_db"]),
              format_json_db(layer["sqnr_isolated_db"]), format_percent(layer["clipped_fraction"], 3), str(layer["overflow_events"])]
             for i, layer in enumerate(d["layers"])]
     lines += _table(["#", "layer", "kind", "SQNR cumulative", "SQNR isolated", "clipped", "overflows"], rows,

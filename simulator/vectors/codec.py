@@ -11,7 +11,7 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 TIE_TOLERANCE = Fraction(1, 1 << 10)  # "near a rounding tie": within 2^-10 LSB of a half-integer
 MAX_CLASSIFIED = 10000  # mismatches classified per file (all are counted)
-COMPARED = ("acc", "out", "stored")  # the files an RTL dump may hold
+COMPARED = ("acc", "lookup_input", "out", "stored")  # the files an RTL dump may hold
 
 
 class VectorError(ValueError):

@@ -103,6 +103,13 @@ def classify(kind: str, layer: dict, expected: int | None, actual: int | None, c
             return "saturation mismatch?", (f"accumulator limit [{lo}, {hi}] (overflow = {layer['overflow']}); "
                                             f"check wrap vs saturate and the addition order")
         return "data mismatch", ""
+    if kind == "out" and "code" in params:  # a table's output: which entry the element read
+        code, lookup = params["code"], layer["lookup"]
+        entry = code + (128 if lookup["input_dtype"] == "int8" else 0)
+        return "lookup table mismatch?", (f"the element read table entry {entry} (input code {code}, "
+                                          f"{lookup['function']}); expected {expected}, got {actual}: compare "
+                                          f"the RTL's table with lookup_table.hex and its input with "
+                                          f"lookup_input.hex")
     lo, hi = layer["clamp"]
     if abs(expected - actual) == 1 and acc is not None and "mult" in params:
         tie, value = _near_tie(acc, int(params["mult"][c]), int(params["shift"][c]), params["scale_f32"][c],
@@ -197,7 +204,9 @@ def _compare_file(root: Path, dump: Path, layer: dict, key: str, record: dict, p
         e = int(expected[r, c])
         a = None if unknown[r, c] else int(actual[r, c])
         acc_value = int(acc[row, col]) if acc is not None and key == "out" else None
-        label, detail = classify(key, layer, e, a, col, acc_value, params)
+        codes = params.get("lookup_input")
+        label, detail = classify(key, layer, e, a, col, acc_value, params if codes is None or key != "out" else
+                                 {**params, "code": int(codes[row, col])})
         classes[label] = classes.get(label, 0) + 1
         if n == 0:
             where = _tile_of(layer, row, col) if key != "stored" else None
@@ -221,6 +230,8 @@ def compare_vectors(expected_dir: str | os.PathLike, dump_dir: str | os.PathLike
         params = {key: _expected(root, files[key]).reshape(-1) for key in ("mult", "shift", "scale_f32")
                   if key in files}
         acc = _expected(root, files["acc"]) if "acc" in files else None
+        if "lookup_input" in files:
+            params["lookup_input"] = _expected(root, files["lookup_input"])
         compared = []
         for key in COMPARED:
             if key in files and (result := _compare_file(root, dump, layer, key, files[key], params, acc, None)):

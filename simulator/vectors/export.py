@@ -178,6 +178,18 @@ def layer_vectors(program, target: Target, index: int, instr: Instruction, run, 
         bound = arrays[instr.stage.clamp_per_channel.array].astype(np.int32).reshape(-1)
         extra["clamp_hi"] = (bound, bound.reshape(1, -1), 16, True, "cols",
                              "per-channel upper bound applied after the clamp (1 x channels)")
+    if instr.stage.lookup is not None:  # the table (1 x 256) and the codes it reads (before it and the window)
+        lookup = instr.stage.lookup
+        table = arrays[lookup.table]
+        extra["lookup_table"] = (table, table.astype(np.int64).reshape(1, -1), 8, table.dtype != np.uint8, "cols",
+                                 f"the output stage's lookup table ({lookup.function}): entry i is the output "
+                                 f"code for input code i - {lookup.offset} ({lookup.input_dtype})")
+        bare = replace(instr, stage=replace(instr.stage, lookup=None, window_max=None))
+        codes = channels_last(machine.execute(bare, args)[0])
+        extra["lookup_input"] = (codes, codes, 8, lookup.input_dtype == "int8", "cols",
+                                 "requantized, clamped codes the table reads (before the table and the "
+                                 "window-max); row m, col c = g*Ng + j")
+        info["lookup"] = lookup.to_record()
     if window is None:
         grid, stored_matrix = stored, None
     else:  # the same instruction without its window-max: the grid it reads
@@ -265,7 +277,8 @@ class Writer:
         if vectors.out is not None:
             signed = vectors.out.dtype != np.uint8
             put("out", vectors.out, vectors.out, 8, signed, cols,
-                "output stage result (requantize, clamp) before window-max; row m, col c = g*Ng + j")
+                "output stage result (requantize, clamp, lookup table if any) before window-max; row m, "
+                "col c = g*Ng + j")
         if vectors.stored is not None:
             matrix = channels_last(vectors.stored)
             put("stored", vectors.stored, matrix, 8, vectors.stored.dtype != np.uint8, cols,

@@ -87,11 +87,34 @@ def host_op_net() -> onnx.ModelProto:
     return _model(nodes, [("x", ["N", 2, 6, 6])], [("y", ["N", 3, 6, 6])], inits)
 
 
-def _target(api, **arithmetic):
-    """A Target with these arithmetic keys, through the public API's target-file reader."""
+def lookup_net() -> onnx.ModelProto:
+    """Output-stage lookup tables: conv -> SiLU (Mul(x, Sigmoid(x))) -> MaxPool, conv -> GELU (the Erf form),
+    residual Add -> HardSwish, global pool -> Gemm -> Sigmoid."""
+    n = helper.make_node
+    nodes = [n("Conv", ["x", "W1", "B1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+             n("Sigmoid", ["c1"], ["s1"], name="sigmoid1"), n("Mul", ["c1", "s1"], ["a1"], name="silu1"),
+             n("MaxPool", ["a1"], ["p1"], name="pool", kernel_shape=[2, 2], strides=[2, 2]),
+             n("Conv", ["p1", "W2", "B2"], ["c2"], name="conv2", pads=[1, 1, 1, 1]),
+             n("Div", ["c2", "sqrt2"], ["d2"], name="gelu_div"), n("Erf", ["d2"], ["e2"], name="gelu_erf"),
+             n("Add", ["e2", "one"], ["u2"], name="gelu_add"), n("Mul", ["c2", "u2"], ["v2"], name="gelu_mul"),
+             n("Mul", ["v2", "half"], ["g2"], name="gelu_half"),
+             n("Add", ["g2", "p1"], ["r3"], name="residual"), n("HardSwish", ["r3"], ["h3"], name="hardswish"),
+             n("GlobalAveragePool", ["h3"], ["gap"], name="gap"), n("Flatten", ["gap"], ["flat"], name="flatten"),
+             n("Gemm", ["flat", "W4", "B4"], ["fc"], name="fc", transB=1), n("Sigmoid", ["fc"], ["y"], name="out")]
+    inits = {"W1": _weights(41, 4, 3, 3, 3), "B1": _weights(42, 4), "W2": _weights(43, 4, 4, 3, 3),
+             "B2": _weights(44, 4), "W4": _weights(45, 5, 4), "B4": _weights(46, 5),
+             "sqrt2": np.float32(np.sqrt(2)), "one": np.float32(1), "half": np.float32(0.5)}
+    return _model(nodes, [("x", ["N", 3, 8, 8])], [("y", ["N", 5])], inits)
+
+
+def _target(api, array=None, **arithmetic):
+    """A Target with these arithmetic keys (and `array` keys), through the public API's target-file reader."""
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "target.toml"
-        path.write_text("[arithmetic]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in arithmetic.items()))
+        text = "[arithmetic]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in arithmetic.items())
+        if array:
+            text += "[array]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in array.items())
+        path.write_text(text)
         return api.load_target_file(path)
 
 
@@ -105,8 +128,13 @@ CASES = {
                                             {"per_tensor": True}),
     "inverted_residual_equalized_half_even": (inverted_residual_net, (4, 9, 9), "mse", True,
                                               {"rounding": "half_even"}, {}),
-    "host_op_half_away": (host_op_net, (2, 6, 6), "max", False, {"rounding": "half_away"},
+    # a target without lookup tables: the Sigmoid stays a host op
+    "host_op_half_away": (host_op_net, (2, 6, 6), "max", False, {"rounding": "half_away",
+                                                                 "array": {"lookup_tables": 0}},
                           {"allow_host_fallback": True}),
+    "lookup_float32_rne": (lookup_net, (3, 8, 8), "kl", False, {"rounding": "float32_rne", "act_min": -128,
+                                                                "unsigned_activations": False}, {}),
+    "lookup_half_up_unsigned": (lookup_net, (3, 8, 8), "kl", False, {"unsigned_activations": True}, {}),
 }
 
 

@@ -1,6 +1,8 @@
 """The float meaning of the accelerator's instructions (lowering/instructions.py), so the lowered graph
 runs in the reference executor before anything is quantized. Each is the ONNX ops it replaces, composed:
-GEMM -> bias -> clamp [act_min, act_max] -> window-max (design.md section 3, epilogue order)."""
+GEMM -> bias -> clamp [act_min, act_max] -> lookup f -> window-max (design.md section 3, epilogue order).
+An instruction with a lookup (attributes lookup_function, lookup_params) returns two tensors: y and the
+pre-activation (the clamped value the table reads, before the window-max), which calibration measures."""
 
 from __future__ import annotations
 
@@ -11,16 +13,24 @@ from qdeploy.reference.ops.pool import MaxPool
 
 
 def _epilogue(y: np.ndarray, act_min: float, act_max: float, pool_kernel_shape=None, pool_strides=None,
-              pool_pads=None, pool_dilations=None, pool_ceil_mode=0, act_max_channels=None) -> np.ndarray:
+              pool_pads=None, pool_dilations=None, pool_ceil_mode=0, act_max_channels=None,
+              lookup_function=None, lookup_params=None):
     if act_min != -np.inf or act_max != np.inf:
         y = np.clip(y, np.float32(act_min), np.float32(act_max))
     if act_max_channels is not None:  # per output channel (axis 1) upper bounds, from cross-layer equalization
         bounds = np.asarray(act_max_channels, np.float32).reshape((-1,) + (1,) * (y.ndim - 2))
         y = np.minimum(y, bounds)
+    pre = None
+    if lookup_function is not None:
+        from qdeploy.lowering.lookup import evaluate
+
+        pre = y.astype(np.float32, copy=False)
+        y = evaluate(lookup_function, lookup_params or {}, pre)
     if pool_kernel_shape is not None:
         y = MaxPool(y, kernel_shape=pool_kernel_shape, strides=pool_strides, pads=pool_pads,
                     dilations=pool_dilations, ceil_mode=pool_ceil_mode)
-    return y.astype(np.float32, copy=False)
+    y = y.astype(np.float32, copy=False)
+    return y if pre is None else (y, pre)
 
 
 def ConvGemm(x, w, b, *, group=1, strides=(1, 1), pads=(0, 0, 0, 0), dilations=(1, 1),
@@ -30,12 +40,12 @@ def ConvGemm(x, w, b, *, group=1, strides=(1, 1), pads=(0, 0, 0, 0), dilations=(
     return _epilogue(y, act_min, act_max, **window)
 
 
-def DenseGemm(x, w, b, *, act_min=-np.inf, act_max=np.inf, act_max_channels=None):
+def DenseGemm(x, w, b, *, act_min=-np.inf, act_max=np.inf, act_max_channels=None, **lookup):
     """y = clamp(x @ w^T + b, act_min, act_max) with w of shape (out, K). Row by row: BLAS sums a matrix
     product in an order that depends on the number of rows, and a sample's result must not depend on the
     batch it came in (calibration promises batch-size independence)."""
     y = np.stack([w @ row for row in x]) + b if len(x) else np.matmul(x, w.T) + b
-    return _epilogue(y, act_min, act_max, act_max_channels=act_max_channels)
+    return _epilogue(y, act_min, act_max, act_max_channels=act_max_channels, **lookup)
 
 
 def ChannelSlice(x, *, start: int, count: int):

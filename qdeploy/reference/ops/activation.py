@@ -147,6 +147,12 @@ def Mish(X: np.ndarray) -> np.ndarray:
     return (x * np.tanh(np.logaddexp(0, x))).astype(X.dtype)
 
 
+def Swish(X: np.ndarray, *, alpha: float = 1.0) -> np.ndarray:
+    """Y = X * Sigmoid(alpha * X) (SiLU when alpha = 1). Spec: Swish-24
+    (https://onnx.ai/onnx/operators/onnx__Swish.html)."""
+    return (X * Sigmoid(X * X.dtype.type(alpha))).astype(X.dtype, copy=False)
+
+
 def PRelu(X: np.ndarray, slope: np.ndarray) -> np.ndarray:
     """Y = slope * X for X < 0, X otherwise; slope broadcasts to X (unidirectionally).
     Spec: PRelu-16 (https://onnx.ai/onnx/operators/onnx__PRelu.html)."""
