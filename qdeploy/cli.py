@@ -15,10 +15,13 @@ from isa.kinds import ARRAY_KINDS, LAYOUT_KINDS, Kind, handler
 from isa.target import TargetError
 from qdeploy.errors import BadInput, QdeployError, one_line
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+# Plain (click) help and usage errors: typer's rich formatting imports rich and markdown_it, about 80 ms of the
+# 0.3 s start-up budget (bench/startup.py, python -X importtime -m qdeploy --help).
+PLAIN = {"rich_markup_mode": None}
+app = typer.Typer(add_completion=False, no_args_is_help=True, **PLAIN,
                   help="Deploy float ONNX CNNs onto int8 matrix-only accelerators.")
-vectors_app = typer.Typer(no_args_is_help=True, help="Golden test vectors for RTL verification.")
-target_app = typer.Typer(no_args_is_help=True, help="Accelerator target configuration.")
+vectors_app = typer.Typer(no_args_is_help=True, help="Golden test vectors for RTL verification.", **PLAIN)
+target_app = typer.Typer(no_args_is_help=True, help="Accelerator target configuration.", **PLAIN)
 app.add_typer(vectors_app, name="vectors")
 app.add_typer(target_app, name="target")
 
