@@ -308,8 +308,8 @@ def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD,
     equalize: measure the cross-layer-equalized graph (qdeploy/lowering/equalize.py); the table records it and
       the compiler lowers the model the same way.
     progress: called as progress(samples_done, samples_total) after each batch.
-    threads: worker threads that run slices of each batch side by side, BLAS held to one thread meanwhile
-      (default: the CPUs this process may use); the result does not depend on it (_Collector.run_in_slices)."""
+    threads: worker threads that run slices of each batch side by side (default: the CPUs this process may use);
+      BLAS is held to one thread throughout. The result does not depend on it (_Collector.run_in_slices)."""
     start = time.perf_counter()
     if method not in THRESHOLD_METHODS:
         raise BadInput(f"--method {method}: unknown method (known: {', '.join(THRESHOLD_METHODS)})")
@@ -324,12 +324,14 @@ def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD,
                        f"rescales them; use one or the other")
     cache = read_tensorrt_cache(tensorrt_cache) if tensorrt_cache is not None else None
 
-    imported = import_onnx(model, input_shapes, widen_scales=True)  # only the float graph is calibrated here
+    with one_blas_thread():  # the import's shape probe runs batch-1 GEMMs, too small for BLAS threads to pay
+        imported = import_onnx(model, input_shapes, widen_scales=True)  # only the float graph is calibrated here
     stated = imported.quantization
     if equalize and stated is not None:
         raise BadInput(f"{model}: --equalize rescales the weights, and this pre-quantized model's integer weights "
                        f"are fixed; calibrate without --equalize")
-    lowering = lower_graph(Path(model), imported.graph, equalize)
+    with one_blas_thread():
+        lowering = lower_graph(Path(model), imported.graph, equalize)
     graph = lowering.graph
     names = calibration_tensors(graph)
     fan_in = consumer_fan_in(lowering)
@@ -352,9 +354,9 @@ def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD,
             helpers = [_Collector(graph, names, keep_sample_sums=True) for _ in range(threads)] if threads > 1 else []
             with contextlib.ExitStack() as stack:
                 batches = stack.enter_context(contextlib.closing(source.batches(batch_size)))
+                stack.enter_context(one_blas_thread())
                 if helpers:
                     pool = stack.enter_context(ThreadPoolExecutor(threads, thread_name_prefix="qdeploy-calibrate"))
-                    stack.enter_context(one_blas_thread())
                 for batch in batches:
                     feeds = bind_inputs(graph, batch.arrays, source.source)
                     if helpers:
