@@ -245,7 +245,12 @@ def run(model: Path = typer.Argument(..., help="An .onnx model (float reference 
         raise BadInput(f"{model}: --lowered and --input-shape apply to .onnx models, --dequantize to .qdp programs")
     arrays = load_arrays(input)
     check_samples(arrays, str(input))
-    outputs = _api().run(model, arrays, parse_input_shapes(input_shape), lowered=lowered, dequantize=dequantize)
+    if program_file:  # the simulator alone: no onnx or compiler imports (qdeploy/execute.py)
+        from qdeploy.execute import run_program_file
+
+        outputs = run_program_file(model, arrays, dequantize=dequantize)
+    else:
+        outputs = _api().run(model, arrays, parse_input_shapes(input_shape), lowered=lowered)
     save_arrays(output, outputs)
     typer.echo(f"wrote {output} ({', '.join(f'{k} {v.shape}' for k, v in outputs.items())})")
 
