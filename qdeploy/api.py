@@ -12,6 +12,7 @@ import numpy as np
 from calib.table import CalibrationTable
 from qdeploy.binding import bind_inputs, bind_program_inputs
 from qdeploy.errors import BadInput, QdeployError
+from qdeploy.execute import run_program_file  # noqa: F401 (part of the API)
 from qdeploy.lowering import LoweringResult, lower, require_lowered
 from qdeploy.onnx_import import import_onnx
 from qdeploy.prequantized import ModelQuantization
@@ -20,8 +21,7 @@ from qdeploy.quantize import CompileOptions, LayerReport, compile_graph
 from qdeploy.reference import run_graph, run_host_op
 from qdeploy.summary import ModelSummary, summarize
 from isa.target import Target, TargetError, load_target
-from simulator.machine import Machine, ProgramInputError
-from simulator.machine import dequantize as dequantize_tensor
+from simulator.machine import ProgramInputError
 from simulator.perf import PerfReport, estimate_program, trace_fused_ops
 
 InputShapes = dict[str, tuple[int | None, ...]]
@@ -152,24 +152,6 @@ def export_vectors(program: str | os.PathLike, input: str | os.PathLike, output:
                              source={"program": str(program), "input": str(input)})
     except (VectorError, ProgramInputError) as error:
         raise BadInput(f"{program}: {error}") from error
-
-
-def run_program_file(program: str | os.PathLike | Program, inputs: dict[str, np.ndarray] | np.ndarray,
-                     dequantize: bool = False) -> dict[str, np.ndarray]:
-    """Run a compiled program on the simulator; int8/uint8 outputs, or float with `dequantize`.
-    Float inputs are quantized with the program's input scale; integer inputs are taken as quantized."""
-    source = str(program) if not isinstance(program, Program) else "program"
-    program = program if isinstance(program, Program) else read_program(program)
-    inputs = bind_program_inputs(program, inputs, source)
-    machine = Machine(program)
-    machine.host = run_host_op
-    try:
-        result = machine.run(inputs)
-    except ProgramInputError as error:
-        raise BadInput(f"{source}: {error}") from error
-    if dequantize:
-        return {name: dequantize_tensor(program, name, q) for name, q in result.outputs.items()}
-    return result.outputs
 
 
 def run(model: str | os.PathLike | Program, inputs: dict[str, np.ndarray] | np.ndarray,

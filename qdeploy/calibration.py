@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -41,7 +42,7 @@ from qdeploy.ir import Graph, topological_order
 from qdeploy.lowering.equalize import equalizable_pairs
 from isa.kinds import LAYOUT_KINDS, VIEW_KINDS
 from qdeploy.lowering import LoweringResult
-from qdeploy.reference.executor import run_node
+from qdeploy.reference.executor import blas_threads_limitable, default_threads, one_blas_thread, run_node
 
 Progress = Callable[[int, int], None]  # (samples done, samples in total)
 
@@ -168,6 +169,31 @@ class _Collector:
             raise BadInput(f"tensor '{name}' has {error.value} for sample {first_sample + error.index // per_sample} "
                            f"(non-finite values cannot be calibrated)") from None
 
+    def run_in_slices(self, feeds: dict[str, np.ndarray], first_sample: int, helpers: list[_Collector],
+                      pool: ThreadPoolExecutor) -> None:
+        """Run one batch as len(helpers) slices of consecutive samples side by side, helper i (a collector with
+        keep_sample_sums) on slice i in `pool`, then add the helpers' per-sample channel sums here in sample
+        order. Every sample's float values are those of a single-thread run (each op computes each sample on
+        its own: Conv's matmul per sample, DenseGemm row by row), the histograms are a function of the multiset
+        of values (calib/histogram.py) and the sums keep sample order, so the statistics do not depend on the
+        number of threads. The helpers' histograms join this collector's in `merge_histograms`."""
+        batch = min(array.shape[0] for array in feeds.values())
+        bounds = [batch * i // len(helpers) for i in range(len(helpers) + 1)]
+        jobs = [(helper, {name: array[a:b] for name, array in feeds.items()}, first_sample + a)
+                for helper, a, b in zip(helpers, bounds[:-1], bounds[1:]) if b > a]
+        for _ in pool.map(lambda job: job[0].run(job[1], job[2]), jobs):
+            pass
+        for helper, _, _ in jobs:
+            for name, per_sample in helper.sample_sums.items():
+                self.add_channel_sums(name, per_sample, helper.channel_counts[name])
+            helper.sample_sums.clear()
+            helper.channel_counts.clear()
+
+    def merge_histograms(self, helpers: list[_Collector]) -> None:
+        for helper in helpers:
+            for name, histogram in helper.histograms.items():
+                self.histograms[name].merge(histogram)
+
     def run(self, feeds: dict[str, np.ndarray], first_sample: int) -> None:
         graph = self.graph
         env: dict[str, np.ndarray] = {}
@@ -266,7 +292,7 @@ def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD,
               percentile: float = DEFAULT_PERCENTILE, preprocess: Preprocess | None = None, strict: bool = False,
               tensorrt_cache: str | os.PathLike | None = None, input_shapes: InputShapes | None = None,
               equalize: bool = False, progress: Progress | None = None,
-              cluster: str | None = None) -> CalibrationResult:
+              cluster: str | None = None, threads: int | None = None) -> CalibrationResult:
     """Choose an activation threshold |T| for every tensor the int8 program of `model` quantizes.
 
     data: a folder of images (preprocessed per `preprocess`; H, W default to the model input's), a .npy/.npz
@@ -281,7 +307,9 @@ def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD,
       of the tensors it names (records get method "tensorrt-cache"; amax and histogram still come from data).
     equalize: measure the cross-layer-equalized graph (qdeploy/lowering/equalize.py); the table records it and
       the compiler lowers the model the same way.
-    progress: called as progress(samples_done, samples_total) after each batch."""
+    progress: called as progress(samples_done, samples_total) after each batch.
+    threads: worker threads that run slices of each batch side by side (default: the CPUs this process may use);
+      BLAS is held to one thread throughout. The result does not depend on it (_Collector.run_in_slices)."""
     start = time.perf_counter()
     if method not in THRESHOLD_METHODS:
         raise BadInput(f"--method {method}: unknown method (known: {', '.join(THRESHOLD_METHODS)})")
@@ -296,12 +324,14 @@ def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD,
                        f"rescales them; use one or the other")
     cache = read_tensorrt_cache(tensorrt_cache) if tensorrt_cache is not None else None
 
-    imported = import_onnx(model, input_shapes, widen_scales=True)  # only the float graph is calibrated here
+    with one_blas_thread():  # the import's shape probe runs batch-1 GEMMs, too small for BLAS threads to pay
+        imported = import_onnx(model, input_shapes, widen_scales=True)  # only the float graph is calibrated here
     stated = imported.quantization
     if equalize and stated is not None:
         raise BadInput(f"{model}: --equalize rescales the weights, and this pre-quantized model's integer weights "
                        f"are fixed; calibrate without --equalize")
-    lowering = lower_graph(Path(model), imported.graph, equalize)
+    with one_blas_thread():
+        lowering = lower_graph(Path(model), imported.graph, equalize)
     graph = lowering.graph
     names = calibration_tensors(graph)
     fan_in = consumer_fan_in(lowering)
@@ -318,13 +348,25 @@ def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD,
         collector = _Collector(graph, names)
         collect_start = time.perf_counter()
         if cluster is None:
-            with contextlib.closing(source.batches(batch_size)) as batches:
+            threads = min(batch_size, default_threads() if threads is None else max(1, int(threads)))
+            if not blas_threads_limitable():
+                threads = 1  # BLAS's own threads and ours would oversubscribe the cores
+            helpers = [_Collector(graph, names, keep_sample_sums=True) for _ in range(threads)] if threads > 1 else []
+            with contextlib.ExitStack() as stack:
+                batches = stack.enter_context(contextlib.closing(source.batches(batch_size)))
+                stack.enter_context(one_blas_thread())
+                if helpers:
+                    pool = stack.enter_context(ThreadPoolExecutor(threads, thread_name_prefix="qdeploy-calibrate"))
                 for batch in batches:
                     feeds = bind_inputs(graph, batch.arrays, source.source)
-                    collector.run(feeds, batch.start)
+                    if helpers:
+                        collector.run_in_slices(feeds, batch.start, helpers, pool)
+                    else:
+                        collector.run(feeds, batch.start)
                     samples += batch.size
                     if progress is not None:
                         progress(samples, source.samples)
+            collector.merge_histograms(helpers)
             warnings += source.warnings
         else:
             from qdeploy.cluster import ShardData

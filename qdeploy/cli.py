@@ -15,10 +15,13 @@ from isa.kinds import ACTIVATION_GEMM_KINDS, ARRAY_KINDS, LAYOUT_KINDS, Kind, ha
 from isa.target import TargetError
 from qdeploy.errors import BadInput, QdeployError, one_line
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+# Plain (click) help and usage errors: typer's rich formatting imports rich and markdown_it, about 80 ms of the
+# 0.3 s start-up budget (bench/startup.py, python -X importtime -m qdeploy --help).
+PLAIN = {"rich_markup_mode": None}
+app = typer.Typer(add_completion=False, no_args_is_help=True, **PLAIN,
                   help="Deploy float ONNX CNNs onto int8 matrix-only accelerators.")
-vectors_app = typer.Typer(no_args_is_help=True, help="Golden test vectors for RTL verification.")
-target_app = typer.Typer(no_args_is_help=True, help="Accelerator target configuration.")
+vectors_app = typer.Typer(no_args_is_help=True, help="Golden test vectors for RTL verification.", **PLAIN)
+target_app = typer.Typer(no_args_is_help=True, help="Accelerator target configuration.", **PLAIN)
 app.add_typer(vectors_app, name="vectors")
 app.add_typer(target_app, name="target")
 
@@ -263,7 +266,12 @@ def run(model: Path = typer.Argument(..., help="An .onnx model (float reference 
         raise BadInput(f"{model}: --lowered and --input-shape apply to .onnx models, --dequantize to .qdp programs")
     arrays = load_arrays(input)
     check_samples(arrays, str(input))
-    outputs = _api().run(model, arrays, parse_input_shapes(input_shape), lowered=lowered, dequantize=dequantize)
+    if program_file:  # the simulator alone: no onnx or compiler imports (qdeploy/execute.py)
+        from qdeploy.execute import run_program_file
+
+        outputs = run_program_file(model, arrays, dequantize=dequantize)
+    else:
+        outputs = _api().run(model, arrays, parse_input_shapes(input_shape), lowered=lowered)
     save_arrays(output, outputs)
     typer.echo(f"wrote {output} ({', '.join(f'{k} {v.shape}' for k, v in outputs.items())})")
 

@@ -65,6 +65,17 @@ def test_table_does_not_depend_on_batch_size(resnet_style_onnx, image_dir):
             assert abs(twin.threshold - record.threshold) <= record.bin_width * (1 + 1e-5), name
 
 
+def test_table_is_bit_identical_across_thread_counts_and_batch_splits(mobilenetv2_style_onnx, image_dir):
+    """Slices of a batch run in threads (qdeploy/calibration.py _Collector.run_in_slices): every record
+    (threshold, amax, histogram counts, channel means) is the same for 1, 2 or 3 threads and any batch size."""
+    runs = [(12, 1), (12, 2), (5, 3), (4, 2), (1, 2)]
+    tables = [calibrate(mobilenetv2_style_onnx, image_dir, num_samples=12, batch_size=batch, threads=threads).table
+              for batch, threads in runs]
+    assert tables[0].records["input"].amax > 0 and any(r.channel_mean for r in tables[0].records.values())
+    for (batch, threads), table in zip(runs[1:], tables[1:]):
+        assert table.records == tables[0].records, (batch, threads)
+
+
 def test_memory_does_not_grow_with_the_number_of_samples(resnet_style_onnx, image_dir):
     # From 16 samples (4 batches) on, the bounded prefetch queue is full; fewer samples never fill it and
     # peak about 0.5 MB lower, which is the queue, not growth with the data (measured: 8 -> 7.1 MB,

@@ -109,10 +109,10 @@ def test_installed_console_script_exits_2_without_traceback(tmp_path):
 
 
 def test_help_and_usage_errors_import_no_heavy_module():
-    """`qdeploy --help` and a usage error parse arguments only: numpy, numba, onnx and matplotlib stay unloaded
-    (their import is most of a command's start-up; bench/startup.py measures it)."""
+    """`qdeploy --help` and a usage error parse arguments only: numpy, numba, onnx, matplotlib and rich (typer's
+    rich help) stay unloaded (their import is most of a command's start-up; bench/startup.py measures it)."""
     script = ("import sys\nfrom typer.testing import CliRunner\nfrom qdeploy.cli import app\n"
               "codes = [CliRunner().invoke(app, args).exit_code for args in (['--help'], ['compile', '--calib', 'x'])]\n"
-              "print(codes, sorted(m for m in ('numpy', 'numba', 'onnx', 'matplotlib') if m in sys.modules))")
+              "print(codes, sorted(m for m in ('numpy', 'numba', 'onnx', 'matplotlib', 'rich') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[0, 2] []"

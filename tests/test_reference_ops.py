@@ -63,6 +63,21 @@ def test_depthwise_conv_with_dilation_strides_and_asymmetric_pads_matches_onnxru
     assert_close_to_onnxruntime(ours, run_onnxruntime("Conv", x, w, b, **attrs), terms=9)
 
 
+def test_depthwise_conv_with_column_stride_matches_onnxruntime_and_each_sample_alone():
+    """The one-pass depthwise kernel (reference/ops/_depthwise.py) with a 5x5 kernel, column stride 2 (its
+    non-contiguous path) and padding; a sample gives the same bits alone as in its batch (calibration's slices
+    and batch sizes rely on it)."""
+    x = rng.standard_normal((3, 5, 13, 16), dtype=np.float32)
+    w = rng.standard_normal((5, 1, 5, 5), dtype=np.float32)
+    b = rng.standard_normal(5, dtype=np.float32)
+    attrs = dict(group=5, strides=[1, 2], pads=[2, 2, 2, 1])
+    ours = run("Conv", x, w, b, **attrs)
+    assert ours.shape == (3, 5, 13, 8)  # (13 + 4 - 5) // 1 + 1, (16 + 3 - 5) // 2 + 1
+    assert_close_to_onnxruntime(ours, run_onnxruntime("Conv", x, w, b, **attrs), terms=25)
+    for i in range(len(x)):
+        assert_array_equal(run("Conv", x[i:i + 1], w, b, **attrs), ours[i:i + 1])
+
+
 def test_depthwise_conv_with_channel_multiplier_and_same_lower_matches_onnxruntime():
     x = rng.standard_normal((3, 4, 10, 9), dtype=np.float32)
     w = rng.standard_normal((8, 1, 3, 2), dtype=np.float32)  # 2 output channels per input channel

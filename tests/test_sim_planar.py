@@ -204,3 +204,22 @@ def test_execute_keeps_its_contract(mobilenetv2_style_onnx, mobilenet_table):
             assert acc_fast.shape == acc_old.shape
             assert_array_equal(acc_fast, acc_old)
         env_fast[instr["output"]], env_old[instr["output"]] = y_fast, y_old
+
+
+def test_machine_outputs_do_not_depend_on_threads_or_batch_splits(mobilenetv2_style_onnx, mobilenet_table):
+    """Each image's integers are the same whether it runs alone, in a batch of 7 on 1 or 3 threads, or in a
+    batch cut into uneven parts (Machine.run cuts a batch into slices that threads run side by side)."""
+    from qdeploy import api
+    from simulator.machine import Machine
+
+    program = api.compile(mobilenetv2_style_onnx, mobilenet_table).program
+    name, out = program.inputs[0], program.outputs[0]
+    x = small_images(7, 2, "eval")
+    whole = Machine(program, threads=1).run({name: x}).outputs[out]
+    assert len(np.unique(whole, axis=0)) == len(x)  # the images really differ
+    three = Machine(program, threads=3).run({name: x}).outputs[out]
+    alone = np.concatenate([Machine(program, threads=2).run({name: x[i:i + 1]}).outputs[out] for i in range(7)])
+    parts = np.concatenate([Machine(program, threads=2).run({name: x[a:b]}).outputs[out]
+                            for a, b in ((0, 2), (2, 3), (3, 7))])
+    for result in (three, alone, parts):
+        assert_array_equal(result, whole)

@@ -32,7 +32,6 @@ from __future__ import annotations
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -43,16 +42,9 @@ from qdeploy.ir import Graph
 from isa.instructions import Instruction
 from isa.kinds import LAYOUT_KINDS, WEIGHTED_GEMM_KINDS, Kind
 from qdeploy.program import Program
-from qdeploy.reference.executor import run_node
+from qdeploy.reference.executor import blas_threads_limitable, one_blas_thread, run_node
 from qdeploy.reports.metrics import SqnrAccumulator, as_logits, cosine_per_sample, top_k
 from simulator.machine import Machine, dequantize, quantize_input
-
-try:  # optional, speed only, as in simulator/machine.py: BLAS held to one thread while slices run in threads
-    from threadpoolctl import ThreadpoolController
-except ImportError:  # pragma: no cover - then every batch is walked in one thread
-    ThreadpoolController = None
-_blas_controller = None
-
 
 
 @dataclass
@@ -187,7 +179,7 @@ class Evaluator:
             for instr in self.records if instr.kind in WEIGHTED_GEMM_KINDS}
         self.samples = 0
         self.threads = max(1, len(os.sched_getaffinity(0)) if threads is None else int(threads))
-        if any(instr.kind == Kind.HOST for instr in self.records) or ThreadpoolController is None:
+        if any(instr.kind == Kind.HOST for instr in self.records) or not blas_threads_limitable():
             self.threads = 1
         self._pool: ThreadPoolExecutor | None = None
 
@@ -217,7 +209,7 @@ class Evaluator:
             slices = [{name: array[a:b] for name, array in feeds.items()} for a, b in zip(bounds[:-1], bounds[1:])]
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="qdeploy-report")
-            with _one_blas_thread():
+            with one_blas_thread():
                 walks = list(self._pool.map(self._walk, slices))
         return walks
 
@@ -305,15 +297,6 @@ class Evaluator:
             peer.top.append(top_k(rows))
             peer.cosine.append(cosine_per_sample(f, rows))
         self.samples += len(f)
-
-
-def _one_blas_thread():
-    global _blas_controller
-    if ThreadpoolController is None:
-        return nullcontext()
-    if _blas_controller is None:
-        _blas_controller = ThreadpoolController()
-    return _blas_controller.limit(limits=1, user_api="blas")
 
 
 def check_original(original: Graph, feeds: dict[str, np.ndarray], lowered_output: np.ndarray,

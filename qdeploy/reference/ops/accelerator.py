@@ -15,11 +15,12 @@ from qdeploy.reference.ops.pool import MaxPool
 def _epilogue(y: np.ndarray, act_min: float, act_max: float, pool_kernel_shape=None, pool_strides=None,
               pool_pads=None, pool_dilations=None, pool_ceil_mode=0, act_max_channels=None,
               lookup_function=None, lookup_params=None):
+    # y is the op's own fresh array (its GEMM's or sum's result), so the clamps work in place: one pass less.
     if act_min != -np.inf or act_max != np.inf:
-        y = np.clip(y, np.float32(act_min), np.float32(act_max))
+        y = np.clip(y, np.float32(act_min), np.float32(act_max), out=y if y.dtype == np.float32 else None)
     if act_max_channels is not None:  # per output channel (axis 1) upper bounds, from cross-layer equalization
         bounds = np.asarray(act_max_channels, np.float32).reshape((-1,) + (1,) * (y.ndim - 2))
-        y = np.minimum(y, bounds)
+        y = np.minimum(y, bounds, out=y if y.dtype == np.float32 else None)
     pre = None
     if lookup_function is not None:
         from qdeploy.lowering.lookup import evaluate

@@ -52,7 +52,15 @@ def Conv(X: np.ndarray, W: np.ndarray, B: np.ndarray | None = None, *, auto_pad:
     weights = W.astype(compute, copy=False).reshape(groups, out_channels // groups, depth)
     Y = np.empty((batch, groups, out_channels // groups, size), dtype=compute)
 
-    if all(k == 1 for k in kernel):
+    if (group == channels == out_channels and len(kernel) == 2 and compute == np.float32
+            and not all(k == 1 for k in kernel)):
+        # Depthwise: one pass over each plane (no im2col; _depthwise.py, imported here as it loads Numba).
+        from qdeploy.reference.ops._depthwise import depthwise_conv2d
+
+        out = Y.reshape((batch, channels) + geometry.out_shape)
+        depthwise_conv2d(np.ascontiguousarray(padded), np.ascontiguousarray(weights.reshape((channels,) + kernel)),
+                         np.asarray(geometry.strides, np.int64), np.asarray(geometry.dilations, np.int64), out)
+    elif all(k == 1 for k in kernel):
         # A 1x1 kernel needs no im2col: the (strided) input is the column matrix.
         strided = padded[(slice(None), slice(None)) + tuple(geometry.offsets())[0]]
         np.matmul(weights, strided.reshape(batch, groups, depth, size), out=Y)

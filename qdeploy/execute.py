@@ -1,0 +1,34 @@
+"""Running a compiled program on the simulator, importing only what that needs (the program reader, the
+simulator, the host-op executor; no onnx, no compiler), so `qdeploy run m.qdp` starts faster than a command
+that loads the whole API (bench/process.py measures the whole process)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from qdeploy.binding import bind_program_inputs
+from qdeploy.errors import BadInput
+from qdeploy.program import Program, read_program
+from qdeploy.reference import run_host_op
+from simulator.machine import Machine, ProgramInputError
+from simulator.machine import dequantize as dequantize_tensor
+
+
+def run_program_file(program: str | os.PathLike | Program, inputs: dict[str, np.ndarray] | np.ndarray,
+                     dequantize: bool = False) -> dict[str, np.ndarray]:
+    """Run a compiled program on the simulator; int8/uint8 outputs, or float with `dequantize`.
+    Float inputs are quantized with the program's input scale; integer inputs are taken as quantized."""
+    source = str(program) if not isinstance(program, Program) else "program"
+    program = program if isinstance(program, Program) else read_program(program)
+    inputs = bind_program_inputs(program, inputs, source)
+    machine = Machine(program)
+    machine.host = run_host_op
+    try:
+        result = machine.run(inputs)
+    except ProgramInputError as error:
+        raise BadInput(f"{source}: {error}") from error
+    if dequantize:
+        return {name: dequantize_tensor(program, name, q) for name, q in result.outputs.items()}
+    return result.outputs
