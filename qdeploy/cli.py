@@ -161,6 +161,9 @@ def _describe_array_instruction(program, instr) -> str:
     if instr.stage.clamp_per_channel is not None:
         bounds = program.arrays[instr.stage.clamp_per_channel.array]
         text += f" per-channel upper bounds {int(bounds.min())}..{int(bounds.max())}"
+    if getattr(instr, "upsample", None) is not None or getattr(instr, "pad_fill", None) is not None:
+        text += (f" read x{'x'.join(map(str, instr.upsample or (1, 1)))} {instr.upsample_fill or ''} "
+                 f"pad {instr.pad_fill or 'zero'}")
     return text
 
 
@@ -208,6 +211,9 @@ def _print_lowering(result) -> None:
             kh, kw = geometry["kernel"]
             shape = (f"im2col {kh}x{kw}/{geometry['strides'][0]} pad {geometry['pads']} "
                      f"{'x'.join(map(str, geometry['input']))}->{'x'.join(map(str, geometry['output']))}")
+            if "upsample" in geometry:
+                shape += (f" read x{'x'.join(map(str, geometry['upsample']))} {geometry['upsample_fill'] or ''} "
+                          f"pad {geometry['pad_fill']} ({geometry['zero_macs']:,} MACs on zeros)")
         groups = f" groups={instr.groups}" if instr.groups > 1 else ""
         echo(f"  {instr.kind:<9} {instr.name:<{width}} M={instr.m:<6} N={instr.n:<5} K={instr.k:<5}{groups:<12} "
              f"{shape}  {_format_epilogue(instr.epilogue)}")
@@ -709,6 +715,11 @@ def _print_perf(perf) -> None:
          f"writes {_size(t['write_bytes'])} instead of {_size(t['unfused_write_bytes'])} "
          f"({change(t['write_bytes'], t['unfused_write_bytes'])}), reads {_size(t['read_bytes'])} instead of "
          f"{_size(t['unfused_read_bytes'])} ({change(t['read_bytes'], t['unfused_read_bytes'])})")
+    wasted = [layer for layer in perf.layers if layer.zero_macs]
+    if wasted:
+        echo(f"MACs on zeros of upsampled reads (ConvTranspose's inserted zeros, zero padding), run and wasted: "
+             f"{t['zero_macs']:,} of {t['macs']:,} ({100 * t['zero_macs'] / t['macs']:.1f}%): " + ", ".join(
+                 f"{layer.name} {100 * layer.zero_macs / layer.macs:.0f}%" for layer in wasted))
     echo(f"ESTIMATED total: {t['cycles']:,} cycles = {t['time_us']:,.1f} us at {array['clock_mhz']:g} MHz "
          f"(unfused {t['unfused_cycles']:,} cycles = {t['unfused_time_us']:,.1f} us)"
          + (f"; {len(perf.host_ops)} host op(s) not included" if perf.host_ops else ""))

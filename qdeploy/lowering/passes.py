@@ -21,7 +21,7 @@ from qdeploy.lowering.instructions import INSTRUCTION_OPS, has_window_max, is_ch
 from qdeploy.lowering.rules import (EPILOGUE_OPS, LOWERING, affine_of, batchnorm_scale_shift,
                                     finite_weights, identity_gemm)
 
-GEMM_OPS = ("Conv", "Gemm", "MatMul")
+GEMM_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
 INF = float("inf")
 
 
@@ -46,7 +46,8 @@ def _lower_where(graph: Graph, ops) -> Graph:
 
 
 def lower_gemm_ops(graph: Graph) -> Graph:
-    """Conv -> ConvGemm (im2col), Gemm/MatMul with constant weights -> DenseGemm."""
+    """Conv -> ConvGemm (im2col), ConvTranspose -> ConvGemm reading zero-inserted input, Gemm/MatMul with
+    constant weights -> DenseGemm."""
     return _lower_where(graph, GEMM_OPS)
 
 

@@ -23,9 +23,31 @@ def _epilogue(y: np.ndarray, act_min: float, act_max: float, pool_kernel_shape=N
     return y.astype(np.float32, copy=False)
 
 
+def upsampled_read(x: np.ndarray, upsample=None, upsample_fill=None, pads=(0, 0, 0, 0), pad_fill=None
+                   ) -> tuple[np.ndarray, list[int]]:
+    """The ConvGemm read (isa/geometry.py): x upsampled by the integer factors `upsample` (zeros inserted, or
+    each row and column repeated), then, with pad_fill "edge", padded with its border rows; returns the array
+    and the pads left for the convolution (zeros)."""
+    if upsample is not None and tuple(upsample) != (1, 1):
+        fh, fw = upsample
+        if upsample_fill == "zero":
+            n, c, h, w = x.shape
+            up = np.zeros((n, c, (h - 1) * fh + 1, (w - 1) * fw + 1), x.dtype)
+            up[:, :, ::fh, ::fw] = x
+            x = up
+        else:
+            x = np.repeat(np.repeat(x, fh, axis=2), fw, axis=3)
+    if pad_fill == "edge":
+        top, left, bottom, right = pads
+        return np.pad(x, ((0, 0), (0, 0), (top, bottom), (left, right)), mode="edge"), [0, 0, 0, 0]
+    return x, list(pads)
+
+
 def ConvGemm(x, w, b, *, group=1, strides=(1, 1), pads=(0, 0, 0, 0), dilations=(1, 1),
-             act_min=-np.inf, act_max=np.inf, **window):
-    """y = window_max(clamp(Conv(x, w, b), act_min, act_max)): im2col + GEMM per group."""
+             act_min=-np.inf, act_max=np.inf, upsample=None, upsample_fill=None, pad_fill=None, **window):
+    """y = window_max(clamp(Conv(read(x), w, b), act_min, act_max)): im2col + GEMM per group, the read upsampled
+    and edge-padded as `upsampled_read` says."""
+    x, pads = upsampled_read(x, upsample, upsample_fill, pads, pad_fill)
     y = Conv(x, w, b, group=group, strides=list(strides), pads=list(pads), dilations=list(dilations))
     return _epilogue(y, act_min, act_max, **window)
 
