@@ -232,11 +232,11 @@ def _upsampled_read(b: _Builder, instr: Instruction, x: str) -> tuple[str, list[
     _, channels, height, width = b.program.tensors[instr.inputs[0]]["shape"]
     fh, fw = instr.upsample or (1, 1)
     if (fh, fw) != (1, 1):
-        blocks = b.node(Kind.RESHAPE, [x, b.constant(f"{name}/read_cells", np.array([0, channels, height, 1, width, 1],
+        blocks = b.node(Kind.RESHAPE, [x, b.constant(f"{name}/read_cells_shape", np.array([0, channels, height, 1, width, 1],
                                                                                    np.int64))],
                         f"{name}/read_cells", f"{name}/read_Reshape_cells")
         if instr.upsample_fill == "nearest":
-            blocks = b.node("Expand", [blocks, b.constant(f"{name}/read_block", np.array([1, 1, 1, fh, 1, fw],
+            blocks = b.node("Expand", [blocks, b.constant(f"{name}/read_block_shape", np.array([1, 1, 1, fh, 1, fw],
                                                                                           np.int64))],
                             f"{name}/read_blocks", f"{name}/read_Expand")
         else:
