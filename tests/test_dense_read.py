@@ -219,3 +219,25 @@ def test_onnx_node_tests_lower_where_the_read_can_and_match_their_outputs(tmp_pa
         (value,) = got.values()
         np.testing.assert_allclose(value, outputs[0], rtol=1e-5, atol=1e-5, err_msg=name)
     assert lowered == ON_THE_ARRAY
+
+
+def test_a_resize_nearest_before_a_conv_folds_into_its_read(tmp_path):
+    """Resize nearest x2 (asymmetric, floor: torch's nn.Upsample) -> Conv 3x3 pad 1: one ConvGemm that reads its
+    input repeated; the conv's zero padding pads the repeated input, as in the float model."""
+    nodes = [helper.make_node("Resize", ["x", "", "scales"], ["up"], name="up", mode="nearest",
+                              coordinate_transformation_mode="asymmetric", nearest_mode="floor"),
+             helper.make_node("Conv", ["up", "W", "B"], ["y"], name="conv", pads=[1, 1, 1, 1])]
+    model = make_model(nodes, [("x", ["N", 2, 3, 4])], [("y", ["N", 3, 6, 8])],
+                       {"scales": np.array([1, 1, 2, 2], np.float32), "W": rng_weights(0, 3, 2, 3, 3),
+                        "B": rng_weights(1, 3)})
+    path = save(model, tmp_path / "fold.onnx")
+    (instr,) = api.lower_model(path).instructions
+    assert (instr.name, instr.geometry["upsample"], instr.geometry["upsample_fill"]) == ("conv", [2, 2], "nearest")
+    assert instr.geometry["output"] == [3, 6, 8] and instr.geometry["zero_macs"] > 0  # the zero padding's taps
+    want = run_onnxruntime(path, {"x": X})[0]
+    np.testing.assert_allclose(api.run(path, X, lowered=True)["y"], want, rtol=0, atol=1e-5 * np.max(np.abs(want)))
+    program = api.compile(path, max_table(path, X)).program
+    run = Machine(program).run({"x": X}, dump=True)
+    (record,) = program.instructions
+    expected = reference.run_instruction(record, [run.tensors["x"]], program.arrays, Arithmetic(), "int8")
+    np.testing.assert_array_equal(run.tensors["y"], expected)

@@ -222,6 +222,40 @@ def fuse_epilogues(graph: Graph) -> Graph:
     return graph
 
 
+def _repeating_read(graph: Graph, node: Node) -> bool:
+    """A ConvGemm that only repeats its input (a lowered Resize nearest): 1x1 depthwise, weight 1, bias 0, a
+    `nearest` read with zero padding, no epilogue."""
+    if node.op != Kind.CONV_GEMM or node.attrs.get("upsample_fill") != "nearest" or node.attrs.get("pad_fill") \
+            or not _plain(node) or any(node.attrs["pads"]):
+        return False
+    weight, bias = graph.constant_data(node.inputs[1]), graph.constant_data(node.inputs[2])
+    return weight.shape[1:] == (1, 1, 1) and int(node.attrs["group"]) == weight.shape[0] and \
+        bool(np.all(weight == 1)) and not np.any(bias) and "act_max_channels" not in node.attrs
+
+
+def fold_upsample_into_conv(graph: Graph) -> Graph:
+    """A Resize nearest (lowered to a repeating read, `_repeating_read`) whose only reader is a ConvGemm with a
+    plain read folds into that read: conv(repeat(x)) reads x with the factor and fill `nearest`, and the zero
+    padding of the conv pads the repeated input as before (isa/geometry.py read_source). One instruction and one
+    stored tensor fewer; the MACs are the conv's."""
+    producers, consumers = graph.producers(), graph.consumers()
+    replaced: dict[str, Node] = {}
+    removed: set[str] = set()
+    for node in graph.nodes:
+        if node.op != Kind.CONV_GEMM or node.attrs.get("upsample") or node.attrs.get("pad_fill"):
+            continue
+        producer = _sole_producer(graph, node, producers, consumers)
+        if producer is None or producer.name in removed or not _repeating_read(graph, producer):
+            continue
+        replaced[node.name] = node.replace(
+            inputs=[producer.inputs[0], *node.inputs[1:]],
+            attrs={**node.attrs, "upsample": list(producer.attrs["upsample"]), "upsample_fill": "nearest"})
+        removed.add(producer.name)
+    if not replaced:
+        return graph
+    return graph.with_nodes([replaced.get(n.name, n) for n in graph.nodes if n.name not in removed])
+
+
 def lower_standalone_epilogues(graph: Graph) -> Graph:
     """An activation or MaxPool that could not fuse (its input is a graph input, a layout op's output, or
     read elsewhere too) runs in the output stage of an identity GEMM (weight 1, K = 1 per channel)."""
@@ -368,12 +402,13 @@ LOWER: list[Pass] = [
     lower_remaining_ops,  # standalone BN/affine, residual Add, average pooling -> GEMMs
     split_to_slices,  # a Split left on the host -> one host Slice per output (a host step writes one tensor)
     fuse_epilogues,  # Relu/Clip/MaxPool -> output stage of their producer
+    fold_upsample_into_conv,  # Resize nearest -> Conv: the conv reads the input repeated
     lower_standalone_epilogues,  # the rest of them -> identity GEMM with that output stage
     copy_shared_concat_inputs,  # a Concat input no exclusive instruction writes -> identity GEMM copy
     eliminate_dead_nodes,
 ]
 
 
-__all__ = ["LOWER", "copy_shared_concat_inputs", "lower_channel_permutations", "split_to_slices", "fold_batchnorm", "fold_constant_affine", "fuse_epilogues",
+__all__ = ["LOWER", "copy_shared_concat_inputs", "fold_upsample_into_conv", "lower_channel_permutations", "split_to_slices", "fold_batchnorm", "fold_constant_affine", "fuse_epilogues",
            "lower_gemm_ops",
            "lower_remaining_ops", "lower_standalone_epilogues"]
