@@ -23,3 +23,20 @@ def test_the_trained_segmenter_keeps_20_db_and_its_argmax_map(exported, unsigned
     assert row["float_stroke_iou"] > 0.7, row  # it learned: 0.853 after 2 epochs (all-stroke would score 0.11)
     assert row["sqnr_db"] >= 20, row  # measured 42.8 dB signed, 42.5 dB unsigned
     assert row["argmax_agreement"] >= 0.99, row  # 99.91% / 99.91%
+
+
+def test_the_report_gives_the_argmax_map_agreement_and_each_outputs_sqnr(exported, tmp_path):
+    from qdeploy import api
+    from qdeploy.calibration import calibrate
+
+    table = calibrate(exported, segment.calibration_canvases(), "kl", num_samples=16, batch_size=16).table
+    program = api.compile(exported, table).program
+    canvases = segment.held_out(count=16).x
+    document = api.report(exported, program, canvases, tmp_path / "report").document
+    y_float = next(iter(api.run(exported, canvases).values()))
+    y_int8 = next(iter(api.run(program, canvases, dequantize=True).values()))
+    expected = segment.dense_metrics(y_float, y_int8)
+    assert document["pixels"] == 16 * 32 * 32
+    assert document["pixel_agreement"] == pytest.approx(expected["argmax_agreement"], abs=1e-12)
+    (output,) = program.outputs
+    assert document["output_sqnr_db"][output] == pytest.approx(expected["sqnr_db"], abs=1e-6)
