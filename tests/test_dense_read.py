@@ -10,18 +10,15 @@ from __future__ import annotations
 import warnings
 
 import numpy as np
-import onnx
 import pytest
 from onnx import helper, numpy_helper
 
-from builders import make_model, rng_weights, run_onnxruntime, save
+from builders import make_model, max_calibration, rng_weights, run_onnxruntime, save
 from calib.table import CalibrationTable, TensorRecord
 from isa.geometry import zero_read_macs
-from isa.kinds import Kind
 from isa.target import Arithmetic, Target
 from qdeploy import api
 from qdeploy.errors import QdeployError
-from qdeploy.reference import run_graph
 from simulator import reference
 from simulator.machine import Machine
 from simulator.perf import estimate_program
@@ -59,12 +56,7 @@ def dense_model(tmp_path):
 
 
 def max_table(path, x: np.ndarray) -> CalibrationTable:
-    """Max thresholds from the lowered float graph's own values (a table that clips nothing)."""
-    graph = api.lower_model(path).graph
-    names = [name for name, tensor in graph.tensors.items() if not tensor.is_constant]
-    values = run_graph(graph, {"x": x}, names)
-    return CalibrationTable({name: TensorRecord(name, "max", float(np.max(np.abs(values[name]))) or 1.0)
-                             for name in names}, "max", 0)
+    return max_calibration(path, {"x": x})
 
 
 X = np.random.default_rng(7).standard_normal((2, 2, 3, 4)).astype(np.float32)
