@@ -27,11 +27,12 @@ def pool_output_size(size: int, kernel: int, stride: int, pad_begin: int, pad_en
 # upsampled by an integer factor f per axis, then padded, before the window slides over it. No arithmetic:
 # addresses only. With fill `zero` (ConvTranspose) input row i is read at row i*f and the f-1 rows between
 # are zeros (size (H-1)*f + 1); with fill `nearest` (Resize nearest; bilinear's first half) every input row is
-# read f times (size H*f). The padding is zeros (`zero`, ONNX Conv) or the nearest border row of the upsampled
-# input (`edge`, the clamped coordinates of a half-pixel bilinear Resize).
+# read f times (size H*f). The padding is zeros (`zero`, ONNX Conv), the nearest border row of the upsampled
+# input (`edge`, the clamped coordinates of a half-pixel bilinear Resize; Pad mode edge) or its mirror image
+# without the border row (`reflect`, Pad mode reflect: position -1 reads row 1).
 
 UPSAMPLE_FILLS = ("zero", "nearest")  # how the rows between two input rows are read
-PAD_FILLS = ("zero", "edge")  # what the padding reads
+PAD_FILLS = ("zero", "edge", "reflect")  # what the padding reads
 
 
 def upsampled_size(size: int, factor: int = 1, fill: str | None = None) -> int:
@@ -45,13 +46,17 @@ def upsampled_size(size: int, factor: int = 1, fill: str | None = None) -> int:
 def read_source(position: int, size: int, factor: int, fill: str | None, pad_begin: int, pad_fill: str | None
                 ) -> int:
     """The input row that position `position` of the padded, upsampled axis reads, or -1 where it reads a zero
-    (zero padding, an inserted zero). The one definition every stage's read follows (twins, kernels, export)."""
+    (zero padding, an inserted zero). The one definition every stage's read follows (twins, kernels, export).
+    `reflect` needs pads shorter than the upsampled axis (ONNX Pad's own condition)."""
     up = upsampled_size(size, factor, fill)
     p = position - pad_begin
     if p < 0 or p >= up:
-        if pad_fill != "edge":
+        if pad_fill == "edge":
+            p = min(max(p, 0), up - 1)
+        elif pad_fill == "reflect" and up > 1:
+            p = -p if p < 0 else 2 * (up - 1) - p
+        else:
             return -1
-        p = min(max(p, 0), up - 1)
     if factor == 1:
         return p
     if fill == "zero":

@@ -12,7 +12,8 @@ How each instruction is exported (x = the input tensor, y = the output; s_x, s_y
   (M, C/g, kh, kw) = the program's (M, C/g*kh*kw) matrix, s_w = `weight_scale` (per output channel), bias
   int32 = `bias`; MaxPool (int8) is the fused window-max.
   An upsampled read (ConvTranspose, Resize) comes first as integer moves: Reshape -> Expand (nearest) or Pad
-  with 0 (zero insertion) -> Reshape [-> Slice], and Pad(mode=edge) for edge padding (`_upsampled_read`).
+  with 0 (zero insertion) -> Reshape [-> Slice], and Pad(mode=edge|reflect) for edge/reflect padding
+  (`_upsampled_read`).
 - DenseGemm: Reshape(N, K, 1, 1) -> QLinearConv 1x1 -> Reshape(N, M) [-> Clip]. QLinearMatMul has no int32
   bias input; a 1x1 QLinearConv has, and is the same GEMM.
 - AddGemm: DequantizeLinear(a), DequantizeLinear(b) -> Add -> QuantizeLinear(s_y) [-> Clip] [-> MaxPool].
@@ -227,7 +228,7 @@ def _upsampled_read(b: _Builder, instr: Instruction, x: str) -> tuple[str, list[
     so ONNX Runtime computes it exactly: each input element becomes an (fh, fw) block, Reshape (N, C, H, 1,
     W, 1) then Expand (nearest: the element repeated) or Pad with the zero point 0 (zero: the element then
     zeros), Reshape (N, C, H*fh, W*fw), and for zero fill a Slice to ((H-1)*fh + 1, (W-1)*fw + 1); edge
-    padding is Pad(mode=edge) and leaves the QLinearConv no pads. Returns (tensor, pads for the QLinearConv)."""
+    and reflect padding are Pad(mode=edge|reflect) and leaves the QLinearConv no pads. Returns (tensor, pads for the QLinearConv)."""
     name, pads = instr.name, list(instr.pads)
     _, channels, height, width = b.program.tensors[instr.inputs[0]]["shape"]
     fh, fw = instr.upsample or (1, 1)
@@ -252,11 +253,11 @@ def _upsampled_read(b: _Builder, instr: Instruction, x: str) -> tuple[str, list[
                                  b.constant(f"{name}/read_ends", ends), b.constant(f"{name}/read_axes",
                                                                                     np.array([2, 3], np.int64))],
                        f"{name}/read_inserted", f"{name}/read_Slice")
-    if instr.pad_fill == "edge":
+    if instr.pad_fill in ("edge", "reflect"):
         top, left, bottom, right = pads
         x = b.node("Pad", [x, b.constant(f"{name}/read_edges", np.array([0, 0, top, left, 0, 0, bottom, right],
                                                                         np.int64))],
-                   f"{name}/read_padded", f"{name}/read_Pad_edge", mode="edge")
+                   f"{name}/read_padded", f"{name}/read_Pad_{instr.pad_fill}", mode=instr.pad_fill)
         pads = [0, 0, 0, 0]
     return x, pads
 

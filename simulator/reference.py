@@ -246,10 +246,10 @@ def im2col(x: np.ndarray, kernel_shape: Sequence[int], strides: Sequence[int] = 
 
 def upsampled_read(x: np.ndarray, upsample, upsample_fill, pads, pad_fill) -> tuple[np.ndarray, tuple]:
     """The ConvGemm read (isa/geometry.py): element (r, s) of the upsampled, padded input is
-    x[n, c, read_source(r), read_source(s)], 0 where a source is -1; with pad_fill edge the padding is part of
-    the result and the pads left for im2col are 0."""
+    x[n, c, read_source(r), read_source(s)], 0 where a source is -1; with pad_fill edge or reflect the padding is
+    part of the result and the pads left for im2col are 0."""
     fh, fw = upsample or (1, 1)
-    edge = pad_fill == "edge"
+    edge = pad_fill in ("edge", "reflect")
     if (fh, fw) == (1, 1) and not edge:
         return x, tuple(pads)
     n_, c_, h_, w_ = x.shape

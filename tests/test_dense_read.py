@@ -154,14 +154,15 @@ def test_zero_insertion_wastes_three_macs_in_four_for_a_2x2_stride_2_transpose(t
 # --- ONNX's own node tests --------------------------------------------------------------------------------------
 
 # The 2-D cases that run on the GEMM unit; every other 2-D case stays on the host with its reason (a non-integer
-# scale, align_corners, a nearest mode that does not repeat rows, cubic, downsampling, crop-and-resize).
+# scale, align_corners, a nearest mode that does not repeat rows, cubic, downsampling, crop-and-resize; a Pad with
+# a nonzero constant, of the channels, with explicit axes, or wrapping around).
 ON_THE_ARRAY = {
     "test_convtranspose", "test_convtranspose_output_shape", "test_convtranspose_pad",
     "test_convtranspose_kernel_shape", "test_convtranspose_pads", "test_convtranspose_dilations",
     "test_convtranspose_autopad_same", "test_convtranspose_group_2", "test_convtranspose_group_2_image_3",
     "test_resize_upsample_scales_nearest", "test_resize_upsample_scales_linear",
     "test_resize_upsample_scales_nearest_axes_2_3", "test_resize_upsample_scales_nearest_axes_3_2",
-    "test_resize_upsample_sizes_nearest_not_smaller",
+    "test_resize_upsample_sizes_nearest_not_smaller", "test_edge_pad", "test_reflect_pad",
 }
 
 # Refused at import (before lowering), with the reason: the importer frees the batch dimension, and a
@@ -179,8 +180,8 @@ def _node_cases():
         warnings.simplefilter("ignore")
         cases = {}
         for case in collect_testcases():
-            ops = {node.op_type for node in case.model.graph.node}
-            if ops & {"ConvTranspose", "Resize"} and case.data_sets[0][0][0].ndim == 4:
+            ops = [node.op_type for node in case.model.graph.node]
+            if ops in (["ConvTranspose"], ["Resize"], ["Pad"]) and case.data_sets[0][0][0].ndim == 4:
                 cases.setdefault(case.name, case)
     return cases
 
@@ -211,6 +212,43 @@ def test_onnx_node_tests_lower_where_the_read_can_and_match_their_outputs(tmp_pa
         (value,) = got.values()
         np.testing.assert_allclose(value, outputs[0], rtol=1e-5, atol=1e-5, err_msg=name)
     assert lowered == ON_THE_ARRAY
+
+
+@pytest.mark.parametrize("mode", ["edge", "reflect"])
+def test_an_edge_or_reflect_pad_folds_into_the_next_convs_read_and_stands_alone_elsewhere(tmp_path, mode):
+    """Pad (H and W) -> Conv: one ConvGemm whose read pads; the same Pad feeding an Add: an identity GEMM whose
+    read pads. Lowered float = ONNX Runtime; kernels = twins; the export is bit-exact with ONNX Runtime."""
+    from qdeploy.export_onnx import export_program
+
+    pads = np.array([0, 0, 1, 2, 0, 0, 2, 1], np.int64)
+    nodes = [helper.make_node("Pad", ["x", "pads"], ["p"], name="pad", mode=mode),
+             helper.make_node("Conv", ["p", "W", "B"], ["c"], name="conv"),
+             helper.make_node("Pad", ["x", "pads"], ["q"], name="pad2", mode=mode),
+             helper.make_node("Conv", ["x", "W2"], ["d"], name="conv2", pads=[1, 2, 2, 1]),
+             helper.make_node("Add", ["q", "d"], ["y2"], name="add")]
+    model = make_model(nodes, [("x", ["N", 2, 3, 4])], [("c", ["N", 3, 4, 5]), ("y2", ["N", 2, 6, 7])],
+                       {"pads": pads, "W": rng_weights(0, 3, 2, 3, 3), "B": rng_weights(1, 3),
+                        "W2": rng_weights(2, 2, 2, 1, 1)})
+    path = save(model, tmp_path / "pad.onnx")
+    lowering = api.lower_model(path)
+    assert lowering.host_ops == []
+    reads = {i.name: (i.geometry.get("pad_fill"), i.geometry["pads"]) for i in lowering.instructions
+             if "pad_fill" in i.geometry}
+    assert reads == {"conv": (mode, [1, 2, 2, 1]), "pad2": (mode, [1, 2, 2, 1])}
+    for got, want in zip(api.run(path, X, lowered=True).values(), run_onnxruntime(path, {"x": X})):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.max(np.abs(want)))
+    target = Target(arithmetic=Arithmetic(rounding="float32_rne", act_min=-128))
+    program = api.compile(path, max_table(path, X), target).program
+    run = Machine(program).run({"x": X}, dump=True)
+    for instr in program.instructions:
+        expected = reference.run_instruction(instr, [run.tensors[n] for n in instr["inputs"]], program.arrays,
+                                             target.arithmetic, program.tensors[instr["output"]]["dtype"])
+        np.testing.assert_array_equal(run.tensors[instr["output"]], expected, err_msg=instr["name"])
+    exported = export_program(program, tensor_outputs=True)
+    session = ort.InferenceSession(exported.model.SerializeToString(), providers=["CPUExecutionProvider"])
+    got = dict(zip([o.name for o in session.get_outputs()], session.run(None, {"x": X})))
+    for tensor, onnx_name in exported.tensor_names.items():
+        np.testing.assert_array_equal(run.tensors[tensor], got[onnx_name], err_msg=tensor)
 
 
 def test_a_resize_nearest_before_a_conv_folds_into_its_read(tmp_path):

@@ -222,22 +222,29 @@ def fuse_epilogues(graph: Graph) -> Graph:
     return graph
 
 
-def _repeating_read(graph: Graph, node: Node) -> bool:
-    """A ConvGemm that only repeats its input (a lowered Resize nearest): 1x1 depthwise, weight 1, bias 0, a
-    `nearest` read with zero padding, no epilogue."""
-    if node.op != Kind.CONV_GEMM or node.attrs.get("upsample_fill") != "nearest" or node.attrs.get("pad_fill") \
-            or not _plain(node) or any(node.attrs["pads"]):
-        return False
+def _read_only(graph: Graph, node: Node) -> str | None:
+    """What a ConvGemm that only moves data does with its read (a lowered Resize nearest or Pad): "upsample" (a
+    `nearest` read, no padding), "pad" (a padded read, no upsampling), or None when it computes something: it
+    must be 1x1 depthwise with weight 1, bias 0, no epilogue."""
+    if node.op != Kind.CONV_GEMM or not _plain(node) or "act_max_channels" in node.attrs:
+        return None
     weight, bias = graph.constant_data(node.inputs[1]), graph.constant_data(node.inputs[2])
-    return weight.shape[1:] == (1, 1, 1) and int(node.attrs["group"]) == weight.shape[0] and \
-        bool(np.all(weight == 1)) and not np.any(bias) and "act_max_channels" not in node.attrs
+    if weight.shape[1:] != (1, 1, 1) or int(node.attrs["group"]) != weight.shape[0] or not np.all(weight == 1) \
+            or np.any(bias) or list(node.attrs["strides"]) != [1, 1]:
+        return None
+    upsample, padded = node.attrs.get("upsample"), any(node.attrs["pads"])
+    if upsample and node.attrs.get("upsample_fill") == "nearest" and not padded and not node.attrs.get("pad_fill"):
+        return "upsample"
+    if padded and not upsample:
+        return "pad"
+    return None
 
 
-def fold_upsample_into_conv(graph: Graph) -> Graph:
-    """A Resize nearest (lowered to a repeating read, `_repeating_read`) whose only reader is a ConvGemm with a
-    plain read folds into that read: conv(repeat(x)) reads x with the factor and fill `nearest`, and the zero
-    padding of the conv pads the repeated input as before (isa/geometry.py read_source). One instruction and one
-    stored tensor fewer; the MACs are the conv's."""
+def fold_read_into_conv(graph: Graph) -> Graph:
+    """A lowered Resize nearest or Pad (`_read_only`) whose only reader is a ConvGemm with a plain read folds into
+    that read: conv(repeat(x)) reads x with the factor and fill `nearest` (the conv's zero padding then pads the
+    repeated input, as before); conv(pad(x)) with no pads of its own reads x with the Pad's pads and fill
+    (isa/geometry.py read_source). One instruction and one stored tensor fewer; the MACs are the conv's."""
     producers, consumers = graph.producers(), graph.consumers()
     replaced: dict[str, Node] = {}
     removed: set[str] = set()
@@ -245,11 +252,15 @@ def fold_upsample_into_conv(graph: Graph) -> Graph:
         if node.op != Kind.CONV_GEMM or node.attrs.get("upsample") or node.attrs.get("pad_fill"):
             continue
         producer = _sole_producer(graph, node, producers, consumers)
-        if producer is None or producer.name in removed or not _repeating_read(graph, producer):
+        what = None if producer is None or producer.name in removed else _read_only(graph, producer)
+        if what == "upsample":
+            attrs = {**node.attrs, "upsample": list(producer.attrs["upsample"]), "upsample_fill": "nearest"}
+        elif what == "pad" and not any(node.attrs["pads"]):
+            attrs = {**node.attrs, "pads": list(producer.attrs["pads"]),
+                     **({"pad_fill": producer.attrs["pad_fill"]} if producer.attrs.get("pad_fill") else {})}
+        else:
             continue
-        replaced[node.name] = node.replace(
-            inputs=[producer.inputs[0], *node.inputs[1:]],
-            attrs={**node.attrs, "upsample": list(producer.attrs["upsample"]), "upsample_fill": "nearest"})
+        replaced[node.name] = node.replace(inputs=[producer.inputs[0], *node.inputs[1:]], attrs=attrs)
         removed.add(producer.name)
     if not replaced:
         return graph
@@ -402,13 +413,13 @@ LOWER: list[Pass] = [
     lower_remaining_ops,  # standalone BN/affine, residual Add, average pooling -> GEMMs
     split_to_slices,  # a Split left on the host -> one host Slice per output (a host step writes one tensor)
     fuse_epilogues,  # Relu/Clip/MaxPool -> output stage of their producer
-    fold_upsample_into_conv,  # Resize nearest -> Conv: the conv reads the input repeated
+    fold_read_into_conv,  # Resize nearest / Pad -> Conv: the conv reads the input repeated or padded
     lower_standalone_epilogues,  # the rest of them -> identity GEMM with that output stage
     copy_shared_concat_inputs,  # a Concat input no exclusive instruction writes -> identity GEMM copy
     eliminate_dead_nodes,
 ]
 
 
-__all__ = ["LOWER", "copy_shared_concat_inputs", "fold_upsample_into_conv", "lower_channel_permutations", "split_to_slices", "fold_batchnorm", "fold_constant_affine", "fuse_epilogues",
+__all__ = ["LOWER", "copy_shared_concat_inputs", "fold_read_into_conv", "lower_channel_permutations", "split_to_slices", "fold_batchnorm", "fold_constant_affine", "fuse_epilogues",
            "lower_gemm_ops",
            "lower_remaining_ops", "lower_standalone_epilogues"]

@@ -14,7 +14,7 @@ from typing import Callable
 
 import numpy as np
 
-from qdeploy.errors import BadInput, Unsupported
+from qdeploy.errors import BadInput, QdeployError, Unsupported
 from qdeploy.ir import Graph, Node, Tensor, constant
 from isa.kinds import Kind
 
@@ -227,6 +227,44 @@ def lower_resize(graph: Graph, node: Node) -> Lowered:
                        zeros, group=channels, strides=[1, 1], pads=[half[0], 0, half[0], 0], dilations=[1, 1],
                        read={"upsample": [factors[0], 1], "upsample_fill": "nearest", "pad_fill": "edge"})
     return Lowered([*first.nodes, *second.nodes], [*first.tensors, across, *second.tensors])
+
+
+def lower_pad(graph: Graph, node: Node) -> Lowered:
+    """Pad of the spatial dims of an NCHW tensor (constant 0, edge, reflect) -> an identity depthwise ConvGemm
+    (1x1, weight 1) whose read pads: addresses only (isa/geometry.py read_source). A Conv that alone reads it
+    takes the padding into its own read (passes.py fold_read_into_conv). Kept only when the op itself (the float
+    executor, every opset) gives the same numbers on a probe."""
+    shape = graph.tensors[node.inputs[0]].shape
+    mode = node.attrs.get("mode", "constant")
+    if shape is None or len(shape) != 4 or None in shape[1:] or mode not in ("constant", "edge", "reflect"):
+        raise Unsupported(f"node '{node.name}' (Pad): only constant-0, edge and reflect padding of the spatial dims "
+                          f"of a static NCHW tensor runs on the GEMM unit (mode '{mode}', input {shape})")
+    operands = [None if not name else graph.constant_data(name) for name in node.inputs[1:]]
+    if any(name and value is None for name, value in zip(node.inputs[1:], operands)):
+        raise Unsupported(f"node '{node.name}' (Pad): its pads or value are computed at run time")
+    if len(operands) > 2 and operands[2] is not None:
+        raise Unsupported(f"node '{node.name}' (Pad): explicit axes are not supported on the GEMM unit")
+    pads = [int(p) for p in (operands[0] if operands and operands[0] is not None else node.attrs.get("pads", []))]
+    if len(pads) != 8 or pads[:2] != [0, 0] or pads[4:6] != [0, 0] or min(pads) < 0:
+        raise Unsupported(f"node '{node.name}' (Pad): pads {pads} are not non-negative pads of H and W only")
+    channels, height, width = shape[1:]
+    read_pads = [pads[2], pads[3], pads[6], pads[7]]
+    read = {} if mode == "constant" else {"pad_fill": mode}
+    from qdeploy.reference import run_node  # the float meaning of the op, so every opset's form is covered
+    from qdeploy.reference.ops.accelerator import ConvGemm
+
+    probe = np.random.default_rng(0).standard_normal((1, channels, height, width)).astype(np.float32)
+    try:
+        expected = run_node(node, [probe, *operands], graph.opset)[0]
+        got = ConvGemm(probe, np.ones((channels, 1, 1, 1), np.float32), np.zeros(channels, np.float32),
+                       group=channels, pads=read_pads, **read)
+    except (QdeployError, ValueError) as error:
+        raise Unsupported(f"node '{node.name}' (Pad): {error}") from None
+    if got.shape != expected.shape or not np.array_equal(got, expected):
+        raise Unsupported(f"node '{node.name}' (Pad): mode '{mode}' with pads {pads} is not a padding the read does "
+                          f"(a nonzero constant, a reflection longer than the input)")
+    return conv_gemm(graph, node, node.inputs[0], np.ones((channels, 1, 1, 1)), np.zeros(channels), group=channels,
+                     strides=[1, 1], pads=read_pads, dilations=[1, 1], read=read)
 
 
 def lower_gemm(graph: Graph, node: Node) -> Lowered:
@@ -477,6 +515,7 @@ LOWERING: dict[str, LoweringRule] = {
     "Conv": lower_conv,  # im2col + GEMM, grouped/depthwise as one GEMM per group
     "ConvTranspose": lower_conv_transpose,  # a Conv whose read inserts zeros (upsample_fill "zero")
     "Resize": lower_resize,  # integer factors: nearest = the read repeats rows; linear = that + a depthwise kernel
+    "Pad": lower_pad,  # spatial constant-0 / edge / reflect: an identity GEMM whose read pads
     "Gemm": lower_gemm,
     "MatMul": lower_matmul,
     "BatchNormalization": lower_batchnorm,  # only those not folded into a Conv/Gemm

@@ -26,8 +26,9 @@ def _epilogue(y: np.ndarray, act_min: float, act_max: float, pool_kernel_shape=N
 def upsampled_read(x: np.ndarray, upsample=None, upsample_fill=None, pads=(0, 0, 0, 0), pad_fill=None
                    ) -> tuple[np.ndarray, list[int]]:
     """The ConvGemm read (isa/geometry.py): x upsampled by the integer factors `upsample` (zeros inserted, or
-    each row and column repeated), then, with pad_fill "edge", padded with its border rows; returns the array
-    and the pads left for the convolution (zeros)."""
+    each row and column repeated), then, with pad_fill "edge" or "reflect", padded from its border; returns the array
+    and the pads left for the convolution (zeros). pad_fill "reflect" mirrors without the border row (numpy's
+    and ONNX Pad's reflect)."""
     if upsample is not None and tuple(upsample) != (1, 1):
         fh, fw = upsample
         if upsample_fill == "zero":
@@ -37,9 +38,9 @@ def upsampled_read(x: np.ndarray, upsample=None, upsample_fill=None, pads=(0, 0,
             x = up
         else:
             x = np.repeat(np.repeat(x, fh, axis=2), fw, axis=3)
-    if pad_fill == "edge":
+    if pad_fill in ("edge", "reflect"):
         top, left, bottom, right = pads
-        return np.pad(x, ((0, 0), (0, 0), (top, bottom), (left, right)), mode="edge"), [0, 0, 0, 0]
+        return np.pad(x, ((0, 0), (0, 0), (top, bottom), (left, right)), mode=pad_fill), [0, 0, 0, 0]
     return x, list(pads)
 
 
