@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
+from isa.geometry import conv_output_size, upsampled_size
 from isa.kinds import RESHAPE_KINDS, Kind, handler
 from isa.output_stage import OutputStage
 
@@ -93,6 +94,25 @@ class ConvGemm(ArrayInstruction):
     pads: tuple[int, int, int, int]
     dilations: tuple[int, int]
     group: int
+    # The read (isa/geometry.py): the input upsampled by `upsample` (fh, fw) with `upsample_fill` ("zero":
+    # ConvTranspose's inserted zeros; "nearest": each row read f times), then padded with `pad_fill` ("edge":
+    # the border row repeated). Absent (None) for a plain Conv read: factor 1, zero padding.
+    upsample: tuple[int, int] | None = None
+    upsample_fill: str | None = None
+    pad_fill: str | None = None
+
+    OMITTED_WHEN_NONE: ClassVar[tuple[str, ...]] = ("upsample", "upsample_fill", "pad_fill")
+
+    def read_size(self, height: int, width: int) -> tuple[int, int]:
+        """(H, W) of the input as the window reads it, before padding (isa.geometry.upsampled_size)."""
+        fh, fw = self.upsample or (1, 1)
+        return upsampled_size(height, fh, self.upsample_fill), upsampled_size(width, fw, self.upsample_fill)
+
+    def output_size(self, height: int, width: int) -> tuple[int, int]:
+        """(OH, OW) of the GEMM (before any window-max) on an input of (height, width)."""
+        h, w = self.read_size(height, width)
+        return (conv_output_size(h, self.kernel[0], self.strides[0], self.pads[0], self.pads[2], self.dilations[0]),
+                conv_output_size(w, self.kernel[1], self.strides[1], self.pads[1], self.pads[3], self.dilations[1]))
 
 
 @dataclass(frozen=True, kw_only=True)

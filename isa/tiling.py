@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Iterable
 
-from isa.geometry import conv_output_size
+from isa.geometry import zero_read_macs
 from isa.instructions import Instruction, from_manifest
 from isa.kinds import LAYOUT_KINDS, Kind, handler
 from isa.target import ArrayConfig, Target, acc_element_bytes, target_from_dict
@@ -34,6 +34,7 @@ class GemmShape:
     k: int
     stored_bytes: int
     table_bytes: int = 0  # the output stage's lookup table (256 bytes), read once with the parameters
+    zero_macs: int = 0  # MACs whose input is a zero of an upsampled read (isa/geometry.py zero_read_macs)
 
     @property
     def macs(self) -> int:
@@ -50,13 +51,17 @@ def _prod(values: Iterable[int]) -> int:
 
 
 def _conv_shape(instr: Instruction, in_shapes: list, out_shape: list, batch: int, stored: int) -> GemmShape:
-    """ConvGemm: m = batch*OH*OW, k = C/G*kh*kw, n = M/G per group."""
-    _, _, height, width = in_shapes[0]
-    (kh, kw), (sh, sw), pads, (dh, dw) = instr.kernel, instr.strides, instr.pads, instr.dilations
-    oh = conv_output_size(height, kh, sh, pads[0], pads[2], dh)
-    ow = conv_output_size(width, kw, sw, pads[1], pads[3], dw)
+    """ConvGemm: m = batch*OH*OW, k = C/G*kh*kw, n = M/G per group, OH and OW of the (upsampled) read. The
+    MACs on zeros of an upsampled read are counted (`zero_macs`): they run, and the model charges them."""
+    _, channels, height, width = in_shapes[0]
+    oh, ow = instr.output_size(height, width)
     groups = int(instr.group)
-    return GemmShape(groups, batch * oh * ow, int(out_shape[1]) // groups, int(instr.k), stored)
+    zero_macs = 0
+    if instr.upsample is not None:
+        zero_macs = batch * zero_read_macs(height, width, instr.kernel, instr.strides, instr.pads, instr.dilations,
+                                           instr.upsample, instr.upsample_fill, instr.pad_fill,
+                                           int(out_shape[1]) * int(channels) // groups)
+    return GemmShape(groups, batch * oh * ow, int(out_shape[1]) // groups, int(instr.k), stored, zero_macs)
 
 
 def _dense_shape(instr: Instruction, in_shapes: list, out_shape: list, batch: int, stored: int) -> GemmShape:

@@ -168,6 +168,9 @@ def _describe_array_instruction(program, instr) -> str:
         lookup = instr.stage.lookup
         text += (f" then lookup table {lookup.function} ({lookup.input_dtype} codes, scale "
                  f"{lookup.input_scale:.6g}{'' if lookup.monotonic else ', non-monotonic'})")
+    if getattr(instr, "upsample", None) is not None or getattr(instr, "pad_fill", None) is not None:
+        text += (f" read x{'x'.join(map(str, instr.upsample or (1, 1)))} {instr.upsample_fill or ''} "
+                 f"pad {instr.pad_fill or 'zero'}")
     return text
 
 
@@ -227,6 +230,9 @@ def _print_lowering(result) -> None:
             kh, kw = geometry["kernel"]
             shape = (f"im2col {kh}x{kw}/{geometry['strides'][0]} pad {geometry['pads']} "
                      f"{'x'.join(map(str, geometry['input']))}->{'x'.join(map(str, geometry['output']))}")
+            if "upsample" in geometry:
+                shape += (f" read x{'x'.join(map(str, geometry['upsample']))} {geometry['upsample_fill'] or ''} "
+                          f"pad {geometry['pad_fill']} ({geometry['zero_macs']:,} MACs on zeros)")
         elif "operand" in geometry:  # MulGemm, MatMulGemm: the second operand is an activation
             first = "x".join(map(str, geometry["input"])) + ("^T" if geometry.get("transpose_a") else "")
             operand = "x".join(map(str, geometry["operand"])) + ("^T" if geometry.get("transpose_b") else "")
@@ -738,6 +744,11 @@ def _print_perf(perf) -> None:
          f"writes {_size(t['write_bytes'])} instead of {_size(t['unfused_write_bytes'])} "
          f"({change(t['write_bytes'], t['unfused_write_bytes'])}), reads {_size(t['read_bytes'])} instead of "
          f"{_size(t['unfused_read_bytes'])} ({change(t['read_bytes'], t['unfused_read_bytes'])})")
+    wasted = [layer for layer in perf.layers if layer.zero_macs]
+    if wasted:
+        echo(f"MACs on zeros of upsampled reads (ConvTranspose's inserted zeros, zero padding), run and wasted: "
+             f"{t['zero_macs']:,} of {t['macs']:,} ({100 * t['zero_macs'] / t['macs']:.1f}%): " + ", ".join(
+                 f"{layer.name} {100 * layer.zero_macs / layer.macs:.0f}%" for layer in wasted))
     echo(f"ESTIMATED total: {t['cycles']:,} cycles = {t['time_us']:,.1f} us at {array['clock_mhz']:g} MHz "
          f"(unfused {t['unfused_cycles']:,} cycles = {t['unfused_time_us']:,.1f} us)"
          + (f"; {len(perf.host_ops)} host op(s) not included" if perf.host_ops else ""))

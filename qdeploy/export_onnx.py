@@ -11,6 +11,9 @@ How each instruction is exported (x = the input tensor, y = the output; s_x, s_y
 - ConvGemm: QLinearConv(x, s_x, 0, W, s_w, 0, s_y, 0, bias) [-> Clip(lo, hi)] [-> MaxPool], with W int8
   (M, C/g, kh, kw) = the program's (M, C/g*kh*kw) matrix, s_w = `weight_scale` (per output channel), bias
   int32 = `bias`; MaxPool (int8) is the fused window-max.
+  An upsampled read (ConvTranspose, Resize) comes first as integer moves: Reshape -> Expand (nearest) or Pad
+  with 0 (zero insertion) -> Reshape [-> Slice], and Pad(mode=edge|reflect) for edge/reflect padding
+  (`_upsampled_read`).
 - DenseGemm: Reshape(N, K, 1, 1) -> QLinearConv 1x1 -> Reshape(N, M) [-> Clip]. QLinearMatMul has no int32
   bias input; a 1x1 QLinearConv has, and is the same GEMM.
 - AddGemm: DequantizeLinear(a), DequantizeLinear(b) -> Add -> QuantizeLinear(s_y) [-> Clip] [-> MaxPool].
@@ -89,7 +92,6 @@ from qdeploy.errors import Unsupported
 from qdeploy.fileio import atomic_write
 from qdeploy.program import Program
 from isa.target import Rounding, target_from_dict
-from isa.geometry import conv_output_size
 from isa.instructions import Instruction
 from isa.kinds import RESHAPE_KINDS, Kind, handler
 
@@ -204,9 +206,7 @@ class _Builder:
         x = self.program.tensors[instr.inputs[0]]["shape"][2:]
         if instr.kind != Kind.CONV_GEMM:
             return list(x)  # AddGemm: elementwise
-        n = len(x)
-        return [conv_output_size(x[a], instr.kernel[a], instr.strides[a], instr.pads[a],
-                                 instr.pads[n + a], instr.dilations[a]) for a in range(n)]
+        return list(instr.output_size(*x))
 
 
 def _floor_mode_pads(window: dict, in_size: list[int], out_size: list[int]) -> tuple[list[int], int]:
@@ -257,9 +257,49 @@ def _qlinear_conv(b: _Builder, instr: Instruction, x: str, kernel: list[int], at
                   f"{name}/QLinearConv", kernel_shape=kernel, **attrs)
 
 
+def _upsampled_read(b: _Builder, instr: Instruction, x: str) -> tuple[str, list[int]]:
+    """The ConvGemm's upsampled read (isa/geometry.py) on the integer tensor, as ops that only move integers,
+    so ONNX Runtime computes it exactly: each input element becomes an (fh, fw) block, Reshape (N, C, H, 1,
+    W, 1) then Expand (nearest: the element repeated) or Pad with the zero point 0 (zero: the element then
+    zeros), Reshape (N, C, H*fh, W*fw), and for zero fill a Slice to ((H-1)*fh + 1, (W-1)*fw + 1); edge
+    and reflect padding are Pad(mode=edge|reflect) and leaves the QLinearConv no pads. Returns (tensor, pads for the QLinearConv)."""
+    name, pads = instr.name, list(instr.pads)
+    _, channels, height, width = b.program.tensors[instr.inputs[0]]["shape"]
+    fh, fw = instr.upsample or (1, 1)
+    if (fh, fw) != (1, 1):
+        blocks = b.node(Kind.RESHAPE, [x, b.constant(f"{name}/read_cells_shape", np.array([0, channels, height, 1, width, 1],
+                                                                                   np.int64))],
+                        f"{name}/read_cells", f"{name}/read_Reshape_cells")
+        if instr.upsample_fill == "nearest":
+            blocks = b.node("Expand", [blocks, b.constant(f"{name}/read_block_shape", np.array([1, 1, 1, fh, 1, fw],
+                                                                                          np.int64))],
+                            f"{name}/read_blocks", f"{name}/read_Expand")
+        else:
+            zero = b.constant(f"{name}/read_zero", np.zeros((), np.dtype(b.dtype(instr.inputs[0]))))
+            blocks = b.node("Pad", [blocks, b.constant(f"{name}/read_zeros", np.array(
+                [0, 0, 0, 0, 0, 0, 0, 0, 0, fh - 1, 0, fw - 1], np.int64)), zero], f"{name}/read_blocks",
+                f"{name}/read_Pad_zeros", mode="constant")
+        x = b.node(Kind.RESHAPE, [blocks, b.constant(f"{name}/read_shape", np.array(
+            [0, channels, height * fh, width * fw], np.int64))], f"{name}/read_upsampled", f"{name}/read_Reshape")
+        if instr.upsample_fill == "zero":
+            ends = np.array([(height - 1) * fh + 1, (width - 1) * fw + 1], np.int64)
+            x = b.node("Slice", [x, b.constant(f"{name}/read_starts", np.zeros(2, np.int64)),
+                                 b.constant(f"{name}/read_ends", ends), b.constant(f"{name}/read_axes",
+                                                                                    np.array([2, 3], np.int64))],
+                       f"{name}/read_inserted", f"{name}/read_Slice")
+    if instr.pad_fill in ("edge", "reflect"):
+        top, left, bottom, right = pads
+        x = b.node("Pad", [x, b.constant(f"{name}/read_edges", np.array([0, 0, top, left, 0, 0, bottom, right],
+                                                                        np.int64))],
+                   f"{name}/read_padded", f"{name}/read_Pad_{instr.pad_fill}", mode=instr.pad_fill)
+        pads = [0, 0, 0, 0]
+    return x, pads
+
+
 def _conv_gemm(b: _Builder, instr: Instruction) -> str:
-    y = _qlinear_conv(b, instr, b.names[instr.inputs[0]], list(instr.kernel),
-                      {"strides": list(instr.strides), "pads": list(instr.pads), "dilations": list(instr.dilations),
+    x, pads = _upsampled_read(b, instr, b.names[instr.inputs[0]])
+    y = _qlinear_conv(b, instr, x, list(instr.kernel),
+                      {"strides": list(instr.strides), "pads": pads, "dilations": list(instr.dilations),
                        "group": instr.group}, b.requantized_name(instr))
     return b.epilogue(instr, y)
 

@@ -28,7 +28,7 @@ import numpy as np
 
 from qdeploy.errors import BadInput
 from qdeploy.fileio import atomic_write
-from isa.geometry import pool_output_size
+from isa.geometry import PAD_FILLS, UPSAMPLE_FILLS, pool_output_size, upsampled_size
 from isa.instructions import Instruction, from_manifest
 from isa.kinds import RESHAPE_KINDS, Kind, UnknownKind, handler
 from isa.target import TargetError, target_from_dict
@@ -267,12 +267,28 @@ def _conv_gemm(program: Program, instr: dict, where: str, in_shapes: list, out_d
     if not _is_int(group) or group < 1 or len(x) != 3 or x[0] % group or channels % group:
         raise _Invalid(f"{where}: group {json.dumps(group)[:20]} does not divide input {x} and {channels} "
                        f"output channels")
-    out = _window_shape(instr, channels, x[1], x[2], where, conv=True)
+    out = _window_shape(instr, channels, *_read_size(instr, x[1], x[2], where), where, conv=True)
     kernel = instr["kernel"]
     if k != x[0] // group * kernel[0] * kernel[1]:
         raise _Invalid(f"{where}: weight K = {k} is not C/group*kh*kw = {x[0] // group * kernel[0] * kernel[1]}")
     _elements((out[1] * out[2], k * group), f"{where}: its im2col matrix")
     return _window_of(instr, out, where)
+
+
+def _read_size(instr: dict, height: int, width: int, where: str) -> tuple[int, int]:
+    """(H, W) of a ConvGemm's input as its read sees it: upsample (optional, two factors >= 1), upsample_fill
+    (with upsample) and pad_fill (optional) from their closed vocabularies (isa/geometry.py)."""
+    factors = _ints(instr["upsample"], f"{where}: upsample", 2, 1, 1 << 10) if "upsample" in instr else [1, 1]
+    fill = instr.get("upsample_fill")
+    if ("upsample" in instr) != ("upsample_fill" in instr) or (fill is not None and fill not in UPSAMPLE_FILLS):
+        raise _Invalid(f"{where}: upsample and upsample_fill go together, the fill one of "
+                       f"{', '.join(UPSAMPLE_FILLS)} (got {json.dumps(fill)[:20]})")
+    if "pad_fill" in instr and instr["pad_fill"] not in PAD_FILLS:
+        raise _Invalid(f"{where}: pad_fill must be one of {', '.join(PAD_FILLS)}, got "
+                       f"{json.dumps(instr['pad_fill'])[:20]}")
+    size = upsampled_size(height, factors[0], fill), upsampled_size(width, factors[1], fill)
+    _elements((size[0] * size[1],), f"{where}: its upsampled read")
+    return size
 
 
 def _dense_gemm(program: Program, instr: dict, where: str, in_shapes: list, out_dtype: str, rounding: str

@@ -67,6 +67,7 @@ from qdeploy.lowering.lookup import NON_NEGATIVE, evaluate
 from qdeploy.prequantized import ModelQuantization, model_bias, model_weights
 from qdeploy.program import Program
 from isa.target import Target, target_to_dict
+from isa.geometry import real_tap_fraction
 from isa.tiling import record_tiles
 from isa.multiplier import float32_multiplier, quantize_multiplier
 
@@ -242,6 +243,12 @@ def _window(attrs: dict) -> dict | None:
             "ceil_mode": int(attrs["pool_ceil_mode"])}
 
 
+def _read_fields(attrs: dict) -> dict:
+    """The manifest fields of an upsampled read (isa/instructions.py ConvGemm), present only when set."""
+    return {key: list(attrs[key]) if key == "upsample" else attrs[key]
+            for key in ("upsample", "upsample_fill", "pad_fill") if attrs.get(key) is not None}
+
+
 def _bits_for(bound: float) -> int:
     """Bits of a signed accumulator holding every value in [-bound, bound]."""
     return int(math.ceil(math.log2(bound + 1))) + 1 if bound > 0 else 1
@@ -310,6 +317,7 @@ class _Compiler:
             record.update(kernel=list(weight.shape[2:]), group=int(node.attrs["group"]),
                           strides=list(node.attrs["strides"]), pads=list(node.attrs["pads"]),
                           dilations=list(node.attrs["dilations"]), window=_window(node.attrs))
+            record.update(_read_fields(node.attrs))
         self._report(node, record, s_in, s_w, s_out, saturated)
         return record
 
@@ -372,11 +380,11 @@ class _Compiler:
             return None
         _, _, height, width = _shape(self.graph, node.inputs[0])
         (sh, sw), (dh, dw), (pt, pl, pb, pr) = node.attrs["strides"], node.attrs["dilations"], node.attrs["pads"]
-        def tap_fraction(size, kernel, stride, dilation, begin, end):
-            out = (size + begin + end - dilation * (kernel - 1) - 1) // stride + 1
-            positions = np.arange(out)[:, None] * stride - begin + np.arange(kernel)[None, :] * dilation
-            return ((positions >= 0) & (positions < size)).mean(axis=0)
-        taps = np.outer(tap_fraction(height, kh, sh, dh, pt, pb), tap_fraction(width, kw, sw, dw, pl, pr))
+        read = _read_fields(node.attrs)
+        fh, fw = read.get("upsample", (1, 1))
+        fill, pad_fill = read.get("upsample_fill"), read.get("pad_fill")
+        taps = np.outer(real_tap_fraction(height, kh, sh, pt, pb, dh, fh, fill, pad_fill),
+                        real_tap_fraction(width, kw, sw, pl, pr, dw, fw, fill, pad_fill))
         means = mean.reshape(groups, 1, per_group)  # (G, 1, C/G)
         error = error.reshape(groups, out_channels // groups, per_group, kh, kw)
         return np.einsum("gmcij,gc,ij->gm", error, means[:, 0, :], taps).reshape(-1)

@@ -91,7 +91,8 @@ def _output_bound(node: Node, inputs: list[np.ndarray | None]) -> list[int] | No
         extra = sum(max(int(p), 0) for p in pads)
         channels = present[1].shape[0] if op in ("Conv", Kind.CONV_GEMM) and len(present) > 1 and present[1].ndim \
             else present[0].shape[1]
-        return [present[0].shape[0], channels] + [d + extra for d in present[0].shape[2:]]
+        factors = list(attrs.get("upsample") or [1] * (present[0].ndim - 2))  # a ConvGemm's upsampled read
+        return [present[0].shape[0], channels] + [d * f + extra for d, f in zip(present[0].shape[2:], factors)]
     if op in BROADCAST_OPS and present:
         return _broadcast_bound([x.shape for x in present])
     if op == "MatMul" and len(present) == 2 and present[0].ndim and present[1].ndim:

@@ -29,6 +29,7 @@ from simulator.kernels.depthwise import depthwise_conv
 from simulator.kernels.gemm import add_gemm_kernel, channel_max_abs, gemm, gemm_planar, mul_gemm_kernel
 from simulator.kernels.im2col import im2col, im2col_planar
 from simulator.kernels.requantize import requantize
+from simulator.kernels.upsample import upsampled_read
 from simulator.kernels.window_max import window_max
 from isa.geometry import conv_output_size
 
@@ -259,6 +260,8 @@ class Machine:
         plan = self.plans[instr.name]
         n = x.shape[0]
         kernel, strides, pads, dilations = instr.kernel, instr.strides, instr.pads, instr.dilations
+        if instr.upsample is not None or instr.pad_fill is not None:  # the read's addressing (kernels.upsample)
+            x, pads = upsampled_read(x, instr.upsample, instr.upsample_fill, pads, instr.pad_fill)
         oh = conv_output_size(x.shape[2], kernel[0], strides[0], pads[0], pads[2], dilations[0])
         ow = conv_output_size(x.shape[3], kernel[1], strides[1], pads[1], pads[3], dilations[1])
         bias = self.arrays[instr.bias]

@@ -34,6 +34,8 @@ Per instruction, with nm = ceil(m/tm), nn = ceil(n/tn), nk = ceil(k/tk), bw = dr
          X = R_0 + W_1 + [single scratchpad] (B_r/bw - R_0) + [single accumulator] (B_w/bw - W_1)
          H = [double scratchpad] (B_r/bw - R_0) + [double accumulator] (B_w/bw - W_1)
   (P5) utilisation = MACs / (cycles * R * C)
+       MACs count every product the array computes, those on zeros of an upsampled read included (a
+       ConvTranspose's inserted zeros, isa/geometry.py zero_read_macs): `zero_macs` reports them per layer.
 
 The tiler (`choose_tiles`, isa/tiling.py) enumerates balanced tk and tn (ceil(ceil(k/R)/s) blocks of R, s = 1..16, powers of
 two and ceil(k/R); the same for n), takes the
@@ -157,6 +159,7 @@ class LayerPerf:
     unfused_write_bytes: int = 0
     unfused_cycles: int = 0
     time_us: float = 0.0  # cycles / clock_mhz
+    zero_macs: int = 0  # MACs on zeros of an upsampled read (ConvTranspose's inserted zeros): run, wasted
 
 
 @dataclass
@@ -171,7 +174,7 @@ class PerfReport:
 
     @property
     def totals(self) -> dict[str, Any]:
-        keys = ("tile_count", "macs", "compute_cycles", "read_bytes", "write_bytes", "cycles", "launches",
+        keys = ("tile_count", "macs", "zero_macs", "compute_cycles", "read_bytes", "write_bytes", "cycles", "launches",
                 "unfused_launches", "unfused_read_bytes", "unfused_write_bytes", "unfused_cycles")
         total = {key: sum(getattr(layer, key) for layer in self.layers) for key in keys}
         pes = self.array["rows"] * self.array["cols"]
@@ -222,7 +225,7 @@ def estimate_program(manifest: dict, arrays: dict | None = None, batch: int = 1,
             tiles.to_json(shape, target.arithmetic.acc_bits, batch), tiles.count(shape), shape.macs,
             cost.compute_cycles, cost.read_bytes, cost.write_bytes, cost.cycles, cost.bound,
             shape.macs / (cost.cycles * pes) if cost.cycles else 0.0, list(ops), 1, 1 + len(ops), read, write,
-            cycles, cost.cycles / array.clock_mhz))
+            cycles, cost.cycles / array.clock_mhz, shape.zero_macs))
     array_json = {"rows": array.rows, "cols": array.cols, "clock_mhz": array.clock_mhz,
                   "dram_bytes_per_cycle": array.dram_bytes_per_cycle, "launch_cycles": array.launch_cycles,
                   "scratchpad_bytes": array.scratchpad_bytes, "scratchpad_banks": array.scratchpad_banks,

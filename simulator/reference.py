@@ -15,7 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
-from isa.geometry import conv_output_size, pool_output_size
+from isa.geometry import conv_output_size, pool_output_size, read_source, upsampled_size
 from isa.kinds import RESHAPE_KINDS, Kind, handler
 from isa.instructions import Instruction, from_manifest
 from isa.target import Arithmetic
@@ -244,6 +244,30 @@ def im2col(x: np.ndarray, kernel_shape: Sequence[int], strides: Sequence[int] = 
     return cols
 
 
+def upsampled_read(x: np.ndarray, upsample, upsample_fill, pads, pad_fill) -> tuple[np.ndarray, tuple]:
+    """The ConvGemm read (isa/geometry.py): element (r, s) of the upsampled, padded input is
+    x[n, c, read_source(r), read_source(s)], 0 where a source is -1; with pad_fill edge or reflect the padding is
+    part of the result and the pads left for im2col are 0."""
+    fh, fw = upsample or (1, 1)
+    edge = pad_fill in ("edge", "reflect")
+    if (fh, fw) == (1, 1) and not edge:
+        return x, tuple(pads)
+    n_, c_, h_, w_ = x.shape
+    pt, pl, pb, pr = pads if edge else (0, 0, 0, 0)
+    rows = upsampled_size(h_, fh, upsample_fill) + pt + pb
+    cols = upsampled_size(w_, fw, upsample_fill) + pl + pr
+    y = np.zeros((n_, c_, rows, cols), x.dtype)
+    for r in range(rows):
+        ih = read_source(r, h_, fh, upsample_fill, pt, pad_fill)
+        for s in range(cols):
+            iw = read_source(s, w_, fw, upsample_fill, pl, pad_fill)
+            if ih >= 0 and iw >= 0:
+                for n in range(n_):
+                    for c in range(c_):
+                        y[n, c, r, s] = int(x[n, c, ih, iw])
+    return y, ((0, 0, 0, 0) if edge else tuple(pads))
+
+
 def window_max(x: np.ndarray, kernel_shape: Sequence[int], strides: Sequence[int] | None = None,
                pads: Sequence[int] = (0, 0, 0, 0), dilations: Sequence[int] = (1, 1),
                ceil_mode: bool = False) -> np.ndarray:
@@ -311,18 +335,18 @@ def _stored(instr: Instruction, y: np.ndarray, dtype: np.dtype) -> np.ndarray:
 
 
 def _conv_gemm(instr: Instruction, args: list[np.ndarray], arrays: dict, arithmetic: Arithmetic, dtype) -> np.ndarray:
-    """(9) im2col, (1) the GEMM per group with the bias, the output stage, then window-max."""
+    """The upsampled read, (9) im2col, (1) the GEMM per group with the bias, the output stage, then window-max."""
     (x,) = args
     groups = int(instr.group)
-    cols = im2col(x, instr.kernel, instr.strides, instr.pads, instr.dilations, groups)
+    x, pads = upsampled_read(x, instr.upsample, instr.upsample_fill, instr.pads, instr.pad_fill)
+    cols = im2col(x, instr.kernel, instr.strides, pads, instr.dilations, groups)
     weight, bias = arrays[instr.weight], arrays[instr.bias]
     per_group = weight.shape[0] // groups
     acc = np.concatenate([gemm(cols[g], weight[g * per_group:(g + 1) * per_group].T, arithmetic.acc_bits,
                                arithmetic.overflow, bias[g * per_group:(g + 1) * per_group])[0]
                           for g in range(groups)], axis=1)  # (N*OH*OW, M)
     n = x.shape[0]
-    oh = conv_output_size(x.shape[2], instr.kernel[0], instr.strides[0], instr.pads[0], instr.pads[2],
-                          instr.dilations[0])
+    oh = conv_output_size(x.shape[2], instr.kernel[0], instr.strides[0], pads[0], pads[2], instr.dilations[0])
     y = _output_stage(instr, acc, arrays, arithmetic).reshape(n, oh, -1, weight.shape[0]).transpose(0, 3, 1, 2)
     return _stored(instr, y, dtype)
 

@@ -33,6 +33,19 @@ def rng_weights(seed: int, *shape: int, scale: float = 0.5) -> np.ndarray:
     return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(np.float32)
 
 
+def max_calibration(path: Path, feeds: dict[str, np.ndarray]):
+    """Max thresholds from the lowered float graph's own values on `feeds`: a simple table that clips nothing."""
+    from calib.table import CalibrationTable, TensorRecord
+    from qdeploy import api
+    from qdeploy.reference import run_graph
+
+    graph = api.lower_model(path).graph
+    names = [name for name, tensor in graph.tensors.items() if not tensor.is_constant]
+    values = run_graph(graph, feeds, names)
+    return CalibrationTable({name: TensorRecord(name, "max", float(np.max(np.abs(values[name]))) or 1.0)
+                             for name in names}, "max", 0)
+
+
 def run_onnxruntime(path: Path, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
     import onnxruntime as ort
 

@@ -6,13 +6,12 @@ import numpy as np
 import pytest
 from onnx import helper
 
-from builders import make_model, rng_weights, save
-from calib.table import CalibrationTable, TensorRecord
+from builders import make_model, max_calibration, rng_weights, save
+from calib.table import CalibrationTable
 from isa.kinds import Kind
 from isa.target import Arithmetic, Target
 from qdeploy import api
 from simulator import reference
-from qdeploy.reference import run_graph
 from simulator.machine import Machine
 from simulator.vectors import export_vectors
 
@@ -47,11 +46,7 @@ def every_kind_model(tmp_path):
 
 def calibrated(path, x: np.ndarray) -> CalibrationTable:
     """Max thresholds from the lowered float graph's own values: a simple table that clips nothing."""
-    graph = api.lower_model(path).graph
-    names = [name for name, tensor in graph.tensors.items() if not tensor.is_constant]
-    values = run_graph(graph, {"x": x}, names)
-    return CalibrationTable({name: TensorRecord(name, "max", float(np.max(np.abs(values[name]))) or 1.0)
-                             for name in names}, "max", 0)
+    return max_calibration(path, {"x": x})
 
 
 @pytest.mark.parametrize("rounding", ROUNDINGS)

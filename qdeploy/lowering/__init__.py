@@ -11,7 +11,7 @@ from math import prod
 
 from qdeploy.errors import QdeployError, Unsupported
 from qdeploy.ir import Graph, Node
-from isa.geometry import conv_output_size
+from isa.geometry import conv_output_size, upsampled_size, zero_read_macs
 from isa.kinds import LAYOUT_KINDS, WEIGHTED_GEMM_KINDS, Kind, handler
 from qdeploy.lowering.instructions import INSTRUCTION_OPS, LAYOUT_OPS, has_window_max, is_channel_concat, node_kind
 from qdeploy.lowering.rules import LOWERING
@@ -91,16 +91,25 @@ def _epilogue(node: Node) -> dict:
 
 def _conv_geometry(graph: Graph, node: Node) -> tuple[int, int, int, int, dict]:
     """ConvGemm: per group (OH*OW x C/g*kh*kw) . (C/g*kh*kw x M/g). The GEMM runs before the window-max, so M
-    counts the conv's outputs, not the pooled ones."""
+    counts the conv's outputs, not the pooled ones. An upsampled read (isa/geometry.py) adds its factor and
+    fills, and `zero_macs`: the MACs that read a zero of the read (inserted zeros, zero padding)."""
     weight = graph.tensors[node.inputs[1]].data
     groups = int(node.attrs["group"])
     in_shape = _shape(graph, node.inputs[0])
     kh, kw = weight.shape[2:]
     (sh, sw), (dh, dw), pads = node.attrs["strides"], node.attrs["dilations"], node.attrs["pads"]
-    oh = conv_output_size(in_shape[2], kh, sh, pads[0], pads[2], dh)
-    ow = conv_output_size(in_shape[3], kw, sw, pads[1], pads[3], dw)
+    upsample, fill = node.attrs.get("upsample"), node.attrs.get("upsample_fill")
+    fh, fw = upsample or (1, 1)
+    oh = conv_output_size(upsampled_size(in_shape[2], fh, fill), kh, sh, pads[0], pads[2], dh)
+    ow = conv_output_size(upsampled_size(in_shape[3], fw, fill), kw, sw, pads[1], pads[3], dw)
     geometry = {"input": in_shape[1:], "output": [weight.shape[0], oh, ow], "kernel": [kh, kw],
                 "strides": [sh, sw], "pads": pads, "dilations": [dh, dw]}
+    if upsample is not None or node.attrs.get("pad_fill") is not None:
+        geometry.update({"upsample": list(upsample or (1, 1)), "upsample_fill": fill,
+                         "pad_fill": node.attrs.get("pad_fill") or "zero",
+                         "zero_macs": zero_read_macs(in_shape[2], in_shape[3], (kh, kw), (sh, sw), pads, (dh, dw),
+                                                     upsample, fill, node.attrs.get("pad_fill"),
+                                                     weight.shape[0] * weight.shape[1])})
     return oh * ow, weight.shape[0] // groups, int(prod(weight.shape[1:])), groups, geometry
 
 

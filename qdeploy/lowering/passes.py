@@ -23,7 +23,7 @@ from qdeploy.lowering.lookup import fuse_lookups, recognise_functions
 from qdeploy.lowering.rules import (EPILOGUE_OPS, LOWERING, affine_of, batchnorm_scale_shift,
                                     finite_weights, identity_gemm)
 
-GEMM_OPS = ("Conv", "Gemm", "MatMul")
+GEMM_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
 INF = float("inf")
 
 
@@ -48,7 +48,8 @@ def _lower_where(graph: Graph, ops) -> Graph:
 
 
 def lower_gemm_ops(graph: Graph) -> Graph:
-    """Conv -> ConvGemm (im2col), Gemm/MatMul with constant weights -> DenseGemm."""
+    """Conv -> ConvGemm (im2col), ConvTranspose -> ConvGemm reading zero-inserted input, Gemm/MatMul with
+    constant weights -> DenseGemm."""
     return _lower_where(graph, GEMM_OPS)
 
 
@@ -238,6 +239,51 @@ def fuse_epilogues(graph: Graph) -> Graph:
     return graph
 
 
+def _read_only(graph: Graph, node: Node) -> str | None:
+    """What a ConvGemm that only moves data does with its read (a lowered Resize nearest or Pad): "upsample" (a
+    `nearest` read, no padding), "pad" (a padded read, no upsampling), or None when it computes something: it
+    must be 1x1 depthwise with weight 1, bias 0, no epilogue."""
+    if node.op != Kind.CONV_GEMM or not _plain(node) or "act_max_channels" in node.attrs:
+        return None
+    weight, bias = graph.constant_data(node.inputs[1]), graph.constant_data(node.inputs[2])
+    if weight.shape[1:] != (1, 1, 1) or int(node.attrs["group"]) != weight.shape[0] or not np.all(weight == 1) \
+            or np.any(bias) or list(node.attrs["strides"]) != [1, 1]:
+        return None
+    upsample, padded = node.attrs.get("upsample"), any(node.attrs["pads"])
+    if upsample and node.attrs.get("upsample_fill") == "nearest" and not padded and not node.attrs.get("pad_fill"):
+        return "upsample"
+    if padded and not upsample:
+        return "pad"
+    return None
+
+
+def fold_read_into_conv(graph: Graph) -> Graph:
+    """A lowered Resize nearest or Pad (`_read_only`) whose only reader is a ConvGemm with a plain read folds into
+    that read: conv(repeat(x)) reads x with the factor and fill `nearest` (the conv's zero padding then pads the
+    repeated input, as before); conv(pad(x)) with no pads of its own reads x with the Pad's pads and fill
+    (isa/geometry.py read_source). One instruction and one stored tensor fewer; the MACs are the conv's."""
+    producers, consumers = graph.producers(), graph.consumers()
+    replaced: dict[str, Node] = {}
+    removed: set[str] = set()
+    for node in graph.nodes:
+        if node.op != Kind.CONV_GEMM or node.attrs.get("upsample") or node.attrs.get("pad_fill"):
+            continue
+        producer = _sole_producer(graph, node, producers, consumers)
+        what = None if producer is None or producer.name in removed else _read_only(graph, producer)
+        if what == "upsample":
+            attrs = {**node.attrs, "upsample": list(producer.attrs["upsample"]), "upsample_fill": "nearest"}
+        elif what == "pad" and not any(node.attrs["pads"]):
+            attrs = {**node.attrs, "pads": list(producer.attrs["pads"]),
+                     **({"pad_fill": producer.attrs["pad_fill"]} if producer.attrs.get("pad_fill") else {})}
+        else:
+            continue
+        replaced[node.name] = node.replace(inputs=[producer.inputs[0], *node.inputs[1:]], attrs=attrs)
+        removed.add(producer.name)
+    if not replaced:
+        return graph
+    return graph.with_nodes([replaced.get(n.name, n) for n in graph.nodes if n.name not in removed])
+
+
 def lower_standalone_epilogues(graph: Graph) -> Graph:
     """An activation or MaxPool that could not fuse (its input is a graph input, a layout op's output, or
     read elsewhere too) runs in the output stage of an identity GEMM (weight 1, K = 1 per channel)."""
@@ -387,12 +433,13 @@ LOWER: list[Pass] = [
     fuse_epilogues,  # Relu/Clip/MaxPool -> output stage of their producer
     fuse_lookups,  # Sigmoid, SiLU, GELU, ... -> a lookup table in their producer's (or an identity GEMM's) output stage
     fuse_epilogues,  # a MaxPool after a table (the window-max follows the table in the output stage)
+    fold_read_into_conv,  # Resize nearest / Pad -> Conv: the conv reads the input repeated or padded
     lower_standalone_epilogues,  # the rest of them -> identity GEMM with that output stage
     copy_shared_concat_inputs,  # a Concat input no exclusive instruction writes -> identity GEMM copy
     eliminate_dead_nodes,
 ]
 
 
-__all__ = ["LOWER", "copy_shared_concat_inputs", "lower_channel_permutations", "split_to_slices", "fold_batchnorm", "fold_constant_affine", "fuse_epilogues",
+__all__ = ["LOWER", "copy_shared_concat_inputs", "fold_read_into_conv", "lower_channel_permutations", "split_to_slices", "fold_batchnorm", "fold_constant_affine", "fuse_epilogues",
            "lower_gemm_ops",
            "lower_remaining_ops", "lower_standalone_epilogues"]

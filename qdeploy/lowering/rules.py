@@ -14,7 +14,7 @@ from typing import Callable
 
 import numpy as np
 
-from qdeploy.errors import BadInput, Unsupported
+from qdeploy.errors import BadInput, QdeployError, Unsupported
 from qdeploy.ir import Graph, Node, Tensor, constant
 from isa.kinds import Kind
 
@@ -67,13 +67,17 @@ def _new_constants(graph: Graph, node: Node, **arrays: np.ndarray) -> dict[str, 
 
 
 def conv_gemm(graph: Graph, node: Node, x: str, weight: np.ndarray, bias: np.ndarray, *, group: int,
-              strides: list[int], pads: list[int], dilations: list[int], output: str | None = None) -> Lowered:
-    """A ConvGemm instruction computing `output` (default: the node's output) from `x`."""
+              strides: list[int], pads: list[int], dilations: list[int], output: str | None = None,
+              read: dict | None = None, name: str | None = None) -> Lowered:
+    """A ConvGemm instruction computing `output` (default: the node's output) from `x`; `read` holds the
+    upsampled read's attributes (upsample, upsample_fill, pad_fill: isa/geometry.py) when it has one."""
+    if read and list(read.get("upsample", [1, 1])) == [1, 1]:  # factor 1: a plain read (padding kept)
+        read = {key: value for key, value in read.items() if key == "pad_fill"}
     consts = _new_constants(graph, node, weight=weight, bias=bias)
-    instr = Node(node.name, Kind.CONV_GEMM, [x, consts["weight"].name, consts["bias"].name],
+    instr = Node(name or node.name, Kind.CONV_GEMM, [x, consts["weight"].name, consts["bias"].name],
                  [output or node.outputs[0]],
                  dict(group=group, strides=list(strides), pads=list(pads), dilations=list(dilations),
-                      **no_epilogue()))
+                      **(read or {}), **no_epilogue()))
     return Lowered([instr], list(consts.values()))
 
 
@@ -102,6 +106,165 @@ def lower_conv(graph: Graph, node: Node) -> Lowered:
     return conv_gemm(graph, node, node.inputs[0], weight, bias, group=int(node.attrs.get("group", 1)),
                      strides=node.attrs.get("strides") or [1, 1], pads=node.attrs.get("pads") or [0, 0, 0, 0],
                      dilations=node.attrs.get("dilations") or [1, 1])
+
+
+def lower_conv_transpose(graph: Graph, node: Node) -> Lowered:
+    """ConvTranspose -> a ConvGemm over the input with s-1 zeros inserted between rows and columns (the read's
+    `zero` upsampling: no MAC leaves the array), stride 1, the weights flipped with input and output channels
+    swapped per group, W'[g*Mg + m, c, i, j] = W[g*Cg + c, m, kh-1-i, kw-1-j], dilation d, and pads
+    d*(k-1) - pad_begin before and d*(k-1) - pad_end + output_padding after (ONNX ConvTranspose spec: output
+    s*(in-1) + output_padding + d*(k-1) + 1 - pads). The taps that read an inserted zero are wasted MACs, counted
+    by the performance model (isa/tiling.py); design.md section 4 compares the sub-pixel alternative."""
+    weight = _weight(graph, node, 1, "weight")
+    in_shape, out_shape = graph.tensors[node.inputs[0]].shape, graph.tensors[node.outputs[0]].shape
+    if weight.ndim != 4 or _rank(graph, node.inputs[0]) != 4 or out_shape is None or None in in_shape[2:] \
+            or None in out_shape[2:]:
+        raise Unsupported(f"node '{node.name}' (ConvTranspose): only 2-D transposed convolutions (NCHW) of static "
+                          f"spatial size are supported")
+    group = int(node.attrs.get("group", 1))
+    channels, per_group_out, kh, kw = weight.shape
+    strides = list(node.attrs.get("strides") or [1, 1])
+    dilations = list(node.attrs.get("dilations") or [1, 1])
+    output_padding = list(node.attrs.get("output_padding") or [0, 0])
+    full = [strides[a] * (in_shape[2 + a] - 1) + output_padding[a] + dilations[a] * (weight.shape[2 + a] - 1) + 1
+            for a in range(2)]
+    pads = list(node.attrs.get("pads") or [0, 0, 0, 0])
+    auto_pad = node.attrs.get("auto_pad", "NOTSET")
+    if node.attrs.get("output_shape") is not None or auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        for a in range(2):  # the total padding from the output size, split as the spec says
+            total = full[a] - out_shape[2 + a]
+            small, large = total // 2, total - total // 2
+            pads[a], pads[a + 2] = (small, large) if auto_pad == "SAME_UPPER" else (large, small)
+    elif auto_pad == "VALID":
+        pads = [0, 0, 0, 0]
+    conv_pads = [dilations[a % 2] * (weight.shape[2 + a % 2] - 1) - pads[a] + (output_padding[a % 2] if a >= 2 else 0)
+                 for a in range(4)]
+    if min(conv_pads) < 0:
+        raise Unsupported(f"node '{node.name}' (ConvTranspose): pads {pads} crop more than the kernel's reach "
+                          f"d*(k-1) = {[dilations[0] * (kh - 1), dilations[1] * (kw - 1)]}")
+    flipped = weight.reshape(group, channels // group, per_group_out, kh, kw)[:, :, :, ::-1, ::-1]
+    conv_weight = flipped.transpose(0, 2, 1, 3, 4).reshape(group * per_group_out, channels // group, kh, kw)
+    bias = _weight(graph, node, 2, "bias") if len(node.inputs) > 2 and node.inputs[2] else \
+        np.zeros(group * per_group_out, np.float32)
+    read = {"upsample": strides, "upsample_fill": "zero"} if strides != [1, 1] else {}
+    return conv_gemm(graph, node, node.inputs[0], conv_weight, bias, group=group, strides=[1, 1], pads=conv_pads,
+                     dilations=dilations, read=read)
+
+
+def linear_taps(factor: int) -> np.ndarray:
+    """The 1-D kernel that turns an input read `nearest` with integer factor f (and padded with its edge rows,
+    f//2 of them on each side) into half-pixel linear interpolation: box(f)/f for odd f, [1, 2, ..., 2, 1]/(2f)
+    (f+1 taps) for even f. Derivation: linear interpolation is zero insertion followed by the triangle of
+    half-width f sampled at the output positions, and nearest repetition is zero insertion followed by box(f);
+    the triangle is box(f) convolved with these taps (f = 2: [1/4, 3/4, 3/4, 1/4] = [1, 1] * [1/4, 1/2, 1/4]).
+    Every tap is a multiple of 1/(2f): exact in float32 for f a power of two."""
+    if factor % 2:
+        return np.full(factor, 1.0 / factor)
+    return np.concatenate([[1.0], np.full(factor - 1, 2.0), [1.0]]) / (2 * factor)
+
+
+def _resize_factors(graph: Graph, node: Node) -> tuple[list[int], list[np.ndarray | None]]:
+    """The integer spatial factors (OH/H, OW/W) of a Resize of an NCHW tensor, and its constant operands."""
+    x, y = graph.tensors[node.inputs[0]].shape, graph.tensors[node.outputs[0]].shape
+    if x is None or y is None or len(x) != 4 or None in x[1:] or None in y[1:] or list(x[1:2]) != list(y[1:2]):
+        raise Unsupported(f"node '{node.name}' (Resize): only a spatial resize of a static NCHW tensor runs on the "
+                          f"GEMM unit (input {x}, output {y})")
+    operands = [None if not name else graph.constant_data(name) for name in node.inputs[1:]]
+    if any(name and value is None for name, value in zip(node.inputs[1:], operands)):
+        raise Unsupported(f"node '{node.name}' (Resize): its scales or sizes are computed at run time")
+    factors = [y[a] // x[a] if y[a] % x[a] == 0 else 0 for a in (2, 3)]
+    if min(factors) < 1:
+        raise Unsupported(f"node '{node.name}' (Resize): {x[2]}x{x[3]} -> {y[2]}x{y[3]} is not an integer "
+                          f"upsampling; only integer scales run on the GEMM unit (the read repeats rows)")
+    return factors, operands
+
+
+def lower_resize(graph: Graph, node: Node) -> Lowered:
+    """Resize by integer factors on the GEMM unit, found by running the op itself (the float executor, every
+    coordinate mode and opset) on a probe and keeping the lowering only when it gives the same numbers:
+    - nearest: where the op repeats each row f times (asymmetric/floor, half-pixel with rounding, ...), an
+      identity depthwise GEMM (1x1, weight 1) whose read is `nearest`: addresses only, no arithmetic;
+    - linear (half-pixel): the same read padded with edge rows, then the depthwise kernel linear_taps(f) per
+      axis: one 2-D kernel (outer product) when both factors are at most 2, else two instructions, along the
+      width then the height (K = L per output instead of L^2). An axis of length 1 is a repetition."""
+    factors, operands = _resize_factors(graph, node)
+    mode = node.attrs.get("mode", "nearest")
+    if mode not in ("nearest", "linear"):
+        raise Unsupported(f"node '{node.name}' (Resize): mode '{mode}' has no GEMM lowering (nearest, linear)")
+    channels, height, width = graph.tensors[node.inputs[0]].shape[1:]
+    from qdeploy.reference import run_node  # the float meaning of the op, so every opset's form is covered
+    from qdeploy.reference.ops.accelerator import ConvGemm
+
+    rng = np.random.default_rng(0)
+    probe = (np.arange(height * width, dtype=np.float32).reshape(1, 1, height, width) if mode == "nearest"
+             else rng.standard_normal((1, 1, height, width)).astype(np.float32))
+    probe_c = np.repeat(probe, channels, axis=1)
+    expected = run_node(node, [probe_c, *operands], graph.opset)[0]
+    sizes = (height, width)
+    taps = [np.ones(1) if mode == "nearest" or sizes[a] == 1 else linear_taps(factors[a]) for a in range(2)]
+    half = [len(t) // 2 for t in taps]
+    read = {"upsample": factors, "upsample_fill": "nearest", **({"pad_fill": "edge"} if max(half) else {})}
+    pads = [half[0], half[1], half[0], half[1]]
+    kernel = np.outer(taps[0], taps[1])
+    got = ConvGemm(probe_c, np.tile(kernel, (channels, 1, 1, 1)).astype(np.float32), np.zeros(channels, np.float32),
+                   group=channels, pads=pads, **read)
+    if got.shape != expected.shape or not np.allclose(got, expected, rtol=0, atol=1e-5 * max(1.0, np.abs(expected).max())):
+        raise Unsupported(f"node '{node.name}' (Resize): mode '{mode}' with coordinate_transformation_mode "
+                          f"'{node.attrs.get('coordinate_transformation_mode', 'half_pixel')}' is not a repetition "
+                          f"of rows{' followed by half-pixel interpolation' if mode == 'linear' else ''}")
+    zeros = np.zeros(channels, np.float32)
+    if max(factors) <= 2 or min(len(t) for t in taps) == 1:
+        return conv_gemm(graph, node, node.inputs[0], np.tile(kernel, (channels, 1, 1, 1)), zeros, group=channels,
+                         strides=[1, 1], pads=pads, dilations=[1, 1], read=read)
+    across = Tensor(graph.unique_name(f"{node.outputs[0]}/width"), (None, channels, height, width * factors[1]),
+                    graph.tensors[node.outputs[0]].dtype)
+    first = conv_gemm(graph, node, node.inputs[0], np.tile(taps[1].reshape(1, 1, 1, -1), (channels, 1, 1, 1)),
+                      zeros, group=channels, strides=[1, 1], pads=[0, half[1], 0, half[1]], dilations=[1, 1],
+                      output=across.name, name=graph.unique_name(f"{node.name}/width"),
+                      read={"upsample": [1, factors[1]], "upsample_fill": "nearest", "pad_fill": "edge"})
+    graph = graph.with_nodes([*graph.nodes, *first.nodes], [*first.tensors, across])  # unique names
+    second = conv_gemm(graph, node, across.name, np.tile(taps[0].reshape(1, 1, -1, 1), (channels, 1, 1, 1)),
+                       zeros, group=channels, strides=[1, 1], pads=[half[0], 0, half[0], 0], dilations=[1, 1],
+                       read={"upsample": [factors[0], 1], "upsample_fill": "nearest", "pad_fill": "edge"})
+    return Lowered([*first.nodes, *second.nodes], [*first.tensors, across, *second.tensors])
+
+
+def lower_pad(graph: Graph, node: Node) -> Lowered:
+    """Pad of the spatial dims of an NCHW tensor (constant 0, edge, reflect) -> an identity depthwise ConvGemm
+    (1x1, weight 1) whose read pads: addresses only (isa/geometry.py read_source). A Conv that alone reads it
+    takes the padding into its own read (passes.py fold_read_into_conv). Kept only when the op itself (the float
+    executor, every opset) gives the same numbers on a probe."""
+    shape = graph.tensors[node.inputs[0]].shape
+    mode = node.attrs.get("mode", "constant")
+    if shape is None or len(shape) != 4 or None in shape[1:] or mode not in ("constant", "edge", "reflect"):
+        raise Unsupported(f"node '{node.name}' (Pad): only constant-0, edge and reflect padding of the spatial dims "
+                          f"of a static NCHW tensor runs on the GEMM unit (mode '{mode}', input {shape})")
+    operands = [None if not name else graph.constant_data(name) for name in node.inputs[1:]]
+    if any(name and value is None for name, value in zip(node.inputs[1:], operands)):
+        raise Unsupported(f"node '{node.name}' (Pad): its pads or value are computed at run time")
+    if len(operands) > 2 and operands[2] is not None:
+        raise Unsupported(f"node '{node.name}' (Pad): explicit axes are not supported on the GEMM unit")
+    pads = [int(p) for p in (operands[0] if operands and operands[0] is not None else node.attrs.get("pads", []))]
+    if len(pads) != 8 or pads[:2] != [0, 0] or pads[4:6] != [0, 0] or min(pads) < 0:
+        raise Unsupported(f"node '{node.name}' (Pad): pads {pads} are not non-negative pads of H and W only")
+    channels, height, width = shape[1:]
+    read_pads = [pads[2], pads[3], pads[6], pads[7]]
+    read = {} if mode == "constant" else {"pad_fill": mode}
+    from qdeploy.reference import run_node  # the float meaning of the op, so every opset's form is covered
+    from qdeploy.reference.ops.accelerator import ConvGemm
+
+    probe = np.random.default_rng(0).standard_normal((1, channels, height, width)).astype(np.float32)
+    try:
+        expected = run_node(node, [probe, *operands], graph.opset)[0]
+        got = ConvGemm(probe, np.ones((channels, 1, 1, 1), np.float32), np.zeros(channels, np.float32),
+                       group=channels, pads=read_pads, **read)
+    except (QdeployError, ValueError) as error:
+        raise Unsupported(f"node '{node.name}' (Pad): {error}") from None
+    if got.shape != expected.shape or not np.array_equal(got, expected):
+        raise Unsupported(f"node '{node.name}' (Pad): mode '{mode}' with pads {pads} is not a padding the read does "
+                          f"(a nonzero constant, a reflection longer than the input)")
+    return conv_gemm(graph, node, node.inputs[0], np.ones((channels, 1, 1, 1)), np.zeros(channels), group=channels,
+                     strides=[1, 1], pads=read_pads, dilations=[1, 1], read=read)
 
 
 def lower_gemm(graph: Graph, node: Node) -> Lowered:
@@ -419,6 +582,9 @@ def identity_gemm(graph: Graph, node: Node) -> Lowered:
 # fuse_epilogues merges them into their producer; `identity_gemm` carries the ones that have no GEMM producer.
 LOWERING: dict[str, LoweringRule] = {
     "Conv": lower_conv,  # im2col + GEMM, grouped/depthwise as one GEMM per group
+    "ConvTranspose": lower_conv_transpose,  # a Conv whose read inserts zeros (upsample_fill "zero")
+    "Resize": lower_resize,  # integer factors: nearest = the read repeats rows; linear = that + a depthwise kernel
+    "Pad": lower_pad,  # spatial constant-0 / edge / reflect: an identity GEMM whose read pads
     "Gemm": lower_gemm,
     "MatMul": lower_matmul,  # by a constant: DenseGemm; of two activations: MatMulGemm
     "BatchNormalization": lower_batchnorm,  # only those not folded into a Conv/Gemm

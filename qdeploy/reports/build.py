@@ -7,6 +7,7 @@ report.json (format "qdeploy-report", version 1; fractions in [0, 1], SQNR in dB
   top1_agreement, top5_agreement, logits_sqnr_db, cosine, cosine_min, accuracy_float, accuracy_int8,
   accuracy_drop_points, top5_accuracy_float, top5_accuracy_int8 (the accuracies null without labels),
   samples, data, model, program, labels, output (the output measured), input_sqnr_db {input: dB},
+  pixel_agreement, pixels, output_sqnr_db {output: dB} (only for an NCHW first output: dense prediction),
   layers [{index, name, kind, output, lookup (the output-stage table's function, or null), sqnr_cumulative_db,
   sqnr_isolated_db, overflow_events, clipped_fraction, scale}], worst_layers {isolated, cumulative}, tensors [{name, method, threshold, amax, scale,
   clipped_fraction}] (with a calibration table), host_ops [{node, op, reason}], nodes {as_exported, simplified,
@@ -72,6 +73,10 @@ class ReportResult:
                  f"  top-1 agreement {metrics.format_percent(d['top1_agreement'])}   top-5 agreement {metrics.format_percent(d['top5_agreement'])}",
                  f"  logits SQNR {metrics.format_json_db(d['logits_sqnr_db'])}   cosine {d['cosine']:.4f} "
                  f"(min {d['cosine_min']:.4f})"]
+        if "pixel_agreement" in d:
+            lines.append(f"  dense output: argmax map agreement {metrics.format_percent(d['pixel_agreement'])} of "
+                         f"{d['pixels']:,} pixels; SQNR per output: " + ", ".join(
+                             f"{name} {metrics.format_json_db(db)}" for name, db in d["output_sqnr_db"].items()))
         if d["accuracy_float"] is not None:
             lines.append(f"  accuracy float {metrics.format_percent(d['accuracy_float'])}   int8 {metrics.format_percent(d['accuracy_int8'])}   "
                          f"drop {d['accuracy_drop_points']:+.2f} points")
@@ -94,6 +99,17 @@ class ReportResult:
             lines.append(f"  host-fallback ops ({len(d['host_ops'])}): {'; '.join(work)}")
         lines.append(f"wrote {self.output / 'report.md'} (+ report.json, {len(d['plots'])} PNG)")
         return "\n".join(lines)
+
+
+def _dense_outputs(logits, layers: list[dict], program) -> dict:
+    """For a dense first output (NCHW: segmentation logits, detection maps): the share of pixels whose argmax over
+    the channels agrees (`pixel_agreement`, over `pixels`), and the SQNR of every program output (the cumulative
+    SQNR of the instruction writing it). Absent for a classifier, whose report is unchanged."""
+    if not logits.pixels:
+        return {}
+    writers = {layer["output"]: layer["sqnr_cumulative_db"] for layer in layers}
+    return {"pixel_agreement": logits.pixels_agreeing / logits.pixels, "pixels": logits.pixels,
+            "output_sqnr_db": {name: writers.get(name) for name in program.outputs}}
 
 
 def _op_counts(graph) -> dict[str, int]:
@@ -368,6 +384,7 @@ def build_report(model: str | os.PathLike, program: str | os.PathLike | Program,
         "logits_sqnr_db": metrics.json_number(logits.sqnr.db),
         "cosine": float(np.mean(cosine)), "cosine_min": float(np.min(cosine)),
         **accuracy,
+        **_dense_outputs(logits, layers, program),
         "input_sqnr_db": {name: metrics.json_number(acc.db) for name, acc in evaluator.inputs.items()},
         "layers": layers,
         "worst_layers": {"isolated": [{"name": l["name"], "sqnr_isolated_db": l["sqnr_isolated_db"]}

@@ -94,6 +94,9 @@ class OutputStats:
     float_top: list[np.ndarray] = field(default_factory=list)
     int8_top: list[np.ndarray] = field(default_factory=list)
     cosine: list[np.ndarray] = field(default_factory=list)
+    shape: tuple = ()  # the program's shape of the output (batch free)
+    pixels: int = 0  # NCHW outputs (dense prediction): pixels seen, and those whose argmax over C agrees
+    pixels_agreeing: int = 0
 
     def concatenated(self, parts: list[np.ndarray]) -> np.ndarray:
         return np.concatenate(parts) if parts else np.zeros((0, 1), np.int64)
@@ -170,7 +173,7 @@ class Evaluator:
                 self.layers.append(self._new_layer(step))
         self.by_index = {layer.index: layer for layer in self.layers}
         self.inputs = {name: SqnrAccumulator() for name in program.inputs}
-        self.output = OutputStats(program.outputs[0])
+        self.output = OutputStats(program.outputs[0], shape=tuple(program.tensors[program.outputs[0]]["shape"]))
         self.peers = [PeerStats(label, logits) for label, logits in peers or []]
         self.split = {walk: SplitStats() for walk in SPLIT_WALKS}
         self.dequantized = {  # per GEMM instruction: the float weight and bias of the weights-only walk
@@ -281,6 +284,12 @@ class Evaluator:
 
     def _update_output(self, f: np.ndarray, q: np.ndarray, start: int) -> None:
         self.output.sqnr.update(f, q)
+        if len(self.output.shape) == 4:  # a dense output: the argmax map over the channels, pixel by pixel
+            channels = self.output.shape[1]
+            f_map = f.reshape(len(f), channels, -1).argmax(axis=1)
+            q_map = q.reshape(len(q), channels, -1).argmax(axis=1)
+            self.output.pixels += f_map.size
+            self.output.pixels_agreeing += int(np.count_nonzero(f_map == q_map))
         float_top = top_k(f)
         self.output.float_top.append(float_top)
         self.output.int8_top.append(top_k(q))

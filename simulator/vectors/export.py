@@ -19,6 +19,7 @@ from isa.kinds import LAYOUT_KINDS, Kind, handler
 from isa.target import Target, acc_element_bytes, target_from_dict, target_to_dict
 from isa.tiling import GemmShape, Tiles, gemm_shape, tiles_of
 from simulator.kernels.im2col import im2col
+from simulator.kernels.upsample import upsampled_read
 from simulator.vectors.codec import (
     FORMAT,
     FORMAT_VERSION,
@@ -67,14 +68,20 @@ def _per_channel(values: np.ndarray, channels: int) -> np.ndarray:
 
 
 def _conv_operands(instr: Instruction, args: list[np.ndarray], arrays: dict, info: dict) -> tuple[np.ndarray, np.ndarray]:
-    """ConvGemm: the im2col matrix per group (G, N*OH*OW, K) and the weights (G, K, M/G)."""
+    """ConvGemm: the im2col matrix per group (G, N*OH*OW, K) and the weights (G, K, M/G). An upsampled read
+    (ConvTranspose's inserted zeros, Resize's repeated rows, edge padding) is in the matrix as the array sees
+    it: the rows it streams are those of the read, so the vectors check the addressing too."""
     x = args[0]
     groups = int(instr.group)
-    cols = im2col(x, instr.kernel, instr.strides, instr.pads, instr.dilations, groups)
+    read, pads = upsampled_read(x, instr.upsample, instr.upsample_fill, instr.pads, instr.pad_fill)
+    cols = im2col(read, instr.kernel, instr.strides, pads, instr.dilations, groups)
     w = arrays[instr.weight]
     weight = np.ascontiguousarray(w.reshape(groups, w.shape[0] // groups, w.shape[1]).transpose(0, 2, 1))
     info["conv"] = {k: list(getattr(instr, k)) if k != "group" else instr.group
                     for k in ("kernel", "strides", "pads", "dilations", "group")}
+    if instr.upsample is not None or instr.pad_fill is not None:
+        info["conv"].update(upsample=list(instr.upsample or (1, 1)), upsample_fill=instr.upsample_fill,
+                            pad_fill=instr.pad_fill or "zero")
     info["input_shape"] = list(x.shape)
     return cols, weight
 

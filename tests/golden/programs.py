@@ -107,6 +107,29 @@ def lookup_net() -> onnx.ModelProto:
     return _model(nodes, [("x", ["N", 3, 8, 8])], [("y", ["N", 5])], inits)
 
 
+def decoder_net() -> onnx.ModelProto:
+    """The upsampled reads (docs/design.md section 4): ConvTranspose 3x3 stride 2 (zeros inserted) + ReLU ->
+    Resize nearest x2 folded into a 3x3 Conv, and Resize bilinear x2 (nearest read, edge pads, 3x3 taps) ->
+    Add -> Pad reflect folded into a 3x3 Conv."""
+    n = helper.make_node
+    nodes = [n("ConvTranspose", ["x", "W1", "B1"], ["t"], name="transpose", strides=[2, 2], pads=[1, 1, 1, 1],
+               output_padding=[1, 1]),
+             n("Relu", ["t"], ["r"], name="relu"),
+             n("Resize", ["r", "", "scales"], ["u"], name="nearest", mode="nearest",
+               coordinate_transformation_mode="asymmetric", nearest_mode="floor"),
+             n("Conv", ["u", "W2", "B2"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+             n("Resize", ["r", "", "scales"], ["b"], name="bilinear", mode="linear",
+               coordinate_transformation_mode="half_pixel"),
+             n("Add", ["c", "b"], ["a"], name="add"),
+             n("Pad", ["a", "pads"], ["p"], name="pad", mode="reflect"),
+             n("Conv", ["p", "W3", "B3"], ["y"], name="head")]
+    inits = {"W1": _weights(41, 3, 4, 3, 3), "B1": _weights(42, 4), "scales": np.array([1, 1, 2, 2], np.float32),
+             "W2": _weights(43, 4, 4, 3, 3), "B2": _weights(44, 4),
+             "pads": np.array([0, 0, 1, 1, 0, 0, 1, 1], np.int64), "W3": _weights(45, 2, 4, 3, 3),
+             "B3": _weights(46, 2)}
+    return _model(nodes, [("x", ["N", 3, 4, 5])], [("y", ["N", 2, 16, 20])], inits)
+
+
 def _target(api, array=None, **arithmetic):
     """A Target with these arithmetic keys (and `array` keys), through the public API's target-file reader."""
     with tempfile.TemporaryDirectory() as folder:
@@ -135,6 +158,7 @@ CASES = {
     "lookup_float32_rne": (lookup_net, (3, 8, 8), "kl", False, {"rounding": "float32_rne", "act_min": -128,
                                                                 "unsigned_activations": False}, {}),
     "lookup_half_up_unsigned": (lookup_net, (3, 8, 8), "kl", False, {"unsigned_activations": True}, {}),
+    "decoder_float32_rne": (decoder_net, (3, 4, 5), "kl", False, {"rounding": "float32_rne", "act_min": -128}, {}),
 }
 
 

@@ -34,9 +34,32 @@ def _epilogue(y: np.ndarray, act_min: float, act_max: float, pool_kernel_shape=N
     return y if pre is None else (y, pre)
 
 
+def upsampled_read(x: np.ndarray, upsample=None, upsample_fill=None, pads=(0, 0, 0, 0), pad_fill=None
+                   ) -> tuple[np.ndarray, list[int]]:
+    """The ConvGemm read (isa/geometry.py): x upsampled by the integer factors `upsample` (zeros inserted, or
+    each row and column repeated), then, with pad_fill "edge" or "reflect", padded from its border; returns the array
+    and the pads left for the convolution (zeros). pad_fill "reflect" mirrors without the border row (numpy's
+    and ONNX Pad's reflect)."""
+    if upsample is not None and tuple(upsample) != (1, 1):
+        fh, fw = upsample
+        if upsample_fill == "zero":
+            n, c, h, w = x.shape
+            up = np.zeros((n, c, (h - 1) * fh + 1, (w - 1) * fw + 1), x.dtype)
+            up[:, :, ::fh, ::fw] = x
+            x = up
+        else:
+            x = np.repeat(np.repeat(x, fh, axis=2), fw, axis=3)
+    if pad_fill in ("edge", "reflect"):
+        top, left, bottom, right = pads
+        return np.pad(x, ((0, 0), (0, 0), (top, bottom), (left, right)), mode=pad_fill), [0, 0, 0, 0]
+    return x, list(pads)
+
+
 def ConvGemm(x, w, b, *, group=1, strides=(1, 1), pads=(0, 0, 0, 0), dilations=(1, 1),
-             act_min=-np.inf, act_max=np.inf, **window):
-    """y = window_max(clamp(Conv(x, w, b), act_min, act_max)): im2col + GEMM per group."""
+             act_min=-np.inf, act_max=np.inf, upsample=None, upsample_fill=None, pad_fill=None, **window):
+    """y = window_max(clamp(Conv(read(x), w, b), act_min, act_max)): im2col + GEMM per group, the read upsampled
+    and edge-padded as `upsampled_read` says."""
+    x, pads = upsampled_read(x, upsample, upsample_fill, pads, pad_fill)
     y = Conv(x, w, b, group=group, strides=list(strides), pads=list(pads), dilations=list(dilations))
     return _epilogue(y, act_min, act_max, **window)
 
