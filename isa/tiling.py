@@ -61,7 +61,7 @@ def _conv_shape(instr: Instruction, in_shapes: list, out_shape: list, batch: int
         zero_macs = batch * zero_read_macs(height, width, instr.kernel, instr.strides, instr.pads, instr.dilations,
                                            instr.upsample, instr.upsample_fill, instr.pad_fill,
                                            int(out_shape[1]) * int(channels) // groups)
-    return GemmShape(groups, batch * oh * ow, int(out_shape[1]) // groups, int(instr.k), stored, zero_macs)
+    return GemmShape(groups, batch * oh * ow, int(out_shape[1]) // groups, int(instr.k), stored, zero_macs=zero_macs)
 
 
 def _dense_shape(instr: Instruction, in_shapes: list, out_shape: list, batch: int, stored: int) -> GemmShape:
