@@ -139,8 +139,8 @@ def _concrete_input_shape(tensor: Tensor, batch: int) -> tuple[int, ...]:
     return tuple(dims)
 
 
-def probe(graph: Graph) -> Probe:
-    """Evaluate `graph` on zero inputs at each probe batch size (see module docstring)."""
+def probe(graph: Graph, batches: tuple[int, ...] = PROBE_BATCHES) -> Probe:
+    """Evaluate `graph` on zero inputs at each of `batches` (PROBE_BATCHES; see module docstring)."""
     shapes: dict[str, list[tuple[int, ...]]] = {}
     dtypes: dict[str, np.dtype] = {}
     static: dict[str, list[np.ndarray]] = {}
@@ -148,10 +148,10 @@ def probe(graph: Graph) -> Probe:
     order = topological_order(graph)
     for name, tensor in graph.tensors.items():
         if tensor.is_constant:
-            static[name] = [tensor.data] * len(PROBE_BATCHES)
-            shapes[name] = [tuple(tensor.data.shape)] * len(PROBE_BATCHES)
+            static[name] = [tensor.data] * len(batches)
+            shapes[name] = [tuple(tensor.data.shape)] * len(batches)
             dtypes[name] = tensor.data.dtype
-    for index, batch in enumerate(PROBE_BATCHES):
+    for index, batch in enumerate(batches):
         env: dict[str, np.ndarray] = {}
         for name in graph.inputs:
             tensor = graph.tensors[name]
