@@ -63,6 +63,7 @@ class _Rewriter:
         self.form: dict[str, str] = {name: ROW for name in graph.inputs}
         self.converted: dict[tuple[str, str], str] = {}
         self.mapped_any = False  # a node needed the mapped form, or a Concat lost its constants
+        self.refused: Unsupported | None = None  # the first node that cannot be mapped
 
     # -- names and constants
     def unique(self, base: str) -> str:
@@ -132,11 +133,20 @@ class _Rewriter:
         if not acts:  # constants only: static, left to fold_constants
             self.nodes.append(node)
             return
-        if node.op not in OPS:
-            raise Unsupported(f"node '{node.name}' ({node.op}): the model is exported at batch 1 and qdeploy "
-                              f"cannot map this op over a batch (ops it maps: {', '.join(sorted(OPS))})")
-        special = getattr(self, f"_{node.op}", None)
-        (special or self._by_family)(node)
+        try:
+            if node.op not in OPS:
+                raise Unsupported(f"node '{node.name}' ({node.op}): qdeploy cannot map this op over a batch (ops "
+                                  f"it maps: {', '.join(sorted(OPS))})")
+            special = getattr(self, f"_{node.op}", None)
+            (special or self._by_family)(node)
+        except (Unsupported, KeyError, IndexError, ValueError, TypeError) as error:
+            # Kept as it is, in the row form; an error only if some other node needs the mapped form (a CNN
+            # with such an op imports as before).
+            if self.refused is None:
+                self.refused = error if isinstance(error, Unsupported) else Unsupported(
+                    f"node '{node.name}' ({node.op}): cannot be mapped over a batch ({type(error).__name__}: "
+                    f"{error})")
+            self.emit(node, ROW)
 
     def _by_family(self, node: Node) -> None:
         op, x = node.op, node.inputs[0]
@@ -257,6 +267,7 @@ class _Rewriter:
         if all(flags):
             return False
         first, last = flags.index(True), len(flags) - 1 - flags[::-1].index(True)
+        self.mapped_any = True  # a constant cannot be concatenated to a batch as it is
         if not all(flags[first:last + 1]):
             raise Unsupported(f"node '{node.name}' (Concat): constants between activations cannot be batched")
         lead = [self.values[i] for i in node.inputs[:first]]
@@ -394,11 +405,14 @@ def map_over_batch(graph: Graph) -> Graph | None:
 
     found = probe(graph, batches=(1,))
     shapes = {name: tuple(found.shapes[name][0]) for name in found.shapes}
+    shapes.update({name: (1, *graph.tensors[name].shape[1:]) for name in graph.inputs})
     values = {name: found.static[name][0] for name in found.static}
     rewriter = _Rewriter(graph, shapes, values)
     for node in topological_order(graph):
         rewriter.rewrite(node)
     if not rewriter.mapped_any:
         return None
+    if rewriter.refused is not None:
+        raise Unsupported(f"the model is exported at batch 1 and its batch leaves axis 0; {rewriter.refused}")
     nodes = rewriter.finish()
     return Graph(graph.name, nodes, rewriter.tensors, list(graph.inputs), list(graph.outputs), graph.opset)

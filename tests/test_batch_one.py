@@ -1,0 +1,117 @@
+"""Graphs exported at batch 1 whose batch leaves axis 0 (qdeploy/batch_one.py): built by hand in the shapes torch's
+exporters write for ViT (a class token concatenated to the patches; nn.MultiheadAttention's (tokens, batch,
+features) layout with the batch inside Reshape targets, on either side of the other factor). qdeploy runs them at
+batch 3; each image must give what ONNX Runtime gives for it alone on the same file (ONNX Runtime cannot run
+the file at batch 3). Tolerance: the same float32 ops in another summation order, a few ulps of the outputs'
+scale (1e-5 relative)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import helper
+from typer.testing import CliRunner
+
+from builders import make_model, one_line_error, rng_weights, run_onnxruntime, save
+from qdeploy import api
+from qdeploy.batch_one import map_over_batch
+from qdeploy.cli import app
+from qdeploy.onnx_import import load_onnx
+
+TOKENS, FEATURES, HEADS = 4, 6, 2
+I64 = np.int64
+
+
+def per_image_ok(path, x: np.ndarray, lowered: bool = False) -> float:
+    """Largest difference between qdeploy at batch len(x) and ONNX Runtime image by image, over the scale."""
+    expected = np.concatenate([run_onnxruntime(path, {"x": x[i:i + 1]})[0] for i in range(len(x))])
+    got = next(iter(api.run(path, x, lowered=lowered).values()))
+    assert got.shape == expected.shape
+    return float(np.max(np.abs(got - expected)) / np.max(np.abs(expected)))
+
+
+def class_token_model(tmp_path, lead: int = 1, trail: int = 0):
+    """x (1, TOKENS, FEATURES) -> Concat(`lead` constant tokens, Transpose(Transpose(x)), `trail` tokens) + pos."""
+    total = TOKENS + lead + trail
+    nodes = [helper.make_node("Transpose", ["x"], ["t"], perm=[0, 2, 1]),
+             helper.make_node("Transpose", ["t"], ["p"], perm=[0, 2, 1])]
+    inputs, weights = [], {}
+    for k in range(lead):
+        weights[f"lead{k}"] = rng_weights(k, 1, 1, FEATURES)
+        inputs.append(f"lead{k}")
+    inputs.append("p")
+    for k in range(trail):
+        weights[f"trail{k}"] = rng_weights(10 + k, 1, 1, FEATURES)
+        inputs.append(f"trail{k}")
+    weights["pos"] = rng_weights(20, 1, total, FEATURES)
+    nodes += [helper.make_node("Concat", inputs, ["cat"], axis=1), helper.make_node("Add", ["cat", "pos"], ["y"])]
+    model = make_model(nodes, [("x", [1, TOKENS, FEATURES])], [("y", [1, total, FEATURES])], weights)
+    return save(model, tmp_path / f"tokens_{lead}_{trail}.onnx")
+
+
+def attention_model(tmp_path):
+    """nn.MultiheadAttention as torch exports it at batch 1 (batch_first, one projection for brevity):
+    x (1, T, E) -> Transpose -> (T, 1, E) -> Reshape [T, 1*H, E/H] -> Transpose -> (H, T, d)
+    -> Reshape [1, H, T, d] -> Softmax over d (a stand-in for the scores) -> Transpose [2, 0, 1, 3] -> (T, 1, H, d)
+    -> Reshape [T*1, E] -> Gemm -> Reshape [T, 1, E] -> Transpose -> (1, T, E)."""
+    d = FEATURES // HEADS
+    shapes = {"s1": [TOKENS, HEADS, d], "s2": [1, HEADS, TOKENS, d], "s3": [TOKENS, FEATURES],
+              "s4": [TOKENS, 1, FEATURES]}
+    weights = {name: np.array(value, I64) for name, value in shapes.items()}
+    weights.update(w=rng_weights(1, FEATURES, FEATURES), bias=rng_weights(2, FEATURES))
+    nodes = [
+        helper.make_node("Transpose", ["x"], ["a"], perm=[1, 0, 2]),
+        helper.make_node("Reshape", ["a", "s1"], ["b"], allowzero=1),
+        helper.make_node("Transpose", ["b"], ["c"], perm=[1, 0, 2]),
+        helper.make_node("Reshape", ["c", "s2"], ["d"], allowzero=1),
+        helper.make_node("Softmax", ["d"], ["e"], axis=-1),
+        helper.make_node("Transpose", ["e"], ["f"], perm=[2, 0, 1, 3]),
+        helper.make_node("Reshape", ["f", "s3"], ["g"], allowzero=1),
+        helper.make_node("Gemm", ["g", "w", "bias"], ["h"], transB=1),
+        helper.make_node("Reshape", ["h", "s4"], ["i"], allowzero=1),
+        helper.make_node("Transpose", ["i"], ["y"], perm=[1, 0, 2]),
+    ]
+    model = make_model(nodes, [("x", [1, TOKENS, FEATURES])], [("y", [1, TOKENS, FEATURES])], weights)
+    return save(model, tmp_path / "attention.onnx")
+
+
+@pytest.mark.parametrize("lead,trail", [(1, 0), (2, 0), (1, 1)])
+def test_constant_tokens_concatenated_to_the_patches_run_at_any_batch(tmp_path, lead, trail):
+    """ViT's class token (1, 0), DeiT's class and distillation tokens (2, 0), a trailing token (1, 1)."""
+    path = class_token_model(tmp_path, lead, trail)
+    x = rng_weights(3, 3, TOKENS, FEATURES, scale=1.0)
+    assert per_image_ok(path, x) < 1e-6  # Pad + Add: exact but for the Add of 0
+
+
+def test_attention_with_the_batch_inside_reshape_targets_runs_at_any_batch(tmp_path):
+    path = attention_model(tmp_path)
+    x = rng_weights(4, 3, TOKENS, FEATURES, scale=1.0)
+    # Without the mapping, image 0's tokens would be read as the heads of images 1 and 2 (or refused).
+    assert per_image_ok(path, x) < 1e-5
+    assert per_image_ok(path, x, lowered=True) < 1e-5
+
+
+def test_a_cnn_is_left_to_the_leading_one_rule(tmp_path):
+    """Every node keeps the batch on axis 0: map_over_batch declines, the import is what it was."""
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c"], ["r"]),
+             helper.make_node("Reshape", ["r", "shape"], ["y"], allowzero=1)]
+    weights = {"w": rng_weights(0, 4, 3, 3, 3), "shape": np.array([1, -1], I64)}
+    path = save(make_model(nodes, [("x", [1, 3, 5, 5])], [("y", [1, 100])], weights), tmp_path / "cnn.onnx")
+    from qdeploy.onnx_import import load_quantized_onnx  # noqa: F401  (the import path under test)
+
+    graph = load_onnx(path)
+    assert [n.op for n in graph.nodes] == ["Conv", "Relu", "Reshape"]
+    assert map_over_batch(graph) is None
+
+
+def test_a_batch_one_graph_that_cannot_be_mapped_is_one_line(tmp_path):
+    """A constant between two activations in a Concat along the tokens: refused naming the node, exit 2."""
+    nodes = [helper.make_node("Transpose", ["x"], ["t"], perm=[0, 2, 1]),
+             helper.make_node("Transpose", ["t"], ["p"], perm=[0, 2, 1]),
+             helper.make_node("Concat", ["p", "c", "p"], ["y"], axis=1)]
+    weights = {"c": rng_weights(0, 1, 1, FEATURES)}
+    model = make_model(nodes, [("x", [1, TOKENS, FEATURES])], [("y", [1, 2 * TOKENS + 1, FEATURES])], weights)
+    path = save(model, tmp_path / "middle.onnx")
+    result = CliRunner().invoke(app, ["inspect", str(path)])
+    one_line_error(result, str(path), "'Concat_2'", "constants between activations")
