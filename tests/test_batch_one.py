@@ -115,3 +115,25 @@ def test_a_batch_one_graph_that_cannot_be_mapped_is_one_line(tmp_path):
     path = save(model, tmp_path / "middle.onnx")
     result = CliRunner().invoke(app, ["inspect", str(path)])
     one_line_error(result, str(path), "'Concat_2'", "constants between activations")
+
+
+@pytest.mark.parametrize("bias_shape", [(FEATURES,), (1, 1, FEATURES), None])
+def test_a_linear_on_tokens_is_a_gemm_on_rows(tmp_path, bias_shape):
+    """MatMul((N, T, K) activation, constant (K, M)) [+ its bias] (passes/matmul_rows.py): one DenseGemm, no
+    host op, the same values as ONNX Runtime (free batch: the file's batch is N)."""
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"])]
+    weights = {"w": rng_weights(5, FEATURES, FEATURES)}
+    if bias_shape is not None:
+        weights["bias"] = rng_weights(6, *bias_shape)
+        nodes.append(helper.make_node("Add", ["m", "bias"], ["y"]))
+    else:
+        nodes[0].output[0] = "y"
+    model = make_model(nodes, [("x", ["N", TOKENS, FEATURES])], [("y", ["N", TOKENS, FEATURES])], weights)
+    path = save(model, tmp_path / "linear.onnx")
+    lowering = api.lower_model(path)
+    assert lowering.host_ops == [] and lowering.gemm_mac_fraction == 1.0
+    assert [n.op for n in lowering.graph.nodes].count("DenseGemm") == 1
+    x = rng_weights(7, 3, TOKENS, FEATURES, scale=1.0)
+    expected = run_onnxruntime(path, {"x": x})[0]
+    got = next(iter(api.run(path, x, lowered=True).values()))
+    assert np.max(np.abs(got - expected)) / np.max(np.abs(expected)) < 1e-5
