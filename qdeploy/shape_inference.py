@@ -120,6 +120,14 @@ class Probe:
             return tuple(None for _ in shapes[0])
         return tuple(dims[0] if len(set(dims)) == 1 else None for dims in zip(*shapes))
 
+    def rows(self, name: str) -> int:
+        """r when the first axis is r rows per image at every probe (B * r); 1 otherwise."""
+        firsts = [shape[0] if shape else None for shape in self.shapes[name]]
+        if None in firsts or len(set(firsts)) == 1 or firsts[0] % PROBE_BATCHES[0]:
+            return 1
+        rows = firsts[0] // PROBE_BATCHES[0]
+        return rows if all(f == rows * b for f, b in zip(firsts, PROBE_BATCHES)) else 1
+
     def is_batch_independent(self, name: str) -> bool:
         values = self.static[name]
         return all(v.shape == values[0].shape and np.array_equal(v, values[0]) for v in values[1:])
@@ -220,5 +228,5 @@ def infer_shapes(graph: Graph, result: Probe | None = None) -> Graph:
         old = tensors.get(name)
         if old is not None and old.is_constant:
             continue
-        tensors[name] = Tensor(name, result.merged_shape(name), result.dtypes[name])
+        tensors[name] = Tensor(name, result.merged_shape(name), result.dtypes[name], rows=result.rows(name))
     return Graph(graph.name, list(graph.nodes), tensors, list(graph.inputs), list(graph.outputs), graph.opset)

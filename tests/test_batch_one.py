@@ -89,6 +89,9 @@ def test_attention_with_the_batch_inside_reshape_targets_runs_at_any_batch(tmp_p
     # Without the mapping, image 0's tokens would be read as the heads of images 1 and 2 (or refused).
     assert per_image_ok(path, x) < 1e-5
     assert per_image_ok(path, x, lowered=True) < 1e-5
+    # The Gemm reads (B * T, E): T rows per image (Tensor.rows), so its work per image is T * E * E.
+    gemms = [i for i in api.lower_model(path).instructions if i.kind == "DenseGemm"]
+    assert [(i.m, i.macs) for i in gemms] == [(TOKENS, TOKENS * FEATURES * FEATURES)]
 
 
 def test_a_cnn_is_left_to_the_leading_one_rule(tmp_path):
@@ -133,6 +136,7 @@ def test_a_linear_on_tokens_is_a_gemm_on_rows(tmp_path, bias_shape):
     lowering = api.lower_model(path)
     assert lowering.host_ops == [] and lowering.gemm_mac_fraction == 1.0
     assert [n.op for n in lowering.graph.nodes].count("DenseGemm") == 1
+    assert [i.macs for i in lowering.instructions] == [TOKENS * FEATURES * FEATURES]  # per image: T rows
     x = rng_weights(7, 3, TOKENS, FEATURES, scale=1.0)
     expected = run_onnxruntime(path, {"x": x})[0]
     got = next(iter(api.run(path, x, lowered=True).values()))

@@ -61,6 +61,7 @@ def matmul_rows(graph: Graph) -> Graph:
             nodes.append(node)
             continue
         k, m = weight.shape
+        per_image = int(np.prod(shape[1:-1])) * graph.tensors[x].rows  # rows of one image
         users = consumers.get(y, [])
         bias = _bias(graph, users[0], y, m) if len(users) == 1 and y not in graph.outputs else None
         out = users[0].outputs[0] if bias is not None else y
@@ -68,14 +69,15 @@ def matmul_rows(graph: Graph) -> Graph:
         to_rows, back = fresh(f"{node.name}/to_rows_shape"), fresh(f"{node.name}/from_rows_shape")
         tensors += [constant(to_rows, np.array([-1, k], np.int64)),
                     constant(back, np.array([-1, *out_shape[1:]], np.int64)),
-                    Tensor(rows, (None, k), graph.tensors[x].dtype), Tensor(product, (None, m), weight.dtype)]
+                    Tensor(rows, (None, k), graph.tensors[x].dtype, rows=per_image),
+                    Tensor(product, (None, m), weight.dtype, rows=per_image)]
         nodes += [Node(fresh(f"{node.name}/to_rows"), Kind.RESHAPE, [x, to_rows], [rows], {}),
                   node.replace(inputs=[rows, w], outputs=[product])]
         last = product
         if bias is not None:
             absorbed.add(users[0].name)
             b, biased = fresh(f"{node.name}/bias"), fresh(f"{node.name}/rows_biased")
-            tensors += [constant(b, bias.astype(weight.dtype)), Tensor(biased, (None, m), weight.dtype)]
+            tensors += [constant(b, bias.astype(weight.dtype)), Tensor(biased, (None, m), weight.dtype, rows=per_image)]
             nodes.append(users[0].replace(inputs=[product, b], outputs=[biased]))
             last = biased
         nodes.append(Node(fresh(f"{node.name}/from_rows"), Kind.RESHAPE, [last, back], [out], {}))
