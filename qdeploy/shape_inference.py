@@ -167,7 +167,7 @@ def probe(graph: Graph, batches: tuple[int, ...] = PROBE_BATCHES) -> Probe:
             check_elements(shape, f"graph input '{name}' at batch {batch}")
             env[name] = np.zeros(shape, dtype=tensor.dtype)
         for node in order:
-            outputs = _evaluate(graph, node, env, static, index, batch_one_cache)
+            outputs = _evaluate(graph, node, env, static, index, batch_one_cache, batch)
             declared = [name for name in node.outputs if name]
             if len(node.outputs) > len(outputs) and any(node.outputs[len(outputs):]):
                 raise Unsupported(f"node '{node.name}' ({node.op}) declares {len(declared)} outputs; qdeploy "
@@ -196,7 +196,7 @@ def probe(graph: Graph, batches: tuple[int, ...] = PROBE_BATCHES) -> Probe:
 
 
 def _evaluate(graph: Graph, node: Node, env: dict[str, np.ndarray], static: dict[str, list[np.ndarray]],
-              index: int, batch_one_cache: dict[str, list[np.ndarray]]) -> list[np.ndarray]:
+              index: int, batch_one_cache: dict[str, list[np.ndarray]], probe_batch: int) -> list[np.ndarray]:
     def value(name: str) -> np.ndarray | None:
         if not name:
             return None
@@ -209,7 +209,7 @@ def _evaluate(graph: Graph, node: Node, env: dict[str, np.ndarray], static: dict
     inputs = [value(name) for name in node.inputs]
     bound = _output_bound(node, inputs)
     if bound is not None:  # refuse before the op allocates its output
-        check_elements(bound, f"output of node '{node.name}' ({node.op}) at batch {PROBE_BATCHES[index]}")
+        check_elements(bound, f"output of node '{node.name}' ({node.op}) at batch {probe_batch}")
     with np.errstate(all="ignore"):
         if node.op in BATCH_PRESERVING and inputs and inputs[0] is not None and inputs[0].ndim > 0:
             batch = inputs[0].shape[0]
