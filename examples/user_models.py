@@ -61,7 +61,8 @@ def check(name: str, exporter: str, folder: Path, calibration: int = 4, batch: i
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join([*zoo.TORCHVISION, "efficientnet_lite0"]),
-                        help="comma-separated; also the host-fallback ones: " + ",".join([*zoo.HOST_FALLBACK, *zoo.DENSE]))
+                        help="comma-separated; also the host-fallback ones: "
+                        + ",".join([*zoo.HOST_FALLBACK, *zoo.DENSE]))
     parser.add_argument("--out", type=Path, help="keep the exported models here (default: a temporary folder)")
     options = parser.parse_args(argv)
     print("| model | exporter | host ops | GEMM share of MACs | lowered vs ONNX Runtime (max rel.) | runs at batch 3 | "
@@ -74,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
                 row = check(name, exporter, folder)
                 hosts = ", ".join(f"{op} {n}" for op, n in row["host_ops"].items()) or "none"
                 print(f"| {name} | {exporter} | {hosts} | {row['gemm_share']:.4f} | {row['relative_error']:.1e} | "
-                      f"{'yes' if row['ran_batch'] == 3 else 'no'} | {row['sqnr_db']:.1f} | {row['seconds']:.0f} |", flush=True)
+                      f"{'yes' if row['ran_batch'] == 3 else 'no'} | {row['sqnr_db']:.1f} | {row['seconds']:.0f} |",
+                      flush=True)
     return 0
 
 

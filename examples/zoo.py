@@ -328,8 +328,8 @@ def import_torchvision():
 
 
 def build_torchvision(name: str, seed: int = 0) -> nn.Module:
-    """The torchvision architecture `name` (a key of TORCHVISION, or a torchvision.models builder) with seeded random weights and BatchNorm
-    statistics, in eval mode (no download: weights=None)."""
+    """The torchvision architecture `name` (a key of TORCHVISION, or a torchvision.models builder) with seeded
+    random weights and BatchNorm statistics, in eval mode (no download: weights=None)."""
     torchvision = import_torchvision()
     builder = getattr(torchvision.models, TORCHVISION[name][0] if name in TORCHVISION else name)
     extra = {"aux_logits": False, "init_weights": True} if name in ("googlenet", "inception_v3") else {}

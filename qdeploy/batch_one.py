@@ -140,7 +140,7 @@ class _Rewriter:
                                   f"it maps: {', '.join(sorted(OPS))})")
             special = getattr(self, f"_{node.op}", None)
             (special or self._by_family)(node)
-        except (Unsupported, KeyError, IndexError, ValueError, TypeError) as error:
+        except (Unsupported, KeyError, IndexError, ValueError, TypeError, AttributeError, ZeroDivisionError) as error:
             # Kept as it is, in the row form; an error only if some other node needs the mapped form (a CNN
             # with such an op imports as before).
             if self.refused is None:
@@ -294,8 +294,9 @@ class _Rewriter:
         pads = [0] * (2 * (rank + shift))
         pads[axis + shift], pads[rank + shift + axis + shift] = before, after
         padded = self.unique(f"{stem}/padded")
-        self.emit(Node(self.unique(f"{stem}/pad"), "Pad", [source, self.const(f"{stem}/pads", np.array(pads, np.int64))],
-                       [padded], {"mode": "constant"}), ROW if x else MAPPED)
+        pads_name = self.const(f"{stem}/pads", np.array(pads, np.int64))
+        self.emit(Node(self.unique(f"{stem}/pad"), "Pad", [source, pads_name], [padded], {"mode": "constant"}),
+                  ROW if x else MAPPED)
         self.shapes[padded] = tuple(out)
         self.emit(Node(stem, "Add", [padded, self.const(f"{stem}/constants", filled)], list(node.outputs), {}),
                   ROW if x else MAPPED)

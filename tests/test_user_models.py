@@ -28,10 +28,10 @@ def test_a_torchvision_model_runs_end_to_end(tmp_path, name, exporter):
 @pytest.mark.parametrize("name,exporter", [(name, exporter) for name in zoo.DENSE for exporter in zoo.EXPORTERS
                                            if (name, exporter) != ("yolov5_style", "dynamo")])  # time: one will do
 def test_a_dense_prediction_model_runs_end_to_end_with_host_fallback(tmp_path, name, exporter):
-    """A YOLOv8n-style and a YOLOv5n-style detector (C3, SPPF; two outputs), two UNets (ConvTranspose, bilinear) and torchvision's DeepLabV3-MobileNetV3
-    (its Resize sizes taken from the input's shape, or baked at batch 1 by the dynamo exporter): their SiLU,
-    HardSwish and upsampling stay on the host for now; with --allow-host-fallback they calibrate, compile and
-    run at batch 3, close to the float model."""
+    """A YOLOv8n-style and a YOLOv5n-style detector (C3, SPPF; two outputs), two UNets (ConvTranspose,
+    bilinear) and torchvision's DeepLabV3-MobileNetV3 (its Resize sizes taken from the input's shape, or baked at
+    batch 1 by the dynamo exporter): their SiLU, HardSwish and upsampling stay on the host for now; with
+    --allow-host-fallback they calibrate, compile and run at batch 3, close to the float model (every output)."""
     import numpy as np
 
     from qdeploy import api
