@@ -141,3 +141,23 @@ def test_a_linear_on_tokens_is_a_gemm_on_rows(tmp_path, bias_shape):
     expected = run_onnxruntime(path, {"x": x})[0]
     got = next(iter(api.run(path, x, lowered=True).values()))
     assert np.max(np.abs(got - expected)) / np.max(np.abs(expected)) < 1e-5
+
+
+def test_a_mapped_model_compiles_to_a_file_and_runs_from_it(tmp_path):
+    """calibrate, compile --allow-host-fallback -o, run from the .qdp (the program reader checks every layout
+    Reshape, here from (B, T, 1, E) to the Gemm's (B * T, E) and back) at batch 3, close to ONNX Runtime."""
+    path = attention_model(tmp_path)
+    runner = CliRunner()
+    np.save(tmp_path / "calib.npy", rng_weights(8, 8, TOKENS, FEATURES, scale=1.0))
+    x = rng_weights(9, 3, TOKENS, FEATURES, scale=1.0)
+    np.save(tmp_path / "x.npy", x)
+    table, program, y = tmp_path / "calib.json", tmp_path / "m.qdp", tmp_path / "y.npy"
+    for args in (["calibrate", path, "--data", tmp_path / "calib.npy", "-o", table],
+                 ["compile", path, "--calib", table, "--allow-host-fallback", "-o", program],
+                 ["run", program, "--input", tmp_path / "x.npy", "--dequantize", "-o", y]):
+        result = runner.invoke(app, [str(a) for a in args])
+        assert result.exit_code == 0, result.output
+    expected = np.concatenate([run_onnxruntime(path, {"x": x[i:i + 1]})[0] for i in range(3)])
+    got = np.load(y)
+    sqnr = 10 * np.log10(np.sum(expected ** 2) / np.sum((expected - got) ** 2))
+    assert got.shape == expected.shape and sqnr > 20, sqnr
