@@ -161,3 +161,13 @@ def test_a_mapped_model_compiles_to_a_file_and_runs_from_it(tmp_path):
     got = np.load(y)
     sqnr = 10 * np.log10(np.sum(expected ** 2) / np.sum((expected - got) ** 2))
     assert got.shape == expected.shape and sqnr > 20, sqnr
+
+
+def test_inspect_lists_each_host_op_with_its_work_per_image(tmp_path):
+    """inspect --lowered of the mapped attention model: the Softmax stays on the host and its work is the
+    image's (HEADS * TOKENS * d elements, 0 MACs); the Gemm is on the GEMM unit with T rows per image."""
+    path = attention_model(tmp_path)
+    result = CliRunner().invoke(app, ["inspect", str(path), "--lowered"])
+    assert result.exit_code == 0, result.output
+    softmax = [line for line in result.output.splitlines() if "'Softmax_4' (Softmax)" in line]
+    assert len(softmax) == 1 and softmax[0].endswith(f"[0 MACs, {HEADS * TOKENS * (FEATURES // HEADS)} elements]")
