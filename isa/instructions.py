@@ -115,6 +115,38 @@ class AddGemm(ArrayInstruction):
 
 
 @dataclass(frozen=True, kw_only=True)
+class MulGemm(ArrayInstruction):
+    """y = a * b of two activations, b broadcast to a's shape (each of b's axes is 1 or a's): per element of b a
+    K = 1 GEMM, the a elements it multiplies times the weight b read from memory (squeeze-excite: b is (N, C, 1, 1),
+    one group per sample and channel). acc = a * b, M = s_a * s_b / s_out (qdeploy/quantize.py eq. 8). No
+    window-max: its groups are b's elements, not the channels a window-max on store reads (a MaxPool after it runs
+    in an identity GEMM)."""
+
+    HAS_WINDOW_FIELD: ClassVar[bool] = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class MatMulGemm(ArrayInstruction):
+    """y = a @ b of two activations, batched over the leading axes (ONNX MatMul without broadcasting): one group per
+    sample and leading index, (M x K) . (K x N); with transpose_a the first operand is stored (..., K, M), with
+    transpose_b the second (..., N, K), and each is read transposed (attention's Q K^T, or Q^T K on channels-first
+    features). acc = sum_k a * b, M = c * s_a * s_b / s_out (qdeploy/quantize.py eq. 8)."""
+
+    transpose_a: bool
+    transpose_b: bool
+
+    HAS_WINDOW_FIELD: ClassVar[bool] = False
+
+    def grouped_operands(self, a, b) -> tuple:
+        """(a, b) as the array reads them, (G, M, K) and (G, K, P) with one group per sample and leading index:
+        each operand (a numpy array, (N, ..., rows, cols) as stored) transposed on its last two axes when its flag
+        says so."""
+        a = a.swapaxes(-1, -2) if self.transpose_a else a
+        b = b.swapaxes(-1, -2) if self.transpose_b else b
+        return a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:])
+
+
+@dataclass(frozen=True, kw_only=True)
 class Concat(Instruction):
     """Producers write channel slices of one buffer (axis 1)."""
 
@@ -156,7 +188,8 @@ class Host(Instruction):
 
 # The records' handler table: the dataclass of each kind.
 RECORDS: dict[Kind, type[Instruction]] = {
-    Kind.CONV_GEMM: ConvGemm, Kind.DENSE_GEMM: DenseGemm, Kind.ADD_GEMM: AddGemm, Kind.CONCAT: Concat,
+    Kind.CONV_GEMM: ConvGemm, Kind.DENSE_GEMM: DenseGemm, Kind.ADD_GEMM: AddGemm, Kind.MUL_GEMM: MulGemm,
+    Kind.MATMUL_GEMM: MatMulGemm, Kind.CONCAT: Concat,
     **{kind: Reshape for kind in RESHAPE_KINDS}, Kind.CHANNEL_SLICE: ChannelSlice,
     Kind.CHANNEL_PERMUTE: ChannelPermute, Kind.HOST: Host}
 

@@ -17,6 +17,8 @@ class Kind(StrEnum):
     CONV_GEMM = "ConvGemm"  # im2col + GEMM per group: Conv, depthwise, pooling, standalone BN/affine, identity
     DENSE_GEMM = "DenseGemm"  # y = x @ W^T + b on (N, K): Gemm, MatMul with constant weights
     ADD_GEMM = "AddGemm"  # y = a + b of two activations: a GEMM with K = 2 per channel
+    MUL_GEMM = "MulGemm"  # y = a * b of two activations (b broadcast): a K = 1 GEMM whose weight is read from b
+    MATMUL_GEMM = "MatMulGemm"  # y = a @ b (or a @ b^T) of two activations, batched over the leading axes
     # Layout: no arithmetic, the compiler maps them to addresses. Most are named after the ONNX op they come from.
     CONCAT = "Concat"  # producers write into channel slices of one buffer (shared output scale)
     RESHAPE = "Reshape"
@@ -31,7 +33,9 @@ class Kind(StrEnum):
 
 # Named sets, defined once (a name means the same set in every module).
 WEIGHTED_GEMM_KINDS = frozenset({Kind.CONV_GEMM, Kind.DENSE_GEMM})  # GEMMs with a constant int8 weight operand
-ARRAY_KINDS = WEIGHTED_GEMM_KINDS | {Kind.ADD_GEMM}  # run on the array and through the output stage
+# GEMMs whose second operand is an activation produced earlier in the program (no constant weights, no bias)
+ACTIVATION_GEMM_KINDS = frozenset({Kind.MUL_GEMM, Kind.MATMUL_GEMM})
+ARRAY_KINDS = WEIGHTED_GEMM_KINDS | {Kind.ADD_GEMM} | ACTIVATION_GEMM_KINDS  # on the array, through the output stage
 RESHAPE_KINDS = frozenset({Kind.RESHAPE, Kind.FLATTEN, Kind.SQUEEZE, Kind.UNSQUEEZE})  # a view with a new shape
 VIEW_KINDS = RESHAPE_KINDS | {Kind.CHANNEL_SLICE, Kind.CHANNEL_PERMUTE}  # one input's data (or part, or reordered), its scale
 LAYOUT_KINDS = VIEW_KINDS | {Kind.CONCAT}  # move or relabel data only

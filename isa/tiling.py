@@ -48,9 +48,9 @@ def _prod(values: Iterable[int]) -> int:
     return math.prod(int(v) for v in values)
 
 
-def _conv_shape(instr: Instruction, in_shape: list, out_shape: list, batch: int, stored: int) -> GemmShape:
+def _conv_shape(instr: Instruction, in_shapes: list, out_shape: list, batch: int, stored: int) -> GemmShape:
     """ConvGemm: m = batch*OH*OW, k = C/G*kh*kw, n = M/G per group."""
-    _, _, height, width = in_shape
+    _, _, height, width = in_shapes[0]
     (kh, kw), (sh, sw), pads, (dh, dw) = instr.kernel, instr.strides, instr.pads, instr.dilations
     oh = conv_output_size(height, kh, sh, pads[0], pads[2], dh)
     ow = conv_output_size(width, kw, sw, pads[1], pads[3], dw)
@@ -58,15 +58,28 @@ def _conv_shape(instr: Instruction, in_shape: list, out_shape: list, batch: int,
     return GemmShape(groups, batch * oh * ow, int(out_shape[1]) // groups, int(instr.k), stored)
 
 
-def _dense_shape(instr: Instruction, in_shape: list, out_shape: list, batch: int, stored: int) -> GemmShape:
+def _dense_shape(instr: Instruction, in_shapes: list, out_shape: list, batch: int, stored: int) -> GemmShape:
     """DenseGemm: m = batch, one group."""
     return GemmShape(1, batch, _prod(out_shape[1:]), int(instr.k), stored)
 
 
-def _add_shape(instr: Instruction, in_shape: list, out_shape: list, batch: int, stored: int) -> GemmShape:
+def _add_shape(instr: Instruction, in_shapes: list, out_shape: list, batch: int, stored: int) -> GemmShape:
     """AddGemm: one group per channel, m = batch*H*W, k = 2, n = 1."""
+    in_shape = in_shapes[0]
     channels = int(in_shape[1]) if len(in_shape) > 1 else 1
     return GemmShape(channels, batch * _prod(in_shape[2:]), 1, 2, stored)
+
+
+def _mul_shape(instr: Instruction, in_shapes: list, out_shape: list, batch: int, stored: int) -> GemmShape:
+    """MulGemm: one group per element of b (its weight, per sample), m = the a elements it multiplies, k = n = 1."""
+    a_elements, b_elements = _prod(in_shapes[0][1:]), _prod(in_shapes[1][1:])
+    return GemmShape(batch * b_elements, a_elements // b_elements, 1, 1, stored)
+
+
+def _matmul_shape(instr: Instruction, in_shapes: list, out_shape: list, batch: int, stored: int) -> GemmShape:
+    """MatMulGemm: one group per sample and leading index, (M x K) . (K x P); K is the instruction's k."""
+    a = in_shapes[0]
+    return GemmShape(batch * _prod(a[1:-2]), int(out_shape[-2]), int(out_shape[-1]), int(instr.k), stored)
 
 
 def _no_array_work(instr: Instruction, *_) -> None:
@@ -75,17 +88,18 @@ def _no_array_work(instr: Instruction, *_) -> None:
 
 # The performance model's handler table: the GEMM an instruction puts on the array, or None (layout, host).
 GEMM_SHAPES = {Kind.CONV_GEMM: _conv_shape, Kind.DENSE_GEMM: _dense_shape, Kind.ADD_GEMM: _add_shape,
+               Kind.MUL_GEMM: _mul_shape, Kind.MATMUL_GEMM: _matmul_shape,
                **{kind: _no_array_work for kind in LAYOUT_KINDS | {Kind.HOST}}}
 
 
 def gemm_shape(instr: Instruction, tensors: dict, batch: int = 1) -> GemmShape | None:
     """The GEMM geometry of an instruction record of a program manifest (docs/design.md section 4), None for an
     instruction that puts no work on the array."""
-    in_shape = tensors[instr.inputs[0]]["shape"] if instr.inputs else []
+    in_shapes = [tensors[name]["shape"] for name in instr.inputs]
     out_shape = tensors[instr.output]["shape"]
     stored = batch * _prod(out_shape[1:])
     shape_of = handler(GEMM_SHAPES, instr.kind, "the performance model", f"instruction '{instr.name}'")
-    return shape_of(instr, in_shape, out_shape, batch, stored)
+    return shape_of(instr, in_shapes, out_shape, batch, stored)
 
 
 @dataclass(frozen=True)

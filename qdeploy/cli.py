@@ -11,7 +11,7 @@ from typing import Callable, Optional
 
 import typer
 
-from isa.kinds import ARRAY_KINDS, LAYOUT_KINDS, Kind, handler
+from isa.kinds import ACTIVATION_GEMM_KINDS, ARRAY_KINDS, LAYOUT_KINDS, Kind, handler
 from isa.target import TargetError
 from qdeploy.errors import BadInput, QdeployError, one_line
 
@@ -164,12 +164,20 @@ def _describe_array_instruction(program, instr) -> str:
     return text
 
 
+def _describe_activation_product(program, instr) -> str:
+    """MulGemm, MatMulGemm: the array line and the two operands (^T: read transposed)."""
+    first, second = (f"{name}^T" if getattr(instr, flag, False) else name
+                     for name, flag in zip(instr.inputs, ("transpose_a", "transpose_b")))
+    return f"{_describe_array_instruction(program, instr)}, operands {first} by {second}"
+
+
 def _describe_data_movement(program, instr) -> str:
     return f"shape {list(instr.shape) if hasattr(instr, 'shape') else ''}"
 
 
 # `inspect`'s handler table for a program's instructions: the line after kind and name.
 PROGRAM_PRINTERS = {**{kind: _describe_array_instruction for kind in ARRAY_KINDS},
+                    **{kind: _describe_activation_product for kind in ACTIVATION_GEMM_KINDS},
                     **{kind: _describe_data_movement for kind in LAYOUT_KINDS | {Kind.HOST}}}
 
 
@@ -179,6 +187,8 @@ def _json_number(value):
 
 def _format_epilogue(epilogue: dict) -> str:
     parts = ["+bias"] if epilogue.get("bias") else []
+    if "scale" in epilogue:  # a constant scale folded into a product of two activations
+        parts.append(f"x{epilogue['scale']:g}")
     if "clamp" in epilogue:
         low, high = epilogue["clamp"]
         parts.append("relu" if (low, high) == (0.0, float("inf")) else
@@ -208,6 +218,11 @@ def _print_lowering(result) -> None:
             kh, kw = geometry["kernel"]
             shape = (f"im2col {kh}x{kw}/{geometry['strides'][0]} pad {geometry['pads']} "
                      f"{'x'.join(map(str, geometry['input']))}->{'x'.join(map(str, geometry['output']))}")
+        elif "operand" in geometry:  # MulGemm, MatMulGemm: the second operand is an activation
+            first = "x".join(map(str, geometry["input"])) + ("^T" if geometry.get("transpose_a") else "")
+            operand = "x".join(map(str, geometry["operand"])) + ("^T" if geometry.get("transpose_b") else "")
+            shape = (f"{first} by {operand} -> "
+                     f"{'x'.join(map(str, geometry['output']))}")
         groups = f" groups={instr.groups}" if instr.groups > 1 else ""
         echo(f"  {instr.kind:<9} {instr.name:<{width}} M={instr.m:<6} N={instr.n:<5} K={instr.k:<5}{groups:<12} "
              f"{shape}  {_format_epilogue(instr.epilogue)}")

@@ -15,6 +15,11 @@ How each instruction is exported (x = the input tensor, y = the output; s_x, s_y
   bias input; a 1x1 QLinearConv has, and is the same GEMM.
 - AddGemm: DequantizeLinear(a), DequantizeLinear(b) -> Add -> QuantizeLinear(s_y) [-> Clip] [-> MaxPool].
   The default domain has no QLinearAdd (com.microsoft has, and ONNX Runtime fuses this pattern into it).
+- MulGemm: Cast(a), Cast(b) to int32 -> Mul (the K = 1 accumulators, b broadcast) -> requantize [-> Clip];
+  MatMulGemm: [Transpose(a), Transpose(b) ->] MatMulInteger(a, b) (int32 accumulators) -> requantize [-> Clip].
+  requantize is Cast(acc) to float32 -> Mul by the program's `scale_f32` -> QuantizeLinear(scale 1, zero point 0
+  of the output's dtype): rne(f32(f32(acc) * M)) saturated, the program's `float32_rne` requantization exactly
+  (the division by a scale of 1 is exact).
 - Reshape, Flatten, Squeeze, Unsqueeze: Reshape(x, [0, d1, ...]) (0 copies the free batch dimension).
 - Concat: Concat(axis=1); the inputs share the output's scale.
 - outputs: the int8 tensors; with `float_outputs`, DequantizeLinear(y, s_y, 0).
@@ -260,6 +265,42 @@ def _add_gemm(b: _Builder, instr: Instruction) -> str:
     return b.epilogue(instr, y)
 
 
+def _requantize_acc(b: _Builder, instr: Instruction, acc: str) -> str:
+    """int32 accumulators -> the output stage: Cast to float32, Mul by scale_f32, QuantizeLinear with scale 1
+    (rne, saturated to the output dtype), then the epilogue's Clip and window-max."""
+    name = instr.name
+    value = b.node("Cast", [acc], f"{name}/acc_f32", f"{name}/Cast_acc", to=TensorProto.FLOAT)
+    scale = b.constant(f"{name}/scale_f32", np.float32(b.program.arrays[instr.stage.requantize.scale_f32].reshape(-1)[0]))
+    value = b.node("Mul", [value, scale], f"{name}/scaled", f"{name}/Mul_scale")
+    one = b.constant(f"{name}/unit_scale", np.array(1.0, np.float32))
+    zero = b.constant(f"{name}/zero_point", np.zeros((), np.dtype(b.dtype(instr.output))))
+    y = b.node("QuantizeLinear", [value, one, zero], b.requantized_name(instr), f"{name}/QuantizeLinear")
+    return b.epilogue(instr, y)
+
+
+def _mul_gemm(b: _Builder, instr: Instruction) -> str:
+    """Cast both operands to int32, Mul (b broadcast: the K = 1 accumulators), then _requantize_acc."""
+    name = instr.name
+    wide = [b.node("Cast", [b.names[tensor]], f"{name}/{side}_int32", f"{name}/Cast_{side}", to=TensorProto.INT32)
+            for side, tensor in zip("ab", instr.inputs)]
+    return _requantize_acc(b, instr, b.node("Mul", wide, f"{name}/acc", f"{name}/Mul"))
+
+
+def _matmul_gemm(b: _Builder, instr: Instruction) -> str:
+    """[Transpose an operand's last two axes ->] MatMulInteger (int32 accumulators, zero points 0), then
+    _requantize_acc."""
+    name, read = instr.name, []
+    for side, tensor, flag in zip("ab", instr.inputs, (instr.transpose_a, instr.transpose_b)):
+        value = b.names[tensor]
+        if flag:
+            rank = len(b.program.tensors[tensor]["shape"])
+            value = b.node("Transpose", [value], f"{name}/{side}_transposed", f"{name}/Transpose_{side}",
+                           perm=[*range(rank - 2), rank - 1, rank - 2])
+        read.append(value)
+    acc = b.node("MatMulInteger", read, f"{name}/acc", f"{name}/MatMulInteger")
+    return _requantize_acc(b, instr, acc)
+
+
 def _layout(b: _Builder, instr: Instruction) -> str:
     shape = np.array([0, *instr.shape[1:]], np.int64)  # 0: copy the (free) batch dimension
     return b.node(Kind.RESHAPE, [b.names[instr.inputs[0]], b.constant(f"{instr.name}/shape", shape)],
@@ -290,6 +331,7 @@ def _host(b: _Builder, instr: Instruction) -> str:
 
 # The ONNX export's handler table: the nodes of each kind's instruction.
 EXPORTERS = {Kind.CONV_GEMM: _conv_gemm, Kind.DENSE_GEMM: _dense_gemm, Kind.ADD_GEMM: _add_gemm,
+             Kind.MUL_GEMM: _mul_gemm, Kind.MATMUL_GEMM: _matmul_gemm,
              Kind.CONCAT: _concat, **{kind: _layout for kind in RESHAPE_KINDS}, Kind.CHANNEL_SLICE: _channel_slice,
              Kind.CHANNEL_PERMUTE: _channel_permute, Kind.HOST: _host}
 

@@ -272,6 +272,31 @@ def _add_gemm(program: Program, instr: dict, where: str, in_shapes: list, out_dt
     return _window_of(instr, in_shapes[0], where)
 
 
+def _mul_gemm(program: Program, instr: dict, where: str, in_shapes: list, out_dtype: str, rounding: str
+              ) -> tuple[int, ...]:
+    a, b = in_shapes
+    if len(a) != len(b) or any(q not in (1, p) for p, q in zip(a, b)):
+        raise _Invalid(f"{where}: multiplies {a} by {b}, which does not broadcast to it")
+    _check_epilogue(program, instr, 1, where, out_dtype, rounding)
+    return a
+
+
+def _matmul_gemm(program: Program, instr: dict, where: str, in_shapes: list, out_dtype: str, rounding: str
+                 ) -> tuple[int, ...]:
+    a, b = in_shapes
+    flags = [_field(instr, key, where) for key in ("transpose_a", "transpose_b")]
+    if not all(isinstance(flag, bool) for flag in flags):
+        raise _Invalid(f"{where}: transpose_a and transpose_b must be true or false, got {json.dumps(flags)[:40]}")
+    a, b = (shape[:-2] + shape[:-3:-1] if flag and len(shape) >= 2 else shape for shape, flag in zip((a, b), flags))
+    if len(a) < 2 or len(a) != len(b) or a[:-2] != b[:-2] or a[-1] != b[-2]:
+        raise _Invalid(f"{where}: multiplies {a} by {b} as read (transpose_a {flags[0]}, transpose_b {flags[1]}): "
+                       f"not (..., M, K) by (..., K, P)")
+    _check_epilogue(program, instr, 1, where, out_dtype, rounding)
+    if instr["k"] != a[-1]:
+        raise _Invalid(f"{where}: k = {instr['k']} is not the contraction length {a[-1]}")
+    return a[:-1] + b[-1:]
+
+
 def _concat(program: Program, instr: dict, where: str, in_shapes: list, out_dtype: str, rounding: str
             ) -> tuple[int, ...]:
     if not in_shapes or any(len(s) != 3 or s[1:] != in_shapes[0][1:] for s in in_shapes):
@@ -339,6 +364,7 @@ def _host(program: Program, instr: dict, where: str, in_shapes: list, out_dtype:
 # The program checks' handler table: (number of inputs or None for any, check returning the output's
 # per-sample shape).
 CHECKS = {Kind.CONV_GEMM: (1, _conv_gemm), Kind.DENSE_GEMM: (1, _dense_gemm), Kind.ADD_GEMM: (2, _add_gemm),
+          Kind.MUL_GEMM: (2, _mul_gemm), Kind.MATMUL_GEMM: (2, _matmul_gemm),
           Kind.CONCAT: (None, _concat), **{kind: (1, _reshape) for kind in RESHAPE_KINDS},
           Kind.CHANNEL_SLICE: (1, _channel_slice), Kind.CHANNEL_PERMUTE: (1, _channel_permute),
           Kind.HOST: (None, _host)}

@@ -31,6 +31,14 @@ DequantizeLinear -> Add -> QuantizeLinear pattern, which its default graph optim
 fma rounds once (q_a * r_a + t exactly, then to float32); f32 rounds to float32, ties to even; rne rounds to
 an integer, ties to even; a = the Add's first input.
 
+MulGemm and MatMulGemm multiply two activations, a (scale s_a) by b (scale s_b), both with zero point 0, so
+the product needs no correction terms and no bias:
+
+  (8) acc = sum_k q_a[k] * q_b[k]   (K = 1 for MulGemm, the contraction length for MatMulGemm),
+      M   = c * s_a * s_b / s_out (one multiplier; float32_rne: f32(f32(s_a * f32(c * s_b)) / s_out)), then (5),
+            c a positive constant scale folded from a Mul/Div after a MatMulGemm (1 otherwise);
+      |acc| <= K * max|q_a| * max|q_b| (128 for int8, 255 for uint8): `acc_bound_bits`.
+
 Layout ops keep their input's scale; a Concat's inputs are written by their producers straight into the
 shared buffer, so every producer takes the Concat's output scale.
 """
@@ -384,6 +392,24 @@ class _Compiler:
         self._report(node, record, s_a, np.array([s_acc]), s_out, 0)
         return record
 
+    def product(self, index: int, node: Node) -> dict:
+        """Eq. (8): MulGemm and MatMulGemm, the product of two activations with the multiplier s_a * s_b / s_out."""
+        scales = self.scales
+        (a, b), y = node.inputs, node.outputs[0]
+        s_a, s_b, s_out = scales.scale[a], scales.scale[b], scales.scale[y]
+        from qdeploy.lowering import describe_instruction
+
+        k = describe_instruction(self.graph, node).k
+        bound = k * max(abs(v) for v in scales.range(a)) * max(abs(v) for v in scales.range(b))
+        lo, hi = _clamp_bounds(node.attrs, s_out, scales.range(y))
+        s_b_scaled = s_b * node.attrs.get("product_scale", 1.0)  # a folded constant scale c: M = c s_a s_b / s_out
+        record = {**self._requant(index, s_a, np.array([s_b_scaled]), s_out), "clamp": [lo, hi],
+                  "acc_bound_bits": _bits_for(bound), "k": k}
+        if node.op == Kind.MATMUL_GEMM:
+            record.update(transpose_a=bool(node.attrs["transpose_a"]), transpose_b=bool(node.attrs["transpose_b"]))
+        self._report(node, record, s_a, np.array([s_b_scaled]), s_out, 0)
+        return record
+
     def _report(self, node: Node, record: dict, s_in: float, s_w: np.ndarray, s_out: float, saturated: int):
         from qdeploy.lowering import describe_instruction
 
@@ -468,6 +494,7 @@ class _Compiler:
 
 # The compiler's handler table: the manifest fields (and arrays) of each kind's instruction.
 COMPILERS = {Kind.CONV_GEMM: _Compiler.gemm, Kind.DENSE_GEMM: _Compiler.gemm, Kind.ADD_GEMM: _Compiler.add,
+             Kind.MUL_GEMM: _Compiler.product, Kind.MATMUL_GEMM: _Compiler.product,
              Kind.CONCAT: _Compiler._concat, **{kind: _Compiler._reshape for kind in RESHAPE_KINDS},
              Kind.CHANNEL_SLICE: _Compiler._channel_slice, Kind.CHANNEL_PERMUTE: _Compiler._channel_permute,
              Kind.HOST: _Compiler._host}

@@ -26,7 +26,7 @@ from isa.instructions import Instruction, from_manifest
 from qdeploy.program import Program
 from isa.target import Arithmetic, Rounding, target_from_dict
 from simulator.kernels.depthwise import depthwise_conv
-from simulator.kernels.gemm import add_gemm_kernel, channel_max_abs, gemm, gemm_planar
+from simulator.kernels.gemm import add_gemm_kernel, channel_max_abs, gemm, gemm_planar, mul_gemm_kernel
 from simulator.kernels.im2col import im2col, im2col_planar
 from simulator.kernels.requantize import requantize
 from simulator.kernels.window_max import window_max
@@ -308,9 +308,32 @@ class Machine:
         return self._store(instr, y), acc.reshape(a.shape), events
 
 
+    def mul_gemm(self, instr: Instruction, args: list[np.ndarray]):
+        """acc = a * b (b broadcast to a's shape): a K = 1 GEMM per element whose weight b is read from memory, then
+        the output stage (one multiplier s_a * s_b / s_out). acc has a's shape."""
+        a, b = args
+        b = np.ascontiguousarray(np.broadcast_to(b, a.shape)).reshape(-1)
+        acc = np.empty(a.size, np.int64)
+        events = mul_gemm_kernel(np.ascontiguousarray(a).reshape(-1), b, self.arithmetic.acc_min,
+                                 self.arithmetic.acc_max, self.arithmetic.overflow == "saturate", acc)
+        y = self._requantize(instr, acc.reshape(-1, 1)).reshape(a.shape)
+        return y, acc.reshape(a.shape), events
+
+    def matmul_gemm(self, instr: Instruction, args: list[np.ndarray]):
+        """acc = a @ b (a, b read transposed with transpose_a, transpose_b): one GEMM per sample and leading index,
+        (M x K) . (K x P) into the acc_bits register (kernels.gemm), then the output stage. acc has the output's
+        shape."""
+        a, b = instr.grouped_operands(*args)
+        result = gemm(np.ascontiguousarray(a), np.ascontiguousarray(b), self.arithmetic.acc_bits,
+                      self.arithmetic.overflow)
+        shape = args[0].shape[:-2] + (a.shape[1], b.shape[2])
+        y = self._requantize(instr, result.acc.reshape(-1, 1)).reshape(shape)
+        return y, result.acc.reshape(shape), result.events
+
 
 # The simulator's handler table: the kernel of each kind, Machine method (instr, args) -> (y, acc, events).
 KERNELS = {Kind.CONV_GEMM: Machine.conv_gemm, Kind.DENSE_GEMM: Machine.dense_gemm, Kind.ADD_GEMM: Machine.add_gemm,
+           Kind.MUL_GEMM: Machine.mul_gemm, Kind.MATMUL_GEMM: Machine.matmul_gemm,
            Kind.CONCAT: Machine.concat, **{kind: Machine.reshape for kind in RESHAPE_KINDS},
            Kind.CHANNEL_SLICE: Machine.channel_slice, Kind.CHANNEL_PERMUTE: Machine.channel_permute,
            Kind.HOST: Machine.host_op}

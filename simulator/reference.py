@@ -343,6 +343,24 @@ def _add_gemm(instr: Instruction, args: list[np.ndarray], arrays: dict, arithmet
     return _stored(instr, _output_stage(instr, acc, arrays, arithmetic).reshape(a.shape), dtype)
 
 
+def _mul_gemm(instr: Instruction, args: list[np.ndarray], arrays: dict, arithmetic: Arithmetic, dtype) -> np.ndarray:
+    """(8) acc = accumulate([a * b]) per element, b broadcast to a's shape, then the output stage."""
+    a, b = args
+    b = np.broadcast_to(b, a.shape)
+    acc = np.array([accumulate([p * q], arithmetic.acc_bits, arithmetic.overflow)[0]
+                    for p, q in zip(a.reshape(-1).tolist(), b.reshape(-1).tolist())], dtype=object).reshape(-1, 1)
+    return _output_stage(instr, acc, arrays, arithmetic).reshape(a.shape).astype(dtype)
+
+
+def _matmul_gemm(instr: Instruction, args: list[np.ndarray], arrays: dict, arithmetic: Arithmetic, dtype) -> np.ndarray:
+    """(8) (1) acc = a @ b per leading index (a^T, b^T with transpose_a, transpose_b), then the output stage."""
+    a, b = instr.grouped_operands(*args)
+    acc = np.concatenate([gemm(a2, b2, arithmetic.acc_bits, arithmetic.overflow)[0].reshape(-1)
+                          for a2, b2 in zip(a, b)]).reshape(-1, 1)
+    shape = args[0].shape[:-2] + (a.shape[1], b.shape[2])
+    return _output_stage(instr, acc, arrays, arithmetic).reshape(shape).astype(dtype)
+
+
 def _concat(instr: Instruction, args: list[np.ndarray], arrays: dict, arithmetic: Arithmetic, dtype) -> np.ndarray:
     return np.concatenate(args, axis=1)
 
@@ -361,7 +379,8 @@ def _reshape(instr: Instruction, args: list[np.ndarray], arrays: dict, arithmeti
 
 
 # The twins' handler table. A Host instruction has none: it is a float op outside the accelerator.
-TWINS = {Kind.CONV_GEMM: _conv_gemm, Kind.DENSE_GEMM: _dense_gemm, Kind.ADD_GEMM: _add_gemm, Kind.CONCAT: _concat,
+TWINS = {Kind.CONV_GEMM: _conv_gemm, Kind.DENSE_GEMM: _dense_gemm, Kind.ADD_GEMM: _add_gemm, Kind.MUL_GEMM: _mul_gemm,
+         Kind.MATMUL_GEMM: _matmul_gemm, Kind.CONCAT: _concat,
          **{kind: _reshape for kind in RESHAPE_KINDS}, Kind.CHANNEL_SLICE: _channel_slice,
          Kind.CHANNEL_PERMUTE: _channel_permute,
          Kind.HOST: "a float op on the host: no integer twin"}

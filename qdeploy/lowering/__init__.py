@@ -12,7 +12,7 @@ from math import prod
 from qdeploy.errors import QdeployError, Unsupported
 from qdeploy.ir import Graph, Node
 from isa.geometry import conv_output_size
-from isa.kinds import LAYOUT_KINDS, Kind, handler
+from isa.kinds import LAYOUT_KINDS, WEIGHTED_GEMM_KINDS, Kind, handler
 from qdeploy.lowering.instructions import INSTRUCTION_OPS, LAYOUT_OPS, has_window_max, is_channel_concat, node_kind
 from qdeploy.lowering.rules import LOWERING
 from qdeploy.summary import node_elements, node_macs
@@ -73,9 +73,11 @@ def _shape(graph: Graph, name: str) -> list:
 
 def _epilogue(node: Node) -> dict:
     attrs = node.attrs
-    result = {"bias": node.op != Kind.ADD_GEMM}
+    result = {"bias": node.op in WEIGHTED_GEMM_KINDS}
     if attrs["act_min"] != float("-inf") or attrs["act_max"] != float("inf"):
         result["clamp"] = [attrs["act_min"], attrs["act_max"]]
+    if "product_scale" in attrs:  # a constant scale folded into a product of two activations
+        result["scale"] = attrs["product_scale"]
     if "act_max_channels" in attrs:
         result["clamp_max_channels"] = list(attrs["act_max_channels"])
     if has_window_max(attrs):
@@ -115,12 +117,31 @@ def _add_geometry(graph: Graph, node: Node) -> tuple[int, int, int, int, dict]:
     return m, 1, 2, groups, {"input": in_shape[1:], "output": in_shape[1:]}
 
 
+def _mul_geometry(graph: Graph, node: Node) -> tuple[int, int, int, int, dict]:
+    """MulGemm: one group per element of b (per sample), each output [a] . [b]: m = the a elements one b element
+    multiplies, k = n = 1."""
+    a_shape, b_shape = _shape(graph, node.inputs[0]), _shape(graph, node.inputs[1])
+    groups = int(prod(b_shape[1:]))
+    return int(prod(a_shape[1:])) // groups, 1, 1, groups, {"input": a_shape[1:], "operand": b_shape[1:],
+                                                            "output": a_shape[1:]}
+
+
+def _matmul_geometry(graph: Graph, node: Node) -> tuple[int, int, int, int, dict]:
+    """MatMulGemm: one (M x K) . (K x P) GEMM per leading index (per sample)."""
+    a_shape, out_shape = _shape(graph, node.inputs[0]), _shape(graph, node.outputs[0])
+    geometry = {"input": a_shape[1:], "operand": _shape(graph, node.inputs[1])[1:], "output": out_shape[1:],
+                "transpose_a": int(node.attrs["transpose_a"]), "transpose_b": int(node.attrs["transpose_b"])}
+    m, k = (a_shape[-1], a_shape[-2]) if node.attrs["transpose_a"] else (a_shape[-2], a_shape[-1])
+    return int(m), int(out_shape[-1]), int(k), int(prod(a_shape[1:-2])), geometry
+
+
 def _not_an_instruction(graph: Graph, node: Node):
     raise ValueError(f"node '{node.name}' ({node.op}) is not an array instruction")
 
 
 # The lowering description's handler table: the GEMM geometry (m, n, k, groups, geometry) of each kind.
 GEOMETRY = {Kind.CONV_GEMM: _conv_geometry, Kind.DENSE_GEMM: _dense_geometry, Kind.ADD_GEMM: _add_geometry,
+            Kind.MUL_GEMM: _mul_geometry, Kind.MATMUL_GEMM: _matmul_geometry,
             **{kind: _not_an_instruction for kind in LAYOUT_KINDS | {Kind.HOST}}}
 
 

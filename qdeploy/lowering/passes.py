@@ -15,7 +15,8 @@ from qdeploy.errors import Unsupported
 from qdeploy.ir import Graph, Node, Tensor, constant
 from qdeploy.passes.eliminate_dead import eliminate_dead_nodes
 from qdeploy.passes.pipeline import Pass
-from isa.kinds import WEIGHTED_GEMM_KINDS, Kind
+from isa.kinds import ACTIVATION_GEMM_KINDS, WEIGHTED_GEMM_KINDS, Kind
+from isa.instructions import RECORDS
 from isa.output_stage import Clamp, commutes_with_window_max
 from qdeploy.lowering.instructions import INSTRUCTION_OPS, has_window_max, is_channel_concat
 from qdeploy.lowering.rules import (EPILOGUE_OPS, LOWERING, affine_of, batchnorm_scale_shift,
@@ -108,9 +109,17 @@ def _fold_round(graph: Graph, affine_for) -> Graph:
             continue
         x, scale, shift = affine
         producer = producers.get(x)
-        if producer is None or producer.name in replaced or producer.op not in WEIGHTED_GEMM_KINDS or not _plain(producer):
+        if producer is None or producer.name in replaced or \
+                producer.op not in WEIGHTED_GEMM_KINDS | ACTIVATION_GEMM_KINDS or not _plain(producer):
             continue
         if x in graph.outputs or len(consumers.get(x, [])) != 1 or node.inputs.count(x) != 1:
+            continue
+        if producer.op in ACTIVATION_GEMM_KINDS:  # no weights: a uniform positive scale joins the multiplier
+            if np.any(shift) or not np.all(scale == scale[0]) or not scale[0] > 0:
+                continue
+            attrs = {**producer.attrs, "product_scale": float(producer.attrs.get("product_scale", 1.0) * scale[0])}
+            replaced[producer.name] = producer.replace(attrs=attrs, outputs=[node.outputs[0]])
+            removed.add(node.name)
             continue
         folded, new = _fold_affine_into(graph, producer, scale, shift, node.outputs[0])
         graph = graph.with_nodes(graph.nodes, new)
@@ -137,7 +146,9 @@ def fold_batchnorm(graph: Graph) -> Graph:
 
 def fold_constant_affine(graph: Graph) -> Graph:
     """Fold Mul/Div/Add/Sub by a per-channel (or scalar) constant into the GEMM producing the other operand:
-    scale into the weight rows and bias, shift into the bias."""
+    scale into the weight rows and bias, shift into the bias; into a product of two activations (MatMulGemm:
+    attention's Q K^T / sqrt(d)) a positive scalar scale c only, as its `product_scale`: y = c * (a @ b), which
+    joins the requantization multiplier (qdeploy/quantize.py eq. 8)."""
 
     def affine(g: Graph, node: Node):
         return affine_of(g, node) if node.op in ("Mul", "Div", "Add", "Sub") else None
@@ -210,6 +221,8 @@ def fuse_epilogues(graph: Graph) -> Graph:
             producer = _sole_producer(graph, node, producers, consumers)
             if epilogue is None or producer is None or producer.name in replaced:
                 continue
+            if "pool_kernel_shape" in epilogue and not RECORDS[Kind(producer.op)].HAS_WINDOW_FIELD:
+                continue  # an instruction without a window-max on its store path (isa/instructions.py)
             merged = merge_epilogue(producer.attrs, epilogue)
             if merged is None:
                 continue

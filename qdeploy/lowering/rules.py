@@ -122,11 +122,60 @@ def lower_gemm(graph: Graph, node: Node) -> Lowered:
 
 
 def lower_matmul(graph: Graph, node: Node) -> Lowered:
-    """MatMul of a 2-D activation (N, K) by a constant (K, M) -> DenseGemm with W = B^T."""
+    """MatMul of a 2-D activation (N, K) by a constant (K, M) -> DenseGemm with W = B^T; MatMul of two
+    activations -> MatMulGemm (lower_activation_matmul)."""
+    if all(graph.constant_data(name) is None for name in node.inputs[:2]):
+        return lower_activation_matmul(graph, node)
     b = _weight(graph, node, 1, "B")
     if b.ndim != 2 or _rank(graph, node.inputs[0]) != 2:
         raise Unsupported(f"node '{node.name}' (MatMul): only (N, K) x constant (K, M) is supported")
     return dense_gemm(graph, node, node.inputs[0], b.T, np.zeros(b.shape[1], np.float32))
+
+
+def _static_shape(graph: Graph, node: Node, name: str) -> tuple[int, ...]:
+    """The per-sample shape of float activation `name` (batch first and free); Unsupported when a dim is unknown
+    or the tensor is not float (shape arithmetic on an activation's run-time shape)."""
+    tensor = graph.tensors[name]
+    shape = tensor.shape
+    if not np.issubdtype(tensor.dtype, np.floating):
+        raise Unsupported(f"node '{node.name}' ({node.op}): input '{name}' has dtype {np.dtype(tensor.dtype)}, "
+                          f"not float")
+    if shape is None or len(shape) < 2 or any(d is None for d in shape[1:]):
+        raise Unsupported(f"node '{node.name}' ({node.op}): input '{name}' has shape {shape}; needs the batch "
+                          f"first and static dims after it")
+    return tuple(int(d) for d in shape[1:])
+
+
+def _swapped_last_axes(graph: Graph, name: str) -> str | None:
+    """The input of the Transpose producing `name` when that Transpose swaps only the last two axes (the MatMul
+    then reads that input transposed: y = a @ x^T), else None."""
+    producer = graph.producers().get(name)
+    if producer is None or producer.op != "Transpose" or graph.tensors[name].shape is None:
+        return None
+    rank = len(graph.tensors[name].shape)
+    perm = list(producer.attrs.get("perm") or range(rank)[::-1])
+    return producer.inputs[0] if rank >= 3 and perm == [*range(rank - 2), rank - 1, rank - 2] else None
+
+
+def lower_activation_matmul(graph: Graph, node: Node) -> Lowered:
+    """MatMul of two activations a (N, ..., M, K) and b (N, ..., K, P) with equal leading axes -> MatMulGemm, one
+    (M x K) . (K x P) GEMM per sample and leading index (ONNX MatMul = numpy.matmul). A Transpose swapping an
+    operand's last two axes is folded into its read (transpose_b: attention's Q K^T; transpose_a: Q^T K on
+    channels-first features); the Transpose is then dead."""
+    operands, flags, logical = [], {}, []
+    for name, flag in zip(node.inputs[:2], ("transpose_a", "transpose_b")):
+        source = _swapped_last_axes(graph, name)
+        stored = _static_shape(graph, node, source if source is not None else name)
+        operands.append(source if source is not None else name)
+        flags[flag] = int(source is not None)
+        logical.append(stored[:-2] + stored[:-3:-1] if source is not None else stored)
+    a_shape, b_shape = logical
+    if len(a_shape) < 2 or len(a_shape) != len(b_shape) or a_shape[:-2] != b_shape[:-2] or \
+            a_shape[-1] != b_shape[-2]:
+        raise Unsupported(f"node '{node.name}' (MatMul): activations of shapes {graph.tensors[node.inputs[0]].shape} "
+                          f"and {graph.tensors[node.inputs[1]].shape}; the GEMM unit multiplies (N, ..., M, K) by "
+                          f"(N, ..., K, P) with equal leading axes (no broadcasting)")
+    return Lowered([Node(node.name, Kind.MATMUL_GEMM, operands, [node.outputs[0]], {**no_epilogue(), **flags})])
 
 
 def _channels(graph: Graph, node: Node) -> int:
@@ -220,11 +269,59 @@ def affine_of(graph: Graph, node: Node) -> tuple[str, np.ndarray, np.ndarray] | 
     return None
 
 
+# Elementwise ops that make a Mul of x by a function of x a unary function of x (SiLU = x * Sigmoid(x), HardSwish
+# = x * HardSigmoid(x), Mish = x * Tanh(Softplus(x)), GELU's Erf form): such a Mul is one output-stage lookup, not
+# a product of two activations, so lower_activation_mul leaves it alone.
+UNARY_OPS = {"Sigmoid", "HardSigmoid", "Tanh", "Softplus", "Erf", "Relu", "Clip", "Neg", "Exp"}
+UNARY_DEPTH = 4  # links followed back from the gate (GELU's Erf form has three: Div, Erf, Add)
+
+
+def unary_of(graph: Graph, gate: str, x: str) -> bool:
+    """Whether `gate` is computed from `x` alone by at most UNARY_DEPTH elementwise steps (UNARY_OPS, or Add, Sub,
+    Mul, Div with a constant): then x * gate is a unary function of x."""
+    producers = graph.producers()
+    for _ in range(UNARY_DEPTH):
+        producer = producers.get(gate)
+        if producer is None:
+            return False
+        active = [name for name in producer.inputs if name and graph.constant_data(name) is None]
+        elementwise = producer.op in UNARY_OPS or producer.op in ("Add", "Sub", "Mul", "Div")
+        if not elementwise or len(active) != 1:
+            return False
+        gate = active[0]
+        if gate == x:
+            return True
+    return False
+
+
+def lower_activation_mul(graph: Graph, node: Node) -> Lowered:
+    """Mul of two activations -> MulGemm: y = a * b with b broadcast to a's shape (ONNX broadcasting with equal
+    ranks: each of b's axes is 1 or a's; the operands are swapped when a is the broadcast one, a product commutes).
+    Squeeze-excite's x * s with s (N, C, 1, 1) is a K = 1 GEMM per sample and channel whose weight is s[n, c]."""
+    a, b = node.inputs[:2]
+    for gate, x in ((b, a), (a, b)):
+        if unary_of(graph, gate, x):
+            raise Unsupported(f"node '{node.name}' (Mul): '{gate}' is an elementwise function of '{x}', so the Mul "
+                              f"is a unary function of '{x}' (SiLU, HardSwish, GELU), left for an output-stage "
+                              f"lookup table")
+    a_shape, b_shape = _static_shape(graph, node, a), _static_shape(graph, node, b)
+    if len(a_shape) == len(b_shape) and all(q in (1, p) for p, q in zip(b_shape, a_shape)) and a_shape != b_shape:
+        a, b, a_shape, b_shape = b, a, b_shape, a_shape
+    if len(a_shape) != len(b_shape) or not all(q in (1, p) for p, q in zip(a_shape, b_shape)):
+        raise Unsupported(f"node '{node.name}' (Mul): broadcasting {graph.tensors[a].shape} with "
+                          f"{graph.tensors[b].shape} is not one operand read with repeats (equal ranks, each of "
+                          f"one operand's axes 1 or the other's)")
+    return Lowered([Node(node.name, Kind.MUL_GEMM, [a, b], [node.outputs[0]], no_epilogue())])
+
+
 def lower_binary(graph: Graph, node: Node) -> Lowered:
-    """Add of two activations -> AddGemm; an elementwise op with a per-channel constant -> affine GEMM."""
+    """Add of two activations -> AddGemm; Mul of two activations -> MulGemm; an elementwise op with a per-channel
+    constant -> affine GEMM."""
     affine = affine_of(graph, node)
     if affine is not None:
         return channel_affine(graph, node, *affine)
+    if node.op == "Mul" and constant_operand(graph, node) is None and all(node.inputs[:2]):
+        return lower_activation_mul(graph, node)
     if node.op == "Add" and constant_operand(graph, node) is None:
         a, b = node.inputs[:2]
         if graph.tensors[a].shape != graph.tensors[b].shape:
@@ -351,11 +448,11 @@ def identity_gemm(graph: Graph, node: Node) -> Lowered:
 LOWERING: dict[str, LoweringRule] = {
     "Conv": lower_conv,  # im2col + GEMM, grouped/depthwise as one GEMM per group
     "Gemm": lower_gemm,
-    "MatMul": lower_matmul,
+    "MatMul": lower_matmul,  # by a constant: DenseGemm; of two activations: MatMulGemm
     "BatchNormalization": lower_batchnorm,  # only those not folded into a Conv/Gemm
     "Add": lower_binary,  # residual add: AddGemm; add of a constant: affine
     "Sub": lower_binary,
-    "Mul": lower_binary,  # by a per-channel constant
+    "Mul": lower_binary,  # by a per-channel constant: affine; of two activations: MulGemm
     "Div": lower_binary,
     "GlobalAveragePool": lower_global_average_pool,
     "AveragePool": lower_average_pool,

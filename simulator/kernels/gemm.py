@@ -153,6 +153,28 @@ def add_gemm_kernel(a, b, w_a, w_b, lo, hi, saturate, out):
     return events
 
 
+@njit(cache=True, nogil=True)
+def mul_gemm_kernel(a, b, lo, hi, saturate, out):
+    """The MulGemm's K = 1 GEMM per element: out[i] = the acc_bits register after adding a[i] * b[i] to 0 (a, b
+    int8/uint8 1-D, b already broadcast; |a[i] * b[i]| <= 255 * 255 < 2^16). Events as the twin
+    (reference.accumulate): saturate counts the clamped products, wrap the products outside [lo, hi]. Returns
+    the events."""
+    width = hi - lo
+    full64 = hi == 9223372036854775807
+    events = 0
+    for i in range(a.size):
+        product = np.int64(a[i]) * np.int64(b[i])
+        if saturate:
+            acc, clamped = saturating_add(np.int64(0), product, lo, hi)
+            events += clamped
+        else:
+            acc = product if full64 else wrapping_add(np.int64(0), product, lo, width)
+            if product < lo or product > hi:
+                events += 1
+        out[i] = acc
+    return events
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Public entry
 

@@ -96,9 +96,49 @@ def _add_operands(instr: Instruction, args: list[np.ndarray], arrays: dict, info
     return cols, weight
 
 
-# The golden vectors' handler table: the GEMM operands an array instruction streams, or why a kind has none.
+def _weight_operand(b: np.ndarray) -> np.ndarray:
+    """An activation in the weight operand's place: int8 as it is, uint8 widened to int16 (the weight files are
+    signed: 8 bits, or 16 as the AddGemm's pre-scale weights)."""
+    return np.ascontiguousarray(b if b.dtype == np.int8 else b.astype(np.int16))
+
+
+def _mul_operands(instr: Instruction, args: list[np.ndarray], arrays: dict, info: dict):
+    """MulGemm: group g is element g of b (batch included, b's own order), (G, M, 1) the M elements of a it
+    multiplies (in a's order) and (G, 1, 1) the weight b[g] as read from memory (_weight_operand). acc and out are
+    (M, G): column g holds group g's products (squeeze-excite: row h*W + w, column n*C + c)."""
+    a, b = args
+    owner = np.broadcast_to(np.arange(b.size).reshape(b.shape), a.shape).reshape(-1)
+    order = np.argsort(owner, kind="stable")
+    groups, m = b.size, a.size // b.size
+
+    def to_matrix(y: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(y.reshape(-1)[order].reshape(groups, m).T)
+
+    info["operand_shape"] = list(b.shape)
+    return a.reshape(-1)[order].reshape(groups, m, 1), _weight_operand(b.reshape(groups, 1, 1)), to_matrix
+
+
+def _matmul_operands(instr: Instruction, args: list[np.ndarray], arrays: dict, info: dict):
+    """MatMulGemm: one group per sample and leading index, a as (G, M, K) and b as (G, K, P), as the array reads them
+    (transposed from memory with transpose_a, transpose_b; b by _weight_operand). acc and out are (M, G*P): column
+    g*P + j."""
+    a, b = instr.grouped_operands(*args)
+    m, p = a.shape[1], b.shape[2]
+
+    def to_matrix(y: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(y.reshape(-1, m, p).transpose(1, 0, 2).reshape(m, -1))
+
+    info["transpose_a"], info["transpose_b"] = bool(instr.transpose_a), bool(instr.transpose_b)
+    info["operand_shape"] = list(args[1].shape)
+    return np.ascontiguousarray(a), _weight_operand(b), to_matrix
+
+
+# The golden vectors' handler table: the GEMM operands an array instruction streams (and, for a kind whose
+# groups are not the channels, how its acc and out become (rows, groups * columns) matrices), or why a kind has
+# none.
 OPERANDS: dict[Kind, Callable | str] = {
     Kind.CONV_GEMM: _conv_operands, Kind.DENSE_GEMM: _dense_operands, Kind.ADD_GEMM: _add_operands,
+    Kind.MUL_GEMM: _mul_operands, Kind.MATMUL_GEMM: _matmul_operands,
     **{kind: "layout only (no array work)" for kind in LAYOUT_KINDS}, Kind.HOST: "runs on the host"}
 
 
@@ -113,8 +153,10 @@ def layer_vectors(program, target: Target, index: int, instr: Instruction, run, 
     info: dict[str, Any] = {"batch": batch, "input_tensors": list(instr.inputs),
                             "output_tensor": instr.output, "window": window and window.to_record()}
     kind = instr.kind
-    cols, weight = handler(OPERANDS, kind, "the golden vectors", f"instruction '{instr.name}'")(
+    operands = handler(OPERANDS, kind, "the golden vectors", f"instruction '{instr.name}'")(
         instr, args, arrays, info)
+    cols, weight = operands[:2]
+    to_matrix = operands[2] if len(operands) > 2 else channels_last
     channels = weight.shape[0] * weight.shape[2]
     bias = arrays[instr.stage.bias.array] if instr.stage.bias else np.zeros(channels, np.int64)
     stored = run.tensors[instr.output]
@@ -131,7 +173,7 @@ def layer_vectors(program, target: Target, index: int, instr: Instruction, run, 
         acc = None
         info["output_stage"] = "float32 add (qdeploy/quantize.py eq. 6-7)"
     elif acc is not None:
-        acc = channels_last(acc)
+        acc = to_matrix(acc)
     if instr.stage.clamp_per_channel:  # an equalized ReLU6: out = min(clamp(requantize(acc), lo, hi), clamp_hi[c])
         bound = arrays[instr.stage.clamp_per_channel.array].astype(np.int32).reshape(-1)
         extra["clamp_hi"] = (bound, bound.reshape(1, -1), 16, True, "cols",
@@ -144,7 +186,7 @@ def layer_vectors(program, target: Target, index: int, instr: Instruction, run, 
     # The output stage's result before window-max, as an RTL produces it: the grid the window-max reads
     # (N, C, OH, OW) needs no recomputation from the convolution's geometry.
     info["output_grid"] = list(grid.shape)
-    out = channels_last(grid)
+    out = to_matrix(grid)
     return LayerVectors(
         index, instr.name, kind, np.ascontiguousarray(cols), weight, _per_channel(bias, channels),
         _per_channel(arrays[requant.mult], channels), _per_channel(arrays[requant.shift], channels),
@@ -201,7 +243,8 @@ class Writer:
 
         put("input", vectors.input, vectors.input.reshape(g * m, k), act_bits, act_signed, rows,
             "row g*M + m = row m of group g's im2col matrix (design.md eq. 9), col k = (c*kh + i)*kw + j")
-        weight_bits = 8 if vectors.weight.dtype == np.int8 else 16  # AddGemm: 16-bit pre-scale weights
+        # AddGemm: 16-bit pre-scale weights; MulGemm, MatMulGemm: a uint8 operand, widened to int16
+        weight_bits = 8 if vectors.weight.dtype == np.int8 else 16
         put("weight", vectors.weight, vectors.weight.reshape(g * k, ng), weight_bits, True, cols,
             "row g*K + k, col j: weight of group g, reduction index k, output channel g*Ng + j")
         channel = "one value per output channel c = g*Ng + j"

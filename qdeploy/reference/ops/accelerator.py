@@ -51,3 +51,21 @@ def ChannelPermute(x, *, perm):
 def AddGemm(a, b, *, act_min=-np.inf, act_max=np.inf, **window):
     """y = window_max(clamp(a + b, act_min, act_max)): the GEMM with K = 2 per channel, [a b] . [1 1]^T."""
     return _epilogue(a + b, act_min, act_max, **window)
+
+
+def _scaled(y: np.ndarray, product_scale: float | None) -> np.ndarray:
+    """y * c for a folded constant scale c (lowering/passes.py fold_constant_affine), as the Mul it replaces."""
+    return y if product_scale is None else y * np.float32(product_scale)
+
+
+def MulGemm(a, b, *, act_min=-np.inf, act_max=np.inf, product_scale=None):
+    """y = clamp(c * (a * b), act_min, act_max), b broadcast to a's shape: a K = 1 GEMM per element of b."""
+    return _epilogue(_scaled(a * b, product_scale), act_min, act_max)
+
+
+def MatMulGemm(a, b, *, transpose_a=0, transpose_b=0, act_min=-np.inf, act_max=np.inf, product_scale=None):
+    """y = clamp(c * (a @ b), act_min, act_max), a or b transposed (last two axes) with transpose_a / transpose_b:
+    one GEMM per leading index. numpy.matmul runs one GEMM per leading index, so a sample's result does not depend
+    on its batch."""
+    y = np.matmul(np.swapaxes(a, -1, -2) if transpose_a else a, np.swapaxes(b, -1, -2) if transpose_b else b)
+    return _epilogue(_scaled(y, product_scale), act_min, act_max)
