@@ -339,6 +339,15 @@ def build_torchvision(name: str, seed: int = 0) -> nn.Module:
     return _seeded(lambda: builder(weights=None, **extra), seed).eval()
 
 
+def input_size(name: str) -> int:
+    """The input height = width a user model of export_user_model is exported at."""
+    if name == "efficientnet_lite0":
+        return 224
+    if name in HOST_FALLBACK:
+        return HOST_FALLBACK[name][1]
+    return 64 if name in DENSE else TORCHVISION[name][1]
+
+
 def export_as_a_user_would(model: nn.Module, input_shape: tuple[int, ...], path: str | os.PathLike,
                            exporter: str) -> Path:
     """`torch.onnx.export(model, (x,), path)` with torch's defaults ("dynamo": opset 20, static shapes, the
@@ -367,6 +376,9 @@ def export_user_model(name: str, folder: str | os.PathLike, exporter: str) -> Pa
     exported as a user would to folder/<name>_<exporter>.onnx."""
     if name == "efficientnet_lite0":
         model, size = load_efficientnet_lite0(), 224
+    elif name in HOST_FALLBACK:
+        build, size = HOST_FALLBACK[name]
+        model = build()
     elif name in DENSE:  # torch's own initialisation, seeded (no random BatchNorm statistics)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
@@ -473,9 +485,153 @@ def build_deeplabv3_mobilenet_v3() -> nn.Module:
                                                                          aux_loss=False))
 
 
+class _Bottleneck(nn.Module):
+    """YOLOv5's bottleneck: 1x1 conv, 3x3 conv, residual Add."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.cv1, self.cv2 = _conv_bn_silu(channels, channels, 1), _conv_bn_silu(channels, channels, 3)
+
+    def forward(self, x):
+        return x + self.cv2(self.cv1(x))
+
+
+class _C3(nn.Module):
+    """YOLOv5's C3: two 1x1 convs side by side, n bottlenecks on the first, both concatenated and mixed by a
+    third 1x1 conv."""
+
+    def __init__(self, c_in: int, c_out: int, n: int = 1):
+        super().__init__()
+        hidden = c_out // 2
+        self.cv1, self.cv2 = _conv_bn_silu(c_in, hidden, 1), _conv_bn_silu(c_in, hidden, 1)
+        self.m = nn.Sequential(*(_Bottleneck(hidden) for _ in range(n)))
+        self.cv3 = _conv_bn_silu(2 * hidden, c_out, 1)
+
+    def forward(self, x):
+        return self.cv3(torch.cat([self.m(self.cv1(x)), self.cv2(x)], 1))
+
+
+class Yolov5Style(nn.Module):
+    """A YOLOv5n-style detector (v6.0 layout: 6x6/2 stem, C3 blocks, SPPF, an FPN neck with nearest x2
+    upsampling and Concat) up to its raw per-anchor maps (3 anchors x (4 box + 1 objectness + classes)) at
+    strides 16 and 32; decoding and NMS are the host's."""
+
+    def __init__(self, classes: int = 4):
+        super().__init__()
+        outputs = 3 * (5 + classes)
+        stem = nn.Sequential(nn.Conv2d(3, 16, 6, 2, 2, bias=False), nn.BatchNorm2d(16), nn.SiLU())  # 6x6/2, pad 2
+        self.stem = nn.Sequential(stem, _conv_bn_silu(16, 32, 3, 2), _C3(32, 32))
+        self.p4 = nn.Sequential(_conv_bn_silu(32, 64, 3, 2), _C3(64, 64, 2))
+        self.p5 = nn.Sequential(_conv_bn_silu(64, 128, 3, 2), _C3(128, 128), _SPPF(128))
+        self.lateral, self.up = _conv_bn_silu(128, 64, 1), nn.Upsample(scale_factor=2, mode="nearest")
+        self.neck = _C3(128, 64)
+        self.head4, self.head5 = nn.Conv2d(64, outputs, 1), nn.Conv2d(64, outputs, 1)
+
+    def forward(self, x):
+        p4 = self.p4(self.stem(x))
+        p5 = self.lateral(self.p5(p4))
+        n4 = self.neck(torch.cat([self.up(p5), p4], 1))
+        return self.head4(n4), self.head5(p5)
+
+
+class DeiTStyle(nn.Module):
+    """DeiT (Touvron et al. 2021) at DeiT-Tiny's width (192, 3 heads, MLP 768), `depth` blocks: patch embedding
+    Conv, class and distillation tokens concatenated before the patches, learned position embedding, pre-norm
+    blocks (LayerNorm, multi-head self-attention written as timm writes it: qkv Linear, reshape to (B, N, 3,
+    heads, dim), permute, q k^T * scale, Softmax, v, proj; LayerNorm, Linear, GELU, Linear), final LayerNorm,
+    inference head (head(class token) + head_dist(distillation token)) / 2."""
+
+    def __init__(self, image: int = 32, patch: int = 8, dim: int = 192, depth: int = 2, heads: int = 3,
+                 classes: int = 10):
+        super().__init__()
+        self.heads = heads
+        self.patch = nn.Conv2d(3, dim, patch, patch)
+        self.cls_token, self.dist_token = nn.Parameter(torch.zeros(1, 1, dim)), nn.Parameter(torch.zeros(1, 1, dim))
+        self.pos_embed = nn.Parameter(torch.zeros(1, (image // patch) ** 2 + 2, dim))
+        self.blocks = nn.ModuleList(nn.ModuleDict({
+            "norm1": nn.LayerNorm(dim, eps=1e-6), "qkv": nn.Linear(dim, 3 * dim), "proj": nn.Linear(dim, dim),
+            "norm2": nn.LayerNorm(dim, eps=1e-6), "fc1": nn.Linear(dim, 4 * dim), "fc2": nn.Linear(4 * dim, dim),
+        }) for _ in range(depth))  # fmt: skip
+        self.norm = nn.LayerNorm(dim, eps=1e-6)
+        self.head, self.head_dist = nn.Linear(dim, classes), nn.Linear(dim, classes)
+
+    def attention(self, block, x):
+        b, n, c = x.shape
+        qkv = block["qkv"](x).reshape(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv[0], qkv[1], qkv[2]
+        weights = ((q @ k.transpose(-2, -1)) * (c // self.heads) ** -0.5).softmax(dim=-1)
+        return block["proj"]((weights @ v).transpose(1, 2).reshape(b, n, c))
+
+    def forward(self, x):
+        x = self.patch(x).flatten(2).transpose(1, 2)
+        tokens = (self.cls_token.expand(x.shape[0], -1, -1), self.dist_token.expand(x.shape[0], -1, -1))
+        x = torch.cat([*tokens, x], dim=1) + self.pos_embed
+        for block in self.blocks:
+            x = x + self.attention(block, block["norm1"](x))
+            x = x + block["fc2"](nn.functional.gelu(block["fc1"](block["norm2"](x))))
+        x = self.norm(x)
+        return (self.head(x[:, 0]) + self.head_dist(x[:, 1])) / 2
+
+
+def randomize_transformer(model: nn.Module) -> nn.Module:
+    """`randomize`, and what it leaves at a constant start: LayerNorm gamma U(0.5, 1.5) and beta N(0, 0.1^2),
+    every other parameter that is not a Conv/Linear weight or bias (class, distillation tokens, position
+    embeddings, nn.MultiheadAttention's in_proj) N(0, 0.02^2) for embeddings and tokens, Xavier-like N(0, 1/fan_in)
+    for 2-D projection weights, so that no token is zero and attention is not uniform."""
+    randomize(model)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.LayerNorm):
+                module.weight.uniform_(0.5, 1.5)
+                module.bias.normal_(0.0, 0.1)
+            elif isinstance(module, nn.MultiheadAttention):
+                module.in_proj_weight.normal_(0.0, module.embed_dim ** -0.5)
+                module.in_proj_bias.normal_(0.0, 0.1)
+        for name, parameter in model.named_parameters():
+            if "token" in name or "pos_embed" in name:
+                parameter.normal_(0.0, 0.02)
+    return model
+
+
+def build_vit(seed: int = 0) -> nn.Module:
+    """torchvision's VisionTransformer (the vit_b_16 code: class token, nn.MultiheadAttention, which works on
+    (tokens, batch, features)) at a test size: 32x32 input, 8x8 patches, 2 layers, 3 heads, width 48, MLP 96,
+    10 classes; seeded random weights (`randomize_transformer`)."""
+    from_torchvision = import_torchvision().models.vision_transformer.VisionTransformer
+    build = functools.partial(from_torchvision, image_size=32, patch_size=8, num_layers=2, num_heads=3,
+                              hidden_dim=48, mlp_dim=96, num_classes=10)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return randomize_transformer(build()).eval()
+
+
+def build_deit_style(seed: int = 0) -> nn.Module:
+    """DeiTStyle (DeiT-Tiny width, 2 blocks, 32x32 input), seeded random weights (`randomize_transformer`)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return randomize_transformer(DeiTStyle()).eval()
+
+
 DENSE: dict[str, Callable[[], nn.Module]] = {
-    "yolo_style": YoloStyle, "unet_transpose": lambda: UNetStyle(False), "unet_bilinear": lambda: UNetStyle(True),
-    "deeplabv3_mobilenet_v3": build_deeplabv3_mobilenet_v3}
+    "yolo_style": YoloStyle, "yolov5_style": Yolov5Style, "unet_transpose": lambda: UNetStyle(False),
+    "unet_bilinear": lambda: UNetStyle(True), "deeplabv3_mobilenet_v3": build_deeplabv3_mobilenet_v3}
+
+def build_torchvision_own_init(name: str, seed: int = 0) -> nn.Module:
+    """torchvision.models.`name` with torch's own initialisation, seeded (BatchNorm statistics 0 and 1, as in
+    DENSE), in eval mode."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return getattr(import_torchvision().models, name)(weights=None).eval()
+
+
+# Transformers (32x32 input, `randomize_transformer`) and the torchvision architectures of issue 16's point 4 whose
+# ops the GEMM unit does not all run yet (64x64, torch's own initialisation): they run with
+# --allow-host-fallback. name -> (builder, input height = width).
+HOST_FALLBACK: dict[str, tuple[Callable[[], nn.Module], int]] = {
+    "vit": (build_vit, 32), "deit_style": (build_deit_style, 32),
+    **{name: (functools.partial(build_torchvision_own_init, name), 64) for name in (
+        "mobilenet_v3_small", "mobilenet_v3_large", "efficientnet_b0", "regnet_y_400mf", "convnext_tiny")},
+}
 
 
 def op_counts(path: str | os.PathLike) -> dict[str, int]:

@@ -33,6 +33,9 @@ class Tensor:
     shape: Shape | None  # None when unknown
     dtype: np.dtype
     data: np.ndarray | None = None
+    # Rows per image on the free first axis: (B * rows, ...). 1 but for the row form of a graph mapped over the
+    # batch (batch_one.py) and the rows of a GEMM on tokens (passes/matmul_rows.py); work per image scales by it.
+    rows: int = 1
 
     @property
     def is_constant(self) -> bool:

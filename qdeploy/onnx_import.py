@@ -16,6 +16,7 @@ import onnx
 from onnx import numpy_helper
 
 from isa.kinds import Kind  # the layout kinds are named after the ONNX ops they come from
+from qdeploy.batch_one import map_over_batch
 from qdeploy.errors import BadInput, QdeployError, Unsupported
 from qdeploy.ir import Graph, Node, Tensor, constant, validate
 from qdeploy.prequantized import QUANTIZATION_OPS, ModelQuantization, strip_quantization
@@ -365,6 +366,7 @@ def load_quantized_onnx(path: str | os.PathLike, input_shapes: dict[str, tuple[i
             raise type(error)(f"{path}: {error}") from error
         nodes.append(Node(name, proto.op_type, list(proto.input), list(proto.output), attrs))
     batch = _stated_batch(onnx_graph, inputs, original_shapes)
+    as_stated = (list(nodes), dict(tensors))  # map_over_batch needs the image's graph as the file states it
     nodes = _free_resize_batch(_free_reshape_batch(nodes, tensors, batch), tensors, batch)
     outputs = [value.name for value in onnx_graph.output]
     graph = Graph(onnx_graph.name or path.stem, nodes, tensors, inputs, outputs, opset)
@@ -376,6 +378,13 @@ def load_quantized_onnx(path: str | os.PathLike, input_shapes: dict[str, tuple[i
     try:
         graph, quantization = strip_quantization(graph, widen_scales)
         validate(graph)
+        if batch == 1 and quantization is None:  # a transformer moves the batch off axis 0 (batch_one.py)
+            mapped = map_over_batch(Graph(graph.name, *as_stated, inputs, outputs, opset))
+            if mapped is not None:
+                tensors = dict(mapped.tensors)
+                graph = mapped.with_nodes(_free_resize_batch(mapped.nodes, tensors, batch))
+                graph = Graph(graph.name, graph.nodes, tensors, graph.inputs, graph.outputs, graph.opset)
+                validate(graph)
         return infer_shapes(graph), quantization
     except QdeployError as error:
         raise type(error)(f"{path}: {error}") from error

@@ -349,7 +349,10 @@ def _reshape(program: Program, instr: dict, where: str, in_shapes: list, out_dty
     if not isinstance(shape, list) or not shape or shape[0] is not None:
         raise _Invalid(f"{where}: shape must be [null, ...], got {json.dumps(shape)[:60]}")
     dims = tuple(_ints(shape[1:], f"{where}: shape", None, 1))
-    if math.prod(dims) != math.prod(in_shapes[0]):
+    # Equal sizes per entry of the free first axis, or one a multiple of the other: the first axis then holds
+    # several rows per image on one side (a batch-1 graph mapped over the batch, a GEMM on tokens).
+    size, out = math.prod(in_shapes[0]), math.prod(dims)
+    if size % out and out % size:
         raise _Invalid(f"{where}: reshapes {in_shapes[0]} to {dims}")
     return dims
 

@@ -121,6 +121,14 @@ class Probe:
             return tuple(None for _ in shapes[0])
         return tuple(dims[0] if len(set(dims)) == 1 else None for dims in zip(*shapes))
 
+    def rows(self, name: str) -> int:
+        """r when the first axis is r rows per image at every probe (B * r); 1 otherwise."""
+        firsts = [shape[0] if shape else None for shape in self.shapes[name]]
+        if None in firsts or len(set(firsts)) == 1 or firsts[0] % PROBE_BATCHES[0]:
+            return 1
+        rows = firsts[0] // PROBE_BATCHES[0]
+        return rows if all(f == rows * b for f, b in zip(firsts, PROBE_BATCHES)) else 1
+
     def is_batch_independent(self, name: str) -> bool:
         values = self.static[name]
         return all(v.shape == values[0].shape and np.array_equal(v, values[0]) for v in values[1:])
@@ -140,8 +148,8 @@ def _concrete_input_shape(tensor: Tensor, batch: int) -> tuple[int, ...]:
     return tuple(dims)
 
 
-def probe(graph: Graph) -> Probe:
-    """Evaluate `graph` on zero inputs at each probe batch size (see module docstring)."""
+def probe(graph: Graph, batches: tuple[int, ...] = PROBE_BATCHES) -> Probe:
+    """Evaluate `graph` on zero inputs at each of `batches` (PROBE_BATCHES; see module docstring)."""
     shapes: dict[str, list[tuple[int, ...]]] = {}
     dtypes: dict[str, np.dtype] = {}
     static: dict[str, list[np.ndarray]] = {}
@@ -149,10 +157,10 @@ def probe(graph: Graph) -> Probe:
     order = topological_order(graph)
     for name, tensor in graph.tensors.items():
         if tensor.is_constant:
-            static[name] = [tensor.data] * len(PROBE_BATCHES)
-            shapes[name] = [tuple(tensor.data.shape)] * len(PROBE_BATCHES)
+            static[name] = [tensor.data] * len(batches)
+            shapes[name] = [tuple(tensor.data.shape)] * len(batches)
             dtypes[name] = tensor.data.dtype
-    for index, batch in enumerate(PROBE_BATCHES):
+    for index, batch in enumerate(batches):
         env: dict[str, np.ndarray] = {}
         for name in graph.inputs:
             tensor = graph.tensors[name]
@@ -160,7 +168,7 @@ def probe(graph: Graph) -> Probe:
             check_elements(shape, f"graph input '{name}' at batch {batch}")
             env[name] = np.zeros(shape, dtype=tensor.dtype)
         for node in order:
-            outputs = _evaluate(graph, node, env, static, index, batch_one_cache)
+            outputs = _evaluate(graph, node, env, static, index, batch_one_cache, batch)
             declared = [name for name in node.outputs if name]
             if len(node.outputs) > len(outputs) and any(node.outputs[len(outputs):]):
                 raise Unsupported(f"node '{node.name}' ({node.op}) declares {len(declared)} outputs; qdeploy "
@@ -189,7 +197,7 @@ def probe(graph: Graph) -> Probe:
 
 
 def _evaluate(graph: Graph, node: Node, env: dict[str, np.ndarray], static: dict[str, list[np.ndarray]],
-              index: int, batch_one_cache: dict[str, list[np.ndarray]]) -> list[np.ndarray]:
+              index: int, batch_one_cache: dict[str, list[np.ndarray]], probe_batch: int) -> list[np.ndarray]:
     def value(name: str) -> np.ndarray | None:
         if not name:
             return None
@@ -202,7 +210,7 @@ def _evaluate(graph: Graph, node: Node, env: dict[str, np.ndarray], static: dict
     inputs = [value(name) for name in node.inputs]
     bound = _output_bound(node, inputs)
     if bound is not None:  # refuse before the op allocates its output
-        check_elements(bound, f"output of node '{node.name}' ({node.op}) at batch {PROBE_BATCHES[index]}")
+        check_elements(bound, f"output of node '{node.name}' ({node.op}) at batch {probe_batch}")
     with np.errstate(all="ignore"):
         if node.op in BATCH_PRESERVING and inputs and inputs[0] is not None and inputs[0].ndim > 0:
             batch = inputs[0].shape[0]
@@ -221,5 +229,5 @@ def infer_shapes(graph: Graph, result: Probe | None = None) -> Graph:
         old = tensors.get(name)
         if old is not None and old.is_constant:
             continue
-        tensors[name] = Tensor(name, result.merged_shape(name), result.dtypes[name])
+        tensors[name] = Tensor(name, result.merged_shape(name), result.dtypes[name], rows=result.rows(name))
     return Graph(graph.name, list(graph.nodes), tensors, list(graph.inputs), list(graph.outputs), graph.opset)

@@ -63,7 +63,7 @@ def node_macs(graph: Graph, node: Node) -> int:
         k = a[0] if node.op == "Gemm" and node.attrs.get("transA", 0) else a[-1]
         # The free batch dimension (None) may sit anywhere once activations are transposed (a sequence-first
         # attention product is (L, N, E)): per sample it counts 1.
-        return int(prod(d for d in out if d is not None) * k)
+        return int(prod(d for d in out if d is not None) * k) * graph.tensors[node.outputs[0]].rows
     return 0
 
 
@@ -74,7 +74,7 @@ def node_elements(graph: Graph, node: Node) -> int:
     for name in node.outputs:
         if name and name in graph.tensors:
             shape = _shape(graph, name)
-            total += int(prod(d or 1 for d in shape[1:])) if len(shape) > 1 else 1
+            total += (int(prod(d or 1 for d in shape[1:])) if len(shape) > 1 else 1) * graph.tensors[name].rows
     return total
 
 

@@ -195,7 +195,9 @@ class Machine:
         return np.ascontiguousarray(args[0][:, list(instr.perm)]), None, None
 
     def reshape(self, instr: Instruction, args: list[np.ndarray]):
-        return args[0].reshape((args[0].shape[0], *instr.shape[1:])), None, None
+        """A relabelling of the buffer: every axis but the first is static, the first takes the rest (the batch,
+        or the batch times the image's rows: qdeploy/batch_one.py's row form)."""
+        return args[0].reshape((-1, *instr.shape[1:])), None, None
 
     # A host op (compiled with --allow-host-fallback) is not an accelerator instruction: the caller supplies
     # `host(op, opset, operands, attrs) -> float array`, e.g. qdeploy's float reference executor.

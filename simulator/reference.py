@@ -408,7 +408,7 @@ def _channel_permute(instr: Instruction, args: list[np.ndarray], arrays: dict, a
 
 
 def _reshape(instr: Instruction, args: list[np.ndarray], arrays: dict, arithmetic: Arithmetic, dtype) -> np.ndarray:
-    return args[0].reshape((args[0].shape[0], *instr.shape[1:]))
+    return args[0].reshape((-1, *instr.shape[1:]))
 
 
 # The twins' handler table. A Host instruction has none: it is a float op outside the accelerator.

@@ -114,10 +114,10 @@ def _conv_geometry(graph: Graph, node: Node) -> tuple[int, int, int, int, dict]:
 
 
 def _dense_geometry(graph: Graph, node: Node) -> tuple[int, int, int, int, dict]:
-    """DenseGemm: (1 x K) . (K x M) per sample."""
+    """DenseGemm: (rows x K) . (K x M) per sample (rows: 1, or the image's tokens, Tensor.rows)."""
     weight = graph.tensors[node.inputs[1]].data
     geometry = {"input": _shape(graph, node.inputs[0])[1:], "output": _shape(graph, node.outputs[0])[1:]}
-    return 1, weight.shape[0], weight.shape[1], 1, geometry
+    return graph.tensors[node.outputs[0]].rows, weight.shape[0], weight.shape[1], 1, geometry
 
 
 def _add_geometry(graph: Graph, node: Node) -> tuple[int, int, int, int, dict]:

@@ -15,6 +15,7 @@ from qdeploy.passes.eliminate_dead import eliminate_dead_nodes
 from qdeploy.passes.explicit_conv_pads import explicit_conv_pads
 from qdeploy.passes.fold_constants import fold_constants
 from qdeploy.passes.fold_pad import fold_pad_into_conv
+from qdeploy.passes.matmul_rows import matmul_rows
 from qdeploy.passes.remove_identity import remove_identity
 from qdeploy.passes.resize_static_sizes import resize_static_sizes
 
@@ -35,6 +36,7 @@ SIMPLIFY: list[Pass] = [
     explicit_conv_pads,  # auto_pad SAME_*/VALID -> explicit pads
     fold_pad_into_conv,  # zero Pad before a Conv -> the Conv's pads
     resize_static_sizes,  # Resize sizes computed from a run-time shape -> constant spatial sizes (axes 2..)
+    matmul_rows,  # MatMul of an (N, ..., K) activation by a constant (K, M) [+ bias] -> a GEMM on (rows, K)
     eliminate_dead_nodes,
 ]
 
