@@ -243,8 +243,9 @@ def _qlinear_conv(b: _Builder, instr: Instruction, x: str, kernel: list[int], at
     int8 input and output: int8 x int8 as the program stores them. A uint8 tensor on either side (ONNX
     Runtime's QLinearConv takes and gives one type): the conv runs in uint8, an int8 input as q + 128 with zero
     point 128 (`to_uint8`; padding is then the zero point, the real 0), the weights as w + 128 with zero
-    point 128 (uint8 x uint8: MLAS widens both to 16 bits, exact on every x86 kernel, where uint8 x int8 sums
-    pairs of products in int16 with saturation on AVX2 without VNNI), and an int8 output as the uint8 y + 128
+    point 128 (uint8 x uint8, chosen over uint8 x int8, whose AVX2 kernel without VNNI sums pairs of products in
+    int16 with saturation (bench/README.md); measured exact on x86-64 with AVX-512 VNNI by
+    tests/test_export_onnx.py, not yet on a machine without VNNI), and an int8 output as the uint8 y + 128
     (zero point 128, which saturates to [-128, 127] + 128) moved back by `to_int8`."""
     program, name = b.program, instr.name
     x_tensor, y_tensor = instr.inputs[0], instr.output
