@@ -20,7 +20,8 @@
 
 The report (report.md, report.json, PNGs) goes to REPORT_DIR; the model, images, calibration table, program and
 ONNX Runtime's models to OUTDIR (git-ignored). About 5 minutes on 2 CPU cores, 1.5 of them ONNX Runtime's
-calibrations (cached in OUTDIR/onnxruntime/ for later runs) and 1 the ablation (--no-ablation skips it)."""
+calibrations (cached in OUTDIR/onnxruntime/ for later runs) and 1.5 the ablation's eleven programs
+(--no-ablation skips it)."""
 
 from __future__ import annotations
 
