@@ -6,7 +6,8 @@ both tools (examples/images.py split "calib", default 64 views) and held-out eva
 
   float     ONNX Runtime on the float model: the reference logits;
   ours      qdeploy defaults: KL thresholds (design.md section 5), per-channel max-abs weights, the default
-            target (half_up rounding, activations in [-127, 127]), run on the simulator and dequantized; also
+            target (half_up rounding, uint8 activations where non-negative, int8 in [-127, 127] elsewhere), run
+            on the simulator and dequantized; also
             the max and percentile (99.99, our default) thresholds taken from the same histograms;
   ORT       onnxruntime.quantization.quantize_static, QDQ, per-channel, symmetric int8 activations and
             weights (extra_options ActivationSymmetric/WeightSymmetric), calibrate_method MinMax, Entropy and
@@ -19,6 +20,11 @@ both tools (examples/images.py split "calib", default 64 views) and held-out eva
               7-bit     reduce_range=True, ORT's documented advice for x86-64 without VNNI: its graph optimizer
                         turns int8 QDQ activations into uint8 (QDQS8ToU8) for the u8 x s8 kernels, whose AVX2
                         VPMADDUBSW sums pairs of products in int16 with saturation; 7-bit weights avoid that.
+
+  NNCF      nncf.quantize with its defaults (ONNX backend: symmetric int8 weights per channel, int8/uint8
+            activations, fast bias correction) on the same calibration images, run by ONNX Runtime as written
+            (ORT_DISABLE_ALL, like examples/efficientnet_lite0/ort_peer.py; also at the default level); skipped
+            with a message when nncf is not installed.
 
 Metrics against the float logits on the evaluation images: top-1 agreement (share of images whose arg-max
 equals the float model's), top-5 agreement (the float top-1 inside the int8 top-5) and the logits' SQNR,
@@ -144,6 +150,40 @@ def onnxruntime_int8(model: Path, calib: np.ndarray, x: np.ndarray, method: str,
     return {"logits": logits, "unfused_logits": unfused, "calibrate_seconds": seconds}
 
 
+def nncf_int8(model: Path, calib: np.ndarray, x: np.ndarray) -> dict | None:
+    """nncf.quantize defaults on the same calibration images (one image a sample, all of them: subset_size), then
+    the logits as written (ORT_DISABLE_ALL) and at the default level; None when nncf is not installed."""
+    try:
+        import nncf
+        import onnx
+    except ImportError:
+        print("  NNCF: skipped (nncf is not installed: pip install nncf)")
+        return None
+    import onnxruntime as ort
+
+    from examples.efficientnet_lite0.ort_peer import _quiet
+
+    name = _input_name(model)
+    dataset = nncf.Dataset([calib[i:i + 1] for i in range(len(calib))], lambda sample: {name: sample})
+    start = time.perf_counter()
+    with _quiet():
+        quantized = nncf.quantize(onnx.load(str(model)), dataset, subset_size=len(calib))
+    seconds = time.perf_counter() - start
+    with tempfile.TemporaryDirectory() as folder:
+        output = Path(folder) / "model.nncf.onnx"
+        onnx.save(quantized, str(output))
+        unfused = run_onnxruntime(output, x, ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
+        logits = run_onnxruntime(output, x)
+    gc.collect()
+    return {"logits": logits, "unfused_logits": unfused, "calibrate_seconds": seconds, "version": nncf.__version__}
+
+
+def _input_name(model: Path | str) -> str:
+    import onnx
+
+    return onnx.load(str(model), load_external_data=False).graph.input[0].name
+
+
 def compare(model: Path, calib: np.ndarray, x: np.ndarray, labels: np.ndarray | None = None,
             ort_batch_size: int = BATCH_SIZE) -> dict:
     """Ours and the peer's int8 models of `model`, calibrated on `calib`, against the float logits on `x`;
@@ -157,8 +197,10 @@ def compare(model: Path, calib: np.ndarray, x: np.ndarray, labels: np.ndarray | 
         quant_pre_process(str(model), str(preprocessed))
     peers = {(method, bits): onnxruntime_int8(preprocessed, calib, x, method, bits == 7, ort_batch_size)
              for method in ORT_METHODS for bits in (8, 7)}
+    nncf = nncf_int8(model, calib, x)
     print(f"  calibration time: ours {mine['kl']['calibrate_seconds']:.1f} s (one pass, all three methods); ORT "
-          + ", ".join(f"{m} {peers[m, 8]['calibrate_seconds']:.1f} s" for m in ORT_METHODS) + " (8-bit weights)")
+          + ", ".join(f"{m} {peers[m, 8]['calibrate_seconds']:.1f} s" for m in ORT_METHODS) + " (8-bit weights)"
+          + (f"; NNCF {nncf['version']} {nncf['calibrate_seconds']:.1f} s" if nncf else ""))
 
     with np.errstate(divide="ignore"):  # the float model against itself: infinite SQNR, not printed
         rows = {"float (ONNX Runtime)": metrics(reference, reference, labels)}
@@ -168,6 +210,9 @@ def compare(model: Path, calib: np.ndarray, x: np.ndarray, labels: np.ndarray | 
         rows[f"ORT {m}, 8-bit w"] = metrics(reference, peers[m, 8]["logits"], labels)
         rows[f"ORT {m}, 8-bit w, unfused"] = metrics(reference, peers[m, 8]["unfused_logits"], labels)
         rows[f"ORT {m}, 7-bit w"] = metrics(reference, peers[m, 7]["logits"], labels)
+    if nncf is not None:
+        rows["NNCF defaults, as written"] = metrics(reference, nncf["unfused_logits"], labels)
+        rows["NNCF defaults, ORT default level"] = metrics(reference, nncf["logits"], labels)
     accuracy = labels is not None
     print(f"\n  {'model':<32} {'top-1 agr.':>10} {'top-5 agr.':>10} {'logits SQNR':>12}"
           + (f" {'accuracy':>9}" if accuracy else ""))
@@ -179,6 +224,8 @@ def compare(model: Path, calib: np.ndarray, x: np.ndarray, labels: np.ndarray | 
           + (f" {'accuracy ours - peer':>21}" if accuracy else ""))
     pairs = [(f"qdeploy {m}" + (" (default)" if m == "kl" else ""), f"ORT {PEER_OF[m]}, {variant}")
              for m in OUR_METHODS for variant in ("7-bit w", "8-bit w", "8-bit w, unfused")]
+    if nncf is not None:
+        pairs.append(("qdeploy kl (default)", "NNCF defaults, as written"))
     for ours_name, peer_name in pairs:
         a, b = rows[ours_name], rows[peer_name]
         print(f"  {ours_name + ' vs ' + peer_name:<56} {a['top1_agreement']:>9.3f}/{b['top1_agreement']:.3f} "

@@ -59,8 +59,10 @@ class Arithmetic:
 
     act_min/act_max is the clamp range of the int8 activation tensors: -128 <= act_min <= 0 <= act_max <= 127,
     act_min < act_max (zero point 0 must be representable: padding and ReLU produce it). With
-    unsigned_activations = true, tensors that are provably non-negative are uint8 and clamp to [0, 255]
-    (UNSIGNED_ACT_RANGE); act_min/act_max do not apply to them.
+    unsigned_activations = true (the default since issue 17: it keeps twice the levels for every ReLU/ReLU6
+    output), tensors that are provably non-negative are uint8 and clamp to [0, 255] (UNSIGNED_ACT_RANGE);
+    act_min/act_max do not apply to them, and the array multiplies uint8 x int8 (docs/hardware.md). false
+    gives int8 x int8 everywhere.
     """
 
     acc_bits: int = 32
@@ -69,7 +71,7 @@ class Arithmetic:
     mult_bits: int = 32
     act_min: int = -127
     act_max: int = 127
-    unsigned_activations: bool = False
+    unsigned_activations: bool = True
     per_channel_weights: bool = True
 
     def __post_init__(self) -> None:

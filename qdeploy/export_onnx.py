@@ -67,9 +67,14 @@ Not exact in standard ONNX:
   same). Compile with `rounding = "float32_rne"` for a model ONNX Runtime runs bit-exactly.
 - Per-channel clamp bounds (`clamp_hi`, from `calibrate --equalize` through a ReLU6) are not exported
   (Unsupported): no int8 op of ONNX Runtime clamps per channel.
-- Unsigned (uint8) activations (`unsigned_activations = true`) are not exported (Unsupported): ONNX
-  Runtime implements QLinearConv only with the same input and output type, and such programs mix int8 (the
-  network input, tensors that can be negative) with uint8 tensors.
+- Unsigned (uint8) activations (`unsigned_activations = true`, the default): ONNX Runtime implements
+  QLinearConv with one type for input and output, and such programs mix int8 (the network input, tensors that
+  can be negative) with uint8 tensors. A QLinearConv that touches a uint8 tensor runs in uint8 with uint8
+  weights w + 128 (zero point 128), its int8 input moved to q + 128 and its int8 output moved back, each by an
+  exact DequantizeLinear -> QuantizeLinear pair of scale 1 (`_qlinear_conv`): still bit-exact. An add whose
+  inputs and output are not all of one type is not fused into QLinearAdd (it takes one type), so ONNX Runtime
+  runs it unfused at every optimization level (the second formula above): it can differ from the simulator
+  by one unit at a tie, as at ORT_DISABLE_ALL.
 - Host-fallback instructions (`--allow-host-fallback`) are not exported (Unsupported): their float op runs
   in qdeploy's numpy executor, which ONNX Runtime's kernels would not reproduce bit for bit anyway.
 - Other accumulators (acc_bits != 32, or saturating): ONNX Runtime accumulates in int32, so such a program
@@ -145,14 +150,17 @@ class _Builder:
         lookup = instr.stage.lookup
         return self.dtype(instr.output) if lookup is None else lookup.input_dtype
 
-    def requantized_qparams(self, instr: Instruction) -> tuple[str, str]:
-        """(scale, zero point) of the requantizing op's output (the table's input with a lookup)."""
+    def requantized_qparams(self, instr: Instruction, uint8: bool = False) -> tuple[str, str]:
+        """(scale, zero point) of the requantizing op's output (the table's input with a lookup); with `uint8`,
+        of its uint8 form (zero point 128 for an int8 tensor, as `uint8_qparams`)."""
         lookup = instr.stage.lookup
         if lookup is None:
-            return self.qparams(instr.output)
-        scale, zero = f"{instr.name}/lookup_input/scale", f"{instr.name}/lookup_input/zero_point"
+            return self.uint8_qparams(instr.output) if uint8 else self.qparams(instr.output)
+        shifted = uint8 and lookup.input_dtype == "int8"
+        scale = f"{instr.name}/lookup_input/scale"
+        zero = f"{instr.name}/lookup_input/zero_point" + ("_128" if shifted else "")
         self.constant(scale, np.array(lookup.input_scale, np.float32))
-        self.constant(zero, np.zeros((), np.dtype(lookup.input_dtype)))
+        self.constant(zero, np.array(128, np.uint8) if shifted else np.zeros((), np.dtype(lookup.input_dtype)))
         return scale, zero
 
     def qparams(self, tensor: str) -> tuple[str, str]:
@@ -162,6 +170,39 @@ class _Builder:
             self.constant(scale, np.array(self.program.tensors[tensor]["scale"], np.float32))
             self.constant(zero, np.zeros((), np.dtype(self.dtype(tensor))))
         return scale, zero
+
+    def uint8_qparams(self, tensor: str) -> tuple[str, str]:
+        """(scale, zero point) of a program tensor in its uint8 form: zero point 0 for a uint8 tensor, 128 for
+        an int8 one (q + 128 is then the tensor's uint8 form, `to_uint8`)."""
+        if self.dtype(tensor) == "uint8":
+            return self.qparams(tensor)
+        scale, _ = self.qparams(tensor)
+        zero = f"{tensor}/zero_point_128"
+        if zero not in self.initializers:
+            self.constant(zero, np.array(128, np.uint8))
+        return scale, zero
+
+    def unit(self, dtype: str, zero_point: int) -> tuple[str, str]:
+        """(scale 1, zero point) initializers: the DequantizeLinear/QuantizeLinear pair that moves integers
+        between int8 (zero point 0) and uint8 (zero point 128) exactly (every value is an integer in float32)."""
+        scale, zero = "qdeploy/unit_scale", f"qdeploy/{dtype}_zero_point_{zero_point}"
+        if scale not in self.initializers:
+            self.constant(scale, np.array(1.0, np.float32))
+        if zero not in self.initializers:
+            self.constant(zero, np.array(zero_point, np.dtype(dtype)))
+        return scale, zero
+
+    def to_uint8(self, value: str, output: str, name: str) -> str:
+        """An int8 tensor q as the uint8 q + 128: DequantizeLinear(q, 1, 0) -> QuantizeLinear(., 1, 128)."""
+        scale, zero = self.unit("int8", 0)
+        real = self.node("DequantizeLinear", [value, scale, zero], f"{output}/real", f"{name}/DequantizeLinear_u8")
+        return self.node("QuantizeLinear", [real, *self.unit("uint8", 128)], output, f"{name}/QuantizeLinear_u8")
+
+    def to_int8(self, value: str, output: str, name: str) -> str:
+        """A uint8 q + 128 as the int8 q: DequantizeLinear(., 1, 128) -> QuantizeLinear(., 1, 0)."""
+        real = self.node("DequantizeLinear", [value, *self.unit("uint8", 128)], f"{output}/real",
+                         f"{name}/DequantizeLinear_s8")
+        return self.node("QuantizeLinear", [real, *self.unit("int8", 0)], output, f"{name}/QuantizeLinear_s8")
 
     def clip(self, value: str, lo: int, hi: int, dtype: str, output: str, name: str) -> str:
         """Clip on the integer tensor (int8/uint8 Clip: opset 12+)."""
@@ -234,25 +275,44 @@ def _floor_mode_pads(window: dict, in_size: list[int], out_size: list[int]) -> t
 
 def _qlinear_conv(b: _Builder, instr: Instruction, x: str, kernel: list[int], attrs: dict, output: str) -> str:
     """QLinearConv with the program's weight (reshaped to (M, C/g, kh, kw)), per-channel weight scales and
-    int32 bias; its output is saturated to the dtype range (the clamp follows in the epilogue)."""
+    int32 bias; its output is saturated to the dtype range (the clamp follows in the epilogue).
+
+    int8 input and output: int8 x int8 as the program stores them. A uint8 tensor on either side (ONNX
+    Runtime's QLinearConv takes and gives one type): the conv runs in uint8, an int8 input as q + 128 with zero
+    point 128 (`to_uint8`; padding is then the zero point, the real 0), the weights as w + 128 with zero
+    point 128 (uint8 x uint8, chosen over uint8 x int8, whose AVX2 kernel without VNNI sums pairs of products in
+    int16 with saturation (bench/README.md); measured exact on x86-64 with AVX-512 VNNI by
+    tests/test_export_onnx.py, not yet on a machine without VNNI), and an int8 output as the uint8 y + 128
+    (zero point 128, which saturates to [-128, 127] + 128) moved back by `to_int8`."""
     program, name = b.program, instr.name
-    x_dtype, y_dtype = b.dtype(instr.inputs[0]), b.requantized_dtype(instr)
+    x_tensor = instr.inputs[0]
+    x_dtype, y_dtype = b.dtype(x_tensor), b.requantized_dtype(instr)
     if instr.stage.clamp_per_channel is not None:
         raise Unsupported(f"instruction '{name}' ({instr.kind}): per-channel clamp bounds (an equalized ReLU6) "
                           f"have no ONNX Runtime int8 op (calibrate without --equalize to export)")
-    if x_dtype != y_dtype:
-        raise Unsupported(f"instruction '{name}' ({instr.kind}): {x_dtype} input and {y_dtype} output; ONNX "
-                          f"Runtime's QLinearConv takes and gives one type (compile without unsigned_activations "
-                          f"to export)")
     weight = program.arrays[instr.weight]
     m, k = weight.shape
     taps = int(np.prod(kernel))
-    w = b.constant(f"{name}/weight", weight.reshape(m, k // taps, *kernel))
+    in_uint8 = "uint8" in (x_dtype, y_dtype)
+    if in_uint8:
+        w = b.constant(f"{name}/weight", (weight.astype(np.int16) + 128).astype(np.uint8).reshape(
+            m, k // taps, *kernel))
+        w_zero = b.constant(f"{name}/weight_zero_point", np.full(m, 128, np.uint8))
+        if x_dtype == "int8":
+            x = b.to_uint8(x, f"{name}/input_u8", name)
+        x_scale, x_zero = b.uint8_qparams(x_tensor)
+        y_scale, y_zero = b.requantized_qparams(instr, uint8=True)
+    else:
+        w = b.constant(f"{name}/weight", weight.reshape(m, k // taps, *kernel))
+        w_zero = b.constant(f"{name}/weight_zero_point", np.zeros(m, np.int8))
+        x_scale, x_zero = b.qparams(x_tensor)
+        y_scale, y_zero = b.requantized_qparams(instr)
     w_scale = b.constant(f"{name}/weight_scale", program.arrays[instr.weight_scale].astype(np.float32))
-    w_zero = b.constant(f"{name}/weight_zero_point", np.zeros(m, np.int8))
     bias = b.constant(f"{name}/bias", program.arrays[instr.bias].astype(np.int32))
-    x_scale, x_zero = b.qparams(instr.inputs[0])
-    y_scale, y_zero = b.requantized_qparams(instr)
+    if in_uint8 and y_dtype == "int8":
+        y = b.node("QLinearConv", [x, x_scale, x_zero, w, w_scale, w_zero, y_scale, y_zero, bias],
+                   f"{name}/output_u8", f"{name}/QLinearConv", kernel_shape=kernel, **attrs)
+        return b.to_int8(y, output, name)
     return b.node("QLinearConv", [x, x_scale, x_zero, w, w_scale, w_zero, y_scale, y_zero, bias], output,
                   f"{name}/QLinearConv", kernel_shape=kernel, **attrs)
 

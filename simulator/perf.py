@@ -112,7 +112,9 @@ def trace_fused_ops(nodes: Iterable[Any], constants: set[str], instructions: lis
 
 def fused_ops_of(instr: Instruction, tensors: dict, arithmetic, arrays: dict | None = None) -> list[str]:
     """The fused ops as far as the program shows them: "BiasAdd" (a nonzero bias), "Relu"/"Clip" (a clamp
-    narrower than the tensor's range), "MaxPool" (a window-max). A BatchNormalization folded into the weights
+    narrower than the tensor's signed range, or any uint8 output: a tensor is uint8 only below a fused
+    activation whose lower bound is >= 0 (qdeploy/quantize.py), so its clamp at 0 is that activation even when
+    it spans the whole uint8 range), "MaxPool" (a window-max). A BatchNormalization folded into the weights
     leaves no trace in the program; trace_fused_ops sees it."""
     ops = []
     if instr.kind in WEIGHTED_GEMM_KINDS and (arrays is None or bool(arrays[instr.bias].any())):
@@ -120,7 +122,7 @@ def fused_ops_of(instr: Instruction, tensors: dict, arithmetic, arrays: dict | N
     dtype = tensors[instr.output]["dtype"]
     full = {"uint8": (0, 255), "int32": (-(2 ** 31 - 1), 2 ** 31 - 1)}.get(dtype, (arithmetic.act_min, arithmetic.act_max))
     lo, hi = instr.stage.clamp.lo, instr.stage.clamp.hi
-    if (lo, hi) != tuple(full):
+    if (lo, hi) != tuple(full) or dtype == "uint8":
         ops.append("Relu" if hi == full[1] else "Clip")
     if instr.stage.lookup is not None:
         ops.append(instr.stage.lookup.function)

@@ -52,11 +52,13 @@ def grouped_conv_model(tmp_path, pool=True):
     return save(model, tmp_path / "conv.onnx")
 
 
+@pytest.mark.parametrize("unsigned", [False, True], ids=["int8", "uint8"])
 @pytest.mark.parametrize("rounding", ROUNDINGS)
-def test_conv_instruction_equals_the_python_int_twin(tmp_path, rounding):
+def test_conv_instruction_equals_the_python_int_twin(tmp_path, rounding, unsigned):
+    """The ReLU6 output is int8 (s = 7 / 127) on a signed target, uint8 (s = 7 / 255) on the default one."""
     path = grouped_conv_model(tmp_path)
     thresholds = {"x": 2.5, "y": 7.0}
-    result = api.compile(path, table_of(thresholds), target(rounding=rounding))
+    result = api.compile(path, table_of(thresholds), target(rounding=rounding, unsigned_activations=unsigned))
     program = result.program
     (instr,) = program.instructions
     x = np.random.default_rng(2).standard_normal((3, 4, 9, 10)).astype(np.float32)
@@ -70,7 +72,9 @@ def test_conv_instruction_equals_the_python_int_twin(tmp_path, rounding):
     cols = reference.im2col(qx, instr["kernel"], instr["strides"], instr["pads"], instr["dilations"], 2)
     groups, per_group = 2, 3
     lo, hi = instr["clamp"]
-    assert lo == 0 and hi == round(6 / (7.0 / 127)) == 109  # ReLU6 in integers
+    q_max = 255 if unsigned else 127
+    assert lo == 0 and hi == round(6 / (7.0 / q_max)) == (219 if unsigned else 109)  # ReLU6 in integers
+    assert program.tensors["y"]["dtype"] == ("uint8" if unsigned else "int8")
     expected_acc = np.concatenate([cols[g].astype(np.int64) @ w[g * per_group:(g + 1) * per_group].T
                                    + bias[g * per_group:(g + 1) * per_group] for g in range(groups)], axis=1)
     mult, shift, scale = (program.arrays[instr[k]] for k in ("mult", "shift", "scale_f32"))
@@ -82,22 +86,26 @@ def test_conv_instruction_equals_the_python_int_twin(tmp_path, rounding):
             expected[i, c] = reference.requantize(int(acc), int(mult[c]), int(shift[c]), rounding, lo, hi)
     n, oh, ow = 3, 5, 7  # H: (9 + 1 + 2 - 3) // 2 + 1; W: (10 + 0 + 1 - 5) + 1 (dilation 2)
     stored = expected.reshape(n, oh, ow, 6).transpose(0, 3, 1, 2)
-    pooled = reference.window_max(stored.astype(np.int8), [2, 2], [1, 2], [0, 0, 0, 0], [1, 1], True)
+    pooled = reference.window_max(stored.astype(np.uint8 if unsigned else np.int8), [2, 2], [1, 2], [0, 0, 0, 0],
+                                  [1, 1], True)
     np.testing.assert_array_equal(run.accumulators["conv"], expected_acc)
     np.testing.assert_array_equal(run.outputs["y"], pooled)
 
 
-def test_requantized_values_are_the_rounded_real_values(tmp_path):
-    """Against the real-number meaning: y = round(acc * s_in * s_w[c] / s_out) (eq. 4). The Q31 multiplier
-    is within 2^-31 relative of M, so only values within that of a tie may round the other way."""
+@pytest.mark.parametrize("unsigned", [False, True], ids=["int8", "uint8"])
+def test_requantized_values_are_the_rounded_real_values(tmp_path, unsigned):
+    """Against the real-number meaning: y = round(acc * s_in * s_w[c] / s_out) (eq. 4), s_out = T / 127 for an
+    int8 output and T / 255 for a uint8 one. The Q31 multiplier is within 2^-31 relative of M, so only values
+    within that of a tie may round the other way."""
     path = grouped_conv_model(tmp_path, pool=False)
-    result = api.compile(path, table_of({"x": 2.5, "y": 7.0}), target())
+    result = api.compile(path, table_of({"x": 2.5, "y": 7.0}), target(unsigned_activations=unsigned))
+    q_max = 255 if unsigned else 127
     (instr,) = result.program.instructions
     x = np.random.default_rng(3).standard_normal((2, 4, 9, 10)).astype(np.float32)
     run = Machine(result.program).run({"x": x}, dump=True)
     acc = run.accumulators["conv"].astype(np.float64)
     s_w = result.program.arrays[instr["weight_scale"]].astype(np.float64)
-    real = acc * (2.5 / 127) * s_w / (7.0 / 127)
+    real = acc * (2.5 / 127) * s_w / (7.0 / q_max)
     lo, hi = instr["clamp"]
     want = np.clip(np.floor(real + 0.5), lo, hi).reshape(2, 5, 7, 6).transpose(0, 3, 1, 2)
     got = run.outputs["y"]
@@ -303,10 +311,12 @@ def test_channel_with_tiny_weights_and_large_bias_does_not_overflow(tmp_path):
     np.testing.assert_allclose(got[:, 1], want[:, 1], atol=6.0 / 127)  # the bias-only channel: 5.0, one step
 
 
-def test_kl_threshold_of_a_clip_with_positive_lower_bound_keeps_its_range(tmp_path):
+@pytest.mark.parametrize("unsigned", [False, True], ids=["int8", "uint8"])
+def test_kl_threshold_of_a_clip_with_positive_lower_bound_keeps_its_range(tmp_path, unsigned):
     """Conv -> Clip(0.5, 3) -> Conv with KL thresholds: no value of the Clip's output lies below 0.5 (= 171 bins
     of its histogram), so KL alone is 0 at the candidate just above 0.5, where the fused clamp became [127, 127]
-    and the tensor one integer. calib/kl.py rule (6) keeps at least 99% of the values below T."""
+    (int8; [255, 255] uint8) and the tensor one integer. calib/kl.py rule (6) keeps at least 99% of the values
+    below T."""
     nodes = [helper.make_node("Conv", ["x", "W1"], ["a"], kernel_shape=[3, 3]),
              helper.make_node("Clip", ["a", "lo", "hi"], ["c"]),
              helper.make_node("Conv", ["c", "W2"], ["y"], kernel_shape=[1, 1])]
@@ -315,10 +325,11 @@ def test_kl_threshold_of_a_clip_with_positive_lower_bound_keeps_its_range(tmp_pa
                             "lo": np.array(0.5, np.float32), "hi": np.array(3.0, np.float32)}), tmp_path / "clip.onnx")
     x = np.random.default_rng(22).standard_normal((64, 3, 8, 8)).astype(np.float32)
     table = calibrate(path, x, "kl", num_samples=64, batch_size=16).table
-    program = api.compile(path, table).program
+    program = api.compile(path, table, target(unsigned_activations=unsigned)).program
     first = program.instructions[0]
     lo, hi = first["clamp"]
-    assert hi == 127 and lo < 64, first["clamp"]  # the range 0.5..3 spans more than 63 integers
+    q_max = 255 if unsigned else 127
+    assert hi == q_max and lo < q_max // 2, first["clamp"]  # the range 0.5..3 spans more than half the integers
 
 
 @pytest.mark.parametrize("unsigned", [False, True])

@@ -31,7 +31,11 @@ ort.set_default_logger_severity(3)
 
 DEFAULT = ort.GraphOptimizationLevel.ORT_ENABLE_ALL  # SessionOptions() default
 DISABLE_ALL = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-EXACT_TARGET = Target(arithmetic=Arithmetic(rounding="float32_rne", act_min=-128))
+# Both activation types: signed int8 everywhere, and the default uint8 for tensors that cannot be negative.
+EXACT_TARGETS = {"signed": Target(arithmetic=Arithmetic(rounding="float32_rne", act_min=-128,
+                                                        unsigned_activations=False)),
+                 "unsigned": Target(arithmetic=Arithmetic(rounding="float32_rne", act_min=-128))}
+EXACT_TARGET = EXACT_TARGETS["signed"]
 
 
 def table_of(thresholds: dict[str, float]) -> CalibrationTable:
@@ -85,14 +89,16 @@ NETWORKS = {"resnet_style": ("resnet_style_onnx", "kl", 64, 8),
             "efficientnet_lite0": ("efficientnet_lite0_onnx", "kl", 224, 4)}
 
 
-@pytest.fixture(scope="module", params=list(NETWORKS))
+@pytest.fixture(scope="module", params=[(net, signedness) for net in NETWORKS for signedness in EXACT_TARGETS],
+                ids="-".join)
 def network(request):
-    fixture, method, size, samples = NETWORKS[request.param]
+    name, signedness = request.param
+    fixture, method, size, samples = NETWORKS[name]
     path = request.getfixturevalue(fixture)
     table = calibrate(path, calib_images(samples, size), method, num_samples=samples, batch_size=samples).table
-    program = api.compile(path, table, EXACT_TARGET).program
+    program = api.compile(path, table, EXACT_TARGETS[signedness]).program
     x = request.getfixturevalue("real_images")[:3] if size == 224 else eval_images(5, size)
-    return request.param, program, x
+    return name, program, x
 
 
 def test_simulator_equals_onnxruntime_bit_for_bit_on_every_layer(network):
@@ -130,10 +136,13 @@ def test_exported_weights_biases_and_scales_are_the_programs(network):
         conv = nodes[f"{instr['name']}/QLinearConv"]
         x_scale, _, w, w_scale, w_zero, y_scale, _, bias = (init.get(i) for i in conv.input[1:])
         weight = program.arrays[instr["weight"]]
-        assert w.dtype == np.int8 and np.array_equal(w.reshape(weight.shape), weight)
+        # int8 weights for an int8 conv; uint8 w + 128 (zero point 128) where a uint8 tensor is read or written
+        uint8 = "uint8" in {program.tensors[t]["dtype"] for t in (instr["inputs"][0], instr["output"])}
+        assert w.dtype == (np.uint8 if uint8 else np.int8) and w_zero.dtype == w.dtype
+        assert (w_zero == (128 if uint8 else 0)).all()
+        assert np.array_equal(w.reshape(weight.shape).astype(np.int16) - (128 if uint8 else 0), weight)
         assert w_scale.dtype == np.float32 and w_scale.tobytes() == program.arrays[instr["weight_scale"]].tobytes()
         assert bias.dtype == np.int32 and np.array_equal(bias, program.arrays[instr["bias"]])
-        assert not w_zero.any() and w_zero.dtype == np.int8
         assert x_scale == np.float32(program.tensors[instr["inputs"][0]]["scale"])
         assert y_scale == np.float32(program.tensors[instr["output"]]["scale"])
         # ONNX Runtime's multiplier, X_scale * W_scale[c] / Y_scale in float32, is the program's scale_f32.
@@ -284,12 +293,13 @@ def test_cli_export_onnx(tmp_path, resnet_style_onnx, resnet_program):
     assert result.exit_code == 2 and result.stderr.startswith("error: ") and "missing.qdp" in result.stderr
     assert not (tmp_path / "x.onnx").exists()
 
-    unsigned = Target(arithmetic=Arithmetic(rounding="float32_rne", unsigned_activations=True))
-    other = write_program(api.compile(resnet_style_onnx, table, unsigned).program, tmp_path / "unsigned.qdp")
-    result = runner.invoke(app, ["export-onnx", str(other), "-o", str(tmp_path / "u.onnx")])
-    assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1
-    assert "unsigned.qdp: instruction '/stem/stem.0/Conv' (ConvGemm): int8 input and uint8 output" in result.stderr
-    assert not (tmp_path / "u.onnx").exists()
+    unsigned = write_program(api.compile(resnet_style_onnx, table, EXACT_TARGETS["unsigned"]).program,
+                             tmp_path / "unsigned.qdp")
+    result = runner.invoke(app, ["export-onnx", str(unsigned), "-o", str(tmp_path / "u.onnx")])
+    assert result.exit_code == 0, result.output
+    model = onnx.load(str(tmp_path / "u.onnx"))
+    assert {t.name: t.data_type for t in model.graph.initializer}["/stem/stem.0/Conv/weight"] == onnx.TensorProto.UINT8
+    assert np.array_equal(session(model, DEFAULT).run(None, {"input": x})[0], api.run(unsigned, x)["logits"])
 
 
 @pytest.mark.parametrize("size, kernel, stride, pads", [

@@ -1,4 +1,4 @@
-"""Golden programs (tests/golden/programs.py): the programs of five small networks, compiled with pinned
+"""Golden programs (tests/golden/programs.py): six programs of three small networks, compiled with pinned
 settings, must stay integer for integer what the fingerprints recorded (every manifest field, every array's
 bytes, the simulator's outputs), and a .qdp written by an earlier revision must still load and run the same."""
 

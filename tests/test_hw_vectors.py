@@ -105,7 +105,8 @@ def test_every_layer_recomputes_from_the_hex_files_alone(exported):
             oh = reference.conv_output_size(height, kh, sh, pads[0], pads[2], dh)
             ow = reference.conv_output_size(width, kw, sw, pads[1], pads[3], dw)
             window = layer["window"]
-            nchw = out.reshape(batch, oh, ow, -1).transpose(0, 3, 1, 2).astype(np.int8)
+            nchw = out.reshape(batch, oh, ow, -1).transpose(0, 3, 1, 2).astype(
+                np.int8 if files["out"]["signed"] else np.uint8)  # uint8 below a ReLU on the default target
             pooled = reference.window_max(nchw, window["kernel"], window["strides"], window["pads"],
                                           window["dilations"], window["ceil_mode"])
             stored = pooled.transpose(0, 2, 3, 1).reshape(-1, pooled.shape[1])
@@ -241,7 +242,8 @@ def test_compare_finds_and_classifies_planted_mismatches(exported, tmp_path):
         hits = np.argwhere(out == layer["clamp"][1])
         if len(hits):
             r, c = (int(v) for v in hits[-1])
-            planted["saturation"] = (layer, "out", r, c, int(out[r, c]), -128)
+            wrapped = -128 if layer["files"]["out"]["signed"] else 0  # int8 127 + 1, uint8 255 + 1
+            planted["saturation"] = (layer, "out", r, c, int(out[r, c]), wrapped)
             break
     # 3. a plain data error in an accumulator, and 4. an unknown (x) output digit
     data_layer = next(layer for layer in layers if all(layer is not p[0] for p in planted.values()))

@@ -44,7 +44,7 @@ def test_defaults_are_design_md_section_3(tmp_path):
     assert target == Target()
     assert target_to_dict(target) == {
         "arithmetic": {"acc_bits": 32, "overflow": "wrap", "rounding": "half_up", "mult_bits": 32,
-                       "act_min": -127, "act_max": 127, "unsigned_activations": False,
+                       "act_min": -127, "act_max": 127, "unsigned_activations": True,
                        "per_channel_weights": True},
         "array": {"rows": 16, "cols": 16, "scratchpad_bytes": 262144, "accumulator_bytes": 65536,
                   "dram_bytes_per_cycle": 16, "clock_mhz": 1000, "window_max_on_store": True},

@@ -13,12 +13,15 @@
    defaults), compile, run on the simulator, and report;
 4. before the report, measures the peer, ONNX Runtime's quantize_static (ort_peer.py), on the same images, so
    the report's "Peer" section puts its figures next to ours;
-5. and the ablation: one program per fidelity option (bias correction, unsigned activations, cross-layer
-   equalization) alone and all together, run on the same images, for the report's "Ablation" section.
+5. and the ablation: one program per default fidelity option (the KL clipping budget, bias correction, unsigned
+   activations) alone on plain quantization and left out of the defaults, and per option that is not a default
+   (cross-layer equalization, per-tensor weights, MSE thresholds), run on the same images, for the report's
+   "Ablation" section.
 
 The report (report.md, report.json, PNGs) goes to REPORT_DIR; the model, images, calibration table, program and
 ONNX Runtime's models to OUTDIR (git-ignored). About 5 minutes on 2 CPU cores, 1.5 of them ONNX Runtime's
-calibrations (cached in OUTDIR/onnxruntime/ for later runs) and 1 the ablation (--no-ablation skips it)."""
+calibrations (cached in OUTDIR/onnxruntime/ for later runs) and 1.5 the ablation's eleven programs
+(--no-ablation skips it)."""
 
 from __future__ import annotations
 
@@ -56,23 +59,45 @@ def _folder_has(folder: Path, count: int) -> bool:
 class AblationRow:
     label: str
     calibrate: tuple[str, ...] = ()  # extra `qdeploy calibrate` flags (the main table when empty)
-    compile: tuple[str, ...] = ("--no-bias-correction",)  # `qdeploy compile` flags
-    unsigned: bool = False  # a target with unsigned_activations = true
+    compile: tuple[str, ...] = ()  # `qdeploy compile` flags
+    signed: bool = False  # a target with unsigned_activations = false (int8 everywhere)
+    rule6: bool = False  # KL without the consumer-aware clipping budget (calib/kl.py rule (6) alone)
 
 
-# Each fidelity option of issue 10 alone on top of plain post-training quantization (the main table's thresholds,
-# max-abs per-channel weights), then all of them; then per-tensor weights, where equalization is made for; then
-# MSE thresholds instead of KL.
-ABLATION = [AblationRow("plain: no bias correction, int8"),
-            AblationRow("+ bias correction (the default)", compile=()),
-            AblationRow("+ unsigned activations", unsigned=True),
-            AblationRow("+ cross-layer equalization", calibrate=("--equalize",)),
-            AblationRow("all three", calibrate=("--equalize",), compile=(), unsigned=True),
-            AblationRow("per-tensor weights", compile=("--per-tensor",)),
-            AblationRow("per-tensor weights + equalization", calibrate=("--equalize",), compile=("--per-tensor",)),
-            AblationRow("MSE thresholds (calibrate --method mse)", calibrate=("--method", "mse"), compile=()),
-            AblationRow("MSE thresholds + unsigned activations", calibrate=("--method", "mse"), compile=(),
-                        unsigned=True)]
+NO_BIAS_CORRECTION = ("--no-bias-correction",)
+
+# The three default options (the KL clipping budget, bias correction, unsigned activations): first each alone on
+# top of plain post-training quantization (KL rule (6), no bias correction, int8 everywhere), then the defaults
+# and the defaults without each; then what is not on by default: cross-layer equalization, per-tensor weights,
+# MSE thresholds.
+ABLATION = [AblationRow("plain: KL rule (6), no bias correction, int8", compile=NO_BIAS_CORRECTION, signed=True,
+                        rule6=True),
+            AblationRow("plain + clipping budget (rule (7))", compile=NO_BIAS_CORRECTION, signed=True),
+            AblationRow("plain + bias correction", signed=True, rule6=True),
+            AblationRow("plain + unsigned activations", compile=NO_BIAS_CORRECTION, rule6=True),
+            AblationRow("defaults (all three)"),
+            AblationRow("defaults without the clipping budget", rule6=True),
+            AblationRow("defaults without bias correction", compile=NO_BIAS_CORRECTION),
+            AblationRow("defaults without unsigned activations", signed=True),
+            AblationRow("defaults + cross-layer equalization", calibrate=("--equalize",)),
+            AblationRow("defaults with per-tensor weights", compile=("--per-tensor",)),
+            AblationRow("defaults with MSE thresholds (calibrate --method mse)", calibrate=("--method", "mse"))]
+
+
+def rule6_table(calib: Path, output: Path) -> Path:
+    """The calibration table with every KL threshold chosen again from its own histogram without the consumer-aware
+    clipping budget (at most 1% of the non-zero values clipped: calib/kl.py rule (6))."""
+    from dataclasses import replace
+
+    from calib.kl import MAX_CLIPPED_FRACTION, kl_threshold
+    from calib.table import CalibrationTable
+
+    table = CalibrationTable.load(calib)
+    records = {name: replace(record, threshold=kl_threshold(np.asarray(record.counts), record.bin_width,
+                                                            MAX_CLIPPED_FRACTION))
+               if record.method == "kl" and record.counts is not None and record.amax else record
+               for name, record in table.records.items()}
+    return replace(table, records=records).save(output)
 
 
 def ablation(model: Path, calib_dir: Path, eval_dir: Path, calib: Path, folder: Path) -> Path:
@@ -81,29 +106,31 @@ def ablation(model: Path, calib_dir: Path, eval_dir: Path, calib: Path, folder: 
     from calib.data import Preprocess, open_data
 
     folder.mkdir(parents=True, exist_ok=True)
-    print("ablation: each fidelity option alone, then together, per-tensor weights, MSE thresholds (each program "
+    print("ablation: each default option alone and left out, then options that are not defaults (each program "
           "runs on the evaluation photographs)", flush=True)
     source = open_data(eval_dir, num_samples=10 ** 9, input_names=["input"], input_shapes=[(None, 3, SIZE, SIZE)],
                        preprocess=Preprocess((SIZE, SIZE), (127.0,) * 3, (128.0,) * 3))
     np.save(folder / "eval.npy", np.concatenate([batch.arrays for batch in source.batches(16)]))
-    (folder / "unsigned.toml").write_text("[arithmetic]\nunsigned_activations = true\n")
-    tables = {(): calib}
+    (folder / "signed.toml").write_text("[arithmetic]\nunsigned_activations = false\n")
+    tables = {((), False): calib, ((), True): rule6_table(calib, folder / "calib_rule6.json")}
     entries = []
     for index, row in enumerate(ABLATION):
-        if row.calibrate not in tables:
-            tables[row.calibrate] = folder / f"calib{len(tables)}.json"
-            qdeploy("calibrate", model, "--data", calib_dir, *PREPROCESS_FLAGS, *row.calibrate,
-                    "-o", tables[row.calibrate])
+        key = (row.calibrate, row.rule6)
+        if key not in tables:
+            tables[key] = folder / f"calib{len(tables)}.json"
+            qdeploy("calibrate", model, "--data", calib_dir, *PREPROCESS_FLAGS, *row.calibrate, "-o", tables[key])
         program, logits = folder / f"variant{index}.qdp", folder / f"logits{index}.npy"
-        qdeploy("compile", model, "--calib", tables[row.calibrate], "-o", program, *row.compile,
-                *(["--target", folder / "unsigned.toml"] if row.unsigned else []))
+        qdeploy("compile", model, "--calib", tables[key], "-o", program, *row.compile,
+                *(["--target", folder / "signed.toml"] if row.signed else []))
         qdeploy("run", program, "--input", folder / "eval.npy", "--dequantize", "-o", logits)
-        settings = {"calibrate": " ".join(row.calibrate), "compile": " ".join(row.compile),
-                    "target": "unsigned_activations = true" if row.unsigned else ""}
-        settings = {key: value for key, value in settings.items() if value}
+        settings = {"calibrate": " ".join(row.calibrate) + (" KL rule (6)" if row.rule6 else ""),
+                    "compile": " ".join(row.compile),
+                    "target": "unsigned_activations = false" if row.signed else ""}
+        settings = {key: value.strip() for key, value in settings.items() if value}
         entries.append({"label": row.label, "logits": logits.name, "settings": settings})
     document = {"name": "qdeploy ablation", "description": "the main calibration table's thresholds unless a row "
-                "calibrates again; per-channel max-abs weights unless --per-tensor.", "entries": entries}
+                "calibrates again (KL rule (6): the same histograms without the clipping budget); per-channel "
+                "max-abs weights unless --per-tensor.", "entries": entries}
     (folder / "ablation.json").write_text(json.dumps(document, indent=1) + "\n")
     return folder / "ablation.json"
 

@@ -10,7 +10,9 @@ report.json (format "qdeploy-report", version 1; fractions in [0, 1], SQNR in dB
   pixel_agreement, pixels, output_sqnr_db {output: dB} (only for an NCHW first output: dense prediction),
   layers [{index, name, kind, output, lookup (the output-stage table's function, or null), sqnr_cumulative_db,
   sqnr_isolated_db, overflow_events, clipped_fraction, scale}], worst_layers {isolated, cumulative}, tensors [{name, method, threshold, amax, scale,
-  clipped_fraction}] (with a calibration table), host_ops [{node, op, reason}], nodes {as_exported, simplified,
+  clipped_fraction}] (with a calibration table), clipping_budget [{name, fan_in, budget, amax, threshold_rule6,
+  clipped_rule6, threshold, clipped, outputs_hit_rule6, outputs_hit}] (the KL thresholds calib/kl.py rule (7)
+  moved, `_clipping_budget_moves`), host_ops [{node, op, reason}], nodes {as_exported, simplified,
   lowered, ops_*, passes, gemm_mac_fraction, macs_per_sample}, settings {calibration_method,
   calibration_samples, per_channel_weights, compile_options, arithmetic, preprocess, batch_size},
   lowering_check {samples, max_relative_error}, error_split {weights_only, activations_only: {logits_sqnr_db,
@@ -38,10 +40,12 @@ from typing import Callable
 import numpy as np
 
 from calib.data import Preprocess, open_data
+from calib.kl import MAX_CLIPPED_FRACTION, clipping_budget, kl_threshold
 from calib.table import CalibrationTable
 from isa.kinds import Kind
 from qdeploy import __version__
 from qdeploy.errors import BadInput
+from qdeploy.calibration import consumer_fan_in
 from qdeploy.program import Program, read_program
 from qdeploy.reports import DEFAULT_BATCH_SIZE, metrics
 from qdeploy.reports.evaluate import Evaluator, check_original
@@ -141,6 +145,37 @@ def _calibration_summary(table: CalibrationTable, program: Program) -> tuple[lis
         warnings.append(f"the program's scales of {len(differing)} tensor(s) are not |T|/127 of the calibration "
                         f"table (e.g. '{differing[0]}'): the table is not the one the program was compiled with")
     return rows, plots, warnings
+
+
+def _clipping_budget_moves(table: CalibrationTable, fan_in: dict[str, int]) -> list[dict]:
+    """The KL thresholds the consumer-aware clipping budget moved (calib/kl.py rule (7)): per KL tensor with a
+    histogram, the threshold rule (6) alone would give (at most 1% of the non-zero values clipped) against the
+    table's (at most min(1%, 0.1 / K), K the fan-in of the GEMMs reading it), each with the share of the
+    non-zero calibration values it clips, and the share of a reader's outputs that sum at least one clipped
+    input, 1 - (1 - p)^K (the union-bound argument of rule (7), independent positions)."""
+    moves = []
+    for name, record in table.records.items():
+        k = fan_in.get(name)
+        if record.method != "kl" or record.counts is None or not record.amax or k is None:
+            continue
+        budget = clipping_budget(k)
+        if budget >= MAX_CLIPPED_FRACTION:
+            continue
+        counts = np.asarray(record.counts, np.float64)
+        rule6 = kl_threshold(counts, record.bin_width, MAX_CLIPPED_FRACTION)
+        if math.isclose(rule6, record.threshold, rel_tol=1e-9):
+            continue
+        nonzero = counts[1:].sum()
+
+        def clipped(threshold: float) -> float:
+            return float(counts[int(math.floor(threshold / record.bin_width)) + 1:].sum() / nonzero)
+
+        moves.append({"name": name, "fan_in": k, "budget": budget, "amax": record.amax,
+                      "threshold_rule6": rule6, "clipped_rule6": clipped(rule6),
+                      "threshold": record.threshold, "clipped": clipped(record.threshold),
+                      "outputs_hit_rule6": 1 - (1 - clipped(rule6)) ** k,
+                      "outputs_hit": 1 - (1 - clipped(record.threshold)) ** k})
+    return moves
 
 
 def _summarise_entries(peer, stats_list, evaluator: Evaluator, labels: np.ndarray | None) -> list[dict]:
@@ -362,10 +397,11 @@ def build_report(model: str | os.PathLike, program: str | os.PathLike | Program,
     by_isolated = sorted(layers, key=lambda l: metrics.db_from_json(l["sqnr_isolated_db"]))[:WORST_LAYERS]
     by_cumulative = sorted(layers, key=lambda l: metrics.db_from_json(l["sqnr_cumulative_db"]))[:WORST_LAYERS]
 
-    tensors, histogram_plots = [], []
+    tensors, histogram_plots, budget_moves = [], [], []
     if table is not None:
         tensors, histogram_plots, calib_warnings = _calibration_summary(table, program)
         warnings += calib_warnings
+        budget_moves = _clipping_budget_moves(table, consumer_fan_in(lowering))
     arithmetic = program.manifest["target"]["arithmetic"]
     summary = summarize(imported.original, imported.graph, imported.passes)
     host_ops = [{"node": h.node, "op": h.op, "reason": h.reason, "macs": h.macs, "elements": h.elements}
@@ -392,6 +428,7 @@ def build_report(model: str | os.PathLike, program: str | os.PathLike | Program,
                          "cumulative": [{"name": l["name"], "sqnr_cumulative_db": l["sqnr_cumulative_db"]}
                                         for l in by_cumulative]},
         "tensors": tensors,
+        "clipping_budget": budget_moves,
         "host_ops": host_ops,
         "nodes": {"as_exported": len(imported.original.nodes), "simplified": len(imported.graph.nodes),
                   "lowered": len(graph.nodes), "ops_as_exported": summary.ops_before,

@@ -179,6 +179,27 @@ def render_markdown(d: dict) -> str:
         lines += _table(["#", "tensor", "method", "amax", "abs T", "T/amax", "scale", "clipped"], rows,
                         "lllrrrrr") + [""]
 
+    moves = d.get("clipping_budget") or []
+    if d["settings"]["calibration_method"] == "kl" and d["tensors"]:
+        lines += ["### What the clipping budget moved", "",
+                  "KL (TensorRT's entropy search) may clip at most min(1%, 0.1 / K) of a tensor's non-zero values, K "
+                  "the largest fan-in of the GEMMs that read it (calib/kl.py rule (7)). Why: each output of such a "
+                  "GEMM sums K inputs, so with a share p of them clipped about 1 - (1 - p)^K of its outputs carry a "
+                  "clipping error, a large one (a clipped value loses |x| - |T|), which the tensor's own histogram "
+                  "cannot show. *hit* is that share of the readers' outputs; *rule (6)* is the 1% limit alone.", ""]
+        if moves:
+            rows = [[f"`{m['name']}`", str(m["fan_in"]), f"{100 * m['budget']:.3f}%",
+                     f"{_number(m['threshold_rule6'])} ({100 * m['clipped_rule6']:.3f}%, hit "
+                     f"{100 * m['outputs_hit_rule6']:.0f}%)",
+                     f"{_number(m['threshold'])} ({100 * m['clipped']:.3f}%, hit {100 * m['outputs_hit']:.0f}%)"]
+                    for m in moves]
+            lines += [f"It moved {len(moves)} threshold(s) (|T|, clipped share of the non-zero calibration values, "
+                      f"hit):", ""]
+            lines += _table(["tensor", "K", "budget", "rule (6) alone", "rule (7)"], rows, "llrrr") + [""]
+        else:
+            lines += ["It moved no threshold of this table: KL's own choice clipped less than the budget everywhere.",
+                      ""]
+
     # ---- lowering ------------------------------------------------------------------------------------------
     nodes = d["nodes"]
     lines += ["## Lowering", "",

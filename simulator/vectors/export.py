@@ -330,7 +330,8 @@ class Writer:
                                             np.pad(x[:, a:b], ((0, 0), (0, tk - (b - a)))) for a, b in k_tiles])
                     w_hex = np.concatenate([w[a:b] for a, b in k_tiles])
                     files = {
-                        "input": self.file(f"{base}_input", x, x_hex, 8, x.dtype != np.uint8, rows,
+                        "input": self.file(f"{base}_input", x, x_hex, 8 * x.dtype.itemsize, x.dtype != np.uint8,
+                                           rows,
                                            "for each k-tile: the tile's rows, each tk/R lines (k-tile padded "
                                            "to tk); npy: rows m0..m1 of the group, all K"),
                         "weight": self.file(f"{base}_weight", w, w_hex, 8 if w.dtype == np.int8 else 16, True, cols,

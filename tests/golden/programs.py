@@ -142,23 +142,28 @@ def _target(api, array=None, **arithmetic):
 
 
 # name -> (model builder, input shape, calibration method, equalize, target keys, compile options)
+# Each case pins the keys it is named after, signedness included (unsigned_activations became the default in
+# issue 17; the cases recorded before keep int8 activations); "defaults" takes every default.
+SIGNED = {"unsigned_activations": False}
 CASES = {
-    "residual_half_up": (residual_net, (3, 12, 11), "kl", False, {}, {}),
+    "residual_half_up": (residual_net, (3, 12, 11), "kl", False, SIGNED, {}),
     "residual_float32_rne_unsigned": (residual_net, (3, 12, 11), "kl", False,
                                       {"rounding": "float32_rne", "act_min": -128, "unsigned_activations": True}, {}),
     "residual_tflite_saturate_per_tensor": (residual_net, (3, 12, 11), "percentile", False,
-                                            {"rounding": "tflite", "overflow": "saturate", "acc_bits": 24},
+                                            {"rounding": "tflite", "overflow": "saturate", "acc_bits": 24, **SIGNED},
                                             {"per_tensor": True}),
     "inverted_residual_equalized_half_even": (inverted_residual_net, (4, 9, 9), "mse", True,
-                                              {"rounding": "half_even"}, {}),
+                                              {"rounding": "half_even", **SIGNED}, {}),
     # a target without lookup tables: the Sigmoid stays a host op
-    "host_op_half_away": (host_op_net, (2, 6, 6), "max", False, {"rounding": "half_away",
+    "host_op_half_away": (host_op_net, (2, 6, 6), "max", False, {"rounding": "half_away", **SIGNED,
                                                                  "array": {"lookup_tables": 0}},
                           {"allow_host_fallback": True}),
     "lookup_float32_rne": (lookup_net, (3, 8, 8), "kl", False, {"rounding": "float32_rne", "act_min": -128,
                                                                 "unsigned_activations": False}, {}),
     "lookup_half_up_unsigned": (lookup_net, (3, 8, 8), "kl", False, {"unsigned_activations": True}, {}),
-    "decoder_float32_rne": (decoder_net, (3, 4, 5), "kl", False, {"rounding": "float32_rne", "act_min": -128}, {}),
+    "decoder_float32_rne": (decoder_net, (3, 4, 5), "kl", False, {"rounding": "float32_rne", "act_min": -128,
+                                                                  **SIGNED}, {}),
+    "inverted_residual_defaults": (inverted_residual_net, (4, 9, 9), "kl", False, {}, {}),
 }
 
 
