@@ -45,3 +45,19 @@ def test_rejects_bad_weights():
         quantize_weights(np.array([[np.nan]], np.float32))
     with pytest.raises(ValueError, match="floating"):
         quantize_weights(np.array([[1]], np.int32))
+
+
+def test_an_interpolation_kernel_takes_the_power_of_two_scale_that_represents_it_exactly():
+    """Bilinear x2's taps (1 2 1)^T (1 2 1) / 16: max-abs would give 127 for 4/16 and round 2/16 and 1/16 to 64 and
+    32 (63.5, 31.75: a 0.6% gain error); the scale 2^-8 holds them exactly as 64, 32, 16. A channel max-abs holds
+    exactly (one magnitude) and trained weights keep the max-abs scale."""
+    kernel = np.outer([1, 2, 1], [1, 2, 1]).astype(np.float32) / 16
+    quantized = quantize_weights(np.stack([kernel[None], -kernel[None]]))
+    assert quantized.scale.tolist() == [2.0 ** -8] * 2
+    assert quantized.q[0, 0].tolist() == [[16, 32, 16], [32, 64, 32], [16, 32, 16]]
+    assert np.array_equal(quantized.dequantize(), np.stack([kernel[None], -kernel[None]]))
+    ones = quantize_weights(np.ones((2, 3), np.float32))
+    assert ones.scale.tolist() == [np.float32(1 / 127)] * 2 and ones.q.tolist() == [[127] * 3] * 2
+    trained = np.random.default_rng(0).standard_normal((4, 3, 3, 3)).astype(np.float32)
+    assert np.array_equal(quantize_weights(trained).scale,
+                          np.abs(trained).reshape(4, -1).max(1).astype(np.float32) / np.float32(127))
