@@ -42,7 +42,8 @@ from qdeploy.ir import Graph, topological_order
 from qdeploy.lowering.equalize import equalizable_pairs
 from isa.kinds import LAYOUT_KINDS, VIEW_KINDS
 from qdeploy.lowering import LoweringResult
-from qdeploy.reference.executor import blas_threads_limitable, default_threads, one_blas_thread, run_node
+from qdeploy.reference.executor import run_node
+from simulator.threads import blas_threads_limitable, one_blas_thread, usable_cpus
 
 Progress = Callable[[int, int], None]  # (samples done, samples in total)
 
@@ -348,7 +349,7 @@ def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD,
         collector = _Collector(graph, names)
         collect_start = time.perf_counter()
         if cluster is None:
-            threads = min(batch_size, default_threads() if threads is None else max(1, int(threads)))
+            threads = min(batch_size, usable_cpus() if threads is None else max(1, int(threads)))
             if not blas_threads_limitable():
                 threads = 1  # BLAS's own threads and ours would oversubscribe the cores
             helpers = [_Collector(graph, names, keep_sample_sums=True) for _ in range(threads)] if threads > 1 else []

@@ -12,11 +12,9 @@ This module reads programs through qdeploy.program (numpy and stdlib only) and n
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,12 +30,8 @@ from simulator.kernels.requantize import requantize
 from simulator.kernels.upsample import upsampled_read
 from simulator.kernels.window_max import window_max
 from isa.geometry import conv_output_size
+from simulator.threads import blas_threads_limitable, one_blas_thread, usable_cpus
 
-try:  # optional, speed only: holds BLAS to one thread while the machine runs (see Machine.run)
-    from threadpoolctl import ThreadpoolController
-except ImportError:  # pragma: no cover - then a batch runs in one thread, with BLAS threads as configured
-    ThreadpoolController = None
-_blas_controller = None
 
 
 class ProgramInputError(ValueError):
@@ -86,7 +80,7 @@ class Machine:
         self.target = target_from_dict(program.manifest["target"])
         self.arithmetic = self.target.arithmetic
         self.arrays = program.arrays
-        self.threads = max(1, len(os.sched_getaffinity(0)) if threads is None else int(threads))
+        self.threads = usable_cpus() if threads is None else max(1, int(threads))
         # How each GEMM instruction is computed (every method gives the same integers; see _GemmPlan).
         self.records = program.records  # typed (isa/instructions.py)
         self.plans: dict[str, _GemmPlan] = {}
@@ -123,12 +117,12 @@ class Machine:
         env = {name: self._check_input(name, inputs[name]) for name in program.inputs}
         batch = min((x.shape[0] for x in env.values()), default=0)
         pieces = min(batch, 2 * self.threads)  # two slices per thread: a slow thread delays the end less
-        if dump or pieces < 2 or not self.per_image or ThreadpoolController is None:
-            with _one_blas_thread():
+        if dump or pieces < 2 or not self.per_image or not blas_threads_limitable():
+            with one_blas_thread():
                 return self._run_images(env, dump, profile)
         bounds = [batch * i // pieces for i in range(pieces + 1)]
         slices = [{name: x[a:b] for name, x in env.items()} for a, b in zip(bounds[:-1], bounds[1:])]
-        with _one_blas_thread():
+        with one_blas_thread():
             results = list(self._executor().map(lambda part: self._run_images(part, False, profile), slices))
         outputs = {name: np.concatenate([r.outputs[name] for r in results]) for name in program.outputs}
         events = {name: sum(r.overflow_events[name] for r in results) for name in results[0].overflow_events}
@@ -404,16 +398,6 @@ def _plan(instr: Instruction, w: np.ndarray, tensors: dict) -> _GemmPlan:
             return _GemmPlan("depthwise", w, None, channel_max_abs(w))
     return _GemmPlan("grouped", np.ascontiguousarray(
         w.reshape(groups, w.shape[0] // groups, w.shape[1]).transpose(0, 2, 1)))
-
-
-def _one_blas_thread():
-    """Context that limits BLAS to one thread (threadpoolctl), or does nothing without threadpoolctl."""
-    global _blas_controller
-    if ThreadpoolController is None:
-        return nullcontext()
-    if _blas_controller is None:
-        _blas_controller = ThreadpoolController()  # scans the loaded libraries once (~2 ms)
-    return _blas_controller.limit(limits=1, user_api="blas")
 
 
 def _dtype_bound(x: np.ndarray) -> int:

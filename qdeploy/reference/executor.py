@@ -3,8 +3,6 @@ graph's live set, not its total size."""
 
 from __future__ import annotations
 
-import os
-from contextlib import nullcontext
 from typing import Iterable
 
 import numpy as np
@@ -12,36 +10,6 @@ import numpy as np
 from qdeploy.errors import BadInput, Unsupported
 from qdeploy.ir import Graph, Node, topological_order
 from qdeploy.reference.ops import OPS, OpFunction
-
-
-try:  # optional, speed only: holds BLAS to one thread while slices of a batch run in threads of our own
-    from threadpoolctl import ThreadpoolController
-except ImportError:  # pragma: no cover - then BLAS keeps its own threads
-    ThreadpoolController = None
-_blas_controller = None
-
-
-def one_blas_thread():
-    """Context that limits BLAS to one thread (threadpoolctl), or does nothing without threadpoolctl. Callers run
-    slices of a batch in their own threads instead: measured on 2 shared cores, OpenBLAS's threads spinning
-    against each other and other processes made calibration's 1x1 convolutions 12x slower (34 s against 2.9 s
-    for 128 EfficientNet-Lite0 images, load average 4.6)."""
-    global _blas_controller
-    if ThreadpoolController is None:
-        return nullcontext()
-    if _blas_controller is None:
-        _blas_controller = ThreadpoolController()  # scans the loaded libraries once (~2 ms)
-    return _blas_controller.limit(limits=1, user_api="blas")
-
-
-def blas_threads_limitable() -> bool:
-    """Whether one_blas_thread can hold BLAS to one thread (threadpoolctl is installed)."""
-    return ThreadpoolController is not None
-
-
-def default_threads() -> int:
-    """Worker threads for the float forward pass: the CPUs this process may use."""
-    return max(1, len(os.sched_getaffinity(0)))
 
 
 def supported_ops() -> list[str]:

@@ -30,7 +30,6 @@ first batch of every report."""
 from __future__ import annotations
 
 import math
-import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -42,9 +41,10 @@ from qdeploy.ir import Graph
 from isa.instructions import Instruction
 from isa.kinds import LAYOUT_KINDS, WEIGHTED_GEMM_KINDS, Kind
 from qdeploy.program import Program
-from qdeploy.reference.executor import blas_threads_limitable, one_blas_thread, run_node
+from qdeploy.reference.executor import run_node
 from qdeploy.reports.metrics import SqnrAccumulator, as_logits, cosine_per_sample, top_k
 from simulator.machine import Machine, dequantize, quantize_input
+from simulator.threads import blas_threads_limitable, one_blas_thread, usable_cpus
 
 
 @dataclass
@@ -181,7 +181,7 @@ class Evaluator:
                 program, instr, graph.tensors[self.nodes[instr.name].inputs[1]].shape)
             for instr in self.records if instr.kind in WEIGHTED_GEMM_KINDS}
         self.samples = 0
-        self.threads = max(1, len(os.sched_getaffinity(0)) if threads is None else int(threads))
+        self.threads = usable_cpus() if threads is None else max(1, int(threads))
         if any(instr.kind == Kind.HOST for instr in self.records) or not blas_threads_limitable():
             self.threads = 1
         self._pool: ThreadPoolExecutor | None = None
