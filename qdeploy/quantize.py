@@ -203,9 +203,11 @@ class _Scales:
     def range(self, name: str) -> tuple[int, int]:
         if name in self.wide:
             return -INT32_MAX, INT32_MAX
-        if self.unsigned[name]:
-            return 0, 255
-        return self.target.arithmetic.act_min, self.target.arithmetic.act_max
+        return self._code_range(self.unsigned[name])
+
+    def _code_range(self, unsigned: bool) -> tuple[int, int]:
+        """The integer range of a uint8 or int8 activation on this target."""
+        return (0, 255) if unsigned else (self.target.arithmetic.act_min, self.target.arithmetic.act_max)
 
     def requantized(self, name: str) -> tuple[float, tuple[int, int]]:
         """(scale, integer range) that the requantization of the instruction writing `name` produces: the table's
@@ -213,7 +215,7 @@ class _Scales:
         if name not in self.lookup_input:
             return self.scale[name], self.range(name)
         scale, unsigned = self.lookup_input[name]
-        return scale, (0, 255) if unsigned else (self.target.arithmetic.act_min, self.target.arithmetic.act_max)
+        return scale, self._code_range(unsigned)
 
 
 def _requant_params(real: np.ndarray, target: Target) -> dict[str, np.ndarray]:

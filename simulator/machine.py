@@ -312,7 +312,6 @@ class Machine:
         y = self._requantize(instr, acc).reshape(a.shape)
         return self._store(instr, y), acc.reshape(a.shape), events
 
-
     def mul_gemm(self, instr: Instruction, args: list[np.ndarray]):
         """acc = a * b (b broadcast to a's shape): a K = 1 GEMM per element whose weight b is read from memory, then
         the output stage (one multiplier s_a * s_b / s_out). acc has a's shape."""
