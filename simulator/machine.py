@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -24,9 +24,11 @@ from isa.instructions import Instruction, from_manifest
 from qdeploy.program import Program
 from isa.target import Arithmetic, Rounding, target_from_dict
 from simulator.kernels.depthwise import depthwise_conv
-from simulator.kernels.gemm import add_gemm_kernel, channel_max_abs, gemm, gemm_planar, mul_gemm_kernel
+from simulator.kernels import int8_simd
+from simulator.kernels.gemm import (INT32_MAX, add_gemm_kernel, channel_max_abs, channels_in_range, gemm, gemm_planar,
+                                    mul_gemm_kernel)
 from simulator.kernels.im2col import im2col, im2col_planar
-from simulator.kernels.requantize import requantize
+from simulator.kernels.requantize import PlaneParameters, plane_parameters, requantize
 from simulator.kernels.upsample import upsampled_read
 from simulator.kernels.window_max import window_max
 from isa.geometry import conv_output_size
@@ -86,7 +88,8 @@ class Machine:
         self.plans: dict[str, _GemmPlan] = {}
         for instr in self.records:
             if instr.kind in WEIGHTED_GEMM_KINDS:
-                self.plans[instr.name] = _plan(instr, self.arrays[instr.weight], program.tensors)
+                plan = _plan(instr, self.arrays[instr.weight], program.tensors)
+                self.plans[instr.name] = replace(plan, fused=self._fused_output_stage(instr, plan))
         self.last_use: dict[str, int] = {}
         for step, instr in enumerate(self.records):
             for name in instr.inputs:
@@ -96,6 +99,24 @@ class Machine:
         self.per_image = all(instr.kind in PER_IMAGE_KINDS for instr in self.records)
         self._local = threading.local()  # per-thread scratch buffers (kernels.gemm._scratch)
         self._pool: ThreadPoolExecutor | None = None
+
+    def _fused_output_stage(self, instr: Instruction, plan: _GemmPlan) -> PlaneParameters | None:
+        """The Requantize step's per-channel parameters when a ConvGemm's int8 GEMM (kernels.int8_simd) may
+        requantize in its store: every exact sum of every channel, for any input of the input's dtype, fits an
+        int32 register of at most 32 bits (so there is no wrap, no saturation, no event, and the int32 result is
+        the sum), else None."""
+        if plan.packed is None or instr.kind != Kind.CONV_GEMM or self.arithmetic.acc_bits > 32:
+            return None
+        input_max = 255 if self.program.tensors[instr.inputs[0]]["dtype"] == "uint8" else 128
+        limit = min((1 << (self.arithmetic.acc_bits - 1)) - 1, INT32_MAX)
+        bias = np.asarray(self.arrays[instr.bias], np.int64).reshape(-1)
+        if not channels_in_range(plan.weight.shape[1], input_max, plan.weight_max, bias, limit).all():
+            return None
+        requant, channels = instr.stage.requantize, plan.weight.shape[0]
+        if self.arithmetic.rounding == Rounding.FLOAT32_RNE:
+            return plane_parameters(channels, Rounding.FLOAT32_RNE, scale=self.arrays[requant.scale_f32])
+        return plane_parameters(channels, self.arithmetic.rounding, self.arrays[requant.mult],
+                                self.arrays[requant.shift])
 
     def _check_input(self, name: str, x: np.ndarray) -> np.ndarray:
         record = self.program.tensors[name]
@@ -138,7 +159,7 @@ class Machine:
             start = time.thread_time() if profile else 0.0
             args = [env[name] for name in instr.inputs]
             if instr.kind == Kind.CONV_GEMM:
-                out, acc, count = self._conv(instr, args[0])  # acc (N, OH*OW, M), maybe a scratch view
+                out, acc, count = self._conv(instr, args[0], need_acc=dump)  # acc (N, OH*OW, M) or None
                 if dump:  # a copy: ascontiguousarray returns a contiguous scratch view itself, later overwritten
                     acc = np.array(acc, order="C").reshape(-1, acc.shape[-1])
             else:
@@ -226,6 +247,11 @@ class Machine:
         else:
             y = requantize(acc, self.arrays[requant.mult], self.arrays[requant.shift], self.arithmetic.rounding,
                            lo, hi)
+        return self._after_requantize(instr, y)
+
+    def _after_requantize(self, instr: Instruction, y: np.ndarray) -> np.ndarray:
+        """The output stage's ClampPerChannel and Lookup steps on a requantized y (..., C)."""
+        stage = instr.stage
         if stage.clamp_per_channel is not None:  # per-channel upper bounds (channel = last axis), within [lo, hi]
             np.minimum(y, self.arrays[stage.clamp_per_channel.array].astype(y.dtype), out=y)
         return self._lookup(instr, y)
@@ -247,12 +273,14 @@ class Machine:
 
     def conv_gemm(self, instr: Instruction, args: list[np.ndarray]):
         """(y NCHW, acc (N*OH*OW, M) before requantization, events)."""
-        y, acc, events = self._conv(instr, args[0])
+        y, acc, events = self._conv(instr, args[0], need_acc=True)
         return y, np.array(acc, order="C").reshape(-1, acc.shape[-1]), events  # a copy: acc may be scratch
 
-    def _conv(self, instr: Instruction, x: np.ndarray):
-        """(y NCHW, acc (N, OH*OW, M), events). acc of the depthwise and planar methods is a view of NCHW-ordered
-        memory (requantize keeps that layout, so y needs no transpose) and may be this thread's scratch."""
+    def _conv(self, instr: Instruction, x: np.ndarray, need_acc: bool):
+        """(y NCHW, acc (N, OH*OW, M) or None, events). acc of the depthwise and planar methods is a view of
+        NCHW-ordered memory (requantize keeps that layout, so y needs no transpose) and may be this thread's
+        scratch. Without need_acc, a planar plan with a fused output stage (_GemmPlan.fused) requantizes in the
+        GEMM kernel's store and returns acc None."""
         plan = self.plans[instr.name]
         n = x.shape[0]
         kernel, strides, pads, dilations = instr.kernel, instr.strides, instr.pads, instr.dilations
@@ -268,8 +296,15 @@ class Machine:
             acc = acc4.transpose(0, 2, 3, 1).reshape(n, oh * ow, -1)  # a view: acc4 is NCHW or NHWC in memory
         elif plan.method == "planar":
             cols = im2col_planar(x, kernel, strides, pads, dilations)  # (N, K, OH*OW); 1x1: a view of x
+            if plan.fused is not None and not need_acc:
+                stage = instr.stage
+                y = int8_simd.planar_gemm(plan.packed, cols, bias, self._scratch(), plan.fused, stage.clamp.lo,
+                                          stage.clamp.hi)  # (N, M, OH*OW), requantized
+                y = self._after_requantize(instr, y.transpose(0, 2, 1))
+                y = np.ascontiguousarray(y.transpose(0, 2, 1)).reshape(n, -1, oh, ow)
+                return self._store(instr, y), None, 0
             result = gemm_planar(plan.weight, cols, acc_bits, overflow, bias=bias, w_float=plan.weight_f32,
-                                 w_max_abs=plan.weight_max, scratch=self._scratch())
+                                 w_max_abs=plan.weight_max, scratch=self._scratch(), packed=plan.packed)
             acc, events = result.acc.transpose(0, 2, 1), result.events
         else:  # grouped: im2col + one GEMM per group, (G, N*OH*OW, M/G) -> (N, OH*OW, M), channel c = g*M/G + j
             groups = instr.group
@@ -290,7 +325,7 @@ class Machine:
             return self._requantize(instr, result.acc), result.acc, result.events
         result = gemm_planar(plan.weight, np.ascontiguousarray(x.T)[None], self.arithmetic.acc_bits,
                              self.arithmetic.overflow, bias=self.arrays[instr.bias], w_float=plan.weight_f32,
-                             w_max_abs=plan.weight_max, scratch=self._scratch())
+                             w_max_abs=plan.weight_max, scratch=self._scratch(), packed=plan.packed)
         acc = result.acc[0].T  # (N, M) view of (M, N) memory
         y = np.ascontiguousarray(self._requantize(instr, acc))
         return y, np.ascontiguousarray(acc), result.events
@@ -375,20 +410,24 @@ class _GemmPlan:
     (tests/test_sim_depthwise.py, tests/test_sim_planar.py):
     - "depthwise" (group = C = M, one filter per channel): kernels.depthwise, no im2col; weight (M, kh*kw);
     - "planar" (group 1): im2col_planar + gemm_planar, weights on the left so acc comes out NCHW-ordered and a
-      1x1 convolution needs no im2col at all; weight (M, K), also kept as float32 for the BLAS path;
+      1x1 convolution needs no im2col at all; weight (M, K), also kept as float32 for the BLAS path and, where
+      the CPU has an int8 dot product, packed for kernels.int8_simd;
     - "grouped" (other groups; weights that are not int8): im2col + grouped gemm; weight (G, K, M/G)."""
 
     method: str
     weight: np.ndarray
     weight_f32: np.ndarray | None = None
     weight_max: np.ndarray | None = None  # max |w| per output channel (depthwise, planar)
+    packed: int8_simd.PackedWeights | None = None  # planar, where the CPU has the int8 dot product
+    fused: PlaneParameters | None = None  # planar ConvGemm whose output stage runs in the kernel's store
 
 
 def _plan(instr: Instruction, w: np.ndarray, tensors: dict) -> _GemmPlan:
     groups = getattr(instr, "group", 1)  # a DenseGemm is one group
     if w.dtype == np.int8 and groups == 1:
         w = np.ascontiguousarray(w)
-        return _GemmPlan("planar", w, w.astype(np.float32), channel_max_abs(w))
+        packed = int8_simd.pack(w) if int8_simd.AVAILABLE else None
+        return _GemmPlan("planar", w, w.astype(np.float32), channel_max_abs(w), packed)
     if instr.kind == Kind.CONV_GEMM and w.dtype == np.int8:
         channels = tensors[instr.inputs[0]]["shape"][1]
         kh, kw = instr.kernel

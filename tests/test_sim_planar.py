@@ -17,6 +17,7 @@ from numpy.testing import assert_array_equal
 
 from simulator import reference as ref
 from isa.target import Arithmetic, Target
+from simulator.kernels import int8_simd
 from simulator.kernels.gemm import DESIGN_CHUNK, channels_in_range, gemm, gemm_planar
 from simulator.kernels.im2col import im2col_planar
 from simulator.kernels.requantize import requantize
@@ -162,8 +163,10 @@ def test_machine_methods_and_threads_agree_bit_for_bit(mobilenetv2_style_onnx, m
     from simulator.machine import Machine
 
     program = api.compile(mobilenetv2_style_onnx, mobilenet_table, Target(arithmetic=arithmetic)).program
-    methods = {plan.method for plan in Machine(program).plans.values()}
-    assert methods == {"planar", "depthwise"}  # the fast methods are really exercised
+    plans = Machine(program).plans.values()
+    assert {plan.method for plan in plans} == {"planar", "depthwise"}  # the fast methods are really exercised
+    if int8_simd.AVAILABLE and arithmetic.acc_bits == 32:  # and the int8 dot product with its fused store
+        assert any(plan.fused is not None for plan in plans)
     x = small_images(5, 1, "eval")
     name = program.inputs[0]
     fast = Machine(program, threads=2).run({name: x})

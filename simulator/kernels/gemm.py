@@ -29,6 +29,7 @@ import numpy as np
 from numba import njit, prange
 
 from isa.target import ACC_BITS_RANGE, Overflow
+from simulator.kernels import int8_simd
 
 # float32 has a 24-bit significand: every integer n with |n| <= 2^24 is exactly representable (2^24 + 1 is
 # the first that is not). A sum of integers stays exact while every partial sum stays within this bound.
@@ -402,7 +403,7 @@ def check_channel_bias(bias, channels: int, acc_bits: int) -> tuple[np.ndarray, 
 
 def gemm_planar(w, cols, acc_bits: int = 32, overflow: str | Overflow = Overflow.WRAP, *, bias=None,
                 w_float: np.ndarray | None = None, w_max_abs: np.ndarray | None = None,
-                scratch: dict | None = None) -> GemmResult:
+                scratch: dict | None = None, packed: int8_simd.PackedWeights | None = None) -> GemmResult:
     """acc[n, m, s] = sum_k cols[n, k, s] * w[m, k] + bias[m] in an acc_bits register (eq. 1), stored
     channel-planar: for image n, the GEMM of the rows s of cols[n]^T (S, K) with w^T (K, M), written as
     (M, S), i.e. in NCHW order when s runs over output pixels. The same sums as
@@ -412,11 +413,13 @@ def gemm_planar(w, cols, acc_bits: int = 32, overflow: str | Overflow = Overflow
     keeps it; w_max_abs: max|w[m, :]| per row (channel_max_abs), if known (else measured). |cols| is bounded
     by its dtype (128 or 255), so no pass over the data is needed to bound it. scratch: a dict of reusable
     buffers (see _scratch); the returned acc may then be a view of one of them, valid until the next call
-    with the same dict.
+    with the same dict. packed: w packed for kernels.int8_simd (only where int8_simd.AVAILABLE).
 
-    Method: the fast float32 path of gemm (module docstring: chunks of K <= max_exact_chunk, exact) when it is
-    exact (wrap, or saturate with the worst-case bound <= 2^(b-1) - 1), with one BLAS matmul per image and K
-    chunk; otherwise the K-ordered kernel on the transposed operands (gemm(method="ordered"))."""
+    Method: where packed is given, acc_bits <= 32 and every channel's worst-case bound fits the register (no
+    wrap, no event), the CPU's int8 dot product (kernels.int8_simd, exact modulo 2^32). Otherwise the fast
+    float32 path of gemm (module docstring: chunks of K <= max_exact_chunk, exact) when it is exact (wrap, or
+    saturate with the worst-case bound <= 2^(b-1) - 1), with one BLAS matmul per image and K chunk;
+    otherwise the K-ordered kernel on the transposed operands (gemm(method="ordered"))."""
     overflow = overflow if isinstance(overflow, Overflow) else Overflow(overflow)
     w, cols = np.asarray(w), np.asarray(cols)
     if w.dtype != np.int8 or w.ndim != 2:
@@ -442,6 +445,10 @@ def gemm_planar(w, cols, acc_bits: int = 32, overflow: str | Overflow = Overflow
         return GemmResult(acc, result.events, "ordered")
     if bound > INT64_MAX:
         raise ValueError(f"the exact sums may reach {bound}, beyond int64: events could not be counted")
+    in_range = channels_in_range(k_dim, a_max, w_rows_max, bias_m, min(hi, INT32_MAX))  # no wrap, no events
+    if packed is not None and acc_bits <= 32 and in_range.all():  # every exact sum fits int32: the CPU's int8 dot product
+        return GemmResult(int8_simd.planar_gemm(packed, cols, bias_m, scratch if scratch is not None else {}),
+                          0, "int8_simd")
     chunk = max_exact_chunk(a_max, b_max)
     w_f = w.astype(np.float32) if w_float is None else w_float
     cols_f = _scratch(scratch, "cols_f32", cols.shape, np.float32)
@@ -456,6 +463,5 @@ def gemm_planar(w, cols, acc_bits: int = 32, overflow: str | Overflow = Overflow
             np.matmul(w_f[:, k0:k0 + chunk], cols_f[:, k0:k0 + chunk, :], out=product)
             add_float32_planes(product, k0 == 0, sums)
     acc = product.view(np.int32) if acc_bits <= 32 else _scratch(scratch, "acc64", product.shape, np.int64)
-    in_range = channels_in_range(k_dim, a_max, w_rows_max, bias_m, min(hi, INT32_MAX))  # no wrap, no events
     events = finish_planar(sums, bias_m, np.int64(lo), np.int64(hi), sums.dtype == np.float32, in_range, acc)
     return GemmResult(acc, int(events), "fast")

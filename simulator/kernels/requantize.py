@@ -21,6 +21,8 @@ time with the same formulas, and the result has the same layout (no transpose).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 from numba import njit
 
@@ -334,18 +336,25 @@ def _plane_float32_rne(acc, scale, lo, hi, out):
 
 
 @njit(cache=True, nogil=True)
+def requantize_plane(acc, mode, fast, mult, shift, scale, lo, hi, out):
+    """One channel plane: out[s] = clamp(round_mode(acc[s]), lo, hi), mode as _MODE_CODES (4: float32_rne with
+    scale; else mult, shift, and fast = the fast formulas' preconditions hold for this channel)."""
+    if mode == 4:
+        _plane_float32_rne(acc, scale, lo, hi, out)
+    elif fast:
+        _plane_fast(acc, mode, mult, shift, lo, hi, out)
+    else:
+        _plane_general(acc, mode, mult, shift, lo, hi, out)
+
+
+@njit(cache=True, nogil=True)
 def requantize_planar(acc, mode, fast, mult, shift, scale, lo, hi, out):
     """out[b, c, s] = clamp(round_mode(acc[b, c, s], channel c), lo, hi): mode as _MODE_CODES (4: float32_rne
     with scale[c]; else mult[c], shift[c], and fast[c] = channel c takes the fast formulas, whose
     preconditions the caller checked). Equal to the (rows, C) kernels element for element."""
     for b in range(acc.shape[0]):
         for c in range(acc.shape[1]):
-            if mode == 4:
-                _plane_float32_rne(acc[b, c], scale[c], lo, hi, out[b, c])
-            elif fast[c]:
-                _plane_fast(acc[b, c], mode, mult[c], shift[c], lo, hi, out[b, c])
-            else:
-                _plane_general(acc[b, c], mode, mult[c], shift[c], lo, hi, out[b, c])
+            requantize_plane(acc[b, c], mode, fast[c], mult[c], shift[c], scale[c], lo, hi, out[b, c])
 
 
 @njit(cache=True, nogil=True)
@@ -422,6 +431,39 @@ def _scan_parameters(mult, shift, fast_min, fast_max, narrow, fast):
         shift_min = shift[c] if c == 0 or shift[c] < shift_min else shift_min
         fast[c] = narrow and fast_min <= shift[c] <= fast_max
     return mult_ok, shift_min
+
+
+@dataclass(frozen=True)
+class PlaneParameters:
+    """requantize_plane's per-channel arguments for an int32 accumulator, checked once (plane_parameters)."""
+
+    mode: int  # _MODE_CODES
+    fast: np.ndarray  # bool (C,)
+    mult: np.ndarray  # int64 (C,)
+    shift: np.ndarray  # int64 (C,)
+    scale: np.ndarray  # float32 (C,)
+
+
+def plane_parameters(channels: int, mode: str | Rounding, mult=None, shift=None, scale=None) -> PlaneParameters:
+    """The checked per-channel parameters with which requantize() would requantize an int32 accumulator of
+    `channels` channels, for a kernel that calls requantize_plane itself (kernels.int8_simd's fused store)."""
+    mode = mode if isinstance(mode, Rounding) else Rounding(mode)
+    if mode == Rounding.FLOAT32_RNE:
+        scale_c = _per_channel(scale, channels, np.float32, "scale")
+        if not np.all(np.isfinite(scale_c)) or np.any(scale_c < 0):
+            raise ValueError("scale must be finite and >= 0")
+        unused = np.zeros(channels, np.int64)
+        return PlaneParameters(4, np.zeros(channels, np.bool_), unused, unused, scale_c)
+    mult_c = _per_channel(mult, channels, np.int64, "mult")
+    shift_c = _per_channel(shift, channels, np.int64, "shift")
+    _, _, (fast_min, fast_max) = _INTEGER_KERNELS[mode]
+    fast_c = np.empty(channels, np.bool_)
+    mult_ok, shift_min = _scan_parameters(mult_c, shift_c, fast_min, fast_max, True, fast_c)
+    if not mult_ok:
+        raise ValueError("mult must be in [0, 2^31)")
+    if mode == Rounding.TFLITE and shift_min < 0:
+        raise ValueError("mode tflite needs shift >= 0 (TFLite's left shift is at most 31)")
+    return PlaneParameters(_MODE_CODES[mode], fast_c, mult_c, shift_c, np.zeros(channels, np.float32))
 
 
 def requantize(acc, mult=None, shift=None, mode: str | Rounding = Rounding.HALF_UP,
