@@ -46,18 +46,18 @@ AVAILABLE = _host_has_vnni()
 
 
 def _make_tile(vectors: int):
-    """An intrinsic tile(x4, w4, tile, kq_count, x_row, col0, w_row): for r < TILE_ROWS and c < vectors,
-    tile[r, c*16 + l] = sum_{kq < kq_count} dot4(x4[x_row + kq, (col0 + 16 c + l) * 4 : +4], w4[w_row + r, kq]),
-    x4 a 2-D uint8 array (KQ, S_pad * 4), w4 a 2-D int32 array (M_pad, KQ) of packed int8 quadruples, tile a 2-D
-    int32 array (TILE_ROWS, vectors * 16)."""
+    """An intrinsic tile(x4, w4, tile, kq_count, tile_col, col0, w_row): for r < TILE_ROWS and c < vectors,
+    tile[r, tile_col + 16 c + l] = sum_{kq < kq_count} dot4(x4[kq, col0 + 16 c + l], w4[w_row + r, kq]), the
+    dot product of the four bytes of each word; x4 a 2-D uint32 array (KQ, S_pad), w4 a 2-D int32 array
+    (M_pad, KQ) of packed int8 quadruples, tile a 2-D int32 array (TILE_ROWS, >= tile_col + 16 vectors)."""
     vec = ir.VectorType(ir.IntType(32), LANES)
 
     @intrinsic
-    def tile_kernel(typingctx, x4, w4, tile, kq_count, x_row, col0, w_row):
+    def tile_kernel(typingctx, x4, w4, tile, kq_count, tile_col, col0, w_row):
         sig = types.void(x4, w4, tile, types.intp, types.intp, types.intp, types.intp)
 
         def codegen(context, builder, signature, args):
-            x_arg, w_arg, tile_arg, kq_count_v, x_row_v, col0_v, w_row_v = args
+            x_arg, w_arg, tile_arg, kq_count_v, tile_col_v, col0_v, w_row_v = args
             x_array = context.make_array(signature.args[0])(context, builder, x_arg)
             w_array = context.make_array(signature.args[1])(context, builder, w_arg)
             tile_array = context.make_array(signature.args[2])(context, builder, tile_arg)
@@ -70,7 +70,7 @@ def _make_tile(vectors: int):
                                                  "llvm.x86.avx512.vpdpbusd.512")
             zero = ir.Constant(vec, None)
             slots = [[cgutils.alloca_once_value(builder, zero) for _ in range(vectors)] for _ in range(TILE_ROWS)]
-            x_start = builder.add(builder.mul(x_row_v, x_stride), builder.mul(col0_v, ir.Constant(col0_v.type, 4)))
+            x_start = builder.mul(col0_v, ir.Constant(col0_v.type, 4))
             with cgutils.for_range(builder, kq_count_v) as loop:
                 kq = loop.index
                 x_row_ptr = builder.gep(x_base, [builder.add(x_start, builder.mul(kq, x_stride))])
@@ -92,7 +92,8 @@ def _make_tile(vectors: int):
             for r in range(TILE_ROWS):
                 for c in range(vectors):
                     offset = builder.add(builder.mul(ir.Constant(t_stride.type, r), t_stride),
-                                         ir.Constant(t_stride.type, 64 * c))
+                                         builder.add(builder.mul(tile_col_v, ir.Constant(t_stride.type, 4)),
+                                                     ir.Constant(t_stride.type, 64 * c)))
                     builder.store(builder.load(slots[r][c]),
                                   builder.bitcast(builder.gep(t_base, [offset]), vec.as_pointer()), align=4)
             return context.get_dummy_value()
@@ -142,8 +143,8 @@ def pack_columns(x, offset, out):
 
 
 @njit(cache=True, nogil=True)
-def _store_tile(tile, rows, width, correction, dst, m0, col0, mode, fast, mult, shift, scale, lo, hi):
-    """Row r < rows of the tile, plus correction[m] (m = m0 + r, int32 wrapping), to dst[m, col0 : col0 + width]:
+def _store_rows(tile, rows, width, correction, dst, m0, col0, mode, fast, mult, shift, scale, lo, hi):
+    """tile[r, :width] plus correction[m] (m = m0 + r < m0 + rows, int32 wrapping) to dst[m, col0 : col0 + width]:
     as it is (mode -1, dst int32) or requantized by requantize_plane with channel m's parameters."""
     for r in range(rows):
         m = m0 + r
@@ -156,6 +157,13 @@ def _store_tile(tile, rows, width, correction, dst, m0, col0, mode, fast, mult, 
 
 
 BLOCK_BYTES = 1 << 17  # bytes of packed columns per block: a block of x4 stays in L2 while every row passes
+BLOCK_COLUMNS = 1024  # at most: the tile buffer (TILE_ROWS x BLOCK_COLUMNS int32, 16 KiB) stays in L1
+
+
+def block_columns(kq_dim: int) -> int:
+    """Columns per block: BLOCK_BYTES of x4 (KQ words per column), a whole number of strips, at most BLOCK_COLUMNS."""
+    strip = TILE_VECTORS * LANES
+    return min(BLOCK_COLUMNS, max(strip, BLOCK_BYTES // (4 * kq_dim) // strip * strip))
 
 
 @njit(cache=True, nogil=True)
@@ -164,14 +172,15 @@ def gemm_vnni(w4, cols, offset, correction, x4, tile, out, mode, fast, mult, shi
     requantized (requantize_plane: mode as requantize._MODE_CODES with fast, mult, shift, scale, lo, hi per
     channel, out int8/uint8). cols (N, K, S) int8/uint8 (offset 128 for int8, else 0; correction[m] then includes
     -128 * sum_k w[m, k]), correction (M,) int32; w4 from pack_weights; x4 a scratch (KQ, padded_columns(S))
-    uint32; tile a scratch (TILE_ROWS, TILE_VECTORS * LANES) int32; out (N, M, S).
-    Blocks of columns (BLOCK_BYTES of x4) outside, rows inside them, register tiles along the block: every
-    row of w4 passes over a block while it is in cache, and each row's results are stored as one run."""
+    uint32; tile a scratch (TILE_ROWS, block_columns(KQ)) int32; out (N, M, S).
+    Blocks of columns outside, rows inside them, register tiles along the block into the tile buffer, then one
+    store of each row of the block: every row of w4 passes over a block of x4 while it is in cache, and the
+    store's fixed cost is paid once per block row."""
     n_dim, _, s_dim = cols.shape
     m_dim = out.shape[1]
     m_pad, kq_dim = w4.shape
     strip = TILE_VECTORS * LANES
-    block = max(strip, BLOCK_BYTES // (4 * kq_dim) // strip * strip)
+    block = tile.shape[1]
     for n in range(n_dim):
         pack_columns(cols[n], offset, x4)
         dst = out[n]
@@ -179,14 +188,12 @@ def gemm_vnni(w4, cols, offset, correction, x4, tile, out, mode, fast, mult, shi
             block_end = min(s_dim, block0 + block)
             full_end = block0 + (block_end - block0) // strip * strip
             for m0 in range(0, m_pad, TILE_ROWS):
-                rows = min(TILE_ROWS, m_dim - m0)
                 for col0 in range(block0, full_end, strip):
-                    _tile_full(x4, w4, tile, kq_dim, 0, col0, m0)
-                    _store_tile(tile, rows, strip, correction, dst, m0, col0, mode, fast, mult, shift, scale, lo, hi)
+                    _tile_full(x4, w4, tile, kq_dim, col0 - block0, col0, m0)
                 for col0 in range(full_end, block_end, LANES):
-                    _tile_one(x4, w4, tile, kq_dim, 0, col0, m0)
-                    _store_tile(tile, rows, min(LANES, block_end - col0), correction, dst, m0, col0, mode, fast,
-                                mult, shift, scale, lo, hi)
+                    _tile_one(x4, w4, tile, kq_dim, col0 - block0, col0, m0)
+                _store_rows(tile, min(TILE_ROWS, m_dim - m0), block_end - block0, correction, dst, m0, block0, mode,
+                            fast, mult, shift, scale, lo, hi)
 
 
 @dataclass(frozen=True)
@@ -213,7 +220,7 @@ def planar_gemm(packed: PackedWeights, cols: np.ndarray, bias: np.ndarray, scrat
     offset = 128 if cols.dtype == np.int8 else 0
     correction = (bias.astype(np.int64) - offset * packed.row_sums).astype(np.int32)  # modulo 2^32
     x4 = _scratch(scratch, "int8_simd_x4", (packed.words.shape[1], padded_columns(s_dim)), np.uint32)
-    tile = _scratch(scratch, "int8_simd_tile", (TILE_ROWS, TILE_VECTORS * LANES), np.int32)
+    tile = _scratch(scratch, "int8_simd_tile", (TILE_ROWS, block_columns(packed.words.shape[1])), np.int32)
     if requant is None:
         out = _scratch(scratch, "int8_simd_acc", (n_dim, m_dim, s_dim), np.int32)
         params = _NO_REQUANT
