@@ -426,7 +426,7 @@ def _plan(instr: Instruction, w: np.ndarray, tensors: dict) -> _GemmPlan:
     groups = getattr(instr, "group", 1)  # a DenseGemm is one group
     if w.dtype == np.int8 and groups == 1:
         w = np.ascontiguousarray(w)
-        packed = int8_simd.pack(w) if int8_simd.AVAILABLE else None
+        packed = int8_simd.pack(w, int8_simd.ISA) if int8_simd.ISA else None
         return _GemmPlan("planar", w, w.astype(np.float32), channel_max_abs(w), packed)
     if instr.kind == Kind.CONV_GEMM and w.dtype == np.int8:
         channels = tensors[instr.inputs[0]]["shape"][1]

@@ -1,7 +1,7 @@
-"""The int8 dot-product GEMM (simulator/kernels/int8_simd.py, AVX-512 VNNI) equals the K-ordered integer GEMM bit
-for bit, with its requantizing store equal to requantize() of its int32 result; it is used exactly where every
-exact sum fits the register. Skipped on a CPU without the instruction (the float32 path then runs, tested in
-tests/test_sim_planar.py)."""
+"""The int8 dot-product GEMM (simulator/kernels/int8_simd.py) equals the K-ordered integer GEMM bit for bit, with
+its requantizing store equal to requantize() of its int32 result; it is used exactly where every exact sum fits
+the register. Each instruction set runs where this CPU has it (AVX-512 VNNI and AVX2 on a VNNI machine); on a CPU
+with neither the float32 path runs, tested in tests/test_sim_planar.py."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ from simulator.kernels import int8_simd
 from simulator.kernels.gemm import gemm, gemm_planar
 from simulator.kernels.requantize import plane_parameters, requantize
 
-pytestmark = pytest.mark.skipif(not int8_simd.AVAILABLE, reason="this CPU has no AVX-512 VNNI")
+ISAS = [pytest.param(isa, id=isa.name, marks=pytest.mark.skipif(not int8_simd._host_has(isa),
+                                                                reason=f"this CPU has no {isa.name}"))
+        for isa in (int8_simd.AVX512_VNNI, int8_simd.AVX2)]
 
 ROUNDINGS = ["half_up", "half_away", "half_even", "tflite", "float32_rne"]
 
@@ -25,19 +27,21 @@ def ordered(w, cols, bias):
     return acc.reshape(n, s, -1).transpose(0, 2, 1)
 
 
-def test_hand_worked_dot_products():
+@pytest.mark.parametrize("isa", ISAS)
+def test_hand_worked_dot_products(isa):
     """One output row: 1*255 + 2*0 + 3*1 + 4*2 + 5*3 + bias 7 = 288; int8 input -128..: the +128 offset cancels."""
     w = np.array([[1, 2, 3, 4, 5]], np.int8)
     x = np.array([255, 0, 1, 2, 3], np.uint8).reshape(1, 5, 1)
-    got = gemm_planar(w, x, bias=np.array([7]), packed=int8_simd.pack(w))
+    got = gemm_planar(w, x, bias=np.array([7]), packed=int8_simd.pack(w, isa))
     assert got.method == "int8_simd" and got.acc.tolist() == [[[288]]]
     x8 = np.array([-128, 127, -1, 0, 1], np.int8).reshape(1, 5, 1)  # -128 + 254 - 3 + 0 + 5 - 2 = 126
-    got8 = gemm_planar(w, x8, bias=np.array([-2]), packed=int8_simd.pack(w))
+    got8 = gemm_planar(w, x8, bias=np.array([-2]), packed=int8_simd.pack(w, isa))
     assert got8.acc.tolist() == [[[126]]]
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [np.uint8, np.int8])
-def test_equals_the_ordered_gemm_on_every_tile_edge(dtype):
+def test_equals_the_ordered_gemm_on_every_tile_edge(dtype, isa):
     """M, K and S around the register tile (4 rows, 16-lane vectors, 64-column strips, 4-byte groups of k) and
     the column blocks, random and extreme operands (every product at its largest magnitude)."""
     rng = np.random.default_rng(3 if dtype == np.uint8 else 4)
@@ -53,25 +57,27 @@ def test_equals_the_ordered_gemm_on_every_tile_edge(dtype):
             cols[...] = info.min if dtype == np.int8 else info.max
             w[...] = -128
         bias = rng.integers(-(1 << 20), 1 << 20, m)
-        got = gemm_planar(w, cols, bias=bias, packed=int8_simd.pack(w), scratch=scratch)
+        got = gemm_planar(w, cols, bias=bias, packed=int8_simd.pack(w, isa), scratch=scratch)
         assert got.method == "int8_simd" and got.events == 0
         assert_array_equal(got.acc, ordered(w, cols, bias), err_msg=f"m={m} k={k} s={s}")
 
 
-def test_only_where_every_sum_fits_the_register():
+@pytest.mark.parametrize("isa", ISAS)
+def test_only_where_every_sum_fits_the_register(isa):
     """A bias that could carry a sum past 2^31 - 1 (or a 16-bit register) keeps the checked float32 path."""
     rng = np.random.default_rng(5)
     w = rng.integers(-128, 128, (6, 40), dtype=np.int8)
     cols = rng.integers(0, 256, (1, 40, 9), dtype=np.uint8)
-    packed = int8_simd.pack(w)
+    packed = int8_simd.pack(w, isa)
     near_limit = np.full(6, (1 << 31) - 100)
     assert gemm_planar(w, cols, bias=near_limit, packed=packed).method == "fast"
     assert gemm_planar(w, cols, 16, bias=np.zeros(6, np.int64), packed=packed).method == "fast"
     assert gemm_planar(w, cols, 32, "saturate", bias=np.zeros(6, np.int64), packed=packed).method == "int8_simd"
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("mode", ROUNDINGS)
-def test_requantizing_store_equals_requantize(mode):
+def test_requantizing_store_equals_requantize(mode, isa):
     """planar_gemm with the output stage in its store equals requantize() of its int32 result, for int8 and uint8
     outputs; channel multipliers span the fast and the general formulas (a zero multiplier has shift 0)."""
     rng = np.random.default_rng(len(mode))
@@ -79,7 +85,7 @@ def test_requantizing_store_equals_requantize(mode):
     w = rng.integers(-128, 128, (m, k), dtype=np.int8)
     cols = rng.integers(0, 256, (3, k, s), dtype=np.uint8)
     bias = rng.integers(-5000, 5000, m)
-    packed = int8_simd.pack(w)
+    packed = int8_simd.pack(w, isa)
     acc = int8_simd.planar_gemm(packed, cols, bias, {}).copy()
     if mode == "float32_rne":
         scale = rng.uniform(1e-5, 1e-3, m).astype(np.float32)

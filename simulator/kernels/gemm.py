@@ -413,7 +413,7 @@ def gemm_planar(w, cols, acc_bits: int = 32, overflow: str | Overflow = Overflow
     keeps it; w_max_abs: max|w[m, :]| per row (channel_max_abs), if known (else measured). |cols| is bounded
     by its dtype (128 or 255), so no pass over the data is needed to bound it. scratch: a dict of reusable
     buffers (see _scratch); the returned acc may then be a view of one of them, valid until the next call
-    with the same dict. packed: w packed for kernels.int8_simd (only where int8_simd.AVAILABLE).
+    with the same dict. packed: w packed for kernels.int8_simd (int8_simd.pack, with an instruction set this CPU has).
 
     Method: where packed is given, acc_bits <= 32 and every channel's worst-case bound fits the register (no
     wrap, no event), the CPU's int8 dot product (kernels.int8_simd, exact modulo 2^32). Otherwise the fast

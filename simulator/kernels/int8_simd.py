@@ -1,26 +1,31 @@
-"""The int8 GEMM on the CPU's own 8-bit dot-product instruction, for gemm_planar (kernels/gemm.py).
+"""The int8 GEMM on the CPU's own integer dot-product instructions, for gemm_planar (kernels/gemm.py).
 
     acc[n, m, s] = sum_k w[m, k] * x[n, k, s]        (w int8, x uint8 or int8; exact in int32, see below)
 
-AVX-512 VNNI's VPDPBUSD adds, in each of 16 int32 lanes, four products of an unsigned byte and a signed byte to
-the lane, wrapping (Intel SDM, VPDPBUSD: "no saturation"; VPDPBUSDS is the saturating form). So one instruction
-is 64 multiply-adds, four times the lanes of a float32 FMA, and its arithmetic is the ring of integers modulo
-2^32. The kernel:
-- packs x as 4-byte groups along k, x4[kq, s, j] = x[4 kq + j, s] (j = 0..3, zeros beyond K), so one 64-byte load
-  holds 16 output columns s times 4 k; a signed x is offset to unsigned, x + 128, which adds 128 * sum_k w[m, k]
-  to every sum, subtracted at the end (its int32 value, modulo 2^32);
-- packs w the same way, four bytes of a row per int32 word, broadcast to all lanes;
-- runs a register tile of 4 rows m x 64 columns s (16 zmm accumulators) over k.
-Every step is modulo 2^32, so the result is sum + bias modulo 2^32, which is the exact sum whenever the caller's
-worst-case bound puts |sum + bias| <= 2^31 - 1 (gemm.channels_in_range); gemm_planar uses it only then.
+Two instruction sets (`Isa`), picked once per process by the CPU's features (llvmlite's host features):
+- AVX-512 VNNI, VPDPBUSD: in each of 16 int32 lanes, adds four products of an unsigned byte and a signed byte
+  to the lane, wrapping (Intel SDM, VPDPBUSD: "no saturation"; VPDPBUSDS is the saturating form): 64
+  multiply-adds per instruction, four times the lanes of a float32 FMA. x is packed as 4-byte groups along k
+  (one 32-bit word per column s holds x[4 kq + j, s], j = 0..3); a signed x is offset to unsigned, x + 128,
+  which adds 128 * sum_k w[m, k] to every sum, subtracted at the end.
+- AVX2, VPMADDWD: in each of 8 int32 lanes, the sum of two products of signed 16-bit halves (exact: |2 * 255 *
+  128| < 2^31), then VPADDD: 16 multiply-adds per instruction pair, twice the lanes of a float32 FMA. x is packed
+  as 16-bit pairs along k (int8 and uint8 both fit int16: no offset).
+w is packed the same way, one row's word broadcast to every lane; a register tile of 4 rows m x (vectors x lanes)
+columns s runs over k. Every step is modulo 2^32, so the result is sum + bias modulo 2^32, which is the exact
+sum whenever the caller's worst-case bound puts |sum + bias| <= 2^31 - 1 (gemm.channels_in_range); gemm_planar
+and the machine use it only then.
 
-The tile is LLVM IR written here (Numba's @intrinsic) because no compiler pattern turns a Python loop into
-VPDPBUSD (measured: Numba's own vectorisation of the same loop ran at 6.7 GOP/s, this tile at ~10x that).
-`AVAILABLE` says whether this CPU has the instruction; without it gemm_planar keeps the float32 BLAS path.
+The tile is LLVM IR written here (Numba's @intrinsic) because no compiler pattern turns a Python loop into these
+instructions (measured: Numba's own vectorisation of the same loop ran at 6.7 GOP/s, the VNNI tile at ~10x
+that). An intrinsic whose instruction this CPU lacks compiles to nothing: it is never called (`ISA` picks), and
+Numba's cache is keyed by the CPU's features. `ISA` is None on other CPUs: gemm_planar keeps the float32 BLAS
+path. QDEPLOY_INT8_SIMD=avx2 or =off in the environment picks the AVX2 kernel or none on a CPU that has more.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import llvmlite.binding as llvm_binding
@@ -32,31 +37,77 @@ from numba.extending import intrinsic
 
 from simulator.kernels.requantize import PlaneParameters, requantize_plane
 
-LANES = 16  # int32 lanes of a zmm register
 TILE_ROWS = 4  # rows m per register tile
-TILE_VECTORS = 4  # vectors of LANES columns per full register tile: 4 x 4 = 16 accumulators of the 32 zmm
 
 
-def _host_has_vnni() -> bool:
-    features = llvm_binding.get_host_cpu_features()
-    return bool(features.get("avx512f") and features.get("avx512vnni"))
+@dataclass(frozen=True)
+class Isa:
+    """One instruction set's tile geometry: `code` is what the Numba driver dispatches on."""
+
+    name: str
+    code: int
+    lanes: int  # int32 lanes per vector register
+    vectors: int  # vectors per full register tile (TILE_ROWS x vectors accumulators, plus loads, fit the file)
+    k_per_word: int  # k values packed in one 32-bit word (4 bytes or 2 halves)
+    features: tuple[str, ...]
+
+    @property
+    def strip(self) -> int:
+        """Columns of a full register tile."""
+        return self.lanes * self.vectors
 
 
-AVAILABLE = _host_has_vnni()
+AVX512_VNNI = Isa("avx512vnni", 0, 16, 4, 4, ("avx512f", "avx512vnni"))  # 16 of 32 zmm accumulate
+AVX2 = Isa("avx2", 1, 8, 3, 2, ("avx2",))  # 12 of 16 ymm accumulate, 3 hold x, 1 the weights
+_HOST_FEATURES = llvm_binding.get_host_cpu_features()
 
 
-def _make_tile(vectors: int):
+def _host_has(isa: Isa) -> bool:
+    return all(_HOST_FEATURES.get(feature, False) for feature in isa.features)
+
+
+def _pick_isa() -> Isa | None:
+    choice = os.environ.get("QDEPLOY_INT8_SIMD", "").lower()
+    candidates = {"": (AVX512_VNNI, AVX2), "avx512vnni": (AVX512_VNNI,), "avx2": (AVX2,), "off": ()}.get(choice, ())
+    return next((isa for isa in candidates if _host_has(isa)), None)
+
+
+ISA = _pick_isa()
+
+
+def _emit_vnni(builder, acc, x, w):
+    vec = acc.type
+    dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec, [vec, vec, vec]),
+                                         "llvm.x86.avx512.vpdpbusd.512")
+    return builder.call(dot, [acc, x, w])
+
+
+def _emit_avx2(builder, acc, x, w):
+    halves = ir.VectorType(ir.IntType(16), 16)
+    madd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(acc.type, [halves, halves]),
+                                          "llvm.x86.avx2.pmadd.wd")
+    return builder.add(acc, builder.call(madd, [builder.bitcast(x, halves), builder.bitcast(w, halves)]))
+
+
+_EMIT = {AVX512_VNNI.code: _emit_vnni, AVX2.code: _emit_avx2}
+
+
+def _make_tile(isa: Isa, vectors: int):
     """An intrinsic tile(x4, w4, tile, kq_count, tile_col, col0, w_row): for r < TILE_ROWS and c < vectors,
-    tile[r, tile_col + 16 c + l] = sum_{kq < kq_count} dot4(x4[kq, col0 + 16 c + l], w4[w_row + r, kq]), the
-    dot product of the four bytes of each word; x4 a 2-D uint32 array (KQ, S_pad), w4 a 2-D int32 array
-    (M_pad, KQ) of packed int8 quadruples, tile a 2-D int32 array (TILE_ROWS, >= tile_col + 16 vectors)."""
-    vec = ir.VectorType(ir.IntType(32), LANES)
+    tile[r, tile_col + lanes c + l] = sum_{kq < kq_count} dot(x4[kq, col0 + lanes c + l], w4[w_row + r, kq]), the
+    dot product of the k values packed in the two words (isa.k_per_word of them); x4 a 2-D uint32 array
+    (KQ, S_pad), w4 a 2-D int32 array (M_pad, KQ), tile a 2-D int32 array (TILE_ROWS, >= tile_col + lanes
+    vectors). On a CPU without the instruction set the body is empty (never called)."""
+    vec = ir.VectorType(ir.IntType(32), isa.lanes)
+    vector_bytes = 4 * isa.lanes
 
     @intrinsic
     def tile_kernel(typingctx, x4, w4, tile, kq_count, tile_col, col0, w_row):
         sig = types.void(x4, w4, tile, types.intp, types.intp, types.intp, types.intp)
 
         def codegen(context, builder, signature, args):
+            if not _host_has(isa):
+                return context.get_dummy_value()
             x_arg, w_arg, tile_arg, kq_count_v, tile_col_v, col0_v, w_row_v = args
             x_array = context.make_array(signature.args[0])(context, builder, x_arg)
             w_array = context.make_array(signature.args[1])(context, builder, w_arg)
@@ -66,34 +117,33 @@ def _make_tile(vectors: int):
             w_base = builder.bitcast(w_array.data, i8p)
             x_stride = cgutils.unpack_tuple(builder, x_array.strides, 2)[0]  # bytes per kq row
             w_stride = cgutils.unpack_tuple(builder, w_array.strides, 2)[0]  # bytes per weight row
-            dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec, [vec, vec, vec]),
-                                                 "llvm.x86.avx512.vpdpbusd.512")
-            zero = ir.Constant(vec, None)
-            slots = [[cgutils.alloca_once_value(builder, zero) for _ in range(vectors)] for _ in range(TILE_ROWS)]
-            x_start = builder.mul(col0_v, ir.Constant(col0_v.type, 4))
+            intp = x_stride.type
+            slots = [[cgutils.alloca_once_value(builder, ir.Constant(vec, None)) for _ in range(vectors)]
+                     for _ in range(TILE_ROWS)]
+            x_start = builder.mul(col0_v, ir.Constant(intp, 4))
+            splat_mask = ir.Constant(ir.VectorType(ir.IntType(32), isa.lanes), [0] * isa.lanes)
             with cgutils.for_range(builder, kq_count_v) as loop:
                 kq = loop.index
                 x_row_ptr = builder.gep(x_base, [builder.add(x_start, builder.mul(kq, x_stride))])
-                xs = [builder.load(builder.bitcast(builder.gep(x_row_ptr, [ir.Constant(kq.type, 64 * c)]),
+                xs = [builder.load(builder.bitcast(builder.gep(x_row_ptr, [ir.Constant(intp, vector_bytes * c)]),
                                                    vec.as_pointer()), align=1) for c in range(vectors)]
                 for r in range(TILE_ROWS):
-                    w_offset = builder.add(builder.mul(builder.add(w_row_v, ir.Constant(kq.type, r)), w_stride),
-                                           builder.mul(kq, ir.Constant(kq.type, 4)))
+                    w_offset = builder.add(builder.mul(builder.add(w_row_v, ir.Constant(intp, r)), w_stride),
+                                           builder.mul(kq, ir.Constant(intp, 4)))
                     word = builder.load(builder.bitcast(builder.gep(w_base, [w_offset]),
                                                         ir.PointerType(ir.IntType(32))), align=4)
-                    splat = builder.shuffle_vector(builder.insert_element(ir.Constant(vec, ir.Undefined), word,
-                                                                          ir.Constant(ir.IntType(32), 0)),
-                                                   ir.Constant(vec, ir.Undefined),
-                                                   ir.Constant(ir.VectorType(ir.IntType(32), LANES), [0] * LANES))
+                    splat = builder.shuffle_vector(
+                        builder.insert_element(ir.Constant(vec, ir.Undefined), word, ir.Constant(ir.IntType(32), 0)),
+                        ir.Constant(vec, ir.Undefined), splat_mask)
                     for c in range(vectors):
-                        builder.store(builder.call(dot, [builder.load(slots[r][c]), xs[c], splat]), slots[r][c])
+                        builder.store(_EMIT[isa.code](builder, builder.load(slots[r][c]), xs[c], splat), slots[r][c])
             t_base = builder.bitcast(tile_array.data, i8p)
             t_stride = cgutils.unpack_tuple(builder, tile_array.strides, 2)[0]
             for r in range(TILE_ROWS):
                 for c in range(vectors):
-                    offset = builder.add(builder.mul(ir.Constant(t_stride.type, r), t_stride),
-                                         builder.add(builder.mul(tile_col_v, ir.Constant(t_stride.type, 4)),
-                                                     ir.Constant(t_stride.type, 64 * c)))
+                    offset = builder.add(builder.mul(ir.Constant(intp, r), t_stride),
+                                         builder.add(builder.mul(tile_col_v, ir.Constant(intp, 4)),
+                                                     ir.Constant(intp, vector_bytes * c)))
                     builder.store(builder.load(slots[r][c]),
                                   builder.bitcast(builder.gep(t_base, [offset]), vec.as_pointer()), align=4)
             return context.get_dummy_value()
@@ -103,43 +153,74 @@ def _make_tile(vectors: int):
     return tile_kernel
 
 
-_tile_full = _make_tile(TILE_VECTORS)
-_tile_one = _make_tile(1)
+_vnni_full, _vnni_one = _make_tile(AVX512_VNNI, AVX512_VNNI.vectors), _make_tile(AVX512_VNNI, 1)
+_avx2_full, _avx2_one = _make_tile(AVX2, AVX2.vectors), _make_tile(AVX2, 1)
+
+
+@njit(cache=True, nogil=True)
+def _tile(isa_code, full, x4, w4, tile, kq_count, tile_col, col0, w_row):
+    if isa_code == 0:
+        if full:
+            _vnni_full(x4, w4, tile, kq_count, tile_col, col0, w_row)
+        else:
+            _vnni_one(x4, w4, tile, kq_count, tile_col, col0, w_row)
+    elif full:
+        _avx2_full(x4, w4, tile, kq_count, tile_col, col0, w_row)
+    else:
+        _avx2_one(x4, w4, tile, kq_count, tile_col, col0, w_row)
 
 
 _NO_REQUANT = PlaneParameters(-1, np.zeros(1, np.bool_), np.zeros(1, np.int64), np.zeros(1, np.int64),
                               np.zeros(1, np.float32))
 
 
-def padded_columns(s: int) -> int:
-    return -(-s // LANES) * LANES
+def padded_columns(s: int, isa: Isa) -> int:
+    return -(-s // isa.lanes) * isa.lanes
 
 
-def pack_weights(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(w4, row_sums): w (M, K) int8 as (M_pad, KQ) int32 words of four consecutive k (zeros beyond K and M;
-    M_pad a multiple of TILE_ROWS), and sum_k w[m, k] (int64, for the offset of a signed x)."""
+def _offset(dtype: np.dtype, isa: Isa) -> int:
+    """What pack_columns adds to x: 128 turns int8 into the unsigned bytes VPDPBUSD multiplies; 16-bit halves
+    hold int8 and uint8 as they are."""
+    return 128 if dtype == np.int8 and isa.k_per_word == 4 else 0
+
+
+@dataclass(frozen=True)
+class PackedWeights:
+    """A planar GEMM's weights as gemm_int8 reads them for one instruction set (pack)."""
+
+    isa: Isa
+    words: np.ndarray  # (M_pad, KQ) int32: isa.k_per_word consecutive k of a row per word (zeros beyond K, M)
+    row_sums: np.ndarray  # (M,) int64, sum_k w[m, k], for the offset of a signed x
+
+
+def pack(w: np.ndarray, isa: Isa) -> PackedWeights:
+    """w (M, K) int8 in words of isa.k_per_word consecutive k (bytes, or int16 halves), rows padded to a multiple
+    of TILE_ROWS."""
     m, k = w.shape
-    kq = -(-k // 4)
+    per_word = isa.k_per_word
+    kq = -(-k // per_word)
     m_pad = -(-m // TILE_ROWS) * TILE_ROWS
-    packed = np.zeros((m_pad, kq * 4), np.int8)
+    packed = np.zeros((m_pad, kq * per_word), np.int8 if per_word == 4 else np.int16)
     packed[:m, :k] = w
-    return packed.view(np.int32), w.astype(np.int64).sum(axis=1)
+    return PackedWeights(isa, packed.view(np.int32), w.astype(np.int64).sum(axis=1))
 
 
 @njit(cache=True, nogil=True)
-def pack_columns(x, offset, out):
-    """out[kq, s] = the four bytes x[4 kq + j, s] + offset (modulo 256) for j = 0..3, little-endian in one word
-    (byte j of the word; zeros for k >= K and s >= S); offset 128 turns an int8 value v into the uint8 v + 128.
+def pack_columns(x, offset, k_per_word, out):
+    """out[kq, s] = the values x[k_per_word kq + j, s] + offset for j < k_per_word, each in its 32 / k_per_word
+    bits of one little-endian word (two's complement, modulo 2^bits; zeros for k >= K and s >= S).
     x (K, S) int8/uint8, out (KQ, S_pad) uint32."""
     k_dim, s_dim = x.shape
-    kq_dim, width = out.shape
+    kq_dim = out.shape[0]
+    bits = 32 // k_per_word
+    mask = (1 << bits) - 1
     for kq in range(kq_dim):
         row = out[kq]
         row[:] = 0
-        for j in range(min(4, k_dim - 4 * kq)):
-            src, shift = x[4 * kq + j], 8 * j
+        for j in range(min(k_per_word, k_dim - k_per_word * kq)):
+            src, shift = x[k_per_word * kq + j], bits * j
             for s in range(s_dim):
-                row[s] |= np.uint32((np.int32(src[s]) + offset) & 255) << shift
+                row[s] |= np.uint32((np.int32(src[s]) + offset) & mask) << shift
 
 
 @njit(cache=True, nogil=True)
@@ -160,52 +241,41 @@ BLOCK_BYTES = 1 << 17  # bytes of packed columns per block: a block of x4 stays 
 BLOCK_COLUMNS = 1024  # at most: the tile buffer (TILE_ROWS x BLOCK_COLUMNS int32, 16 KiB) stays in L1
 
 
-def block_columns(kq_dim: int) -> int:
-    """Columns per block: BLOCK_BYTES of x4 (KQ words per column), a whole number of strips, at most BLOCK_COLUMNS."""
-    strip = TILE_VECTORS * LANES
-    return min(BLOCK_COLUMNS, max(strip, BLOCK_BYTES // (4 * kq_dim) // strip * strip))
+def block_columns(kq_dim: int, isa: Isa) -> int:
+    """Columns per block: BLOCK_BYTES of x4 (KQ words per column), whole strips, at most about BLOCK_COLUMNS."""
+    strips = max(1, min(BLOCK_COLUMNS, BLOCK_BYTES // (4 * kq_dim)) // isa.strip)
+    return strips * isa.strip
 
 
 @njit(cache=True, nogil=True)
-def gemm_vnni(w4, cols, offset, correction, x4, tile, out, mode, fast, mult, shift, scale, lo, hi):
+def gemm_int8(isa_code, lanes, strip, k_per_word, w4, cols, offset, correction, x4, tile, out, mode, fast, mult,
+              shift, scale, lo, hi):
     """out[n, m, s] = sum_k w[m, k] * cols[n, k, s] + correction[m], modulo 2^32, stored as int32 (mode -1) or
     requantized (requantize_plane: mode as requantize._MODE_CODES with fast, mult, shift, scale, lo, hi per
-    channel, out int8/uint8). cols (N, K, S) int8/uint8 (offset 128 for int8, else 0; correction[m] then includes
-    -128 * sum_k w[m, k]), correction (M,) int32; w4 from pack_weights; x4 a scratch (KQ, padded_columns(S))
-    uint32; tile a scratch (TILE_ROWS, block_columns(KQ)) int32; out (N, M, S).
+    channel, out int8/uint8). The instruction set's code, lanes, strip and k_per_word as Isa; cols (N, K, S)
+    int8/uint8 (offset as _offset; correction[m] then includes -offset * sum_k w[m, k]), correction (M,) int32;
+    w4 from pack; x4 a scratch (KQ, padded_columns(S)) uint32; tile a scratch (TILE_ROWS, block_columns) int32;
+    out (N, M, S).
     Blocks of columns outside, rows inside them, register tiles along the block into the tile buffer, then one
     store of each row of the block: every row of w4 passes over a block of x4 while it is in cache, and the
     store's fixed cost is paid once per block row."""
     n_dim, _, s_dim = cols.shape
     m_dim = out.shape[1]
     m_pad, kq_dim = w4.shape
-    strip = TILE_VECTORS * LANES
     block = tile.shape[1]
     for n in range(n_dim):
-        pack_columns(cols[n], offset, x4)
+        pack_columns(cols[n], offset, k_per_word, x4)
         dst = out[n]
         for block0 in range(0, s_dim, block):
             block_end = min(s_dim, block0 + block)
             full_end = block0 + (block_end - block0) // strip * strip
             for m0 in range(0, m_pad, TILE_ROWS):
                 for col0 in range(block0, full_end, strip):
-                    _tile_full(x4, w4, tile, kq_dim, col0 - block0, col0, m0)
-                for col0 in range(full_end, block_end, LANES):
-                    _tile_one(x4, w4, tile, kq_dim, col0 - block0, col0, m0)
+                    _tile(isa_code, True, x4, w4, tile, kq_dim, col0 - block0, col0, m0)
+                for col0 in range(full_end, block_end, lanes):
+                    _tile(isa_code, False, x4, w4, tile, kq_dim, col0 - block0, col0, m0)
                 _store_rows(tile, min(TILE_ROWS, m_dim - m0), block_end - block0, correction, dst, m0, block0, mode,
                             fast, mult, shift, scale, lo, hi)
-
-
-@dataclass(frozen=True)
-class PackedWeights:
-    """A planar GEMM's weights as gemm_vnni reads them (pack_weights)."""
-
-    words: np.ndarray  # (M_pad, KQ) int32
-    row_sums: np.ndarray  # (M,) int64, sum_k w[m, k]
-
-
-def pack(w: np.ndarray) -> PackedWeights:
-    return PackedWeights(*pack_weights(w))
 
 
 def planar_gemm(packed: PackedWeights, cols: np.ndarray, bias: np.ndarray, scratch: dict,
@@ -215,18 +285,20 @@ def planar_gemm(packed: PackedWeights, cols: np.ndarray, bias: np.ndarray, scrat
     stored as int32. scratch: the caller's reusable buffers (kernels.gemm._scratch)."""
     from simulator.kernels.gemm import _scratch  # one scratch mechanism (gemm imports this module)
 
+    isa = packed.isa
     n_dim, _, s_dim = cols.shape
-    m_dim = packed.row_sums.shape[0]
-    offset = 128 if cols.dtype == np.int8 else 0
+    m_dim, kq_dim = packed.row_sums.shape[0], packed.words.shape[1]
+    offset = _offset(cols.dtype, isa)
     correction = (bias.astype(np.int64) - offset * packed.row_sums).astype(np.int32)  # modulo 2^32
-    x4 = _scratch(scratch, "int8_simd_x4", (packed.words.shape[1], padded_columns(s_dim)), np.uint32)
-    tile = _scratch(scratch, "int8_simd_tile", (TILE_ROWS, block_columns(packed.words.shape[1])), np.int32)
+    x4 = _scratch(scratch, "int8_simd_x4", (kq_dim, padded_columns(s_dim, isa)), np.uint32)
+    tile = _scratch(scratch, "int8_simd_tile", (TILE_ROWS, block_columns(kq_dim, isa)), np.int32)
     if requant is None:
         out = _scratch(scratch, "int8_simd_acc", (n_dim, m_dim, s_dim), np.int32)
         params = _NO_REQUANT
     else:
         out = np.empty((n_dim, m_dim, s_dim), np.uint8 if lo >= 0 and hi > 127 else np.int8)
         params = requant
-    gemm_vnni(packed.words, np.ascontiguousarray(cols), offset, correction, x4, tile, out, params.mode,
-              params.fast, params.mult, params.shift, params.scale, np.int64(lo), np.int64(hi))
+    gemm_int8(isa.code, isa.lanes, isa.strip, isa.k_per_word, packed.words, np.ascontiguousarray(cols), offset,
+              correction, x4, tile, out, params.mode, params.fast, params.mult, params.shift, params.scale,
+              np.int64(lo), np.int64(hi))
     return out
