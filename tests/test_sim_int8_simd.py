@@ -79,7 +79,8 @@ def test_only_where_every_sum_fits_the_register(isa):
 @pytest.mark.parametrize("mode", ROUNDINGS)
 def test_requantizing_store_equals_requantize(mode, isa):
     """planar_gemm with the output stage in its store equals requantize() of its int32 result, for int8 and uint8
-    outputs; channel multipliers span the fast and the general formulas (a zero multiplier has shift 0)."""
+    outputs and an int32 one (an output the model leaves wide); channel multipliers span the fast and the general
+    formulas (a zero multiplier has shift 0)."""
     rng = np.random.default_rng(len(mode))
     m, k, s = 11, 37, 150
     w = rng.integers(-128, 128, (m, k), dtype=np.int8)
@@ -96,7 +97,7 @@ def test_requantizing_store_equals_requantize(mode, isa):
         mult[0], shift[0] = 0, 0
         kwargs, params = {"mult": mult, "shift": shift}, plane_parameters(m, mode, mult, shift)
     assert params.mode == 4 or not params.fast.all()  # both kinds of channel are exercised
-    for lo, hi in ((-128, 127), (0, 255)):
+    for lo, hi in ((-128, 127), (0, 255), (-(1 << 31), (1 << 31) - 1)):  # int8, uint8, an int32 output
         want = requantize(acc.transpose(0, 2, 1), mode=mode, lo=lo, hi=hi, **kwargs).transpose(0, 2, 1)
         got = int8_simd.planar_gemm(packed, cols, bias, {}, params, lo, hi)
         assert got.dtype == want.dtype

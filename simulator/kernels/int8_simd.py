@@ -35,7 +35,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from simulator.kernels.requantize import PlaneParameters, requantize_plane
+from simulator.kernels.requantize import PlaneParameters, output_dtype, requantize_plane
 
 TILE_ROWS = 4  # rows m per register tile
 
@@ -281,8 +281,9 @@ def gemm_int8(isa_code, lanes, strip, k_per_word, w4, cols, offset, correction, 
 def planar_gemm(packed: PackedWeights, cols: np.ndarray, bias: np.ndarray, scratch: dict,
                 requant: PlaneParameters | None = None, lo: int = 0, hi: int = 0) -> np.ndarray:
     """acc[n, m, s] = sum_k w[m, k] * cols[n, k, s] + bias[m] (int32, (N, M, S); the caller has checked that every
-    exact value fits int32), or, with requant, that acc requantized and clamped to [lo, hi] (int8/uint8), never
-    stored as int32. scratch: the caller's reusable buffers (kernels.gemm._scratch)."""
+    exact value fits int32), or, with requant, that acc requantized and clamped to [lo, hi] (requantize's
+    output_dtype: int8, uint8, or int32 for an output left wide), never stored as an accumulator. scratch: the
+    caller's reusable buffers (kernels.gemm._scratch)."""
     from simulator.kernels.gemm import _scratch  # one scratch mechanism (gemm imports this module)
 
     isa = packed.isa
@@ -296,7 +297,7 @@ def planar_gemm(packed: PackedWeights, cols: np.ndarray, bias: np.ndarray, scrat
         out = _scratch(scratch, "int8_simd_acc", (n_dim, m_dim, s_dim), np.int32)
         params = _NO_REQUANT
     else:
-        out = np.empty((n_dim, m_dim, s_dim), np.uint8 if lo >= 0 and hi > 127 else np.int8)
+        out = np.empty((n_dim, m_dim, s_dim), output_dtype(lo, hi))
         params = requant
     gemm_int8(isa.code, isa.lanes, isa.strip, isa.k_per_word, packed.words, np.ascontiguousarray(cols), offset,
               correction, x4, tile, out, params.mode, params.fast, params.mult, params.shift, params.scale,
