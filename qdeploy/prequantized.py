@@ -15,6 +15,10 @@ quantize_static, NNCF; QOperator from `qdeploy export-onnx`), and the float grap
 - An op that reads an int8 tensor directly (QOperator: Clip, MaxPool, Reshape, Concat on int8) keeps the
   scale: it reads the float tensor and its output has the input's scale; an int8 Clip's bounds become lo * s,
   hi * s, and a Clip to [-127, 127] or wider (the exporter's input clamp) is dropped.
+- A signed tensor held as the uint8 q + 128 (zero point 128), and uint8 weights w + 128 with zero point 128
+  (export-onnx's uint8 x uint8 QLinearConv): the scale-1 DequantizeLinear -> QuantizeLinear pairs that move the
+  same integers between int8 (zero point 0) and that form are integer moves (`_integer_move`), not statements
+  of a scale; the weights are read back as w.
 
 Rules (docs/design.md section 9):
 - An activation has one scale and zero point 0: one with another zero point, or with a scale per channel
@@ -108,6 +112,15 @@ def _zero_point(graph: Graph, node: Node, index: int) -> np.ndarray:
     return np.zeros((), np.uint8)
 
 
+def _is_unit(scale: np.ndarray) -> bool:
+    return scale.size == 1 and float(scale.reshape(-1)[0]) == 1.0
+
+
+def _zero_point_is(zero_point: np.ndarray | None, dtype, value: int) -> bool:
+    return (zero_point is not None and zero_point.dtype == np.dtype(dtype) and zero_point.size == 1
+            and int(zero_point.reshape(-1)[0]) == value)
+
+
 def _per_axis(value: np.ndarray, shape: tuple, axis: int) -> np.ndarray:
     """`value` (a scalar, or one entry per index of `axis`) broadcastable against an array of `shape`."""
     if value.size == 1:
@@ -144,6 +157,10 @@ class _Stripper:
         self.result = ModelQuantization()
         self.alias: dict[str, str] = {}  # DequantizeLinear output -> the float tensor it stands for
         self.quantized: dict[str, tuple[str, TensorScale]] = {}  # int8 tensor -> (float tensor, its scale)
+        # A signed tensor held as the uint8 q + 128 (zero point 128: export-onnx's uint8 QLinearConv operands)
+        self.shifted: dict[str, tuple[str, TensorScale]] = {}
+        self.moves: dict[str, tuple[str, TensorScale]] = {}  # scale-1 DequantizeLinear output -> what it moves
+        self.consumers = graph.consumers()
         self.dequantized: dict[str, tuple[np.ndarray, np.ndarray, int, str]] = {}  # float const -> (q, s, axis, name)
         self.int_constants: dict[str, np.ndarray] = {}  # QuantizeLinear of a constant -> its integers
         self.new_tensors: list[Tensor] = []
@@ -208,6 +225,14 @@ class _Stripper:
             q = np.clip(q + _per_axis(zero_point.astype(np.int64), value.shape, axis), q_min, q_max)
             self.int_constants[y] = q.astype(zero_point.dtype)
             return
+        if x in self.moves and _is_unit(scale):  # the second half of an integer move (_integer_move)
+            source, stated = self.moves[x]
+            if _zero_point_is(zero_point, np.uint8, 128) and not stated.unsigned:
+                self.shifted[y] = (source, stated)
+                return
+            if _zero_point_is(zero_point, np.uint8 if stated.unsigned else np.int8, 0):
+                self.quantized[y] = (source, stated)
+                return
         source = self._float(x)
         self.quantized[y] = (source, self._activation_scale(node, source, scale, zero_point))
         self._record(source, self.quantized[y][1])
@@ -227,6 +252,8 @@ class _Stripper:
             self.new_tensors.append(constant(y, value.astype(np.float32)))
             self.dequantized[y] = (q, s, axis, q_name)
             return
+        if self._integer_move(node, q_name, scale, zero_point):
+            return
         if q_name not in self.quantized:
             raise Unsupported(f"node '{node.name}' (DequantizeLinear) reads '{q_name}', which no QuantizeLinear "
                               f"in the model writes (an integer model input is not supported)")
@@ -237,15 +264,50 @@ class _Stripper:
                               f"but dequantized with {read.scale:.6g} by '{node.name}'")
         self.alias[y] = source
 
+    def _integer_move(self, node: Node, q_name: str, scale: np.ndarray, zero_point: np.ndarray) -> bool:
+        """DequantizeLinear(q, 1, z) whose q holds a quantized tensor with zero point z: the first half of a move
+        of the same integers between int8 (zero point 0) and uint8 q + 128 (zero point 128), which export-onnx
+        writes around ONNX Runtime's uint8 QLinearConv (DequantizeLinear(., 1, z) -> QuantizeLinear(., 1, z')).
+        Its output is the integer q as a float, not the tensor's real value: recorded in `moves` for the
+        QuantizeLinear that completes the move. A shifted tensor read with its own scale and zero point 128 is
+        the tensor itself (an alias)."""
+        if q_name in self.shifted:
+            source, stated = self.shifted[q_name]
+            if not _zero_point_is(zero_point, np.uint8, 128):
+                raise Unsupported(f"node '{node.name}' (DequantizeLinear) reads '{q_name}', a signed tensor held as "
+                                  f"uint8 with zero point 128, with another zero point")
+            if _is_unit(scale):
+                self.moves[node.outputs[0]] = (source, stated)
+            elif float(np.float32(scale.reshape(-1)[0])) == stated.scale and scale.size == 1:
+                self.alias[node.outputs[0]] = source
+            else:
+                raise Unsupported(f"tensor '{source}' is quantized with scale {stated.scale:.6g} by "
+                                  f"'{stated.node}' but dequantized with another scale by '{node.name}'")
+            return True
+        if q_name in self.quantized and _is_unit(scale) and self.quantized[q_name][1].scale != 1.0:
+            source, stated = self.quantized[q_name]
+            if _zero_point_is(zero_point, np.uint8 if stated.unsigned else np.int8, 0):
+                readers = [reader.op for reader in self.consumers.get(node.outputs[0], [])]
+                if readers and all(op == "QuantizeLinear" for op in readers):
+                    self.moves[node.outputs[0]] = (source, stated)
+                    return True
+        return False
+
     def qlinear_conv(self, node: Node) -> None:
         x_q, s_x, zp_x, w_q, s_w, zp_w, s_y, zp_y, *bias = node.inputs + [""] * (9 - len(node.inputs))
-        if x_q not in self.quantized:
+        if x_q in self.shifted and _zero_point_is(self.graph.constant_data(zp_x), np.uint8, 128):
+            source, stated = self.shifted[x_q]
+        elif x_q in self.quantized:
+            source, stated = self.quantized[x_q]
+        else:
             raise Unsupported(f"node '{node.name}' (QLinearConv) reads '{x_q}', which no QuantizeLinear writes")
-        source, stated = self.quantized[x_q]
         weight = self.graph.constant_data(w_q)
         if weight is None:
             raise Unsupported(f"node '{node.name}' (QLinearConv): weight '{w_q}' is not a constant")
-        if np.any(self.graph.constant_data(zp_w) != 0):
+        w_zero = self.graph.constant_data(zp_w)
+        if weight.dtype == np.uint8 and np.all(w_zero == 128) and w_zero.dtype == np.uint8:
+            weight = (weight.astype(np.int16) - 128).astype(np.int8)  # export-onnx's w + 128 (uint8 x uint8)
+        elif np.any(w_zero != 0):
             raise Unsupported(f"weight '{w_q}' has a non-zero zero point (node '{node.name}'); the accelerator's "
                               f"weights are symmetric (zero point 0)")
         w_scale = self.graph.constant_data(s_w).astype(np.float32)
@@ -262,11 +324,20 @@ class _Stripper:
             inputs.append(b_name)
         out = node.outputs[0]
         self.nodes.append(Node(node.name, "Conv", inputs, [out], dict(node.attrs)))
-        scale = self._activation_scale(node, out, self.graph.constant_data(s_y), self.graph.constant_data(zp_y))
-        self.quantized[out] = (out, scale)
+        y_zero = self.graph.constant_data(zp_y)
+        if _zero_point_is(y_zero, np.uint8, 128):  # a signed output held as uint8 y + 128
+            scale = self._activation_scale(node, out, self.graph.constant_data(s_y), np.zeros((), np.int8))
+            self.shifted[out] = (out, scale)
+        else:
+            scale = self._activation_scale(node, out, self.graph.constant_data(s_y), y_zero)
+            self.quantized[out] = (out, scale)
         self._record(out, scale)
 
     def other(self, node: Node) -> None:
+        shifted = next((name for name in node.inputs if name in self.shifted), None)
+        if shifted is not None:
+            raise Unsupported(f"node '{node.name}' ({node.op}) computes on '{shifted}', a signed tensor held as "
+                              f"uint8 q + 128; only QLinearConv and a move back to int8 may read it")
         int_inputs = [name for name in node.inputs if name in self.quantized]
         inputs = [self._float(name) for name in node.inputs]
         if int_inputs:  # QOperator: the op reads int8 tensors and keeps their scale

@@ -193,18 +193,19 @@ def concat_net(tmp_path):
     return save(make_model(nodes, [("x", ["N", 3, 8, 8])], [("y", ["N", 5])], inits), tmp_path / "concat.onnx")
 
 
+@pytest.mark.parametrize("unsigned", [True, False], ids=["uint8", "int8"])
 @pytest.mark.parametrize("rounding", ["float32_rne", "half_up"])
 @pytest.mark.parametrize("fixture", ["resnet_style_onnx", "mobilenetv2_style_onnx", "concat_net"])
-def test_export_onnx_then_compile_gives_the_same_integers(request, tmp_path, fixture, rounding):
+def test_export_onnx_then_compile_gives_the_same_integers(request, tmp_path, fixture, rounding, unsigned):
     from qdeploy.calibration import calibrate
 
     model = concat_net(tmp_path) if fixture == "concat_net" else request.getfixturevalue(fixture)
     shape = (3, 8, 8) if fixture == "concat_net" else (3, 64, 64)
     x = np.random.default_rng(3).standard_normal((16, *shape)).astype(np.float32)
     table = calibrate(model, x, "kl", num_samples=16, batch_size=8).table
-    # int8 activations: the export of a uint8 program moves int8 tensors to uint8 and back with scale-1
-    # DequantizeLinear/QuantizeLinear pairs (qdeploy/export_onnx.py), which the importer does not read back yet
-    target = Target(arithmetic=Arithmetic(rounding=rounding, unsigned_activations=False))
+    # uint8 (the default): the export moves int8 tensors to uint8 q + 128 and back around each QLinearConv with
+    # scale-1 DequantizeLinear/QuantizeLinear pairs and writes its weights as w + 128 (qdeploy/export_onnx.py)
+    target = Target(arithmetic=Arithmetic(rounding=rounding, unsigned_activations=unsigned))
     compiled = api.compile(model, table, target).program
     api.export_onnx(compiled, tmp_path / "exported.onnx", float_outputs=True)
     again = cli("compile", tmp_path / "exported.onnx", "-o", tmp_path / "again.qdp")
