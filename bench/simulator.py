@@ -47,6 +47,7 @@ from pathlib import Path
 import numpy as np
 
 from isa.kinds import Kind
+from simulator.kernels import int8_simd
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `examples` is not installed; import it from the checkout
@@ -233,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
           f"({info['usable_cpus']} usable); load average at start {load_start[0]:.2f} {load_start[1]:.2f} "
           f"{load_start[2]:.2f}, at end {load_end[0]:.2f} {load_end[1]:.2f} {load_end[2]:.2f}")
     print(f"python {info['python']}, numpy {info['numpy']}, numba {info['numba']}, onnxruntime "
-          f"{info['onnxruntime']}; ours: Machine(threads={machine.threads}); ORT int8: quantize_static "
+          f"{info['onnxruntime']}; ours: Machine(threads={machine.threads}), int8 GEMM kernel "
+          f"{int8_simd.ISA.name if int8_simd.ISA else 'none (float32 BLAS)'}; ORT int8: quantize_static "
           f"{args.ort_method}, QDQ, per-channel, symmetric")
     print(f"EfficientNet-Lite0: {macs / 1e6:.1f} M MACs per image in the program's GEMM instructions")
     print()
