@@ -330,6 +330,12 @@ class Machine:
         y = np.ascontiguousarray(self._requantize(instr, acc))
         return y, np.ascontiguousarray(acc), result.events
 
+    def _acc_dtype(self, bound: int) -> type:
+        """int32 for an elementwise GEMM's accumulators when every exact sum (|.| <= bound) fits a register of at
+        most 32 bits (the register then holds the sum: requantize takes int32 without a range scan), else int64."""
+        fits = bound <= min(self.arithmetic.acc_max, INT32_MAX) and -bound >= self.arithmetic.acc_min
+        return np.int32 if fits else np.int64
+
     def add_gemm(self, instr: Instruction, args: list[np.ndarray]):
         """acc = a * w_a + b * w_b: a K = 2 GEMM per element, [a b] . [w_a w_b]^T, in the accumulator.
         With rounding float32_rne: the float32 output-stage add of ONNX Runtime's QLinearAdd (add_float32_rne)."""
@@ -339,7 +345,7 @@ class Machine:
                                        instr.stage.clamp.hi)
             return self._store(instr, self._lookup(instr, y)), value, 0
         w_a, w_b = instr.add_weights
-        acc = np.empty(a.size, np.int64)
+        acc = np.empty(a.size, self._acc_dtype(_dtype_bound(a) * abs(int(w_a)) + _dtype_bound(b) * abs(int(w_b))))
         events = add_gemm_kernel(np.ascontiguousarray(a).reshape(-1), np.ascontiguousarray(b).reshape(-1),
                                  int(w_a), int(w_b), self.arithmetic.acc_min, self.arithmetic.acc_max,
                                  self.arithmetic.overflow == "saturate", acc)
@@ -352,7 +358,7 @@ class Machine:
         the output stage (one multiplier s_a * s_b / s_out). acc has a's shape."""
         a, b = args
         b = np.ascontiguousarray(np.broadcast_to(b, a.shape)).reshape(-1)
-        acc = np.empty(a.size, np.int64)
+        acc = np.empty(a.size, self._acc_dtype(_dtype_bound(a) * _dtype_bound(b)))
         events = mul_gemm_kernel(np.ascontiguousarray(a).reshape(-1), b, self.arithmetic.acc_min,
                                  self.arithmetic.acc_max, self.arithmetic.overflow == "saturate", acc)
         y = self._requantize(instr, acc.reshape(-1, 1)).reshape(a.shape)
