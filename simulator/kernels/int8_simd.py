@@ -243,7 +243,7 @@ BLOCK_COLUMNS = 1024  # at most: the tile buffer (TILE_ROWS x BLOCK_COLUMNS int3
 
 def block_columns(kq_dim: int, isa: Isa) -> int:
     """Columns per block: BLOCK_BYTES of x4 (KQ words per column), whole strips, at most about BLOCK_COLUMNS."""
-    strips = max(1, min(BLOCK_COLUMNS, BLOCK_BYTES // (4 * kq_dim)) // isa.strip)
+    strips = max(1, min(BLOCK_COLUMNS, BLOCK_BYTES // (4 * max(kq_dim, 1))) // isa.strip)
     return strips * isa.strip
 
 
@@ -252,7 +252,7 @@ def gemm_int8(isa_code, lanes, strip, k_per_word, w4, cols, offset, correction, 
               shift, scale, lo, hi):
     """out[n, m, s] = sum_k w[m, k] * cols[n, k, s] + correction[m], modulo 2^32, stored as int32 (mode -1) or
     requantized (requantize_plane: mode as requantize._MODE_CODES with fast, mult, shift, scale, lo, hi per
-    channel, out int8/uint8). The instruction set's code, lanes, strip and k_per_word as Isa; cols (N, K, S)
+    channel, out of requantize.output_dtype(lo, hi)). The instruction set's code, lanes, strip and k_per_word as Isa; cols (N, K, S)
     int8/uint8 (offset as _offset; correction[m] then includes -offset * sum_k w[m, k]), correction (M,) int32;
     w4 from pack; x4 a scratch (KQ, padded_columns(S)) uint32; tile a scratch (TILE_ROWS, block_columns) int32;
     out (N, M, S).
