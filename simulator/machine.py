@@ -279,8 +279,8 @@ class Machine:
     def _conv(self, instr: Instruction, x: np.ndarray, need_acc: bool):
         """(y NCHW, acc (N, OH*OW, M) or None, events). acc of the depthwise and planar methods is a view of
         NCHW-ordered memory (requantize keeps that layout, so y needs no transpose) and may be this thread's
-        scratch. Without need_acc, a planar plan with a fused output stage (_GemmPlan.fused) requantizes in the
-        GEMM kernel's store and returns acc None."""
+        scratch. Without need_acc, a planar plan with a fused output stage (_GemmPlan.fused) runs im2col, the GEMM
+        and the Requantize step in one kernel (kernels.int8_simd.conv) and returns acc None."""
         plan = self.plans[instr.name]
         n = x.shape[0]
         kernel, strides, pads, dilations = instr.kernel, instr.strides, instr.pads, instr.dilations
@@ -294,15 +294,15 @@ class Machine:
             acc4, events = depthwise_conv(x, plan.weight, bias, kernel, strides, pads, dilations, acc_bits, overflow,
                                           x_max_abs=_dtype_bound(x), w_max_abs=plan.weight_max)
             acc = acc4.transpose(0, 2, 3, 1).reshape(n, oh * ow, -1)  # a view: acc4 is NCHW or NHWC in memory
+        elif plan.method == "planar" and plan.fused is not None and not need_acc:
+            stage = instr.stage  # im2col, the GEMM and the Requantize step in one kernel, (N, M, OH*OW)
+            y = int8_simd.conv(plan.packed, np.ascontiguousarray(x), (kernel, strides, pads, dilations), (oh, ow),
+                               bias, self._scratch(), plan.fused, stage.clamp.lo, stage.clamp.hi)
+            y = self._after_requantize(instr, y.transpose(0, 2, 1))
+            y = np.ascontiguousarray(y.transpose(0, 2, 1)).reshape(n, -1, oh, ow)
+            return self._store(instr, y), None, 0
         elif plan.method == "planar":
             cols = im2col_planar(x, kernel, strides, pads, dilations)  # (N, K, OH*OW); 1x1: a view of x
-            if plan.fused is not None and not need_acc:
-                stage = instr.stage
-                y = int8_simd.planar_gemm(plan.packed, cols, bias, self._scratch(), plan.fused, stage.clamp.lo,
-                                          stage.clamp.hi)  # (N, M, OH*OW), requantized
-                y = self._after_requantize(instr, y.transpose(0, 2, 1))
-                y = np.ascontiguousarray(y.transpose(0, 2, 1)).reshape(n, -1, oh, ow)
-                return self._store(instr, y), None, 0
             result = gemm_planar(plan.weight, cols, acc_bits, overflow, bias=bias, w_float=plan.weight_f32,
                                  w_max_abs=plan.weight_max, scratch=self._scratch(), packed=plan.packed)
             acc, events = result.acc.transpose(0, 2, 1), result.events

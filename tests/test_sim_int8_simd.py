@@ -10,7 +10,9 @@ import pytest
 from numpy.testing import assert_array_equal
 
 from simulator.kernels import int8_simd
+from isa.geometry import conv_output_size
 from simulator.kernels.gemm import gemm, gemm_planar
+from simulator.kernels.im2col import im2col_planar
 from simulator.kernels.requantize import plane_parameters, requantize
 
 ISAS = [pytest.param(isa, id=isa.name, marks=pytest.mark.skipif(not int8_simd._host_has(isa),
@@ -62,6 +64,32 @@ def test_equals_the_ordered_gemm_on_every_tile_edge(dtype, isa):
         assert_array_equal(got.acc, ordered(w, cols, bias), err_msg=f"m={m} k={k} s={s}")
 
 
+WINDOWS = [((3, 3), (1, 1), (1, 1, 1, 1), (1, 1)), ((3, 3), (2, 2), (0, 1, 1, 0), (1, 1)),
+           ((5, 5), (2, 1), (2, 2, 2, 2), (1, 1)), ((3, 3), (1, 1), (2, 2, 2, 2), (2, 2)),
+           ((1, 7), (1, 3), (0, 3, 0, 3), (1, 1)), ((2, 2), (2, 2), (0, 0, 0, 0), (1, 1))]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [np.uint8, np.int8])
+@pytest.mark.parametrize("window", WINDOWS, ids=lambda w: "k{}x{}_s{}x{}_p{}{}{}{}_d{}x{}".format(*w[0], *w[1], *w[2], *w[3]))
+def test_conv_reads_the_im2col_rows_straight_from_the_image(window, dtype, isa):
+    """conv packs each image's im2col rows (eq. 9) from x itself: equal to the ordered GEMM of im2col_planar's
+    rows, padding included (the real 0, which a signed x carries as the offset byte 128)."""
+    kernel, strides, pads, dilations = window
+    rng = np.random.default_rng(sum(kernel) + strides[0])
+    info = np.iinfo(dtype)
+    x = rng.integers(info.min, info.max + 1, (2, 5, 11, 13), dtype=dtype)
+    x[1] = info.min  # an image at the end of the range: padding must still read as 0
+    m = 7
+    w = rng.integers(-128, 128, (m, 5 * kernel[0] * kernel[1]), dtype=np.int8)
+    bias = rng.integers(-1000, 1000, m)
+    cols = im2col_planar(x, kernel, strides, pads, dilations)
+    oh = conv_output_size(11, kernel[0], strides[0], pads[0], pads[2], dilations[0])
+    ow = conv_output_size(13, kernel[1], strides[1], pads[1], pads[3], dilations[1])
+    got = int8_simd.conv(int8_simd.pack(w, isa), x, window, (oh, ow), bias, {})
+    assert_array_equal(got, ordered(w, cols, bias))
+
+
 @pytest.mark.parametrize("isa", ISAS)
 def test_only_where_every_sum_fits_the_register(isa):
     """A bias that could carry a sum past 2^31 - 1 (or a 16-bit register) keeps the checked float32 path."""
@@ -88,6 +116,7 @@ def test_requantizing_store_equals_requantize(mode, isa):
     bias = rng.integers(-5000, 5000, m)
     packed = int8_simd.pack(w, isa)
     acc = int8_simd.planar_gemm(packed, cols, bias, {}).copy()
+    image = cols.reshape(3, k, 1, s)
     if mode == "float32_rne":
         scale = rng.uniform(1e-5, 1e-3, m).astype(np.float32)
         kwargs, params = {"scale": scale}, plane_parameters(m, mode, scale=scale)
@@ -99,7 +128,7 @@ def test_requantizing_store_equals_requantize(mode, isa):
     assert params.mode == 4 or not params.fast.all()  # both kinds of channel are exercised
     for lo, hi in ((-128, 127), (0, 255), (-(1 << 31), (1 << 31) - 1)):  # int8, uint8, an int32 output
         want = requantize(acc.transpose(0, 2, 1), mode=mode, lo=lo, hi=hi, **kwargs).transpose(0, 2, 1)
-        got = int8_simd.planar_gemm(packed, cols, bias, {}, params, lo, hi)
+        got = int8_simd.conv(packed, image, int8_simd.ONE_BY_ONE, (1, s), bias, {}, params, lo, hi)
         assert got.dtype == want.dtype
         assert_array_equal(got, want)
         assert len(np.unique(got)) > 20  # not all clamped

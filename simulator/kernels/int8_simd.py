@@ -206,21 +206,49 @@ def pack(w: np.ndarray, isa: Isa) -> PackedWeights:
 
 
 @njit(cache=True, nogil=True)
-def pack_columns(x, offset, k_per_word, out):
-    """out[kq, s] = the values x[k_per_word kq + j, s] + offset for j < k_per_word, each in its 32 / k_per_word
-    bits of one little-endian word (two's complement, modulo 2^bits; zeros for k >= K and s >= S).
-    x (K, S) int8/uint8, out (KQ, S_pad) uint32."""
-    k_dim, s_dim = x.shape
-    kq_dim = out.shape[0]
+def pack_columns(x, kh, kw, sh, sw, pt, pl, dh, dw, oh_dim, ow_dim, offset, k_per_word, out):
+    """The im2col rows of one image packed into words (eq. 9 of simulator/README.md, read straight from x): with
+    k = (c kh + i) kw + j and s = oh OW + ow, value p of out[kq, s] is x[c, oh sh - pt + i dh, ow sw - pl + j dw]
+    + offset for k = k_per_word kq + p (0 + offset at padding: the real 0), each value in its 32 / k_per_word
+    bits of the little-endian word (two's complement, modulo 2^bits), and 0 for k >= K.
+    x (C, H, W) int8/uint8, out (KQ, S_pad) uint32; the columns from OH*OW to S_pad are 0."""
+    c_dim, h_dim, w_dim = x.shape
+    k_dim = c_dim * kh * kw
     bits = 32 // k_per_word
     mask = (1 << bits) - 1
-    for kq in range(kq_dim):
+    for kq in range(out.shape[0]):
         row = out[kq]
         row[:] = 0
-        for j in range(min(k_per_word, k_dim - k_per_word * kq)):
-            src, shift = x[k_per_word * kq + j], bits * j
-            for s in range(s_dim):
-                row[s] |= np.uint32((np.int32(src[s]) + offset) & mask) << shift
+        for p in range(min(k_per_word, k_dim - k_per_word * kq)):
+            k = k_per_word * kq + p
+            c, i, j = k // (kh * kw), k // kw % kh, k % kw
+            shift = bits * p
+            pad = np.uint32(offset & mask) << shift
+            col_offset = j * dw - pl  # iw = ow * sw + col_offset
+            first = min(max(-(col_offset // sw), 0), ow_dim)  # the first ow whose iw >= 0
+            last = min(max(-((col_offset - w_dim) // sw), first), ow_dim)  # past the last ow whose iw < W
+            for oh in range(oh_dim):
+                dst = row[oh * ow_dim:(oh + 1) * ow_dim]
+                ih = oh * sh - pt + i * dh
+                if ih < 0 or ih >= h_dim:
+                    if pad:
+                        for ow in range(ow_dim):
+                            dst[ow] |= pad
+                    continue
+                if pad:
+                    for ow in range(first):
+                        dst[ow] |= pad
+                    for ow in range(last, ow_dim):
+                        dst[ow] |= pad
+                src = x[c, ih]
+                if sw == 1:  # a contiguous run of the input row: a loop the compiler vectorises
+                    run = src[first + col_offset:last + col_offset]
+                    out_run = dst[first:last]
+                    for t in range(last - first):
+                        out_run[t] |= np.uint32((np.int32(run[t]) + offset) & mask) << shift
+                else:
+                    for ow in range(first, last):
+                        dst[ow] |= np.uint32((np.int32(src[ow * sw + col_offset]) + offset) & mask) << shift
 
 
 @njit(cache=True, nogil=True)
@@ -248,23 +276,25 @@ def block_columns(kq_dim: int, isa: Isa) -> int:
 
 
 @njit(cache=True, nogil=True)
-def gemm_int8(isa_code, lanes, strip, k_per_word, w4, cols, offset, correction, x4, tile, out, mode, fast, mult,
-              shift, scale, lo, hi):
+def gemm_int8(isa_code, lanes, strip, k_per_word, w4, x, kh, kw, sh, sw, pt, pl, dh, dw, oh_dim, ow_dim, offset,
+              correction, x4, tile, out, mode, fast, mult, shift, scale, lo, hi):
     """out[n, m, s] = sum_k w[m, k] * cols[n, k, s] + correction[m], modulo 2^32, stored as int32 (mode -1) or
     requantized (requantize_plane: mode as requantize._MODE_CODES with fast, mult, shift, scale, lo, hi per
-    channel, out of requantize.output_dtype(lo, hi)). The instruction set's code, lanes, strip and k_per_word as Isa; cols (N, K, S)
-    int8/uint8 (offset as _offset; correction[m] then includes -offset * sum_k w[m, k]), correction (M,) int32;
+    channel, out of requantize.output_dtype(lo, hi)). The instruction set's code, lanes, strip and k_per_word as
+    Isa; cols the im2col rows of x (N, C, H, W) int8/uint8 for the window (kh, kw, strides, top and left pads,
+    dilations; output OH x OW), packed per image by pack_columns (offset as _offset; correction[m] then includes
+    -offset * sum_k w[m, k]); correction (M,) int32;
     w4 from pack; x4 a scratch (KQ, padded_columns(S)) uint32; tile a scratch (TILE_ROWS, block_columns) int32;
     out (N, M, S).
     Blocks of columns outside, rows inside them, register tiles along the block into the tile buffer, then one
     store of each row of the block: every row of w4 passes over a block of x4 while it is in cache, and the
     store's fixed cost is paid once per block row."""
-    n_dim, _, s_dim = cols.shape
+    n_dim, s_dim = x.shape[0], oh_dim * ow_dim
     m_dim = out.shape[1]
     m_pad, kq_dim = w4.shape
     block = tile.shape[1]
     for n in range(n_dim):
-        pack_columns(cols[n], offset, k_per_word, x4)
+        pack_columns(x[n], kh, kw, sh, sw, pt, pl, dh, dw, oh_dim, ow_dim, offset, k_per_word, x4)
         dst = out[n]
         for block0 in range(0, s_dim, block):
             block_end = min(s_dim, block0 + block)
@@ -278,18 +308,29 @@ def gemm_int8(isa_code, lanes, strip, k_per_word, w4, cols, offset, correction, 
                             fast, mult, shift, scale, lo, hi)
 
 
-def planar_gemm(packed: PackedWeights, cols: np.ndarray, bias: np.ndarray, scratch: dict,
-                requant: PlaneParameters | None = None, lo: int = 0, hi: int = 0) -> np.ndarray:
-    """acc[n, m, s] = sum_k w[m, k] * cols[n, k, s] + bias[m] (int32, (N, M, S); the caller has checked that every
-    exact value fits int32), or, with requant, that acc requantized and clamped to [lo, hi] (requantize's
-    output_dtype: int8, uint8, or int32 for an output left wide), never stored as an accumulator. scratch: the
-    caller's reusable buffers (kernels.gemm._scratch)."""
+ONE_BY_ONE = ((1, 1), (1, 1), (0, 0, 0, 0), (1, 1))
+
+
+def conv(packed: PackedWeights, x: np.ndarray, window: tuple, output_size: tuple[int, int], bias: np.ndarray,
+         scratch: dict, requant: PlaneParameters | None = None, lo: int = 0, hi: int = 0) -> np.ndarray:
+    """acc[n, m, s] = sum_k w[m, k] * cols[n, k, s] + bias[m] with cols the im2col rows (eq. 9) of x (N, C, H, W)
+    int8/uint8 for window = (kernel, strides, pads, dilations) and output_size (OH, OW), never written out: each
+    image's rows are packed straight from x. Int32 (N, M, OH*OW; the caller has checked that every exact value
+    fits int32), or, with requant, acc requantized and clamped to [lo, hi] (requantize's output_dtype: int8, uint8,
+    or int32 for an output left wide), never stored as an accumulator. scratch: the caller's reusable buffers
+    (kernels.gemm._scratch)."""
     from simulator.kernels.gemm import _scratch  # one scratch mechanism (gemm imports this module)
 
+    window = tuple(tuple(int(v) for v in part) for part in window)
+    (kh, kw), (sh, sw), (pt, pl, _, _), (dh, dw) = window
+    oh_dim, ow_dim = output_size
+    if window == ONE_BY_ONE:  # each im2col row is a whole plane: pack it as one run
+        x = x.reshape(x.shape[0], x.shape[1], 1, -1)
+        oh_dim, ow_dim = 1, oh_dim * ow_dim
     isa = packed.isa
-    n_dim, _, s_dim = cols.shape
+    n_dim, s_dim = x.shape[0], oh_dim * ow_dim
     m_dim, kq_dim = packed.row_sums.shape[0], packed.words.shape[1]
-    offset = _offset(cols.dtype, isa)
+    offset = _offset(x.dtype, isa)
     correction = (bias.astype(np.int64) - offset * packed.row_sums).astype(np.int32)  # modulo 2^32
     x4 = _scratch(scratch, "int8_simd_x4", (kq_dim, padded_columns(s_dim, isa)), np.uint32)
     tile = _scratch(scratch, "int8_simd_tile", (TILE_ROWS, block_columns(kq_dim, isa)), np.int32)
@@ -299,7 +340,15 @@ def planar_gemm(packed: PackedWeights, cols: np.ndarray, bias: np.ndarray, scrat
     else:
         out = np.empty((n_dim, m_dim, s_dim), output_dtype(lo, hi))
         params = requant
-    gemm_int8(isa.code, isa.lanes, isa.strip, isa.k_per_word, packed.words, np.ascontiguousarray(cols), offset,
-              correction, x4, tile, out, params.mode, params.fast, params.mult, params.shift, params.scale,
-              np.int64(lo), np.int64(hi))
+    gemm_int8(isa.code, isa.lanes, isa.strip, isa.k_per_word, packed.words, np.ascontiguousarray(x), kh, kw, sh, sw,
+              pt, pl, dh, dw, oh_dim, ow_dim, offset, correction, x4, tile, out, params.mode, params.fast, params.mult,
+              params.shift, params.scale, np.int64(lo), np.int64(hi))
     return out
+
+
+def planar_gemm(packed: PackedWeights, cols: np.ndarray, bias: np.ndarray, scratch: dict) -> np.ndarray:
+    """acc[n, m, s] = sum_k w[m, k] * cols[n, k, s] + bias[m], int32 (N, M, S), for cols (N, K, S) int8/uint8
+    (gemm_planar's operands; the caller has checked that every exact value fits int32): `conv` with cols as a
+    1 x S image of K channels and a 1x1 window."""
+    n_dim, k_dim, s_dim = cols.shape
+    return conv(packed, cols.reshape(n_dim, k_dim, 1, s_dim), ONE_BY_ONE, (1, s_dim), bias, scratch)
