@@ -1,16 +1,20 @@
-"""The int8 GEMM on the CPU's own integer dot-product instructions, for gemm_planar (kernels/gemm.py).
+"""The int8 GEMM of a group-1 convolution on the CPU's own integer dot-product instructions: `conv` for the
+machine (im2col, GEMM and the Requantize step in one kernel), `planar_gemm` for gemm_planar (kernels/gemm.py).
 
-    acc[n, m, s] = sum_k w[m, k] * x[n, k, s]        (w int8, x uint8 or int8; exact in int32, see below)
+    acc[n, m, s] = sum_k w[m, k] * cols[n, k, s]     (w int8, cols uint8 or int8; exact in int32, see below)
+
+cols are the im2col rows of eq. 9 (simulator/README.md), never materialised: `pack_columns` packs each image's
+rows straight from x into the words below, the padding as the real 0.
 
 Two instruction sets (`Isa`), picked once per process by the CPU's features (llvmlite's host features):
 - AVX-512 VNNI, VPDPBUSD: in each of 16 int32 lanes, adds four products of an unsigned byte and a signed byte
   to the lane, wrapping (Intel SDM, VPDPBUSD: "no saturation"; VPDPBUSDS is the saturating form): 64
-  multiply-adds per instruction, four times the lanes of a float32 FMA. x is packed as 4-byte groups along k
-  (one 32-bit word per column s holds x[4 kq + j, s], j = 0..3); a signed x is offset to unsigned, x + 128,
+  multiply-adds per instruction, four times the lanes of a float32 FMA. cols are packed as 4-byte groups along
+  k (one 32-bit word per column s holds cols[4 kq + j, s], j = 0..3); a signed x is offset to unsigned, x + 128,
   which adds 128 * sum_k w[m, k] to every sum, subtracted at the end.
 - AVX2, VPMADDWD: in each of 8 int32 lanes, the sum of two products of signed 16-bit halves (exact: |2 * 255 *
-  128| < 2^31), then VPADDD: 16 multiply-adds per instruction pair, twice the lanes of a float32 FMA. x is packed
-  as 16-bit pairs along k (int8 and uint8 both fit int16: no offset).
+  128| < 2^31), then VPADDD: 16 multiply-adds per instruction pair, twice the lanes of a float32 FMA. cols are
+  packed as 16-bit pairs along k (int8 and uint8 both fit int16: no offset).
 w is packed the same way, one row's word broadcast to every lane; a register tile of 4 rows m x (vectors x lanes)
 columns s runs over k. Every step is modulo 2^32, so the result is sum + bias modulo 2^32, which is the exact
 sum whenever the caller's worst-case bound puts |sum + bias| <= 2^31 - 1 (gemm.channels_in_range); gemm_planar
