@@ -110,9 +110,10 @@ class Machine:
         input_max = 255 if self.program.tensors[instr.inputs[0]]["dtype"] == "uint8" else 128
         limit = min((1 << (self.arithmetic.acc_bits - 1)) - 1, INT32_MAX)
         bias = np.asarray(self.arrays[instr.bias], np.int64).reshape(-1)
-        if not channels_in_range(plan.weight.shape[1], input_max, plan.weight_max, bias, limit).all():
+        channels, k = self.arrays[instr.weight].shape  # (M, K), K per group
+        if not channels_in_range(k, input_max, plan.weight_max, bias, limit).all():
             return None
-        requant, channels = instr.stage.requantize, plan.weight.shape[0]
+        requant = instr.stage.requantize
         if self.arithmetic.rounding == Rounding.FLOAT32_RNE:
             return plane_parameters(channels, Rounding.FLOAT32_RNE, scale=self.arrays[requant.scale_f32])
         return plane_parameters(channels, self.arithmetic.rounding, self.arrays[requant.mult],
@@ -294,7 +295,7 @@ class Machine:
             acc4, events = depthwise_conv(x, plan.weight, bias, kernel, strides, pads, dilations, acc_bits, overflow,
                                           x_max_abs=_dtype_bound(x), w_max_abs=plan.weight_max)
             acc = acc4.transpose(0, 2, 3, 1).reshape(n, oh * ow, -1)  # a view: acc4 is NCHW or NHWC in memory
-        elif plan.method == "planar" and plan.fused is not None and not need_acc:
+        elif plan.fused is not None and not need_acc:  # planar or grouped
             stage = instr.stage  # im2col, the GEMM and the Requantize step in one kernel, (N, M, OH*OW)
             y = int8_simd.conv(plan.packed, np.ascontiguousarray(x), (kernel, strides, pads, dilations), (oh, ow),
                                bias, self._scratch(), plan.fused, stage.clamp.lo, stage.clamp.hi)
@@ -418,14 +419,15 @@ class _GemmPlan:
     - "planar" (group 1): im2col_planar + gemm_planar, weights on the left so acc comes out NCHW-ordered and a
       1x1 convolution needs no im2col at all; weight (M, K), also kept as float32 for the BLAS path and, where
       the CPU has an int8 dot product, packed for kernels.int8_simd;
-    - "grouped" (other groups; weights that are not int8): im2col + grouped gemm; weight (G, K, M/G)."""
+    - "grouped" (other groups; weights that are not int8): im2col + grouped gemm; weight (G, K, M/G); int8
+      weights also packed for kernels.int8_simd, whose conv runs each group's rows against its own weights."""
 
     method: str
     weight: np.ndarray
     weight_f32: np.ndarray | None = None
     weight_max: np.ndarray | None = None  # max |w| per output channel (depthwise, planar)
-    packed: int8_simd.PackedWeights | None = None  # planar, where the CPU has the int8 dot product
-    fused: PlaneParameters | None = None  # planar ConvGemm whose output stage runs in the kernel's store
+    packed: int8_simd.PackedWeights | None = None  # planar, grouped: where the CPU has an int8 dot product
+    fused: PlaneParameters | None = None  # a ConvGemm whose im2col, GEMM and output stage run in one kernel
 
 
 def _plan(instr: Instruction, w: np.ndarray, tensors: dict) -> _GemmPlan:
@@ -440,8 +442,10 @@ def _plan(instr: Instruction, w: np.ndarray, tensors: dict) -> _GemmPlan:
         if groups == channels == w.shape[0] and w.shape[1] == kh * kw:
             w = np.ascontiguousarray(w)
             return _GemmPlan("depthwise", w, None, channel_max_abs(w))
-    return _GemmPlan("grouped", np.ascontiguousarray(
-        w.reshape(groups, w.shape[0] // groups, w.shape[1]).transpose(0, 2, 1)))
+    grouped = np.ascontiguousarray(w.reshape(groups, w.shape[0] // groups, w.shape[1]).transpose(0, 2, 1))
+    if w.dtype == np.int8 and int8_simd.ISA:
+        return _GemmPlan("grouped", grouped, None, channel_max_abs(w), int8_simd.pack(w, int8_simd.ISA, groups))
+    return _GemmPlan("grouped", grouped)
 
 
 def _dtype_bound(x: np.ndarray) -> int:

@@ -91,6 +91,24 @@ def test_conv_reads_the_im2col_rows_straight_from_the_image(window, dtype, isa):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("groups, m", [(3, 9), (2, 16), (6, 6)])
+def test_grouped_conv_reads_each_groups_channels_with_its_weights(groups, m, isa):
+    """A grouped convolution: group g's output channels g M/G .. read input channels g C/G .. only (ONNX Conv
+    `group`); 3 rows per group pad to a 4-row tile that must not reach the next group's weights."""
+    rng = np.random.default_rng(groups + m)
+    x = rng.integers(-128, 128, (2, 6, 9, 9), dtype=np.int8)
+    c_group, m_group = 6 // groups, m // groups
+    w = rng.integers(-128, 128, (m, c_group * 9), dtype=np.int8)
+    bias = rng.integers(-1000, 1000, m)
+    window = ((3, 3), (1, 1), (1, 1, 1, 1), (1, 1))
+    want = np.concatenate([ordered(w[g * m_group:(g + 1) * m_group],
+                                   im2col_planar(x[:, g * c_group:(g + 1) * c_group], *window),
+                                   bias[g * m_group:(g + 1) * m_group]) for g in range(groups)], axis=1)
+    got = int8_simd.conv(int8_simd.pack(w, isa, groups), x, window, (9, 9), bias, {})
+    assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_only_where_every_sum_fits_the_register(isa):
     """A bias that could carry a sum past 2^31 - 1 (or a 16-bit register) keeps the checked float32 path."""
     rng = np.random.default_rng(5)

@@ -190,23 +190,25 @@ def _offset(dtype: np.dtype, isa: Isa) -> int:
 
 @dataclass(frozen=True)
 class PackedWeights:
-    """A planar GEMM's weights as gemm_int8 reads them for one instruction set (pack)."""
+    """A convolution's weights as gemm_int8 reads them for one instruction set (pack)."""
 
     isa: Isa
-    words: np.ndarray  # (M_pad, KQ) int32: isa.k_per_word consecutive k of a row per word (zeros beyond K, M)
+    words: np.ndarray  # (G * Mg_pad, KQ) int32: isa.k_per_word consecutive k of a row per word (zeros beyond K)
     row_sums: np.ndarray  # (M,) int64, sum_k w[m, k], for the offset of a signed x
+    groups: int  # G: group g's Mg = M / G rows are words[g * Mg_pad : g * Mg_pad + Mg]
 
 
-def pack(w: np.ndarray, isa: Isa) -> PackedWeights:
-    """w (M, K) int8 in words of isa.k_per_word consecutive k (bytes, or int16 halves), rows padded to a multiple
-    of TILE_ROWS."""
+def pack(w: np.ndarray, isa: Isa, groups: int = 1) -> PackedWeights:
+    """w (M, K) int8 (K = C / G * kh * kw) in words of isa.k_per_word consecutive k (bytes, or int16 halves); the
+    rows of each group padded to a multiple of TILE_ROWS, so a register tile never mixes groups."""
     m, k = w.shape
-    per_word = isa.k_per_word
+    per_word, m_group = isa.k_per_word, m // groups
     kq = -(-k // per_word)
-    m_pad = -(-m // TILE_ROWS) * TILE_ROWS
-    packed = np.zeros((m_pad, kq * per_word), np.int8 if per_word == 4 else np.int16)
-    packed[:m, :k] = w
-    return PackedWeights(isa, packed.view(np.int32), w.astype(np.int64).sum(axis=1))
+    m_group_pad = -(-m_group // TILE_ROWS) * TILE_ROWS
+    packed = np.zeros((groups, m_group_pad, kq * per_word), np.int8 if per_word == 4 else np.int16)
+    packed[:, :m_group, :k] = w.reshape(groups, m_group, k)
+    return PackedWeights(isa, packed.reshape(groups * m_group_pad, -1).view(np.int32), w.astype(np.int64).sum(axis=1),
+                         groups)
 
 
 @njit(cache=True, nogil=True)
@@ -280,13 +282,14 @@ def block_columns(kq_dim: int, isa: Isa) -> int:
 
 
 @njit(cache=True, nogil=True)
-def gemm_int8(isa_code, lanes, strip, k_per_word, w4, x, kh, kw, sh, sw, pt, pl, dh, dw, oh_dim, ow_dim, offset,
-              correction, x4, tile, out, mode, fast, mult, shift, scale, lo, hi):
+def gemm_int8(isa_code, lanes, strip, k_per_word, w4, groups, x, kh, kw, sh, sw, pt, pl, dh, dw, oh_dim, ow_dim,
+              offset, correction, x4, tile, out, mode, fast, mult, shift, scale, lo, hi):
     """out[n, m, s] = sum_k w[m, k] * cols[n, k, s] + correction[m], modulo 2^32, stored as int32 (mode -1) or
     requantized (requantize_plane: mode as requantize._MODE_CODES with fast, mult, shift, scale, lo, hi per
     channel, out of requantize.output_dtype(lo, hi)). The instruction set's code, lanes, strip and k_per_word as
     Isa; cols the im2col rows of x (N, C, H, W) int8/uint8 for the window (kh, kw, strides, top and left pads,
-    dilations; output OH x OW), packed per image by pack_columns (offset as _offset; correction[m] then includes
+    dilations; output OH x OW), packed per image and group by pack_columns (group g: input channels
+    g C/G .. (g+1) C/G - 1, output channels g M/G ..; offset as _offset; correction[m] then includes
     -offset * sum_k w[m, k]); correction (M,) int32;
     w4 from pack; x4 a scratch (KQ, padded_columns(S)) uint32; tile a scratch (TILE_ROWS, block_columns) int32;
     out (N, M, S).
@@ -294,22 +297,25 @@ def gemm_int8(isa_code, lanes, strip, k_per_word, w4, x, kh, kw, sh, sw, pt, pl,
     store of each row of the block: every row of w4 passes over a block of x4 while it is in cache, and the
     store's fixed cost is paid once per block row."""
     n_dim, s_dim = x.shape[0], oh_dim * ow_dim
-    m_dim = out.shape[1]
-    m_pad, kq_dim = w4.shape
+    c_group, m_group = x.shape[1] // groups, out.shape[1] // groups
+    m_group_pad, kq_dim = w4.shape[0] // groups, w4.shape[1]
     block = tile.shape[1]
     for n in range(n_dim):
-        pack_columns(x[n], kh, kw, sh, sw, pt, pl, dh, dw, oh_dim, ow_dim, offset, k_per_word, x4)
         dst = out[n]
-        for block0 in range(0, s_dim, block):
-            block_end = min(s_dim, block0 + block)
-            full_end = block0 + (block_end - block0) // strip * strip
-            for m0 in range(0, m_pad, TILE_ROWS):
-                for col0 in range(block0, full_end, strip):
-                    _tile(isa_code, True, x4, w4, tile, kq_dim, col0 - block0, col0, m0)
-                for col0 in range(full_end, block_end, lanes):
-                    _tile(isa_code, False, x4, w4, tile, kq_dim, col0 - block0, col0, m0)
-                _store_rows(tile, min(TILE_ROWS, m_dim - m0), block_end - block0, correction, dst, m0, block0, mode,
-                            fast, mult, shift, scale, lo, hi)
+        for g in range(groups):
+            pack_columns(x[n, g * c_group:(g + 1) * c_group], kh, kw, sh, sw, pt, pl, dh, dw, oh_dim, ow_dim, offset,
+                         k_per_word, x4)
+            for block0 in range(0, s_dim, block):
+                block_end = min(s_dim, block0 + block)
+                full_end = block0 + (block_end - block0) // strip * strip
+                for m0 in range(0, m_group_pad, TILE_ROWS):
+                    w_row = g * m_group_pad + m0
+                    for col0 in range(block0, full_end, strip):
+                        _tile(isa_code, True, x4, w4, tile, kq_dim, col0 - block0, col0, w_row)
+                    for col0 in range(full_end, block_end, lanes):
+                        _tile(isa_code, False, x4, w4, tile, kq_dim, col0 - block0, col0, w_row)
+                    _store_rows(tile, min(TILE_ROWS, m_group - m0), block_end - block0, correction, dst,
+                                g * m_group + m0, block0, mode, fast, mult, shift, scale, lo, hi)
 
 
 ONE_BY_ONE = ((1, 1), (1, 1), (0, 0, 0, 0), (1, 1))
@@ -318,8 +324,8 @@ ONE_BY_ONE = ((1, 1), (1, 1), (0, 0, 0, 0), (1, 1))
 def conv(packed: PackedWeights, x: np.ndarray, window: tuple, output_size: tuple[int, int], bias: np.ndarray,
          scratch: dict, requant: PlaneParameters | None = None, lo: int = 0, hi: int = 0) -> np.ndarray:
     """acc[n, m, s] = sum_k w[m, k] * cols[n, k, s] + bias[m] with cols the im2col rows (eq. 9) of x (N, C, H, W)
-    int8/uint8 for window = (kernel, strides, pads, dilations) and output_size (OH, OW), never written out: each
-    image's rows are packed straight from x. Int32 (N, M, OH*OW; the caller has checked that every exact value
+    int8/uint8 for window = (kernel, strides, pads, dilations) and output_size (OH, OW), of the group of channel m
+    (packed.groups), never written out: each image's rows are packed straight from x. Int32 (N, M, OH*OW; the caller has checked that every exact value
     fits int32), or, with requant, acc requantized and clamped to [lo, hi] (requantize's output_dtype: int8, uint8,
     or int32 for an output left wide), never stored as an accumulator. scratch: the caller's reusable buffers
     (kernels.gemm._scratch)."""
@@ -344,9 +350,9 @@ def conv(packed: PackedWeights, x: np.ndarray, window: tuple, output_size: tuple
     else:
         out = np.empty((n_dim, m_dim, s_dim), output_dtype(lo, hi))
         params = requant
-    gemm_int8(isa.code, isa.lanes, isa.strip, isa.k_per_word, packed.words, np.ascontiguousarray(x), kh, kw, sh, sw,
-              pt, pl, dh, dw, oh_dim, ow_dim, offset, correction, x4, tile, out, params.mode, params.fast, params.mult,
-              params.shift, params.scale, np.int64(lo), np.int64(hi))
+    gemm_int8(isa.code, isa.lanes, isa.strip, isa.k_per_word, packed.words, packed.groups, np.ascontiguousarray(x), kh,
+              kw, sh, sw, pt, pl, dh, dw, oh_dim, ow_dim, offset, correction, x4, tile, out, params.mode, params.fast,
+              params.mult, params.shift, params.scale, np.int64(lo), np.int64(hi))
     return out
 
 
