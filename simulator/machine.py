@@ -280,8 +280,8 @@ class Machine:
     def _conv(self, instr: Instruction, x: np.ndarray, need_acc: bool):
         """(y NCHW, acc (N, OH*OW, M) or None, events). acc of the depthwise and planar methods is a view of
         NCHW-ordered memory (requantize keeps that layout, so y needs no transpose) and may be this thread's
-        scratch. Without need_acc, a planar plan with a fused output stage (_GemmPlan.fused) runs im2col, the GEMM
-        and the Requantize step in one kernel (kernels.int8_simd.conv) and returns acc None."""
+        scratch. Without need_acc, a planar or grouped plan with a fused output stage (_GemmPlan.fused) runs im2col,
+        the GEMM and the Requantize step in one kernel (kernels.int8_simd.conv) and returns acc None."""
         plan = self.plans[instr.name]
         n = x.shape[0]
         kernel, strides, pads, dilations = instr.kernel, instr.strides, instr.pads, instr.dilations
