@@ -7,8 +7,8 @@ With im2col the depthwise layer is G GEMMs of K = kh*kw (design.md section 4): f
 
 with tap t = i*kw + j ascending (the GEMM's k order (c, kh, kw) for a single channel), ih = oh*sh - top + i*dh,
 iw = ow*sw - left + j*dw, and x = 0 at padding. These kernels compute the same register without materialising
-the kh*kw-fold im2col matrix; the padding taps are skipped, which changes nothing: their product is 0, and
-adding 0 to a register inside [lo, hi] neither wraps nor clamps.
+the kh*kw-fold im2col matrix; the padding taps are skipped or multiplied as 0, which changes nothing: their
+product is 0, and adding 0 to a register inside [lo, hi] neither wraps nor clamps.
 
 - wrap (or saturate when the worst-case bound K * max|x| * max|w| + max|bias| <= 2^(b-1) - 1 proves that no
   addition clamps): the exact sum, then wrap_b. The taps are summed in int32 registers, exactly: the code
@@ -18,10 +18,25 @@ adding 0 to a register inside [lo, hi] neither wraps nor clamps.
   outside the register (every channel of a real network, except those with a saturated bias), the sum is
   stored with a plain add and no event. Events: outputs whose exact value lies outside [lo, hi]
   (order-independent), as the GEMM counts them.
-  Two loop orders, chosen by plane size only: per (n, c) plane with zero-padded phase planes (one vectorised
-  multiply-add run per tap, any stride), and, for planes of at most CHANNELS_LAST_PIXELS output pixels with
-  8 channels or more (14 x 14, 7 x 7), channels last (one vectorised multiply-add over the channels per pixel
-  and tap). The output is NCHW either way.
+  Taps in pairs: x (int8 or uint8) and w (int8) fit int16, and a product fits int16 too (|x*w| <= 255*128 =
+  32640), so two horizontally adjacent taps (i, j) and (i, j+1) are one multiply-add of int16 pairs: an int32
+  word holds (x[ih, iw], x[ih, iw + dw]) in its low and high halves and the pair weight is (w[c, t], w[c, t+1])
+  (an odd kw pairs its last tap with a zero weight). Three pairs are summed per pass over the outputs, into
+  int32 (x86 compiles this to vpmaddwd, or vpdpwssd with AVX-512 VNNI; any other CPU gets the same integers).
+  Four methods, chosen by geometry only (every one exact, tests/test_sim_depthwise.py):
+  - flat (stride 1, output the size of the input, at least FLAT_PIXELS pixels: EfficientNet's "same" 3x3 and
+    5x5 layers): each plane is one flat run of H*W pairs with zero rows above and below; output o = oh*W + ow
+    reads pair o + (i*dh - top)*W + j*dw - left for every tap, and a per-column mask zeroes the halves whose
+    column falls outside the row (the left and right padding). Every loop runs over the whole plane (no row
+    loops: a row of 7..112 values is too short for 16-lane vectors), and the last pass writes out + bias.
+  - phase (any other stride, dilation and padding): each plane is copied into zero-padded phase planes of
+    pairs, phase (a, b) holding the padded rows a, a+sh, ... and the pair columns b, b+sw, ..., so every tap pair
+    reads one contiguous "wide" run (OH rows of wq; the columns ow >= OW are computed and dropped). Stride 2
+    with dw = 1 needs no pairing: the adjacent columns 2q, 2q+1 of a padded row already are the pair.
+  - channels last, for planes of at most CHANNELS_LAST_PIXELS output pixels with 8 channels or more (the
+    14 x 14 stride-2 and 7 x 7 layers): one vectorised multiply-add over the channels per pixel and tap.
+  - direct, when the wide run would more than double the work (wq > 2*OW, e.g. a global pool on few channels).
+  The output is NCHW in every method.
 - saturate otherwise: one int64 register per output, clamped at every addition in tap order, bias last; the
   events are the clamping additions, as the K-ordered GEMM counts them.
 
@@ -64,64 +79,130 @@ def _finish_row(sums, bias, lo, hi, in_range, dst):
 
 
 @njit(cache=True, nogil=True)
-def depthwise_exact_kernel(x, w, bias, kh, kw, sh, sw, pt, pl, dh, dw, lo, hi, in_range, register, out):
-    """out[n, c, oh, ow] = wrap_b(sum over taps of x*w + bias[c]) for x (N, C, H, W) int8/uint8, w (C, kh*kw)
-    int8, bias (C,) int64, out (N, C, OH, OW) int32 (b <= 32) or int64; returns the outputs whose exact value
-    lies outside [lo, hi] (none in a channel c with in_range[c]: the caller's bound rules them out there). The
-    taps are summed in registers of `register`'s dtype (int32 or int64), exact because the caller checked
-    K * max|x| * max|w| against that type; the bias is added in int64 (in_range[c]: in out's type).
+def _pack(lo_value, hi_value):
+    """The int32 word holding two int16 values: lo_value in the low half, hi_value in the high half."""
+    return (np.int32(hi_value) << 16) | (np.int32(lo_value) & 0xFFFF)
 
-    Layout: each input plane is copied into sh*sw zero-padded phase planes, phase (a, b) holding the padded
-    rows a, a+sh, ... and columns b, b+sw, ... (hq rows of wq). Input (oh*sh + i*dh, ow*sw + j*dw) of the
-    padded plane is element (oh + (i*dh)//sh, ow + (j*dw)//sw) of phase ((i*dh)%sh, (j*dw)%sw), so for every
-    tap the OH x wq "wide" output (columns ow >= OW are computed and dropped) is one contiguous run of a phase
-    plane: one vectorised multiply-add loop per tap, whatever the stride. The padding positions are the same
-    for every plane, so the buffer is zeroed once and each plane writes only its interior. When the wide
-    output would more than double the work (wq > 2*OW, e.g. a global pool), each output is summed directly.
+
+@njit(cache=True, nogil=True)
+def _pair_dot(v, weight_lo, weight_hi):
+    """The int16 halves of the int32 word v times their weights, summed: exact in int32 (|.| <= 2 * 32640)."""
+    return np.int32(np.int16(v)) * weight_lo + (v >> 16) * weight_hi
+
+
+@njit(cache=True, nogil=True)
+def depthwise_flat_kernel(x, w_lo, w_hi, pair_start, pair_mask, masks, margin, dw, bias, lo, hi, in_range, register,
+                          out):
+    """The flat method of the module docstring, for stride 1 and OH = H, OW = W. x (N, C, H, W) int8/uint8; w_lo,
+    w_hi (C, P) int16: the weights of the left and right tap of each pair, P a multiple of 3 (zero pairs at the
+    end); pair p of output o = oh*W + ow is word pair_start[p] + o of the pairs run, masked by masks[pair_mask[p],
+    o] (0xFFFF keeps a low half, 0xFFFF0000 a high one). The run holds margin zero words, then the words
+    (x[m], x[m + dw]) for the flat positions m of the plane (x = 0 outside it), then margin zero words; only the
+    words m in [-dw, H*W) change from plane to plane. in_range, register, lo, hi, out and the returned events
+    as in depthwise_phase_kernel."""
+    n_dim, c_dim, h_dim, w_dim = x.shape
+    size = h_dim * w_dim
+    n_pairs = w_lo.shape[1]
+    run = np.zeros(size + 2 * margin, np.int32)
+    inner = run[margin - dw:margin + size]  # words m = -dw .. size - 1
+    acc = np.empty(size, register.dtype)
+    events = 0
+    for nc in range(n_dim * c_dim):
+        n, c = nc // c_dim, nc % c_dim
+        plane = x[n, c].reshape(size)
+        both = max(size - dw, 0)
+        lo_src = plane[:both]
+        hi_src = plane[dw:]
+        body = inner[dw:]
+        for m in range(both):
+            body[m] = _pack(lo_src[m], hi_src[m])
+        for m in range(both, size):  # the right partner beyond the plane
+            body[m] = _pack(plane[m], 0)
+        for m in range(min(dw, size)):  # word m - dw: (padding, x[m])
+            inner[m] = _pack(0, plane[m])
+        bias_c = bias[c]
+        fused = in_range[c]  # no event possible: the last pass adds the bias and stores
+        dst = out[n, c].reshape(size)
+        for p in range(0, n_pairs, 3):
+            s0 = run[pair_start[p]:pair_start[p] + size]
+            s1 = run[pair_start[p + 1]:pair_start[p + 1] + size]
+            s2 = run[pair_start[p + 2]:pair_start[p + 2] + size]
+            m0, m1, m2 = masks[pair_mask[p]], masks[pair_mask[p + 1]], masks[pair_mask[p + 2]]
+            l0, h0 = np.int32(w_lo[c, p]), np.int32(w_hi[c, p])
+            l1, h1 = np.int32(w_lo[c, p + 1]), np.int32(w_hi[c, p + 1])
+            l2, h2 = np.int32(w_lo[c, p + 2]), np.int32(w_hi[c, p + 2])
+            first, last = p == 0, p + 3 == n_pairs
+            # _pair_dot written out: called here, the masked words lose the vectorised multiply-add (measured)
+            for o in range(size):
+                v0, v1, v2 = s0[o] & m0[o], s1[o] & m1[o], s2[o] & m2[o]
+                part = (np.int32(np.int16(v0)) * l0 + (v0 >> 16) * h0 + np.int32(np.int16(v1)) * l1
+                        + (v1 >> 16) * h1 + np.int32(np.int16(v2)) * l2 + (v2 >> 16) * h2)
+                if not first:
+                    part += acc[o]
+                if last and fused:
+                    dst[o] = part + bias_c
+                else:
+                    acc[o] = part
+        if not fused:
+            events += _finish_row(acc, bias_c, lo, hi, False, dst)
+    return events
+
+
+@njit(cache=True, nogil=True)
+def _pack_row(src, sw, dw, first_col, count, dst):
+    """dst[k] = the word (src[first_col + k*sw], src[first_col + k*sw + dw]) for k < count, both inside src."""
+    lo_src = src[first_col:]
+    hi_src = src[first_col + dw:]
+    for k in range(count):
+        dst[k] = _pack(lo_src[k * sw], hi_src[k * sw])
+
+
+@njit(cache=True, nogil=True)
+def depthwise_phase_kernel(x, w_lo, w_hi, pair_start, bias, kh, kw, sh, sw, pt, pl, dh, dw, lo, hi, in_range,
+                           register, out):
+    """out[n, c, oh, ow] = wrap_b(sum over taps of x*w + bias[c]) for x (N, C, H, W) int8/uint8, w_lo, w_hi
+    (C, P) int16 (as depthwise_flat_kernel's), bias (C,) int64, out (N, C, OH, OW) int32 (b <= 32) or int64;
+    returns the outputs whose exact value lies outside [lo, hi] (none in a channel c with in_range[c]: the
+    caller's bound rules them out there). The pair sums are accumulated in registers of `register`'s dtype
+    (int32 or int64), exact because the caller checked K * max|x| * max|w| against that type; the bias is added
+    in int64 (in_range[c]: in out's type).
+
+    The phase method of the module docstring: phase (a, b) (PHASE_COLUMNS(sw, dw) column phases b) of hq rows of
+    wq words holds the words (xp[rq*sh + a, q*sw + b], xp[rq*sh + a, q*sw + b + dw]) of the zero-padded plane xp;
+    output (oh, ow) of the wide run o = oh*wq + ow reads pair p at word pair_start[p] + o (the phase's start,
+    plus (i*dh)//sh rows and (j*dw)//sw columns for its left tap (i, j)). The padding positions are the same for
+    every plane, so the buffer is zeroed once and each plane writes only the words that hold some of x.
     Serial and without the GIL: the machine runs slices of the batch in parallel threads."""
     n_dim, c_dim, h_dim, w_dim = x.shape
     oh_dim, ow_dim = out.shape[2], out.shape[3]
-    k_dim = kh * kw
-    hq = oh_dim + ((kh - 1) * dh) // sh  # rows and columns of a phase plane that the taps read
+    n_pairs = w_lo.shape[1]
+    hq = oh_dim + ((kh - 1) * dh) // sh
     wq = ow_dim + ((kw - 1) * dw) // sw
     phase_size = hq * wq
     span = oh_dim * wq
-    direct = wq > 2 * ow_dim
-    events = 0
-    if direct:
-        sums = np.empty(ow_dim, register.dtype)
-        for nc in range(n_dim * c_dim):
-            n, c = nc // c_dim, nc % c_dim
-            for oh in range(oh_dim):
-                for ow in range(ow_dim):
-                    total = np.int64(0)  # exact: |sum| <= K * 2^16
-                    for i in range(kh):
-                        ih = oh * sh - pt + i * dh
-                        if 0 <= ih < h_dim:
-                            for j in range(kw):
-                                iw = ow * sw - pl + j * dw
-                                if 0 <= iw < w_dim:
-                                    total += x[n, c, ih, iw] * w[c, i * kw + j]
-                    sums[ow] = total
-                events += _finish_row(sums, bias[c], lo, hi, in_range[c], out[n, c, oh])
-        return events
-    # Phase (a, b), row rq, column q holds padded input (rq*sh + a, q*sw + b) = x[., ., rq*sh + a - pt,
-    # q*sw + b - pl]. For each column phase b the columns q inside x are [q_first[b], q_last[b]), the same for
-    # every row and plane.
-    q_first = np.empty(sw, np.int64)
-    q_last = np.empty(sw, np.int64)
+    column_phases = _phase_columns(sw, dw)
+    # Row copies into int16 (no pairing loop): sw = 1 pairs a padded plane afterwards, in one flat loop;
+    # sw = 2, dw = 1 needs none (the words of a padded int16 row are its column pairs).
+    stride_one, stride_two = sw == 1, sw == 2 and dw == 1
+    n_words = sh * column_phases * phase_size + wq  # + wq: the last wide row reads past hq*wq
+    halves = np.zeros(2 * n_words, np.int16)
+    words = halves.view(np.int32)
+    padded = np.zeros(n_words + dw if stride_one else 0, np.int16)
+    row_width = min(w_dim, wq - pl) if stride_one else min(w_dim, 2 * wq - pl)  # columns of x in a padded row
+    # Otherwise, for each column phase b: words q with both columns inside x, [both_first, both_last), and with
+    # at least one inside, [any_first, any_last); the same for every row and plane.
+    any_first = np.empty(sw, np.int64)
+    any_last = np.empty(sw, np.int64)
+    both_first = np.empty(sw, np.int64)
+    both_last = np.empty(sw, np.int64)
     for b in range(sw):
-        offset = b - pl  # iw = q*sw + offset
-        q_first[b] = min(max(-(offset // sw), 0), wq)  # ceil(-offset / sw)
-        q_last[b] = min(max(-((offset - w_dim) // sw), q_first[b]), wq)  # ceil((W - offset) / sw)
-    phases = np.zeros(sh * sw * phase_size + wq, register.dtype)  # + wq: the last wide row reads past hq*wq
+        offset = b - pl  # the left column of word q is iw = q*sw + offset, the right one iw + dw
+        any_first[b] = min(max(-((offset + dw) // sw), 0), wq)  # ceil(-(offset + dw) / sw)
+        any_last[b] = min(max(-((offset - w_dim) // sw), any_first[b]), wq)  # ceil((W - offset) / sw)
+        both_first[b] = min(max(-(offset // sw), any_first[b]), any_last[b])
+        both_last[b] = min(max(-((offset + dw - w_dim) // sw), both_first[b]), any_last[b])
     acc = np.empty(span, register.dtype)
-    taps = np.empty(k_dim, register.dtype)
-    starts = np.empty(k_dim, np.int64)
-    for i in range(kh):
-        for j in range(kw):
-            starts[i * kw + j] = (((i * dh) % sh * sw + (j * dw) % sw) * phase_size + (i * dh) // sh * wq
-                                  + (j * dw) // sw)
+    events = 0
     for nc in range(n_dim * c_dim):
         n, c = nc // c_dim, nc % c_dim
         for ih in range(h_dim):
@@ -129,28 +210,140 @@ def depthwise_exact_kernel(x, w, bias, kh, kw, sh, sw, pt, pl, dh, dw, lo, hi, i
             rq = r // sh
             if rq >= hq:
                 continue  # a row below every window (the output size floors)
-            src = x[n, c, ih]
+            row = x[n, c, ih]
+            base = (r % sh) * column_phases * phase_size + rq * wq
+            if stride_one or stride_two:
+                dst16 = padded[base + pl:] if stride_one else halves[2 * base + pl:]
+                for k in range(row_width):
+                    dst16[k] = row[k]
+                continue
             for b in range(sw):
-                first, last = q_first[b], q_last[b]
-                start = ((r % sh) * sw + b) * phase_size + rq * wq + first
-                dst = phases[start:start + last - first]
-                row = src[first * sw + b - pl:]
-                for q in range(last - first):
-                    dst[q] = row[q * sw]
-        for t in range(k_dim):
-            taps[t] = w[c, t]
-        src = phases[starts[0]:starts[0] + span]
-        tap = taps[0]
-        for o in range(span):
-            acc[o] = src[o] * tap
-        for t in range(1, k_dim):
-            src = phases[starts[t]:starts[t] + span]
-            tap = taps[t]
-            for o in range(span):
-                acc[o] += src[o] * tap
+                offset = b - pl
+                first, last = both_first[b], both_last[b]
+                row_base = base + b * phase_size
+                if last > first:
+                    _pack_row(row, sw, dw, first * sw + offset, last - first, words[row_base + first:row_base + last])
+                for k in range(any_first[b], any_last[b] - last + first):  # the words half in x
+                    q = k if k < first else k - first + last
+                    col = q * sw + offset
+                    left = row[col] if 0 <= col < w_dim else 0
+                    right = row[col + dw] if 0 <= col + dw < w_dim else 0
+                    words[row_base + q] = _pack(left, right)
+        if stride_one:
+            lo_src = padded[:n_words]
+            hi_src = padded[dw:]
+            for m in range(n_words):
+                words[m] = _pack(lo_src[m], hi_src[m])
+        for p in range(0, n_pairs, 3):
+            s0 = words[pair_start[p]:pair_start[p] + span]
+            s1 = words[pair_start[p + 1]:pair_start[p + 1] + span]
+            s2 = words[pair_start[p + 2]:pair_start[p + 2] + span]
+            l0, h0 = np.int32(w_lo[c, p]), np.int32(w_hi[c, p])
+            l1, h1 = np.int32(w_lo[c, p + 1]), np.int32(w_hi[c, p + 1])
+            l2, h2 = np.int32(w_lo[c, p + 2]), np.int32(w_hi[c, p + 2])
+            if p == 0:
+                for o in range(span):
+                    acc[o] = _pair_dot(s0[o], l0, h0) + _pair_dot(s1[o], l1, h1) + _pair_dot(s2[o], l2, h2)
+            else:
+                for o in range(span):
+                    acc[o] += _pair_dot(s0[o], l0, h0) + _pair_dot(s1[o], l1, h1) + _pair_dot(s2[o], l2, h2)
         bias_c = bias[c]
         for oh in range(oh_dim):
-            events += _finish_row(acc[oh * wq:oh * wq + ow_dim], bias_c, lo, hi, in_range[c], out[n, c, oh])
+            src = acc[oh * wq:]
+            dst = out[n, c, oh]
+            if in_range[c]:
+                for ow in range(ow_dim):
+                    dst[ow] = src[ow] + bias_c
+            else:
+                events += _finish_row(src[:ow_dim], bias_c, lo, hi, False, dst)
+    return events
+
+
+@njit(cache=True, nogil=True)
+def _phase_columns(sw, dw):
+    """Column phases the phase method builds: 1 for sw = 1 and for sw = 2 with dw = 1 (every pair starts on an
+    even padded column), else sw."""
+    return 1 if sw == 1 or (sw == 2 and dw == 1) else sw
+
+
+def pair_weights(w: np.ndarray, kh: int, kw: int) -> tuple[np.ndarray, np.ndarray]:
+    """(w_lo, w_hi) (C, P) int16: pair p = i*ceil(kw/2) + j//2 (j even) joins taps (i, j) and (i, j + 1) (weight 0
+    beyond kw); P = kh*ceil(kw/2) rounded up to a multiple of 3 with zero pairs (three pairs a pass)."""
+    c_dim = w.shape[0]
+    kp = (kw + 1) // 2
+    taps = np.zeros((c_dim, kh, 2 * kp), np.int16)
+    taps[:, :, :kw] = w.reshape(c_dim, kh, kw)
+    n_pairs = kh * kp
+    total = -(-n_pairs // 3) * 3
+    w_lo = np.zeros((c_dim, total), np.int16)
+    w_hi = np.zeros((c_dim, total), np.int16)
+    w_lo[:, :n_pairs] = taps[:, :, 0::2].reshape(c_dim, -1)
+    w_hi[:, :n_pairs] = taps[:, :, 1::2].reshape(c_dim, -1)
+    return w_lo, w_hi
+
+
+def _pair_taps(kh: int, kw: int, n_pairs: int):
+    """(i, left tap column j) of each pair, zero pairs last (they read tap (0, 0) with weights 0)."""
+    taps = [(i, j) for i in range(kh) for j in range(0, kw, 2)]
+    return taps + [(0, 0)] * (n_pairs - len(taps))
+
+
+def flat_tables(h_dim: int, w_dim: int, kh: int, kw: int, pt: int, pl: int, dh: int, dw: int, n_pairs: int):
+    """(pair_start, pair_mask, masks, margin) of depthwise_flat_kernel. Pair (i, j) of output (oh, ow) reads the
+    word of flat position (oh + i*dh - pt)*W + ow + j*dw - pl; its low half is kept where column ow + j*dw - pl
+    lies in [0, W), its high half where ow + (j + 1)*dw - pl does and j + 1 < kw (masks[j // 2] over the plane's
+    outputs). margin covers the rows above and below the plane that any window reaches."""
+    margin = (max(pt, (kh - 1) * dh - pt) + 1) * w_dim + kw * dw + 1  # >= dw: the words [-dw, 0) are in it
+    pairs = _pair_taps(kh, kw, n_pairs)
+    pair_start = np.array([margin + (i * dh - pt) * w_dim + j * dw - pl for i, j in pairs], np.int64)
+    pair_mask = np.array([j // 2 for _, j in pairs], np.int64)
+    ow = np.arange(w_dim)
+    masks = np.empty(((kw + 1) // 2, h_dim * w_dim), np.int32)
+    for j in range(0, kw, 2):
+        left, right = ow + j * dw - pl, ow + (j + 1) * dw - pl
+        keep_left = (left >= 0) & (left < w_dim)
+        keep_right = (right >= 0) & (right < w_dim) & (j + 1 < kw)
+        row = np.where(keep_left, 0xFFFF, 0) | np.where(keep_right, -(1 << 16), 0)  # -(1 << 16): 0xFFFF0000
+        masks[j // 2] = np.tile(row.astype(np.int32), h_dim)
+    return pair_start, pair_mask, masks, margin
+
+
+def phase_starts(kh: int, kw: int, sh: int, sw: int, dh: int, dw: int, oh_dim: int, ow_dim: int,
+                 n_pairs: int) -> np.ndarray:
+    """pair_start of depthwise_phase_kernel: pair (i, j) reads phase ((i*dh) % sh, (j*dw) % sw) (column phase 0
+    when only one is built) from row (i*dh)//sh and word column (j*dw)//sw."""
+    hq = oh_dim + ((kh - 1) * dh) // sh
+    wq = ow_dim + ((kw - 1) * dw) // sw
+    column_phases = 1 if sw == 1 or (sw == 2 and dw == 1) else sw
+    starts = []
+    for i, j in _pair_taps(kh, kw, n_pairs):
+        a, b = (i * dh) % sh, (j * dw) % sw if column_phases > 1 else 0
+        starts.append((a * column_phases + b) * hq * wq + (i * dh) // sh * wq + (j * dw) // sw)
+    return np.array(starts, np.int64)
+
+
+@njit(cache=True, nogil=True)
+def depthwise_direct_kernel(x, w, bias, kh, kw, sh, sw, pt, pl, dh, dw, lo, hi, in_range, out):
+    """The same sums as depthwise_phase_kernel, each output summed on its own (taps inside x only), for windows
+    whose wide run would more than double the work (wq > 2*OW: a pool over a whole small plane)."""
+    n_dim, c_dim, h_dim, w_dim = x.shape
+    oh_dim, ow_dim = out.shape[2], out.shape[3]
+    sums = np.empty(ow_dim, np.int64)
+    events = 0
+    for nc in range(n_dim * c_dim):
+        n, c = nc // c_dim, nc % c_dim
+        for oh in range(oh_dim):
+            for ow in range(ow_dim):
+                total = np.int64(0)  # exact: |sum| <= K * 2^16
+                for i in range(kh):
+                    ih = oh * sh - pt + i * dh
+                    if 0 <= ih < h_dim:
+                        for j in range(kw):
+                            iw = ow * sw - pl + j * dw
+                            if 0 <= iw < w_dim:
+                                total += x[n, c, ih, iw] * w[c, i * kw + j]
+                sums[ow] = total
+            events += _finish_row(sums, bias[c], lo, hi, in_range[c], out[n, c, oh])
     return events
 
 
@@ -199,6 +392,7 @@ def depthwise_channels_last_kernel(x, taps, bias, kh, kw, sh, sw, pt, pl, dh, dw
 
 
 CHANNELS_LAST_PIXELS = 256  # planes of at most this many output pixels (14 x 14, 7 x 7) go channels last
+FLAT_PIXELS = 100  # "same" stride-1 planes of at least this many pixels (14 x 14 and up) go flat, even if small
 
 
 @njit(cache=True, nogil=True)
@@ -284,11 +478,21 @@ def depthwise_conv(x: np.ndarray, w: np.ndarray, bias=None, kernel_shape: Sequen
     # int32 tap registers while the tap sums provably fit (K * 2^15 < 2^31 for int8), else int64
     register = np.dtype(np.int32 if taps_bound <= INT32_EXACT else np.int64)
     in_range = channels_in_range(kh * kw, x_max, w_rows_max, bias_c, min(hi, INT32_EXACT))  # no wrap, no events
-    if oh_dim * ow_dim > CHANNELS_LAST_PIXELS or c_dim < 8:
-        out = np.empty((n_dim, c_dim, oh_dim, ow_dim), acc_dtype)
-        events = depthwise_exact_kernel(*args, in_range, np.empty(0, register), out)
-        return out, int(events)
     out = np.empty((n_dim, c_dim, oh_dim, ow_dim), acc_dtype)
+    if sh == sw == 1 and (oh_dim, ow_dim) == (h_dim, w_dim) and oh_dim * ow_dim >= FLAT_PIXELS:
+        w_lo, w_hi = pair_weights(w, kh, kw)
+        pair_start, pair_mask, masks, margin = flat_tables(h_dim, w_dim, kh, kw, pt, pl, dh, dw, w_lo.shape[1])
+        events = depthwise_flat_kernel(x, w_lo, w_hi, pair_start, pair_mask, masks, margin, dw, bias_c, np.int64(lo),
+                                       np.int64(hi), in_range, np.empty(0, register), out)
+        return out, int(events)
+    if oh_dim * ow_dim > CHANNELS_LAST_PIXELS or c_dim < 8:
+        if ow_dim + ((kw - 1) * dw) // sw > 2 * ow_dim:
+            events = depthwise_direct_kernel(*args, in_range, out)
+            return out, int(events)
+        w_lo, w_hi = pair_weights(w, kh, kw)
+        pair_start = phase_starts(kh, kw, sh, sw, dh, dw, oh_dim, ow_dim, w_lo.shape[1])
+        events = depthwise_phase_kernel(x, w_lo, w_hi, pair_start, *args[2:], in_range, np.empty(0, register), out)
+        return out, int(events)
     events = depthwise_channels_last_kernel(np.ascontiguousarray(x.transpose(0, 2, 3, 1)),
                                             np.ascontiguousarray(w.T, dtype=register), *args[2:],
                                             bool(in_range.all()), out)
