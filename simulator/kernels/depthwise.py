@@ -91,52 +91,59 @@ def _pair_dot(v, weight_lo, weight_hi):
 
 
 @njit(cache=True, nogil=True)
-def depthwise_flat_kernel(x, w_lo, w_hi, pair_start, pair_mask, masks, margin, dw, bias, lo, hi, in_range, register,
+def depthwise_flat_kernel(x, w_lo, w_hi, pair_start, column_shift, masks, pt, dw, bias, lo, hi, in_range, register,
                           out):
     """The flat method of the module docstring, for stride 1 and OH = H, OW = W. x (N, C, H, W) int8/uint8; w_lo,
     w_hi (C, P) int16: the weights of the left and right tap of each pair, P a multiple of 3 (zero pairs at the
-    end); pair p of output o = oh*W + ow is word pair_start[p] + o of the pairs run, masked by masks[pair_mask[p],
-    o] (0xFFFF keeps a low half, 0xFFFF0000 a high one). The run holds margin zero words, then the words
-    (x[m], x[m + dw]) for the flat positions m of the plane (x = 0 outside it), then margin zero words; only the
-    words m in [-dw, H*W) change from plane to plane. in_range, register, lo, hi, out and the returned events
-    as in depthwise_phase_kernel."""
+    end). Per plane, one run of words per pair column j: run J = j // 2 holds, for the flat positions k =
+    r*W + ow of the rows r in [-pt, H + bottom), the word (x[k + s], x[k + s + dw]) with s = column_shift[J] =
+    j*dw - left (x = 0 outside the plane) and masks[J, k mod W] applied (0xFFFF keeps a low half, 0xFFFF0000
+    a high one: a half whose column falls outside [0, W) becomes the padding's 0). Pair p of output
+    o = oh*W + ow is then word pair_start[p] + o of the runs (the run of its column, i*dh rows down). Only the
+    words with k + s + dw >= 0 and k + s < H*W change from plane to plane; the others stay 0. in_range,
+    register, lo, hi, out and the returned events as in depthwise_phase_kernel."""
     n_dim, c_dim, h_dim, w_dim = x.shape
     size = h_dim * w_dim
     n_pairs = w_lo.shape[1]
-    run = np.zeros(size + 2 * margin, np.int32)
-    inner = run[margin - dw:margin + size]  # words m = -dw .. size - 1
+    columns, run_size = masks.shape
+    runs = np.zeros(columns * run_size, np.int32)
     acc = np.empty(size, register.dtype)
     events = 0
     for nc in range(n_dim * c_dim):
         n, c = nc // c_dim, nc % c_dim
         plane = x[n, c].reshape(size)
-        both = max(size - dw, 0)
-        lo_src = plane[:both]
-        hi_src = plane[dw:]
-        body = inner[dw:]
-        for m in range(both):
-            body[m] = _pack(lo_src[m], hi_src[m])
-        for m in range(both, size):  # the right partner beyond the plane
-            body[m] = _pack(plane[m], 0)
-        for m in range(min(dw, size)):  # word m - dw: (padding, x[m])
-            inner[m] = _pack(0, plane[m])
+        for column in range(columns):
+            shift = column_shift[column]
+            run = runs[column * run_size:(column + 1) * run_size]
+            mask = masks[column]
+            # run word k' = k + pt*W reads x[k + shift] and x[k + shift + dw]: both inside for k' in [first, last)
+            first = min(max(pt * w_dim - shift, 0), run_size)
+            last = min(max(pt * w_dim - shift + size - dw, first), run_size)
+            lo_src = plane[first - pt * w_dim + shift:]
+            hi_src = plane[first - pt * w_dim + shift + dw:]
+            body = run[first:last]
+            body_mask = mask[first:last]
+            for k in range(last - first):
+                body[k] = _pack(lo_src[k], hi_src[k]) & body_mask[k]
+            for k in range(max(first - dw, 0), first):  # the left partner before the plane
+                m = k - pt * w_dim + shift + dw
+                run[k] = _pack(0, plane[m] if 0 <= m < size else 0) & mask[k]
+            for k in range(last, min(last + dw, run_size)):  # the right partner beyond the plane
+                m = k - pt * w_dim + shift
+                run[k] = _pack(plane[m] if 0 <= m < size else 0, 0) & mask[k]
         bias_c = bias[c]
         fused = in_range[c]  # no event possible: the last pass adds the bias and stores
         dst = out[n, c].reshape(size)
         for p in range(0, n_pairs, 3):
-            s0 = run[pair_start[p]:pair_start[p] + size]
-            s1 = run[pair_start[p + 1]:pair_start[p + 1] + size]
-            s2 = run[pair_start[p + 2]:pair_start[p + 2] + size]
-            m0, m1, m2 = masks[pair_mask[p]], masks[pair_mask[p + 1]], masks[pair_mask[p + 2]]
+            s0 = runs[pair_start[p]:pair_start[p] + size]
+            s1 = runs[pair_start[p + 1]:pair_start[p + 1] + size]
+            s2 = runs[pair_start[p + 2]:pair_start[p + 2] + size]
             l0, h0 = np.int32(w_lo[c, p]), np.int32(w_hi[c, p])
             l1, h1 = np.int32(w_lo[c, p + 1]), np.int32(w_hi[c, p + 1])
             l2, h2 = np.int32(w_lo[c, p + 2]), np.int32(w_hi[c, p + 2])
             first, last = p == 0, p + 3 == n_pairs
-            # _pair_dot written out: called here, the masked words lose the vectorised multiply-add (measured)
             for o in range(size):
-                v0, v1, v2 = s0[o] & m0[o], s1[o] & m1[o], s2[o] & m2[o]
-                part = (np.int32(np.int16(v0)) * l0 + (v0 >> 16) * h0 + np.int32(np.int16(v1)) * l1
-                        + (v1 >> 16) * h1 + np.int32(np.int16(v2)) * l2 + (v2 >> 16) * h2)
+                part = _pair_dot(s0[o], l0, h0) + _pair_dot(s1[o], l1, h1) + _pair_dot(s2[o], l2, h2)
                 if not first:
                     part += acc[o]
                 if last and fused:
@@ -289,23 +296,24 @@ def _pair_taps(kh: int, kw: int, n_pairs: int):
 
 
 def flat_tables(h_dim: int, w_dim: int, kh: int, kw: int, pt: int, pl: int, dh: int, dw: int, n_pairs: int):
-    """(pair_start, pair_mask, masks, margin) of depthwise_flat_kernel. Pair (i, j) of output (oh, ow) reads the
-    word of flat position (oh + i*dh - pt)*W + ow + j*dw - pl; its low half is kept where column ow + j*dw - pl
-    lies in [0, W), its high half where ow + (j + 1)*dw - pl does and j + 1 < kw (masks[j // 2] over the plane's
-    outputs). margin covers the rows above and below the plane that any window reaches."""
-    margin = (max(pt, (kh - 1) * dh - pt) + 1) * w_dim + kw * dw + 1  # >= dw: the words [-dw, 0) are in it
+    """(pair_start, column_shift, masks) of depthwise_flat_kernel. Pair (i, j) of output (oh, ow) reads flat
+    position (oh + i*dh - pt)*W + ow + j*dw - pl: run j // 2 (column_shift j*dw - pl) at k = o + (i*dh - pt)*W,
+    i.e. word i*dh*W + o of a run that starts at row -pt. Its low half is kept where column ow + j*dw - pl lies
+    in [0, W), its high half where ow + (j + 1)*dw - pl does and j + 1 < kw. A run covers the rows
+    [-pt, H + bottom), bottom = (kh - 1)*dh - pt."""
+    run_size = (pt + h_dim + (kh - 1) * dh - pt) * w_dim
     pairs = _pair_taps(kh, kw, n_pairs)
-    pair_start = np.array([margin + (i * dh - pt) * w_dim + j * dw - pl for i, j in pairs], np.int64)
-    pair_mask = np.array([j // 2 for _, j in pairs], np.int64)
+    pair_start = np.array([(j // 2) * run_size + i * dh * w_dim for i, j in pairs], np.int64)
+    column_shift = np.array([j * dw - pl for j in range(0, kw, 2)], np.int64)
     ow = np.arange(w_dim)
-    masks = np.empty(((kw + 1) // 2, h_dim * w_dim), np.int32)
+    masks = np.empty(((kw + 1) // 2, run_size), np.int32)
     for j in range(0, kw, 2):
         left, right = ow + j * dw - pl, ow + (j + 1) * dw - pl
         keep_left = (left >= 0) & (left < w_dim)
         keep_right = (right >= 0) & (right < w_dim) & (j + 1 < kw)
         row = np.where(keep_left, 0xFFFF, 0) | np.where(keep_right, -(1 << 16), 0)  # -(1 << 16): 0xFFFF0000
-        masks[j // 2] = np.tile(row.astype(np.int32), h_dim)
-    return pair_start, pair_mask, masks, margin
+        masks[j // 2] = np.tile(row.astype(np.int32), run_size // w_dim)
+    return pair_start, column_shift, masks
 
 
 def phase_starts(kh: int, kw: int, sh: int, sw: int, dh: int, dw: int, oh_dim: int, ow_dim: int,
@@ -481,9 +489,9 @@ def depthwise_conv(x: np.ndarray, w: np.ndarray, bias=None, kernel_shape: Sequen
     out = np.empty((n_dim, c_dim, oh_dim, ow_dim), acc_dtype)
     if sh == sw == 1 and (oh_dim, ow_dim) == (h_dim, w_dim) and oh_dim * ow_dim >= FLAT_PIXELS:
         w_lo, w_hi = pair_weights(w, kh, kw)
-        pair_start, pair_mask, masks, margin = flat_tables(h_dim, w_dim, kh, kw, pt, pl, dh, dw, w_lo.shape[1])
-        events = depthwise_flat_kernel(x, w_lo, w_hi, pair_start, pair_mask, masks, margin, dw, bias_c, np.int64(lo),
-                                       np.int64(hi), in_range, np.empty(0, register), out)
+        tables = flat_tables(h_dim, w_dim, kh, kw, pt, pl, dh, dw, w_lo.shape[1])
+        events = depthwise_flat_kernel(x, w_lo, w_hi, *tables, pt, dw, bias_c, np.int64(lo), np.int64(hi), in_range,
+                                       np.empty(0, register), out)
         return out, int(events)
     if oh_dim * ow_dim > CHANNELS_LAST_PIXELS or c_dim < 8:
         if ow_dim + ((kw - 1) * dw) // sw > 2 * ow_dim:
