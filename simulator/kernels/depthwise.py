@@ -212,15 +212,23 @@ def depthwise_phase_kernel(x, w_lo, w_hi, pair_start, bias, kh, kw, sh, sw, pt, 
     events = 0
     for nc in range(n_dim * c_dim):
         n, c = nc // c_dim, nc % c_dim
+        a, rq = pt % sh, pt // sh  # padded row r = ih + pt = rq*sh + a, counted up (no division per row)
         for ih in range(h_dim):
-            r = ih + pt
-            rq = r // sh
+            if ih > 0:
+                a += 1
+                if a == sh:
+                    a, rq = 0, rq + 1
             if rq >= hq:
-                continue  # a row below every window (the output size floors)
+                break  # this row and the next are below every window (the output size floors)
             row = x[n, c, ih]
-            base = (r % sh) * column_phases * phase_size + rq * wq
-            if stride_one or stride_two:
-                dst16 = padded[base + pl:] if stride_one else halves[2 * base + pl:]
+            base = a * column_phases * phase_size + rq * wq
+            if stride_one:
+                dst16 = padded[base + pl:base + pl + row_width]
+                for k in range(row_width):
+                    dst16[k] = row[k]
+                continue
+            if stride_two:
+                dst16 = halves[2 * base + pl:2 * base + pl + row_width]
                 for k in range(row_width):
                     dst16[k] = row[k]
                 continue
