@@ -275,15 +275,16 @@ def depthwise_phase_kernel(x, w_lo, w_hi, pair_start, bias, kh, kw, sh, sw, pt, 
             else:
                 for o in range(span):
                     acc[o] += _pair_dot(s0[o], l0, h0) + _pair_dot(s1[o], l1, h1) + _pair_dot(s2[o], l2, h2)
-        bias_c = bias[c]
-        for oh in range(oh_dim):
-            src = acc[oh * wq:]
-            dst = out[n, c, oh]
-            if in_range[c]:
-                for ow in range(ow_dim):
-                    dst[ow] = src[ow] + bias_c
-            else:
-                events += _finish_row(src[:ow_dim], bias_c, lo, hi, False, dst)
+        events += _store_rows(acc, wq, bias[c], lo, hi, in_range[c], out[n, c])
+    return events
+
+
+@njit(cache=True, nogil=True)
+def _store_rows(acc, wq, bias, lo, hi, in_range, dst):
+    """dst[oh, ow] = wrap_b(acc[oh*wq + ow] + bias) (_finish_row per row of the wide run); returns the events."""
+    events = 0
+    for oh in range(dst.shape[0]):
+        events += _finish_row(acc[oh * wq:oh * wq + dst.shape[1]], bias, lo, hi, in_range, dst[oh])
     return events
 
 
