@@ -91,8 +91,8 @@ def _pair_dot(v, weight_lo, weight_hi):
 
 
 @njit(cache=True, nogil=True)
-def depthwise_flat_kernel(x, w_lo, w_hi, pair_start, column_shift, edge_count, edge_column, edge_mask, run_size, pt,
-                          dw, bias, lo, hi, in_range, register, out):
+def depthwise_flat_kernel(x, w_lo, w_hi, pair_start, column_shift, masks, pt, dw, bias, lo, hi, in_range, register,
+                          out):
     """The flat method of the module docstring, for stride 1 and OH = H, OW = W. x (N, C, H, W) int8/uint8; w_lo,
     w_hi (C, P) int16: the weights of the left and right tap of each pair, P a multiple of 3 (zero pairs at the
     end). Per plane, one run of words per pair column j: run J = j // 2 holds, for the flat positions k =
@@ -105,7 +105,7 @@ def depthwise_flat_kernel(x, w_lo, w_hi, pair_start, column_shift, edge_count, e
     n_dim, c_dim, h_dim, w_dim = x.shape
     size = h_dim * w_dim
     n_pairs = w_lo.shape[1]
-    columns = column_shift.shape[0]
+    columns, run_size = masks.shape
     runs = np.zeros(columns * run_size, np.int32)
     acc = np.empty(size, register.dtype)
     events = 0
@@ -115,24 +115,22 @@ def depthwise_flat_kernel(x, w_lo, w_hi, pair_start, column_shift, edge_count, e
         for column in range(columns):
             shift = column_shift[column]
             run = runs[column * run_size:(column + 1) * run_size]
+            mask = masks[column]
             # run word k' = k + pt*W reads x[k + shift] and x[k + shift + dw]: both inside for k' in [first, last)
             first = min(max(pt * w_dim - shift, 0), run_size)
             last = min(max(pt * w_dim - shift + size - dw, first), run_size)
             lo_src = plane[first - pt * w_dim + shift:]
             hi_src = plane[first - pt * w_dim + shift + dw:]
             body = run[first:last]
+            body_mask = mask[first:last]
             for k in range(last - first):
-                body[k] = _pack(lo_src[k], hi_src[k])
+                body[k] = _pack(lo_src[k], hi_src[k]) & body_mask[k]
             for k in range(max(first - dw, 0), first):  # the left partner before the plane
                 m = k - pt * w_dim + shift + dw
-                run[k] = _pack(0, plane[m] if 0 <= m < size else 0)
+                run[k] = _pack(0, plane[m] if 0 <= m < size else 0) & mask[k]
             for k in range(last, min(last + dw, run_size)):  # the right partner beyond the plane
                 m = k - pt * w_dim + shift
-                run[k] = _pack(plane[m] if 0 <= m < size else 0, 0)
-            for e in range(edge_count[column]):  # the columns with a half outside the row: masked in every row
-                col, mask = edge_column[column, e], edge_mask[column, e]
-                for k in range(col, run_size, w_dim):
-                    run[k] &= mask
+                run[k] = _pack(plane[m] if 0 <= m < size else 0, 0) & mask[k]
         bias_c = bias[c]
         fused = in_range[c]  # no event possible: the last pass adds the bias and stores
         dst = out[n, c].reshape(size)
@@ -328,19 +326,14 @@ def flat_tables(h_dim: int, w_dim: int, kh: int, kw: int, pt: int, pl: int, dh: 
     pair_start = np.array([(j // 2) * run_size + i * dh * w_dim for i, j in pairs], np.int64)
     column_shift = np.array([j * dw - pl for j in range(0, kw, 2)], np.int64)
     ow = np.arange(w_dim)
-    edge_count = np.zeros((kw + 1) // 2, np.int64)
-    edge_column = np.zeros(((kw + 1) // 2, w_dim), np.int64)
-    edge_mask = np.zeros(((kw + 1) // 2, w_dim), np.int32)
+    masks = np.empty(((kw + 1) // 2, run_size), np.int32)
     for j in range(0, kw, 2):
         left, right = ow + j * dw - pl, ow + (j + 1) * dw - pl
         keep_left = (left >= 0) & (left < w_dim)
         keep_right = (right >= 0) & (right < w_dim) & (j + 1 < kw)
         row = np.where(keep_left, 0xFFFF, 0) | np.where(keep_right, -(1 << 16), 0)  # -(1 << 16): 0xFFFF0000
-        edges = np.flatnonzero(row != -1)
-        edge_count[j // 2] = len(edges)
-        edge_column[j // 2, :len(edges)] = edges
-        edge_mask[j // 2, :len(edges)] = row[edges]
-    return pair_start, column_shift, edge_count, edge_column, edge_mask, run_size
+        masks[j // 2] = np.tile(row.astype(np.int32), run_size // w_dim)
+    return pair_start, column_shift, masks
 
 
 def phase_starts(kh: int, kw: int, sh: int, sw: int, dh: int, dw: int, oh_dim: int, ow_dim: int,
