@@ -18,17 +18,20 @@ product is 0, and adding 0 to a register inside [lo, hi] neither wraps nor clamp
   outside the register (every channel of a real network, except those with a saturated bias), the sum is
   stored with a plain add and no event. Events: outputs whose exact value lies outside [lo, hi]
   (order-independent), as the GEMM counts them.
-  Taps in pairs: x (int8 or uint8) and w (int8) fit int16, and a product fits int16 too (|x*w| <= 255*128 =
-  32640), so two horizontally adjacent taps (i, j) and (i, j+1) are one multiply-add of int16 pairs: an int32
-  word holds (x[ih, iw], x[ih, iw + dw]) in its low and high halves and the pair weight is (w[c, t], w[c, t+1])
-  (an odd kw pairs its last tap with a zero weight). Three pairs are summed per pass over the outputs, into
-  int32 (x86 compiles this to vpmaddwd, or vpdpwssd with AVX-512 VNNI; any other CPU gets the same integers).
+  Taps in pairs (flat and phase methods): x (int8 or uint8) and w (int8) fit int16, and so does a product
+  (|x*w| <= 255*128 = 32640), so two horizontally adjacent taps (i, j) and (i, j+1) are read as one int32 word
+  holding (x[ih, iw], x[ih, iw + dw]) in its low and high halves, with the weights (w[c, t], w[c, t+1]) (an odd
+  kw pairs its last tap with a zero weight), and three pairs (six taps) are summed per pass over the outputs,
+  into int32: a sixth of the passes over the accumulator, and int16 multiplies (Numba/LLVM 0.68 on x86 emit
+  vpmaddwd, with AVX-512 VNNI vpdpwssd, one per half word; plain integer code, the same integers on any CPU).
   Four methods, chosen by geometry only (every one exact, tests/test_sim_depthwise.py):
   - flat (stride 1, output the size of the input, at least FLAT_PIXELS pixels: EfficientNet's "same" 3x3 and
-    5x5 layers): each plane is one flat run of H*W pairs with zero rows above and below; output o = oh*W + ow
-    reads pair o + (i*dh - top)*W + j*dw - left for every tap, and a per-column mask zeroes the halves whose
-    column falls outside the row (the left and right padding). Every loop runs over the whole plane (no row
-    loops: a row of 7..112 values is too short for 16-lane vectors), and the last pass writes out + bias.
+    5x5 layers down to 14 x 14): output o = oh*W + ow of a plane reads flat position o + (i*dh - top)*W + j*dw
+    - left for tap (i, j). Per plane and pair column j, one run of words over the rows [-top, H + bottom) holds
+    the pairs of those positions (x = 0 outside the plane) with the halves whose column falls outside the row
+    masked to 0 (the left and right padding); pair (i, j) is then the run of j, i*dh rows down, unmasked. Every
+    loop runs over a whole plane: no row loops, whose 7..112 values are too short for the compiler's vector
+    loops (64 int32 a step with AVX-512), and the last pass adds the bias and stores.
   - phase (any other stride, dilation and padding): each plane is copied into zero-padded phase planes of
     pairs, phase (a, b) holding the padded rows a, a+sh, ... and the pair columns b, b+sw, ..., so every tap pair
     reads one contiguous "wide" run (OH rows of wq; the columns ow >= OW are computed and dropped). Stride 2
@@ -141,12 +144,12 @@ def depthwise_flat_kernel(x, w_lo, w_hi, pair_start, column_shift, masks, pt, dw
             l0, h0 = np.int32(w_lo[c, p]), np.int32(w_hi[c, p])
             l1, h1 = np.int32(w_lo[c, p + 1]), np.int32(w_hi[c, p + 1])
             l2, h2 = np.int32(w_lo[c, p + 2]), np.int32(w_hi[c, p + 2])
-            first, last = p == 0, p + 3 == n_pairs
+            opening, closing = p == 0, p + 3 == n_pairs
             for o in range(size):
                 part = _pair_dot(s0[o], l0, h0) + _pair_dot(s1[o], l1, h1) + _pair_dot(s2[o], l2, h2)
-                if not first:
+                if not opening:
                     part += acc[o]
-                if last and fused:
+                if closing and fused:
                     dst[o] = part + bias_c
                 else:
                     acc[o] = part
@@ -192,7 +195,7 @@ def depthwise_phase_kernel(x, w_lo, w_hi, pair_start, bias, kh, kw, sh, sw, pt, 
     (int32 or int64), exact because the caller checked K * max|x| * max|w| against that type; the bias is added
     in int64 (in_range[c]: in out's type).
 
-    The phase method of the module docstring: phase (a, b) (PHASE_COLUMNS(sw, dw) column phases b) of hq rows of
+    The phase method of the module docstring: phase (a, b) (_phase_columns(sw, dw) column phases b) of hq rows of
     wq words holds the words (xp[rq*sh + a, q*sw + b], xp[rq*sh + a, q*sw + b + dw]) of the zero-padded plane xp;
     output (oh, ow) of the wide run o = oh*wq + ow reads pair p at word pair_start[p] + o (the phase's start,
     plus (i*dh)//sh rows and (j*dw)//sw columns for its left tap (i, j)). The padding positions are the same for
@@ -342,7 +345,7 @@ def phase_starts(kh: int, kw: int, sh: int, sw: int, dh: int, dw: int, oh_dim: i
     when only one is built) from row (i*dh)//sh and word column (j*dw)//sw."""
     hq = oh_dim + ((kh - 1) * dh) // sh
     wq = ow_dim + ((kw - 1) * dw) // sw
-    column_phases = 1 if sw == 1 or (sw == 2 and dw == 1) else sw
+    column_phases = _phase_columns(sw, dw)
     starts = []
     for i, j in _pair_taps(kh, kw, n_pairs):
         a, b = (i * dh) % sh, (j * dw) % sw if column_phases > 1 else 0
@@ -377,7 +380,7 @@ def depthwise_direct_kernel(x, w, bias, kh, kw, sh, sw, pt, pl, dh, dw, lo, hi, 
 
 @njit(cache=True, nogil=True)
 def depthwise_channels_last_kernel(x, taps, bias, kh, kw, sh, sw, pt, pl, dh, dw, lo, hi, all_in_range, out):
-    """The same sums as depthwise_exact_kernel, channels last: x (N, H, W, C) int8/uint8, taps (kh*kw, C) (w
+    """The same sums as depthwise_phase_kernel, channels last: x (N, H, W, C) int8/uint8, taps (kh*kw, C) (w
     transposed, in the register type: int32 or int64, exact as there), bias (C,) int64, out (N, C, OH, OW) as
     there. For each output pixel and each tap inside x, one vectorised multiply-add over the C channels; the
     padding taps are skipped (as there). all_in_range: the caller's bound rules out any value outside [lo, hi]
@@ -470,8 +473,9 @@ def depthwise_conv(x: np.ndarray, w: np.ndarray, bias=None, kernel_shape: Sequen
                    w_max_abs: np.ndarray | None = None) -> tuple[np.ndarray, int]:
     """(acc, events) of the depthwise Conv of x (N, C, H, W) int8/uint8 with w (C, kh*kw) int8 (the ONNX weight
     (C, 1, kh, kw) flattened) and bias (C,) integers (None: 0), as the module docstring states. acc is
-    (N, C, OH, OW), int32 for acc_bits <= 32 else int64 (small planes, <= CHANNELS_LAST_PIXELS output pixels, of
-    8 channels or more are summed channels last, then stored NCHW like the rest). x_max_abs: a bound on |x|; w_max_abs:
+    (N, C, OH, OW), int32 for acc_bits <= 32 else int64, C-contiguous whatever the method (flat: stride 1 and
+    OH*OW = H*W >= FLAT_PIXELS; channels last: other planes of <= CHANNELS_LAST_PIXELS output pixels and 8
+    channels or more; direct: wq > 2*OW; phase: the rest). x_max_abs: a bound on |x|; w_max_abs:
     max|w[c, :]| per channel (gemm.channel_max_abs); both known to the caller (default: measured), used only to
     choose the method."""
     overflow = overflow if isinstance(overflow, Overflow) else Overflow(overflow)
