@@ -49,6 +49,7 @@ twin in simulator/reference.py) and reference.accumulate on the im2col columns (
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Sequence
 
 import numpy as np
@@ -137,6 +138,17 @@ def depthwise_flat_kernel(x, w_lo, w_hi, pair_start, column_shift, masks, pt, dw
         bias_c = bias[c]
         fused = in_range[c]  # no event possible: the last pass adds the bias and stores
         dst = out[n, c].reshape(size)
+        if n_pairs == 6 and fused:  # a 3x3 window: all six pairs in one pass, no accumulator (measured 5-10%)
+            s0, s1, s2 = runs[pair_start[0]:], runs[pair_start[1]:], runs[pair_start[2]:]
+            s3, s4, s5 = runs[pair_start[3]:], runs[pair_start[4]:], runs[pair_start[5]:]
+            l0, l1, l2 = np.int32(w_lo[c, 0]), np.int32(w_lo[c, 1]), np.int32(w_lo[c, 2])
+            l3, l4, l5 = np.int32(w_lo[c, 3]), np.int32(w_lo[c, 4]), np.int32(w_lo[c, 5])
+            h0, h1, h2 = np.int32(w_hi[c, 0]), np.int32(w_hi[c, 1]), np.int32(w_hi[c, 2])
+            h3, h4, h5 = np.int32(w_hi[c, 3]), np.int32(w_hi[c, 4]), np.int32(w_hi[c, 5])
+            for o in range(size):
+                dst[o] = bias_c + (_pair_dot(s0[o], l0, h0) + _pair_dot(s1[o], l1, h1) + _pair_dot(s2[o], l2, h2)
+                                   + _pair_dot(s3[o], l3, h3) + _pair_dot(s4[o], l4, h4) + _pair_dot(s5[o], l5, h5))
+            continue
         for p in range(0, n_pairs, 3):
             s0 = runs[pair_start[p]:pair_start[p] + size]
             s1 = runs[pair_start[p + 1]:pair_start[p + 1] + size]
@@ -318,6 +330,7 @@ def _pair_taps(kh: int, kw: int, n_pairs: int):
     return taps + [(0, 0)] * (n_pairs - len(taps))
 
 
+@lru_cache(maxsize=64)  # pure in its integer arguments: computed once per layer shape
 def flat_tables(h_dim: int, w_dim: int, kh: int, kw: int, pt: int, pl: int, dh: int, dw: int, n_pairs: int):
     """(pair_start, column_shift, masks) of depthwise_flat_kernel. Pair (i, j) of output (oh, ow) reads flat
     position (oh + i*dh - pt)*W + ow + j*dw - pl: run j // 2 (column_shift j*dw - pl) at k = o + (i*dh - pt)*W,
@@ -336,9 +349,12 @@ def flat_tables(h_dim: int, w_dim: int, kh: int, kw: int, pt: int, pl: int, dh: 
         keep_right = (right >= 0) & (right < w_dim) & (j + 1 < kw)
         row = np.where(keep_left, 0xFFFF, 0) | np.where(keep_right, -(1 << 16), 0)  # -(1 << 16): 0xFFFF0000
         masks[j // 2] = np.tile(row.astype(np.int32), run_size // w_dim)
+    for table in (pair_start, column_shift, masks):
+        table.flags.writeable = False  # shared by the cache
     return pair_start, column_shift, masks
 
 
+@lru_cache(maxsize=64)  # pure in its integer arguments: computed once per layer shape
 def phase_starts(kh: int, kw: int, sh: int, sw: int, dh: int, dw: int, oh_dim: int, ow_dim: int,
                  n_pairs: int) -> np.ndarray:
     """pair_start of depthwise_phase_kernel: pair (i, j) reads phase ((i*dh) % sh, (j*dw) % sw) (column phase 0
@@ -350,7 +366,9 @@ def phase_starts(kh: int, kw: int, sh: int, sw: int, dh: int, dw: int, oh_dim: i
     for i, j in _pair_taps(kh, kw, n_pairs):
         a, b = (i * dh) % sh, (j * dw) % sw if column_phases > 1 else 0
         starts.append((a * column_phases + b) * hq * wq + (i * dh) // sh * wq + (j * dw) // sw)
-    return np.array(starts, np.int64)
+    starts = np.array(starts, np.int64)
+    starts.flags.writeable = False  # shared by the cache
+    return starts
 
 
 @njit(cache=True, nogil=True)
