@@ -148,3 +148,60 @@ def test_bad_depthwise_arguments():
         depthwise_conv(x, np.zeros((2, 25), np.int8), None, (5, 5))
     with pytest.raises(ValueError, match="dtype"):
         depthwise_conv(x.astype(np.int16), np.zeros((2, 9), np.int8), None, (3, 3))
+
+
+def random_large_case(rng):
+    """Planes of 10-24 pixels a side on 1-3 channels (the flat and phase methods, not channels last); half of
+    them "same" at stride 1 (the flat method), with any dilation."""
+    while True:
+        h, w = (int(v) for v in rng.integers(10, 25, 2))
+        kernel = tuple(int(v) for v in rng.integers(1, 6, 2))
+        dilations = tuple(int(v) for v in rng.integers(1, 3, 2))
+        if rng.random() < 0.5:
+            strides = (1, 1)
+            total = [(k - 1) * d for k, d in zip(kernel, dilations)]
+            top, left = (int(rng.integers(0, t + 1)) for t in total)
+            pads = (top, left, total[0] - top, total[1] - left)
+        else:
+            strides = tuple(int(v) for v in rng.integers(1, 4, 2))
+            pads = tuple(int(v) for v in rng.integers(0, 4, 4))
+        if (conv_output_size(h, kernel[0], strides[0], pads[0], pads[2], dilations[0]) >= 1
+                and conv_output_size(w, kernel[1], strides[1], pads[1], pads[3], dilations[1]) >= 1):
+            return (int(rng.integers(1, 3)), int(rng.integers(1, 4)), h, w), kernel, strides, pads, dilations
+
+
+@pytest.mark.parametrize("acc_bits, overflow", [(32, "wrap"), (14, "wrap"), (48, "wrap"), (32, "saturate")])
+def test_flat_and_phase_methods_equal_im2col_gemm(acc_bits, overflow):
+    """The pair kernels on larger planes (stride 1 "same": flat; the rest: phase planes, strides 1-3, dilations
+    1-2), int8 and uint8 at their extremes, biases that leave the register: accumulators and events exact."""
+    rng = np.random.default_rng(acc_bits + 3 * len(overflow))
+    for trial in range(16):
+        shape, kernel, strides, pads, dilations = random_large_case(rng)
+        dtype = np.uint8 if trial % 2 == 0 else np.int8
+        info = np.iinfo(dtype)
+        x = rng.integers(info.min, info.max + 1, shape, dtype=dtype)
+        w = rng.integers(-128, 128, (shape[1], kernel[0] * kernel[1]), dtype=np.int8)
+        if trial % 4 == 1:  # every product at its largest: 255 * -128 for uint8, -128 * -128 for int8
+            x[...] = info.max if dtype == np.uint8 else info.min
+            w[...] = -128
+        limit = 1 << min(acc_bits - 1, 40)
+        bias = rng.integers(-limit, limit, shape[1])
+        want, want_events = via_im2col(x, w, bias, kernel, strides, pads, dilations, acc_bits, overflow)
+        got, events = depthwise_conv(x, w, bias, kernel, strides, pads, dilations, acc_bits, overflow)
+        assert_array_equal(got, want, err_msg=f"{shape} {kernel} {strides} {pads} {dilations}")
+        assert events == want_events
+
+
+def test_flat_method_on_many_channels_and_int64_registers():
+    """A "same" 5x5 layer of 16 channels on 12 x 12 planes goes flat (not channels last); with a loose bound on
+    |x| (2^40: int64 tap registers, no channel provably in range) the same integers and events."""
+    rng = np.random.default_rng(13)
+    x = rng.integers(0, 256, (2, 16, 12, 12), dtype=np.uint8)
+    w = rng.integers(-128, 128, (16, 25), dtype=np.int8)
+    bias = rng.integers(-5000, 5000, 16)
+    bias[::5] = 2**31 - 3000  # these wrap
+    want, want_events = via_im2col(x, w, bias, (5, 5), (1, 1), (2, 2, 2, 2), (1, 1), 32, "wrap")
+    for bound in (None, 1 << 40):
+        got, events = depthwise_conv(x, w, bias, (5, 5), (1, 1), (2, 2, 2, 2), x_max_abs=bound)
+        assert_array_equal(got, want)
+        assert events == want_events > 0
