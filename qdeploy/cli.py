@@ -4,8 +4,10 @@ printed as one line on stderr with exit code 2; anything else is an internal err
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -273,9 +275,10 @@ def run(model: Path = typer.Argument(..., help="An .onnx model (float reference 
     arrays = load_arrays(input)
     check_samples(arrays, str(input))
     if program_file:  # the simulator alone: no onnx or compiler imports (qdeploy/execute.py)
-        from qdeploy.execute import run_program_file
+        with _collector_paused():
+            from qdeploy.execute import run_program_file
 
-        outputs = run_program_file(model, arrays, dequantize=dequantize)
+            outputs = run_program_file(model, arrays, dequantize=dequantize)
     else:
         outputs = _api().run(model, arrays, parse_input_shapes(input_shape), lowered=lowered)
     save_arrays(output, outputs)
@@ -786,8 +789,30 @@ def _print_comparison(report) -> None:
 _USAGE_ERROR = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
 
 
+@contextmanager
+def _collector_paused():
+    """No cyclic garbage collection meanwhile. Loading the simulator (Numba's import and its first cached kernel)
+    creates some 10**5 objects that live until the process ends, and the collector rescanned them over and
+    over: 0.1 s of `qdeploy run` (bench/process.py). The run itself frees its arrays by reference counting."""
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def main() -> int:
     """The `qdeploy` command: a usage error is one line `error: ...` with exit code 2, like a user error."""
+    try:
+        return _main()
+    finally:
+        # The process ends here and the OS frees its memory: frozen objects are out of the cyclic collector's
+        # reach, so interpreter shutdown skips its full collections over every module's objects (0.2 s at the
+        # exit of `qdeploy run`, whose Numba alone brings some 10**5).
+        gc.freeze()
+
+
+def _main() -> int:
     try:
         code = app(prog_name="qdeploy", standalone_mode=False)
     except _USAGE_ERROR as error:
