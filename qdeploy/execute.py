@@ -1,6 +1,6 @@
 """Running a compiled program on the simulator, importing only what that needs (the program reader, the
-simulator, the host-op executor; no onnx, no compiler), so `qdeploy run m.qdp` starts faster than a command
-that loads the whole API (bench/process.py measures the whole process)."""
+simulator, the host-op executor for a program that has host ops; no onnx, no compiler), so `qdeploy run m.qdp`
+starts faster than a command that loads the whole API (bench/process.py measures the whole process)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import os
 
 import numpy as np
 
+from isa.kinds import Kind
 from qdeploy.binding import bind_program_inputs
 from qdeploy.errors import BadInput
 from qdeploy.program import Program, read_program
-from qdeploy.reference import run_host_op
 from simulator.machine import Machine, ProgramInputError
 from simulator.machine import dequantize as dequantize_tensor
 
@@ -24,7 +24,11 @@ def run_program_file(program: str | os.PathLike | Program, inputs: dict[str, np.
     program = program if isinstance(program, Program) else read_program(program)
     inputs = bind_program_inputs(program, inputs, source)
     machine = Machine(program)
-    machine.host = run_host_op
+    if any(record.kind == Kind.HOST for record in program.records):
+        # Only a program compiled with --allow-host-fallback needs the float executor: imported then (23 ms).
+        from qdeploy.reference import run_host_op
+
+        machine.host = run_host_op
     try:
         result = machine.run(inputs)
     except ProgramInputError as error:

@@ -52,20 +52,35 @@ class RunResult:
 def quantize_input(program: Program, name: str, x: np.ndarray) -> np.ndarray:
     """Host side: q = clamp(rne(float32(x) / float32(scale)), lo, hi) for a float input, in float32 as ONNX's
     QuantizeLinear computes it; an integer input of the tensor's dtype is taken as already quantized."""
+    check_input_values(program, name, x)
+    return _quantized(program, name, x)
+
+
+def check_input_values(program: Program, name: str, x: np.ndarray) -> None:
+    """ProgramInputError unless x is a finite float array or already of the tensor's integer dtype."""
     record = program.tensors[name]
     dtype = np.dtype(record["dtype"])
     if x.dtype == dtype:
-        return x
+        return
     if not np.issubdtype(x.dtype, np.floating):
         raise ProgramInputError(f"input '{name}' has dtype {x.dtype}; expected float (quantized with scale "
                                 f"{record['scale']:.6g}) or {dtype} (already quantized)")
+    if x.size and not (np.isfinite(x.min()) and np.isfinite(x.max())):  # NaN propagates to both, +-Inf to one
+        raise ProgramInputError(f"input '{name}' contains NaN or Inf")
+
+
+def _quantized(program: Program, name: str, x: np.ndarray) -> np.ndarray:
+    """quantize_input's arithmetic on a checked x: one float32 buffer, divided, rounded and clipped in place."""
+    dtype = np.dtype(program.tensors[name]["dtype"])
+    if x.dtype == dtype:
+        return x
     arithmetic = Arithmetic(**program.manifest["target"]["arithmetic"])
     lo, hi = (0, 255) if dtype == np.uint8 else (arithmetic.act_min, arithmetic.act_max)
-    if not np.all(np.isfinite(x)):
-        raise ProgramInputError(f"input '{name}' contains NaN or Inf")
     with np.errstate(over="ignore"):  # |x| / scale beyond float32 is +-inf: it saturates like any large value
-        q = np.round(x.astype(np.float32) / np.float32(record["scale"]))
-    return np.clip(q, lo, hi).astype(dtype)
+        q = np.divide(x.astype(np.float32, copy=False), np.float32(program.tensors[name]["scale"]))
+    np.rint(q, out=q)  # round half to even, as np.round
+    np.clip(q, lo, hi, out=q)
+    return q.astype(dtype)
 
 
 def dequantize(program: Program, name: str, q: np.ndarray) -> np.ndarray:
@@ -120,8 +135,10 @@ class Machine:
                                 self.arrays[requant.shift])
 
     def _check_input(self, name: str, x: np.ndarray) -> np.ndarray:
+        """x checked against the program's input `name`; quantized later, by each slice's thread."""
         record = self.program.tensors[name]
-        x = quantize_input(self.program, name, np.asarray(x))
+        x = np.asarray(x)
+        check_input_values(self.program, name, x)
         expected = record["shape"]
         if x.ndim != len(expected) or any(e is not None and e != d for e, d in zip(expected, x.shape)):
             shown = "(" + ", ".join("N" if e is None else str(e) for e in expected) + ")"
@@ -153,6 +170,8 @@ class Machine:
 
     def _run_images(self, env: dict[str, np.ndarray], dump: bool, profile: bool = False) -> RunResult:
         program = self.program
+        for name in program.inputs:  # checked by _check_input
+            env[name] = _quantized(program, name, env[name])
         events: dict[str, int] = {}
         accumulators: dict[str, np.ndarray] = {}
         seconds: dict[str, float] = {}
