@@ -35,6 +35,11 @@ from isa.geometry import conv_output_size
 from simulator.threads import blas_threads_limitable, one_blas_thread, usable_cpus
 
 
+# Images per slice of a batch at most: a smaller slice keeps its thread's activations and scratch buffers in cache.
+# Measured on 128 EfficientNet-Lite0 images, 2 threads: CPU 2.72 s in 4 slices of 32 images, 2.47 s in 8 of 16,
+# 2.49 s in 16 of 8, 2.55 s in 24 of 5 or 6 (median of 5 interleaved runs in one process; the same integers).
+SLICE_IMAGES = 16
+
 
 class ProgramInputError(ValueError):
     """An input array that does not fit the program (name, shape, dtype)."""
@@ -155,7 +160,8 @@ class Machine:
         program = self.program
         env = {name: self._check_input(name, inputs[name]) for name in program.inputs}
         batch = min((x.shape[0] for x in env.values()), default=0)
-        pieces = min(batch, 2 * self.threads)  # two slices per thread: a slow thread delays the end less
+        # At least two slices per thread (a slow thread delays the end less), of at most SLICE_IMAGES images.
+        pieces = min(batch, max(2 * self.threads, -(-batch // SLICE_IMAGES)))
         if dump or pieces < 2 or not self.per_image or not blas_threads_limitable():
             with one_blas_thread():
                 return self._run_images(env, dump, profile)
