@@ -18,7 +18,7 @@ from qdeploy.errors import BadInput
 from qdeploy.program import read_program
 from simulator import reference
 from isa.target import Arithmetic, Target
-from simulator.machine import Machine
+from simulator.machine import SLICE_IMAGES, Machine, quantize_input
 
 runner = CliRunner()
 ROUNDINGS = ["half_up", "half_away", "half_even", "tflite", "float32_rne"]
@@ -156,6 +156,20 @@ def test_results_are_identical_across_batch_sizes_and_runs(compiled_cnn):
     assert whole.dtype == np.int8
     np.testing.assert_array_equal(whole, again)
     np.testing.assert_array_equal(whole, singles)
+
+
+def test_a_batch_cut_into_slices_of_at_most_slice_images_gives_the_integers_of_one_pass(compiled_cnn):
+    # 2 * SLICE_IMAGES + 3 images: 3 slices of 11-12 images with one thread, 4 of 8-9 with two, each slice
+    # quantizing its own images; dump=True runs the whole batch in one pass, unsliced.
+    _, _, program = compiled_cnn
+    x = small_images(2 * SLICE_IMAGES + 3, 4, "eval")
+    name, output = program.inputs[0], program.outputs[0]
+    one_pass = Machine(program).run({name: x}, dump=True)
+    np.testing.assert_array_equal(one_pass.tensors[name], quantize_input(program, name, x))
+    for threads in (1, 2):
+        sliced = Machine(program, threads=threads).run({name: x})
+        np.testing.assert_array_equal(sliced.outputs[output], one_pass.outputs[output])
+        assert sliced.overflow_events == one_pass.overflow_events
 
 
 @pytest.mark.parametrize("rounding", ROUNDINGS)

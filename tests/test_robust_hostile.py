@@ -771,6 +771,21 @@ def test_finite_inputs_beyond_float32_range_of_the_scale_saturate(work):
         assert np.all(quantize_input(program, "x", np.full((1, 3, 8, 8), 1e300)) == 127)
 
 
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_the_machine_refuses_an_input_holding_nan_or_inf(work, value):
+    # quantize_input finds them from the batch's min and max (NaN reaches both, +Inf only the max, -Inf only the
+    # min): one value anywhere, here in the last pixel of the last image, is enough.
+    from simulator.machine import Machine, ProgramInputError, quantize_input
+
+    program = read_program(work["qdp"])
+    x = np.zeros((5, 3, 8, 8), np.float32)
+    x[-1, -1, -1, -1] = value
+    with pytest.raises(ProgramInputError, match="input 'x' contains NaN or Inf"):
+        quantize_input(program, "x", x)
+    with pytest.raises(ProgramInputError, match="input 'x' contains NaN or Inf"):
+        Machine(program, threads=2).run({"x": x})
+
+
 def test_usage_errors_of_the_command_are_one_line(work, tmp_path):
     """`qdeploy` itself (qdeploy.cli.main, what the console script and `python -m qdeploy` run): a missing or
     malformed option, an unknown command or an unreadable path is `error: ...` on one line, exit code 2."""
