@@ -791,16 +791,19 @@ _USAGE_ERROR = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "Usag
 
 @contextmanager
 def _collector_paused():
-    """No cyclic garbage collection meanwhile, and what was made meanwhile frozen (out of the collector's reach)
-    at the end. Loading the simulator (Numba's import and its first cached kernel) creates some 10**5 objects
-    that live until the process ends: the collector rescanned them over and over (0.1 s of `qdeploy run`,
-    bench/README.md), and unfrozen they would make the first collection after the pause scan them all. The run
-    itself frees its arrays by reference counting."""
+    """No cyclic garbage collection meanwhile; then what was made meanwhile goes to the oldest generation. Loading
+    the simulator (Numba's import and its first cached kernel) creates some 10**5 objects that live until the
+    process ends: the collector rescanned them over and over (0.1 s of `qdeploy run`, bench/README.md), and in the
+    youngest generation they would make the first collection after the pause scan them all. gc.freeze() moves
+    every object out of the generations and resets their counts; gc.unfreeze() puts them back, in the oldest,
+    so an in-process caller (a test's CliRunner) still has its garbage collected. The run itself frees its arrays
+    by reference counting."""
     gc.disable()
     try:
         yield
     finally:
         gc.freeze()
+        gc.unfreeze()
         gc.enable()
 
 
