@@ -36,8 +36,9 @@ from simulator.threads import blas_threads_limitable, one_blas_thread, usable_cp
 
 
 # Images per slice of a batch at most: a smaller slice keeps its thread's activations and scratch buffers in cache.
-# Measured on 128 EfficientNet-Lite0 images, 2 threads: CPU 2.72 s in 4 slices of 32 images, 2.47 s in 8 of 16,
-# 2.49 s in 16 of 8, 2.55 s in 24 of 5 or 6 (median of 5 interleaved runs in one process; the same integers).
+# Measured on 128 EfficientNet-Lite0 images, 2 threads, median of 5 interleaved runs in one process (the same
+# integers): CPU 1.54 s in 4 slices of 32 images, 1.42 s in 8 of 16, 1.45 s in 16 of 8 (before the int8_simd GEMM:
+# 2.72, 2.47, 2.49 s, and 2.55 s in 24 slices).
 SLICE_IMAGES = 16
 
 
