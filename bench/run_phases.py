@@ -2,10 +2,10 @@
 
 Each run is a child process running `qdeploy.cli.main` (what the console script runs) with timestamps at the
 phase boundaries: the imports, typer's parsing, the input read, the simulator's import (Numba), the program
-read, Machine(), the run, with the time spent loading kernels from Numba's cache inside it (the largest
-per-thread sum), the output written, and the interpreter's exit. The input is one image, so the kernels'
-arithmetic is small. Checkouts given as LABEL=DIR run interleaved round by round (DIR on PYTHONPATH: compare
-main and a branch in one run); the table shows the median of each phase in ms.
+read, Machine(), the run, the output written and the interpreter's exit; and, within them, the time spent
+loading kernels from Numba's cache (the largest per-thread sum; Machine() loads the weight-packing kernels).
+The input is one image, so the kernels' arithmetic is small. Checkouts given as LABEL=DIR run interleaved round
+by round (DIR on PYTHONPATH: compare main and a branch in one run); the table shows each phase's median in ms.
 
     python bench/run_phases.py PROGRAM.qdp X.npy [--rounds 9] LABEL=DIR [LABEL=DIR ...]
 """
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                 phases[label][name].append(stamp - previous)
                 previous = stamp
             phases[label]["interpreter exit"].append(end - previous)
-            phases[label]["(loading kernels, within the run)"].append(loading)
+            phases[label]["(of which loading kernels)"].append(loading)
             phases[label]["whole process"].append(end - start)
     load_end = os.getloadavg()
     print(f"{len(os.sched_getaffinity(0))} CPUs, load average {load_start[0]:.2f} at the start, {load_end[0]:.2f} "
