@@ -47,7 +47,6 @@ from pathlib import Path
 import numpy as np
 
 from isa.kinds import Kind
-from simulator.kernels import int8_simd
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `examples` is not installed; import it from the checkout
@@ -228,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     latency = {label: 1e3 * float(np.median(t)) for label, t in single_times.items()}
     macs = program_macs(program)
     gops = 2 * macs * throughput["ours"] / 1e9
+    from simulator.kernels import int8_simd  # after sys.path has the checkout: this file is named simulator.py
+
     info = machine_info()
     print()
     print(f"date {started.isoformat(timespec='seconds')}; {info['cpu']}, {info['cpus']} CPUs "
