@@ -15,7 +15,7 @@ from simulator.kernels.gemm import gemm, gemm_planar
 from simulator.kernels.im2col import im2col_planar
 from simulator.kernels.requantize import plane_parameters, requantize
 
-ISAS = [pytest.param(isa, id=isa.name, marks=pytest.mark.skipif(not int8_simd._host_has(isa),
+ISAS = [pytest.param(isa, id=isa.name, marks=pytest.mark.skipif(not int8_simd.compiles_for(isa),
                                                                 reason=f"this CPU has no {isa.name}"))
         for isa in (int8_simd.AVX512_VNNI, int8_simd.AVX2)]
 
@@ -150,3 +150,21 @@ def test_requantizing_store_equals_requantize(mode, isa):
         assert got.dtype == want.dtype
         assert_array_equal(got, want)
         assert len(np.unique(got)) > 20  # not all clamped
+
+
+def test_the_instruction_set_follows_what_numba_compiles_for(monkeypatch):
+    """NUMBA_CPU_NAME=generic (a portable cache) compiles for no extension: no int8 kernel, or LLVM would abort on
+    an instruction the target lacks (seen before this rule); NUMBA_CPU_FEATURES names the features of another
+    CPU; without either, the host's."""
+    from numba.core import config
+
+    monkeypatch.setattr(config, "CPU_NAME", "generic")
+    monkeypatch.setattr(config, "CPU_FEATURES", None)
+    assert int8_simd._compile_features() == {}
+    monkeypatch.setattr(config, "CPU_NAME", "haswell")
+    monkeypatch.setattr(config, "CPU_FEATURES", "+avx2,+fma,-avx512f")
+    assert int8_simd._compile_features() == {"avx2": True, "fma": True, "avx512f": False}
+    monkeypatch.setattr(config, "CPU_NAME", None)
+    monkeypatch.setattr(config, "CPU_FEATURES", None)
+    host = int8_simd._compile_features()
+    assert host and all(isinstance(value, bool) for value in host.values())

@@ -6,7 +6,8 @@ machine (im2col, GEMM and the Requantize step in one kernel), `planar_gemm` for 
 cols are the im2col rows of eq. 9 (simulator/README.md), never materialised: `pack_columns` packs each image's
 rows straight from x into the words below, the padding as the real 0.
 
-Two instruction sets (`Isa`), picked once per process by the CPU's features (llvmlite's host features):
+Two instruction sets (`Isa`), picked once per process from the features Numba compiles for (the CPU's own, or
+NUMBA_CPU_NAME / NUMBA_CPU_FEATURES):
 - AVX-512 VNNI, VPDPBUSD: in each of 16 int32 lanes, adds four products of an unsigned byte and a signed byte
   to the lane, wrapping (Intel SDM, VPDPBUSD: "no saturation"; VPDPBUSDS is the saturating form): 64
   multiply-adds per instruction, four times the lanes of a float32 FMA. cols are packed as 4-byte groups along
@@ -22,9 +23,9 @@ and the machine use it only then.
 
 The tile is LLVM IR written here (Numba's @intrinsic) because no compiler pattern turns a Python loop into these
 instructions (measured: Numba's own vectorisation of the same loop ran at 6.7 GOP/s, the VNNI tile at ~10x
-that). An intrinsic whose instruction this CPU lacks compiles to nothing: it is never called (`ISA` picks), and
-Numba's cache is keyed by the CPU's features. `ISA` is None on other CPUs: gemm_planar keeps the float32 BLAS
-path. QDEPLOY_INT8_SIMD=avx2 or =off in the environment picks the AVX2 kernel or none on a CPU that has more.
+that). An intrinsic whose instructions the compile target lacks compiles to nothing: it is never called (`ISA`
+picks), and Numba's cache is keyed by the target's CPU name and features. `ISA` is None on other targets (another
+CPU, or NUMBA_CPU_NAME=generic for a portable cache): gemm_planar keeps the float32 BLAS path. QDEPLOY_INT8_SIMD=avx2 or =off in the environment picks the AVX2 kernel or none on a CPU that has more.
 """
 
 from __future__ import annotations
@@ -32,10 +33,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-import llvmlite.binding as llvm_binding
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
+from numba.core import config
+from numba.core.codegen import get_host_cpu_features
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -63,17 +65,28 @@ class Isa:
 
 AVX512_VNNI = Isa("avx512vnni", 0, 16, 4, 4, ("avx512f", "avx512vnni"))  # 16 of 32 zmm accumulate
 AVX2 = Isa("avx2", 1, 8, 3, 2, ("avx2",))  # 12 of 16 ymm accumulate, 3 hold x, 1 the weights
-_HOST_FEATURES = llvm_binding.get_host_cpu_features()
+def _compile_features() -> dict[str, bool]:
+    """The instruction-set features Numba compiles for: the host's (numba.core.codegen, which honours
+    NUMBA_ENABLE_AVX=0), or NUMBA_CPU_FEATURES when NUMBA_CPU_NAME names another CPU; none when NUMBA_CPU_NAME is
+    set without features (Numba then compiles for that CPU model alone, e.g. `generic` for a portable cache)."""
+    if config.CPU_NAME is not None and config.CPU_FEATURES is None:
+        return {}
+    features = config.CPU_FEATURES if config.CPU_NAME is not None else get_host_cpu_features()
+    return {name[1:]: name[0] == "+" for name in features.split(",") if name[:1] in "+-" and len(name) > 1}
 
 
-def _host_has(isa: Isa) -> bool:
-    return all(_HOST_FEATURES.get(feature, False) for feature in isa.features)
+_COMPILE_FEATURES = _compile_features()
+
+
+def compiles_for(isa: Isa) -> bool:
+    """Whether the code Numba compiles in this process may use `isa`'s instructions."""
+    return all(_COMPILE_FEATURES.get(feature, False) for feature in isa.features)
 
 
 def _pick_isa() -> Isa | None:
     choice = os.environ.get("QDEPLOY_INT8_SIMD", "").lower()
     candidates = {"": (AVX512_VNNI, AVX2), "avx512vnni": (AVX512_VNNI,), "avx2": (AVX2,), "off": ()}.get(choice, ())
-    return next((isa for isa in candidates if _host_has(isa)), None)
+    return next((isa for isa in candidates if compiles_for(isa)), None)
 
 
 ISA = _pick_isa()
@@ -110,7 +123,7 @@ def _make_tile(isa: Isa, vectors: int):
         sig = types.void(x4, w4, tile, types.intp, types.intp, types.intp, types.intp)
 
         def codegen(context, builder, signature, args):
-            if not _host_has(isa):
+            if not compiles_for(isa):
                 return context.get_dummy_value()
             x_arg, w_arg, tile_arg, kq_count_v, tile_col_v, col0_v, w_row_v = args
             x_array = context.make_array(signature.args[0])(context, builder, x_arg)
