@@ -25,7 +25,8 @@ The tile is LLVM IR written here (Numba's @intrinsic) because no compiler patter
 instructions (measured: Numba's own vectorisation of the same loop ran at 6.7 GOP/s, the VNNI tile at ~10x
 that). An intrinsic whose instructions the compile target lacks compiles to nothing: it is never called (`ISA`
 picks), and Numba's cache is keyed by the target's CPU name and features. `ISA` is None on other targets (another
-CPU, or NUMBA_CPU_NAME=generic for a portable cache): gemm_planar keeps the float32 BLAS path. QDEPLOY_INT8_SIMD=avx2 or =off in the environment picks the AVX2 kernel or none on a CPU that has more.
+CPU, or NUMBA_CPU_NAME=generic for a portable cache): gemm_planar keeps the float32 BLAS path.
+QDEPLOY_INT8_SIMD=avx2 or =off in the environment picks the AVX2 kernel or none on a CPU that has more.
 """
 
 from __future__ import annotations
@@ -36,9 +37,8 @@ from dataclasses import dataclass
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
-from numba.core import config
+from numba.core import cgutils, config
 from numba.core.codegen import get_host_cpu_features
-from numba.core import cgutils
 from numba.extending import intrinsic
 
 from simulator.kernels.requantize import PlaneParameters, output_dtype, requantize_plane
@@ -65,13 +65,18 @@ class Isa:
 
 AVX512_VNNI = Isa("avx512vnni", 0, 16, 4, 4, ("avx512f", "avx512vnni"))  # 16 of 32 zmm accumulate
 AVX2 = Isa("avx2", 1, 8, 3, 2, ("avx2",))  # 12 of 16 ymm accumulate, 3 hold x, 1 the weights
+
+
 def _compile_features() -> dict[str, bool]:
-    """The instruction-set features Numba compiles for: the host's (numba.core.codegen, which honours
-    NUMBA_ENABLE_AVX=0), or NUMBA_CPU_FEATURES when NUMBA_CPU_NAME names another CPU; none when NUMBA_CPU_NAME is
-    set without features (Numba then compiles for that CPU model alone, e.g. `generic` for a portable cache)."""
-    if config.CPU_NAME is not None and config.CPU_FEATURES is None:
+    """The instruction-set features Numba compiles for (numba.core.codegen's JIT target): NUMBA_CPU_FEATURES when
+    set; none when NUMBA_CPU_NAME is set without them (Numba then compiles for that CPU model's baseline, e.g.
+    `generic` for a portable cache); else the host's (which honours NUMBA_ENABLE_AVX=0)."""
+    if config.CPU_FEATURES is not None:
+        features = config.CPU_FEATURES
+    elif config.CPU_NAME is not None:
         return {}
-    features = config.CPU_FEATURES if config.CPU_NAME is not None else get_host_cpu_features()
+    else:
+        features = get_host_cpu_features()
     return {name[1:]: name[0] == "+" for name in features.split(",") if name[:1] in "+-" and len(name) > 1}
 
 
