@@ -128,7 +128,7 @@ class Machine:
         the sum), else None."""
         if plan.packed is None or instr.kind != Kind.CONV_GEMM or self.arithmetic.acc_bits > 32:
             return None
-        input_max = 255 if self.program.tensors[instr.inputs[0]]["dtype"] == "uint8" else 128
+        input_max = _dtype_bound(self.program.tensors[instr.inputs[0]]["dtype"])
         limit = min((1 << (self.arithmetic.acc_bits - 1)) - 1, INT32_MAX)
         bias = np.asarray(self.arrays[instr.bias], np.int64).reshape(-1)
         channels, k = self.arrays[instr.weight].shape  # (M, K), K per group
@@ -319,7 +319,7 @@ class Machine:
         acc_bits, overflow = self.arithmetic.acc_bits, self.arithmetic.overflow
         if plan.method == "depthwise":
             acc4, events = depthwise_conv(x, plan.weight, bias, kernel, strides, pads, dilations, acc_bits, overflow,
-                                          x_max_abs=_dtype_bound(x), w_max_abs=plan.weight_max)
+                                          x_max_abs=_dtype_bound(x.dtype), w_max_abs=plan.weight_max)
             acc = acc4.transpose(0, 2, 3, 1).reshape(n, oh * ow, -1)  # a view: acc4 is NCHW or NHWC in memory
         elif plan.fused is not None and not need_acc:  # planar or grouped
             stage = instr.stage  # im2col, the GEMM and the Requantize step in one kernel, (N, M, OH*OW)
@@ -372,7 +372,8 @@ class Machine:
                                        instr.stage.clamp.hi)
             return self._store(instr, self._lookup(instr, y)), value, 0
         w_a, w_b = instr.add_weights
-        acc = np.empty(a.size, self._acc_dtype(_dtype_bound(a) * abs(int(w_a)) + _dtype_bound(b) * abs(int(w_b))))
+        bound = _dtype_bound(a.dtype) * abs(int(w_a)) + _dtype_bound(b.dtype) * abs(int(w_b))
+        acc = np.empty(a.size, self._acc_dtype(bound))
         events = add_gemm_kernel(np.ascontiguousarray(a).reshape(-1), np.ascontiguousarray(b).reshape(-1),
                                  int(w_a), int(w_b), self.arithmetic.acc_min, self.arithmetic.acc_max,
                                  self.arithmetic.overflow == "saturate", acc)
@@ -385,7 +386,7 @@ class Machine:
         the output stage (one multiplier s_a * s_b / s_out). acc has a's shape."""
         a, b = args
         b = np.ascontiguousarray(np.broadcast_to(b, a.shape)).reshape(-1)
-        acc = np.empty(a.size, self._acc_dtype(_dtype_bound(a) * _dtype_bound(b)))
+        acc = np.empty(a.size, self._acc_dtype(_dtype_bound(a.dtype) * _dtype_bound(b.dtype)))
         events = mul_gemm_kernel(np.ascontiguousarray(a).reshape(-1), b, self.arithmetic.acc_min,
                                  self.arithmetic.acc_max, self.arithmetic.overflow == "saturate", acc)
         y = self._requantize(instr, acc.reshape(-1, 1)).reshape(a.shape)
@@ -474,6 +475,6 @@ def _plan(instr: Instruction, w: np.ndarray, tensors: dict) -> _GemmPlan:
     return _GemmPlan("grouped", grouped)
 
 
-def _dtype_bound(x: np.ndarray) -> int:
-    """max |x| that x's dtype allows (128 for int8, 255 for uint8): a bound without a pass over the data."""
-    return 255 if x.dtype == np.uint8 else 128
+def _dtype_bound(dtype) -> int:
+    """max |x| that an int8/uint8 dtype allows (128 for int8, 255 for uint8): a bound without a pass over the data."""
+    return 255 if np.dtype(dtype) == np.uint8 else 128

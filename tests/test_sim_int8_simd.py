@@ -71,7 +71,8 @@ WINDOWS = [((3, 3), (1, 1), (1, 1, 1, 1), (1, 1)), ((3, 3), (2, 2), (0, 1, 1, 0)
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [np.uint8, np.int8])
-@pytest.mark.parametrize("window", WINDOWS, ids=lambda w: "k{}x{}_s{}x{}_p{}{}{}{}_d{}x{}".format(*w[0], *w[1], *w[2], *w[3]))
+@pytest.mark.parametrize("window", WINDOWS,
+                         ids=lambda w: "k{}x{}_s{}x{}_p{}{}{}{}_d{}x{}".format(*w[0], *w[1], *w[2], *w[3]))
 def test_conv_reads_the_im2col_rows_straight_from_the_image(window, dtype, isa):
     """conv packs each image's im2col rows (eq. 9) from x itself: equal to the ordered GEMM of im2col_planar's
     rows, padding included (the real 0, which a signed x carries as the offset byte 128)."""

@@ -446,7 +446,7 @@ def gemm_planar(w, cols, acc_bits: int = 32, overflow: str | Overflow = Overflow
     if bound > INT64_MAX:
         raise ValueError(f"the exact sums may reach {bound}, beyond int64: events could not be counted")
     in_range = channels_in_range(k_dim, a_max, w_rows_max, bias_m, min(hi, INT32_MAX))  # no wrap, no events
-    if packed is not None and acc_bits <= 32 and in_range.all():  # every exact sum fits int32: the CPU's int8 dot product
+    if packed is not None and acc_bits <= 32 and in_range.all():  # every exact sum fits int32: int8 dot products
         return GemmResult(int8_simd.planar_gemm(packed, cols, bias_m, scratch if scratch is not None else {}),
                           0, "int8_simd")
     chunk = max_exact_chunk(a_max, b_max)

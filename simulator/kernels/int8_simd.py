@@ -343,10 +343,10 @@ def conv(packed: PackedWeights, x: np.ndarray, window: tuple, output_size: tuple
          scratch: dict, requant: PlaneParameters | None = None, lo: int = 0, hi: int = 0) -> np.ndarray:
     """acc[n, m, s] = sum_k w[m, k] * cols[n, k, s] + bias[m] with cols the im2col rows (eq. 9) of x (N, C, H, W)
     int8/uint8 for window = (kernel, strides, pads, dilations) and output_size (OH, OW), of the group of channel m
-    (packed.groups), never written out: each image's rows are packed straight from x. Int32 (N, M, OH*OW; the caller has checked that every exact value
-    fits int32), or, with requant, acc requantized and clamped to [lo, hi] (requantize's output_dtype: int8, uint8,
-    or int32 for an output left wide), never stored as an accumulator. scratch: the caller's reusable buffers
-    (kernels.gemm._scratch)."""
+    (packed.groups), never written out: each image's rows are packed straight from x. Int32 (N, M, OH*OW; the
+    caller has checked that every exact value fits int32), or, with requant, acc requantized and clamped to
+    [lo, hi] (requantize's output_dtype: int8, uint8, or int32 for an output left wide), never stored as an
+    accumulator. scratch: the caller's reusable buffers (kernels.gemm._scratch)."""
     from simulator.kernels.gemm import _scratch  # one scratch mechanism (gemm imports this module)
 
     window = tuple(tuple(int(v) for v in part) for part in window)

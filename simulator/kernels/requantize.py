@@ -444,21 +444,27 @@ class PlaneParameters:
     scale: np.ndarray  # float32 (C,)
 
 
-def plane_parameters(channels: int, mode: str | Rounding, mult=None, shift=None, scale=None) -> PlaneParameters:
-    """The checked per-channel parameters with which requantize() would requantize an int32 accumulator of
-    `channels` channels, for a kernel that calls requantize_plane itself (kernels.int8_simd's fused store)."""
+def plane_parameters(channels: int, mode: str | Rounding, mult=None, shift=None, scale=None,
+                     narrow: bool = True) -> PlaneParameters:
+    """The checked per-channel parameters with which requantize() requantizes an accumulator of `channels`
+    channels (narrow: every value within [-2^31, 2^31], as an int32 accumulator's; fast[c] needs it), also for a
+    kernel that calls requantize_plane itself (kernels.int8_simd's fused store). ValueError on a bad parameter."""
     mode = mode if isinstance(mode, Rounding) else Rounding(mode)
     if mode == Rounding.FLOAT32_RNE:
+        if scale is None:
+            raise ValueError("mode float32_rne needs scale (the float32 multiplier per channel)")
         scale_c = _per_channel(scale, channels, np.float32, "scale")
         if not np.all(np.isfinite(scale_c)) or np.any(scale_c < 0):
             raise ValueError("scale must be finite and >= 0")
         unused = np.zeros(channels, np.int64)
         return PlaneParameters(4, np.zeros(channels, np.bool_), unused, unused, scale_c)
+    if mult is None or shift is None:
+        raise ValueError(f"mode {mode} needs mult and shift")
     mult_c = _per_channel(mult, channels, np.int64, "mult")
     shift_c = _per_channel(shift, channels, np.int64, "shift")
     _, _, (fast_min, fast_max) = _INTEGER_KERNELS[mode]
-    fast_c = np.empty(channels, np.bool_)
-    mult_ok, shift_min = _scan_parameters(mult_c, shift_c, fast_min, fast_max, True, fast_c)
+    fast_c = np.empty(channels, np.bool_)  # the channels whose fast formula applies
+    mult_ok, shift_min = _scan_parameters(mult_c, shift_c, fast_min, fast_max, narrow, fast_c)
     if not mult_ok:
         raise ValueError("mult must be in [0, 2^31)")
     if mode == Rounding.TFLITE and shift_min < 0:
@@ -503,38 +509,23 @@ def requantize(acc, mult=None, shift=None, mode: str | Rounding = Rounding.HALF_
         if channels == 1:  # one channel: the planar kernel, whose inner loop then runs over every row
             planar, acc2, out2 = True, acc2.reshape(1, 1, -1), out2.reshape(1, 1, -1)
     if mode == Rounding.FLOAT32_RNE:
-        if scale is None:
-            raise ValueError("mode float32_rne needs scale (the float32 multiplier per channel)")
-        scale_c = _per_channel(scale, channels, np.float32, "scale")
-        if not np.all(np.isfinite(scale_c)) or np.any(scale_c < 0):
-            raise ValueError("scale must be finite and >= 0")
+        params = plane_parameters(channels, mode, scale=scale)
         if planar:
-            unused = np.zeros(channels, np.int64)
-            requantize_planar(acc2, 4, np.zeros(channels, np.bool_), unused, unused, scale_c, np.int64(lo),
+            requantize_planar(acc2, params.mode, params.fast, params.mult, params.shift, params.scale, np.int64(lo),
                               np.int64(hi), out2)
         else:
-            requantize_float32_rne(acc2, scale_c, np.int64(lo), np.int64(hi), out2)
+            requantize_float32_rne(acc2, params.scale, np.int64(lo), np.int64(hi), out2)
         return out
-    if mult is None or shift is None:
-        raise ValueError(f"mode {mode} needs mult and shift")
-    mult_c = _per_channel(mult, channels, np.int64, "mult")
-    shift_c = _per_channel(shift, channels, np.int64, "shift")
     narrow = acc2.dtype == np.int32 or acc2.size == 0 or (acc2.min() >= INT32_MIN and acc2.max() <= MULT_LIMIT)
-    general, fast, (fast_min, fast_max) = _INTEGER_KERNELS[mode]
-    fast_c = np.empty(channels, np.bool_)  # the channels whose fast formula applies
-    mult_ok, shift_min = _scan_parameters(mult_c, shift_c, fast_min, fast_max, narrow, fast_c)
-    if not mult_ok:
-        raise ValueError("mult must be in [0, 2^31)")
-    if mode == Rounding.TFLITE:
-        if shift_min < 0:
-            raise ValueError("mode tflite needs shift >= 0 (TFLite's left shift is at most 31)")
-        if not narrow or (acc2.size and acc2.max() > INT32_MAX):
-            raise ValueError("mode tflite needs int32 accumulator values (gemmlowp is defined on int32)")
+    params = plane_parameters(channels, mode, mult, shift, narrow=narrow)
+    if mode == Rounding.TFLITE and (not narrow or (acc2.size and acc2.max() > INT32_MAX)):
+        raise ValueError("mode tflite needs int32 accumulator values (gemmlowp is defined on int32)")
+    fast_c, mult_c, shift_c = params.fast, params.mult, params.shift
+    general, fast, _ = _INTEGER_KERNELS[mode]
     if planar:
-        requantize_planar(acc2, _MODE_CODES[mode], fast_c, mult_c, shift_c, np.zeros(channels, np.float32),
-                          np.int64(lo), np.int64(hi), out2)
+        requantize_planar(acc2, params.mode, fast_c, mult_c, shift_c, params.scale, np.int64(lo), np.int64(hi), out2)
     elif fast_c.all() or not fast_c.any():
         (fast if fast_c.all() else general)(acc2, mult_c, shift_c, np.int64(lo), np.int64(hi), out2)
     else:
-        requantize_rows_mixed(acc2, _MODE_CODES[mode], fast_c, mult_c, shift_c, np.int64(lo), np.int64(hi), out2)
+        requantize_rows_mixed(acc2, params.mode, fast_c, mult_c, shift_c, np.int64(lo), np.int64(hi), out2)
     return out
