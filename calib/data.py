@@ -18,6 +18,7 @@ sample index)."""
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import queue
 import threading
@@ -31,11 +32,16 @@ import numpy as np
 
 from calib import DEFAULT_CHANNELS, DEFAULT_LAYOUT, DEFAULT_MEAN, DEFAULT_STD
 from qdeploy.errors import BadInput
+from qdeploy.fileio import member_size, read_npy_header
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
 LAYOUTS = ("NCHW", "NHWC")
 CHANNELS = ("RGB", "BGR", "GRAY")
 PREFETCH_BATCHES = 2  # batches decoded ahead of the one being used
+# The largest image decoded, in pixels (8192 x 8192; Pillow refuses beyond 2 * 89.5 M): checked on the header,
+# before decoding, so that a small file declaring a huge image is skipped (or, with --strict, refused) at once.
+# A decoded pixel takes 3 bytes (RGB), a 16-bit one 2 + 4 + 1 bytes while it is converted (load_image).
+MAX_IMAGE_PIXELS = 1 << 26
 
 
 @dataclass(frozen=True)
@@ -128,14 +134,24 @@ def load_image(path: Path, preprocess: Preprocess, size: tuple[int, int]) -> np.
     from PIL import Image
 
     height, width = size
-    # Pillow warns (on stderr, with its own source line) between 89 and 179 megapixels and refuses beyond, as
-    # a DecompressionBombError this loader reports per file; below that limit a large photograph is fine.
+    # Pillow's open warns (on stderr, with its own source line) between 89 and 179 megapixels and refuses beyond,
+    # as a DecompressionBombError this loader reports per file, as it does an image over MAX_IMAGE_PIXELS.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-        with Image.open(path) as image:
+        with Image.open(path) as image:  # reads the header only: the size is known before anything is decoded
+            if image.width * image.height > MAX_IMAGE_PIXELS:
+                raise Image.DecompressionBombError(
+                    f"{image.width}x{image.height} pixels, more than the limit of {MAX_IMAGE_PIXELS:,} "
+                    f"(calib.data.MAX_IMAGE_PIXELS)")
             if image.mode in ("I;16", "I;16B", "I;16L", "I"):  # 16-bit grayscale: Pillow's convert clips at 255
-                wide = np.clip(np.asarray(image, dtype=np.float64) / 257.0, 0, 255)
-                image = Image.fromarray(np.round(wide).astype(np.uint8))  # 2-D uint8: mode "L"
+                # round(clip(x, 0, 65535) / 257) = (clip(x, 0, 65535) + 128) // 257 exactly (257 is odd: no ties),
+                # in place in one int32 copy of the pixels
+                wide = np.array(image, dtype=np.int32)
+                np.clip(wide, 0, 65535, out=wide)
+                wide += 128
+                wide //= 257
+                image = Image.fromarray(wide.astype(np.uint8))  # 2-D uint8: mode "L"
+                del wide
             image = image.convert("L" if preprocess.channels == "GRAY" else "RGB")
     scale = max(height / image.height, width / image.width)
     resized = (max(width, round(image.width * scale)), max(height, round(image.height * scale)))
@@ -273,28 +289,18 @@ def image_folder(folder: str | os.PathLike, preprocess: Preprocess, size: tuple[
 class _NpyRows:
     """Rows of one .npy array stream (an .npz member) read sequentially, without loading the whole array."""
 
-    def __init__(self, stream, source: str):
+    def __init__(self, stream, present: int, source: str):
+        """`present`: the bytes of the file or member (the header must not declare more, fileio.read_npy_header)."""
         self.stream = stream
         try:
-            self._read_header(stream, source)
+            self.shape, self.dtype, fortran = read_npy_header(stream, present, source)
         except BaseException:
             stream.close()
             raise
-
-    def _read_header(self, stream, source: str) -> None:
-        version = np.lib.format.read_magic(stream)
-        if version == (1, 0):
-            shape, fortran, dtype = np.lib.format.read_array_header_1_0(stream)
-        elif version == (2, 0):
-            shape, fortran, dtype = np.lib.format.read_array_header_2_0(stream)
-        else:
-            raise ValueError(f"unsupported .npy format version {version}")
-        if dtype.hasobject:
-            raise BadInput(f"{source}: object arrays are not supported (no pickle)")
-        if fortran and len(shape) > 1:
+        if fortran and len(self.shape) > 1:
+            stream.close()
             raise BadInput(f"{source}: Fortran-ordered arrays are not supported; save with np.ascontiguousarray")
-        self.shape, self.dtype = tuple(shape), dtype
-        self.row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
+        self.row_bytes = math.prod(self.shape[1:]) * self.dtype.itemsize
 
     def skip(self, rows: int) -> None:
         """Move past `rows` rows (a seek in a file; reading and dropping in an .npz member)."""
@@ -362,9 +368,15 @@ def array_file(path: str | os.PathLike, num_samples: int) -> CalibrationData:
 
     def open_streams(archive: zipfile.ZipFile | None) -> dict[str | None, _NpyRows]:
         if archive is None:
-            return {None: _NpyRows(open(path, "rb"), source)}
-        members = [m for m in archive.namelist() if m.endswith(".npy")]
-        return {m[:-4]: _NpyRows(archive.open(m), f"{source} ['{m[:-4]}']") for m in members}
+            handle = open(path, "rb")
+            return {None: _NpyRows(handle, os.fstat(handle.fileno()).st_size, source)}
+        members = [info for info in archive.infolist() if info.filename.endswith(".npy")]
+        streams = {}
+        for info in members:
+            name = info.filename[:-4]
+            where = f"{source} ['{name}']"
+            streams[name] = _NpyRows(archive.open(info), member_size(info, where), where)
+        return streams
 
     def close(streams: dict[str | None, _NpyRows]) -> None:
         for rows in streams.values():

@@ -35,7 +35,9 @@ USER_ERRORS = (QdeployError, TargetError)
 
 def user_errors(command: Callable) -> Callable:
     """Turn a user error (USER_ERRORS) into `error: <message>` on stderr, on one line even when the message
-    quotes names holding control characters, and exit code 2."""
+    quotes names holding control characters, and exit code 2. A MemoryError too: every size a file declares is
+    checked before anything is allocated (docs/design.md section 6), so what is left is an input within the
+    limits that this machine's memory (or `ulimit -v`) does not hold, a fact about the input, not a bug."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
@@ -43,6 +45,11 @@ def user_errors(command: Callable) -> Callable:
             return command(*args, **kwargs)
         except USER_ERRORS as error:
             typer.echo(f"error: {one_line(str(error))}", err=True)
+            raise typer.Exit(2)
+        except MemoryError as error:
+            subject = next((f"{value}: " for value in kwargs.values() if isinstance(value, Path)), "")
+            typer.echo(f"error: {one_line(subject)}out of memory ({one_line(str(error)) or 'MemoryError'}); "
+                       f"give smaller inputs or fewer samples at a time", err=True)
             raise typer.Exit(2)
 
     return wrapper

@@ -2,21 +2,29 @@
 
 from __future__ import annotations
 
+import math
 import os
 import stat
 import tempfile
 import zipfile
+import zlib
 from pathlib import Path
-from typing import Callable
+from typing import BinaryIO, Callable, Sequence
 
 import numpy as np
 
 from qdeploy.errors import BadInput
 
-# The largest tensor, in elements, that a model or program may declare or compute (8 GiB of float32): the ONNX
-# shape probe (shape_inference.py, at its probe batch sizes) and the program reader (program.py, per sample)
-# refuse anything larger before allocating it.
-MAX_TENSOR_ELEMENTS = 1 << 31
+# The largest tensor, in bytes, that a model or program may declare or compute (2**28 float32 elements): the ONNX
+# reader (initializers, attribute tensors, external data), the shape probe (shape_inference.py, at its probe
+# batch sizes) and the program reader and simulator (program.py, simulator/machine.py: each buffer of an
+# instruction, per call) refuse anything larger, naming the tensor and its size, before allocating it. Set it
+# (qdeploy.fileio.MAX_TENSOR_BYTES = ...) before reading a model whose tensors are larger.
+MAX_TENSOR_BYTES = 1 << 30
+
+# The most an array file's deflated member may expand: DEFLATE's largest ratio is 1032:1 (258-byte matches coded
+# in 2 bits), so a member stating more than that many bytes per compressed byte is damaged or forged.
+MAX_DEFLATE_RATIO = 1032
 
 
 def _umask() -> int:
@@ -92,18 +100,99 @@ def save_arrays(path: str | os.PathLike, arrays: dict[str, np.ndarray]) -> Path:
     return atomic_write(path, write)
 
 
+def byte_size(count: int) -> str:
+    """`count` bytes for a message: 1.5 GiB, 300.0 MiB, 12 bytes."""
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if count >= 1 << shift:
+            return f"{count / (1 << shift):.1f} {unit}"
+    return f"{count} bytes"
+
+
+def check_tensor_bytes(shape: Sequence[int], itemsize: int, what: str) -> None:
+    """BadInput naming `what` when a tensor of `shape` with `itemsize`-byte elements would take more than
+    MAX_TENSOR_BYTES (read at each call, so that setting the module's value takes effect)."""
+    elements = 1
+    for dim in shape:
+        elements *= max(int(dim), 0)  # Python ints: no overflow whatever the dims
+    if elements * itemsize > MAX_TENSOR_BYTES:
+        dims = [int(d) for d in shape[:8]] + (["..."] if len(shape) > 8 else [])
+        raise BadInput(f"{what} would have {elements:,} elements (shape {dims}, {byte_size(elements * itemsize)}), "
+                       f"more than the limit of {byte_size(MAX_TENSOR_BYTES)} (qdeploy.fileio.MAX_TENSOR_BYTES)")
+
+
+def read_npy_header(stream: BinaryIO, present: int, source: str) -> tuple[tuple[int, ...], np.dtype, bool]:
+    """(shape, dtype, Fortran order) of the .npy array at the stream's position, whose file or zip member holds
+    `present` bytes from there. BadInput naming `source` when the header is damaged, declares an object array
+    (that would need pickle) or declares more data than the bytes present: checked before anything is
+    allocated, so a 145-byte file declaring 10^15 elements costs nothing."""
+    start = stream.tell()
+    try:
+        version = np.lib.format.read_magic(stream)
+        if version == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(stream)
+        elif version == (2, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(stream)
+        else:
+            raise ValueError(f"unsupported .npy format version {version}")
+    except (ValueError, EOFError, OSError, SyntaxError, TypeError) as error:
+        raise BadInput(f"{source}: not a readable .npy array ({error})") from error
+    if dtype.hasobject:
+        raise BadInput(f"{source}: object arrays are not supported (no pickle)")
+    declared = math.prod(shape) * dtype.itemsize
+    data = present - (stream.tell() - start)
+    if declared > data:
+        raise BadInput(f"{source}: the .npy header declares {dtype} {tuple(shape)} ({byte_size(declared)}), but "
+                       f"the file holds {byte_size(max(data, 0))} of data (truncated, or a forged header)")
+    return tuple(shape), dtype, bool(fortran)
+
+
+def read_npy(stream: BinaryIO, present: int, source: str) -> np.ndarray:
+    """The .npy array at the stream's position (`read_npy_header` checks it first); reads exactly its bytes."""
+    shape, dtype, fortran = read_npy_header(stream, present, source)
+    array = np.empty(math.prod(shape), dtype)
+    view = memoryview(array.view(np.uint8)) if array.nbytes else memoryview(b"")
+    filled = 0
+    while filled < len(view):
+        got = stream.readinto(view[filled:])
+        if not got:
+            raise BadInput(f"{source}: the array ends after {filled} of its {len(view)} bytes")
+        filled += got
+    return array.reshape(shape, order="F" if fortran else "C")
+
+
+def member_size(info: zipfile.ZipInfo, source: str) -> int:
+    """The bytes a zip member holds once inflated, as its entry states them (zipfile reads no more); BadInput
+    when that is more than its compressed bytes can give (MAX_DEFLATE_RATIO)."""
+    if info.compress_type != zipfile.ZIP_STORED and info.file_size > MAX_DEFLATE_RATIO * max(info.compress_size, 1):
+        raise BadInput(f"{source}: the zip entry states {info.file_size:,} bytes from {info.compress_size:,} "
+                       f"compressed bytes, more than DEFLATE can expand (a forged zip entry)")
+    return info.file_size
+
+
 def load_arrays(path: str | os.PathLike) -> dict[str, np.ndarray] | np.ndarray:
-    """A .npy file -> one array; a .npz file -> {name: array}. Never unpickles."""
+    """A .npy file -> one array; a .npz file -> {name: array}. Never unpickles; each array's declared size is
+    checked against the bytes present before it is allocated (`read_npy_header`)."""
     path = Path(path)
     if not path.exists():
         raise BadInput(f"{path}: no such file")
     try:
-        loaded = np.load(path, allow_pickle=False)
-        if isinstance(loaded, np.lib.npyio.NpzFile):
-            with loaded:
-                return {key: loaded[key] for key in loaded.files}
-        return loaded
-    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as error:
+        with open(path, "rb") as handle:
+            if handle.read(4) != b"PK\x03\x04":  # not a zip: an .npy file
+                handle.seek(0)
+                return read_npy(handle, os.fstat(handle.fileno()).st_size, str(path))
+        with zipfile.ZipFile(path) as archive:
+            arrays = {}
+            for info in archive.infolist():
+                if not info.filename.endswith(".npy"):
+                    raise BadInput(f"{path}: member '{info.filename}' is not an .npy array")
+                name = info.filename[:-4]
+                source = f"{path} ['{name}']"
+                size = member_size(info, source)
+                with archive.open(info) as stream:
+                    arrays[name] = read_npy(stream, size, source)
+            return arrays
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error, NotImplementedError,
+            RuntimeError) as error:  # zipfile: a damaged stream, an encrypted or unsupported member
         raise BadInput(f"{path}: not a readable .npy/.npz array file ({error})") from error
 
 

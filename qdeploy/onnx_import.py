@@ -6,10 +6,11 @@ subgraphs, Identity/Dropout, dead nodes and Pads before Convs are gone."""
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import onnx
@@ -18,6 +19,7 @@ from onnx import numpy_helper
 from isa.kinds import Kind  # the layout kinds are named after the ONNX ops they come from
 from qdeploy.batch_one import map_over_batch
 from qdeploy.errors import BadInput, QdeployError, Unsupported
+from qdeploy.fileio import check_tensor_bytes
 from qdeploy.ir import Graph, Node, Tensor, constant, validate
 from qdeploy.prequantized import QUANTIZATION_OPS, ModelQuantization, strip_quantization
 from qdeploy.reference import supported_ops
@@ -89,17 +91,28 @@ def node_attributes(node: onnx.NodeProto) -> dict[str, Any]:
 
 
 def tensor_array(proto: onnx.TensorProto, what: str) -> np.ndarray:
-    """A TensorProto as an array; BadInput naming `what` when it is damaged or declares more elements than
-    fileio.MAX_TENSOR_ELEMENTS (checked before anything is allocated)."""
-    from qdeploy.shape_inference import check_elements
+    """A TensorProto as an array; BadInput naming `what` when it is damaged, declares more than
+    fileio.MAX_TENSOR_BYTES (checked before anything is allocated) or still points at external data (only
+    `_load_external_data` reads files, after checking where they are: onnx's own reader would take the location
+    relative to the working directory)."""
+    from onnx.external_data_helper import uses_external_data
 
     if any(d < 0 for d in proto.dims):
         raise BadInput(f"{what} has negative dimensions {list(proto.dims)}")
-    check_elements(proto.dims, what)
+    if uses_external_data(proto):
+        raise BadInput(f"{what} stores its data outside the model file, where qdeploy does not read it")
+    check_tensor_bytes(proto.dims, _itemsize(proto, what), what)
     try:
         return numpy_helper.to_array(proto)
     except Exception as error:  # onnx raises ValueError, TypeError, KeyError... on damaged tensors
         raise BadInput(f"{what} is damaged ({type(error).__name__}: {error})") from error
+
+
+def _itemsize(proto: onnx.TensorProto, what: str) -> int:
+    try:
+        return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(proto.data_type)).itemsize
+    except (KeyError, ValueError, TypeError):
+        raise BadInput(f"{what} has unknown element type {proto.data_type}") from None
 
 
 def _constant_node_value(node: onnx.NodeProto, attrs: dict[str, Any]) -> np.ndarray:
@@ -127,41 +140,92 @@ def _read_model(path: Path) -> onnx.ModelProto:
     return model
 
 
-def _stored_tensors(graph: onnx.GraphProto) -> list[onnx.TensorProto]:
-    """The tensors a graph stores: its initializers and its Constant nodes' values."""
-    constants = [attribute.t for node in graph.node if node.op_type == "Constant"
-                 for attribute in node.attribute if attribute.type == onnx.AttributeProto.TENSOR]
-    return [*graph.initializer, *constants]
+def _graph_tensors(graph: onnx.GraphProto) -> Iterator[tuple[str, onnx.TensorProto]]:
+    """Every tensor a graph stores, with what to call it in a message: its initializers (sparse ones too), each
+    tensor-valued attribute of each node (ConstantOfShape's `value`, not only Constant's) and, recursively,
+    those of the subgraphs its nodes hold."""
+    for tensor in graph.initializer:
+        yield f"tensor '{tensor.name}'", tensor
+    for sparse in graph.sparse_initializer:
+        yield f"sparse initializer '{sparse.values.name}'", sparse.values
+        yield f"sparse initializer '{sparse.values.name}' (indices)", sparse.indices
+    for node in graph.node:
+        yield from _node_tensors(node)
+
+
+def _node_tensors(node: onnx.NodeProto) -> Iterator[tuple[str, onnx.TensorProto]]:
+    for attr in node.attribute:
+        what = f"node '{node.name}' ({node.op_type}): attribute '{attr.name}'"
+        if attr.HasField("t"):
+            yield what, attr.t
+        yield from ((what, tensor) for tensor in attr.tensors)
+        sparse = [attr.sparse_tensor] if attr.HasField("sparse_tensor") else []
+        for tensor in [*sparse, *attr.sparse_tensors]:
+            yield what, tensor.values
+            yield f"{what} (indices)", tensor.indices
+        for graph in [attr.g] if attr.HasField("g") else []:
+            yield from _graph_tensors(graph)
+        for graph in attr.graphs:
+            yield from _graph_tensors(graph)
+
+
+def _model_tensors(model: onnx.ModelProto) -> Iterator[tuple[str, onnx.TensorProto]]:
+    yield from _graph_tensors(model.graph)
+    for function in model.functions:
+        for node in function.node:
+            yield from _node_tensors(node)
 
 
 def _load_external_data(model: onnx.ModelProto, path: Path) -> None:
     """Read the tensors stored outside the model file (ONNX external data: torch's default dynamo exporter
-    writes `model.onnx.data` beside `model.onnx`; models over 2 GB must) with onnx's own reader, after checking
-    each location: a relative path inside the model's folder, to a file that holds the bytes it names. A
-    model must not make qdeploy read other files; a missing or truncated file is named, not a traceback."""
-    from onnx.external_data_helper import ExternalDataInfo, load_external_data_for_tensor, uses_external_data
+    writes `model.onnx.data` beside `model.onnx`; models over 2 GB must), every one of them (`_model_tensors`:
+    initializers and tensor-valued attributes alike), after checking its location and size: a relative path
+    inside the model's folder (symbolic links resolved), whatever the working directory; a shape within
+    fileio.MAX_TENSOR_BYTES; a stated length equal to what the shape needs; and those bytes present in the file
+    at the offset. Then exactly those bytes are read (a sparse 10 GB file costs the tensor's bytes, not 10 GB).
+    A model must not make qdeploy read other files; a missing or truncated file is named, not a traceback."""
+    from onnx.external_data_helper import ExternalDataInfo, uses_external_data
 
     folder = path.resolve().parent
-    for tensor in _stored_tensors(model.graph):
+    for what, tensor in _model_tensors(model):
         if not uses_external_data(tensor):
             continue
-        info = ExternalDataInfo(tensor)
-        where = f"{path}: tensor '{tensor.name}' stores its data in '{info.location}'"
-        data = (folder / info.location).resolve() if info.location else None
+        try:
+            info = ExternalDataInfo(tensor)
+        except (ValueError, TypeError) as error:  # an offset or length that is not a number
+            raise BadInput(f"{path}: {what}: damaged external data record ({error})") from None
+        where = f"{path}: {what} stores its data in '{info.location}'"
+        try:
+            data = (folder / info.location).resolve() if info.location else None
+        except (OSError, ValueError):  # a NUL in the name, a link loop
+            data = None
         if data is None or Path(info.location).is_absolute() or not data.is_relative_to(folder):
             raise BadInput(f"{where}, which is not a file in the model's folder {folder}")
         if not data.is_file():
             raise BadInput(f"{where}, which does not exist (copy it beside the model)")
-        itemsize = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)).itemsize
-        length = info.length if info.length else int(np.prod(tensor.dims, dtype=np.int64)) * itemsize
+        if any(d < 0 for d in tensor.dims):
+            raise BadInput(f"{path}: {what} has negative dimensions {list(tensor.dims)}")
+        itemsize = _itemsize(tensor, f"{path}: {what}")
+        check_tensor_bytes(tensor.dims, itemsize, f"{path}: {what}")
+        length = math.prod(tensor.dims) * itemsize
+        if info.length and info.length != length:
+            raise BadInput(f"{where} with length {info.length}, but its shape {list(tensor.dims)} needs {length} "
+                           f"bytes")
         offset, size = info.offset or 0, data.stat().st_size
         if offset < 0 or offset + length > size:
             raise BadInput(f"{where} at bytes {offset}..{offset + length}, but the file has {size} bytes "
                            f"(truncated, or not this model's data)")
         try:
-            load_external_data_for_tensor(tensor, str(folder))
-        except (OSError, ValueError) as error:
-            raise BadInput(f"{where}, which cannot be read ({error})") from error
+            with open(data, "rb") as handle:
+                handle.seek(offset)
+                raw = handle.read(length)
+        except OSError as error:
+            raise BadInput(f"{where}, which cannot be read ({error.strerror or error})") from error
+        if len(raw) != length:
+            raise BadInput(f"{where}, which ends before byte {offset + length}")
+        tensor.raw_data = raw
+        tensor.data_location = onnx.TensorProto.DEFAULT
+        del tensor.external_data[:]
 
 
 def _opset(model: onnx.ModelProto, path: Path) -> int:

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from qdeploy.errors import BadInput
-from qdeploy.fileio import atomic_write
+from qdeploy.fileio import MAX_DEFLATE_RATIO, atomic_write, read_npy
 from isa.geometry import PAD_FILLS, UPSAMPLE_FILLS, pool_output_size, upsampled_size
 from isa.instructions import Instruction, from_manifest
 from isa.kinds import RESHAPE_KINDS, Kind, UnknownKind, handler
@@ -112,6 +112,9 @@ def _read_member(archive: zipfile.ZipFile, member: str, limit: int, path: Path) 
         raise BadInput(f"{path}: damaged program, member '{member}' is missing") from None
     if info.file_size > limit:
         raise BadInput(f"{path}: member '{member}' declares {info.file_size} bytes, more than the limit {limit}")
+    if info.compress_type != zipfile.ZIP_STORED and info.file_size > MAX_DEFLATE_RATIO * max(info.compress_size, 1):
+        raise BadInput(f"{path}: member '{member}' declares {info.file_size} bytes from {info.compress_size} "
+                       f"compressed bytes, more than DEFLATE can expand (a forged zip entry)")
     with archive.open(info) as handle:
         data = handle.read(limit + 1)
     if len(data) > limit:
@@ -124,8 +127,9 @@ def _read_member(archive: zipfile.ZipFile, member: str, limit: int, path: Path) 
 # structure quantize.py writes and simulator/machine.py reads, before anything runs: every field an instruction
 # needs, with its type and range; every array it names, with its dtype and shape; every tensor defined before
 # it is read; and each instruction's output shape, per sample, recomputed from its input's (ONNX Conv / MaxPool
-# output-size formulas) and bounded by MAX_TENSOR_ELEMENTS, so that a damaged program fails here with one line
-# instead of inside the simulator. Fields not listed are allowed (later versions add some).
+# output-size formulas) and, with the simulator's buffers for it, bounded per sample by fileio.MAX_TENSOR_BYTES,
+# so that a damaged program fails here with one line instead of inside the simulator. Fields not listed are
+# allowed (later versions add some).
 
 TENSOR_DTYPES = {"int8": (-128, 127), "uint8": (0, 255),
                  "int32": (-(2 ** 31 - 1), 2 ** 31 - 1)}  # int32: a weighted GEMM's output that no instruction reads
@@ -164,12 +168,14 @@ def _array(program: Program, record: dict, key: str, where: str, dtype: str, sha
     return array
 
 
-def _elements(shape, where: str) -> None:
-    from qdeploy.fileio import MAX_TENSOR_ELEMENTS
+def _per_sample(elements: int, itemsize: int, where: str) -> None:
+    """_Invalid when `elements` per sample of `itemsize` bytes take more than fileio.MAX_TENSOR_BYTES."""
+    from qdeploy import fileio
 
-    if math.prod(shape) > MAX_TENSOR_ELEMENTS:
-        raise _Invalid(f"{where} has {math.prod(shape):,} elements per sample, more than the limit "
-                       f"{MAX_TENSOR_ELEMENTS:,}")
+    if elements * itemsize > fileio.MAX_TENSOR_BYTES:
+        raise _Invalid(f"{where} needs {fileio.byte_size(elements * itemsize)} per sample ({elements:,} elements), "
+                       f"more than the limit of {fileio.byte_size(fileio.MAX_TENSOR_BYTES)} "
+                       f"(qdeploy.fileio.MAX_TENSOR_BYTES)")
 
 
 def _window_shape(spec, channels: int, height: int, width: int, where: str, conv: bool) -> tuple[int, ...]:
@@ -267,11 +273,16 @@ def _conv_gemm(program: Program, instr: dict, where: str, in_shapes: list, out_d
     if not _is_int(group) or group < 1 or len(x) != 3 or x[0] % group or channels % group:
         raise _Invalid(f"{where}: group {json.dumps(group)[:20]} does not divide input {x} and {channels} "
                        f"output channels")
-    out = _window_shape(instr, channels, *_read_size(instr, x[1], x[2], where), where, conv=True)
-    kernel = instr["kernel"]
+    height, width = _read_size(instr, x[1], x[2], where)
+    out = _window_shape(instr, channels, height, width, where, conv=True)
+    kernel, pads = instr["kernel"], instr["pads"]
     if k != x[0] // group * kernel[0] * kernel[1]:
         raise _Invalid(f"{where}: weight K = {k} is not C/group*kh*kw = {x[0] // group * kernel[0] * kernel[1]}")
-    _elements((out[1] * out[2], k * group), f"{where}: its im2col matrix")
+    # The simulator's buffers, per sample (int8 codes, int64 accumulators at most): the padded, upsampled read,
+    # the im2col matrix, the accumulators.
+    _per_sample(x[0] * (height + pads[0] + pads[2]) * (width + pads[1] + pads[3]), 1, f"{where}: its read")
+    _per_sample(out[1] * out[2] * k * group, 1, f"{where}: its im2col matrix")
+    _per_sample(out[1] * out[2] * channels, 8, f"{where}: its accumulators")
     return _window_of(instr, out, where)
 
 
@@ -286,9 +297,7 @@ def _read_size(instr: dict, height: int, width: int, where: str) -> tuple[int, i
     if "pad_fill" in instr and instr["pad_fill"] not in PAD_FILLS:
         raise _Invalid(f"{where}: pad_fill must be one of {', '.join(PAD_FILLS)}, got "
                        f"{json.dumps(instr['pad_fill'])[:20]}")
-    size = upsampled_size(height, factors[0], fill), upsampled_size(width, factors[1], fill)
-    _elements((size[0] * size[1],), f"{where}: its upsampled read")
-    return size
+    return upsampled_size(height, factors[0], fill), upsampled_size(width, factors[1], fill)
 
 
 def _dense_gemm(program: Program, instr: dict, where: str, in_shapes: list, out_dtype: str, rounding: str
@@ -447,7 +456,7 @@ def validate_program(program: Program) -> None:
         shape, scale, dtype = (_field(record, key, where) for key in ("shape", "scale", "dtype"))
         if not isinstance(shape, list) or not shape or shape[0] is not None:
             raise _Invalid(f"{where}: shape must be [null, ...] (the free batch first), got {json.dumps(shape)[:60]}")
-        _elements(_ints(shape[1:], f"{where}: shape", None, 1), where)
+        _per_sample(math.prod(_ints(shape[1:], f"{where}: shape", None, 1)), 8, where)  # an AddGemm's accumulators
         if not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale) and scale > 0):
             raise _Invalid(f"{where}: scale must be a finite number > 0, got {json.dumps(scale)[:40]}")
         if not isinstance(dtype, str) or dtype not in TENSOR_DTYPES:
@@ -521,7 +530,8 @@ def read_program(path: str | os.PathLike) -> Program:
                 if not isinstance(record, dict) or _sha256(data) != record.get("sha256"):
                     raise BadInput(f"{path}: array '{name}' fails its SHA-256 check (the file was altered "
                                    f"or damaged)")
-                arrays[name] = np.load(io.BytesIO(data), allow_pickle=False)
+                arrays[name] = read_npy(io.BytesIO(data), len(data), f"{path}: damaged program: array "
+                                                                     f"'{name}'")
                 if [str(arrays[name].dtype), list(arrays[name].shape)] != [record.get("dtype"), record.get("shape")]:
                     raise BadInput(f"{path}: damaged program: array '{name}' is {arrays[name].dtype} "
                                    f"{arrays[name].shape}, the manifest says {record.get('dtype')} {record.get('shape')}")

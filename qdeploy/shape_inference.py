@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from qdeploy.errors import BadInput, Unsupported
-from qdeploy.fileio import MAX_TENSOR_ELEMENTS
+from qdeploy.fileio import check_tensor_bytes
 from qdeploy.ir import Graph, Node, Tensor, topological_order
 from isa.kinds import Kind
 from qdeploy.reference import run_node
@@ -33,23 +33,13 @@ BATCH_PRESERVING = {
 # Ops whose outputs are static (batch-independent metadata) even when their input is an activation.
 SHAPE_OPS = {"Shape", "Size"}
 
-# A graph input, initializer or node output larger than MAX_TENSOR_ELEMENTS (fileio.py) at the probe batch sizes
+# A graph input, initializer or node output larger than MAX_TENSOR_BYTES (fileio.py) at the probe batch sizes
 # is refused before anything is allocated: the output size of each op that can grow a tensor beyond its inputs
 # (a shape taken from a tensor's values, padding, broadcasting, products) is bounded from its input shapes and
-# values first (`_output_bound`).
+# values first (`_output_bound`), in elements of its widest input (ConstantOfShape: of its `value`).
 BROADCAST_OPS = {"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Sum", "Mean", "Equal", "Less", "Greater",
                  "Where"}
 WINDOW_OPS = {"Conv", "MaxPool", "AveragePool", Kind.CONV_GEMM}
-
-
-def check_elements(shape, what: str) -> None:
-    """BadInput when a tensor of `shape` would have more than MAX_TENSOR_ELEMENTS elements."""
-    elements = 1
-    for dim in shape:
-        elements *= max(int(dim), 0)  # Python ints: no overflow whatever the dims
-    if elements > MAX_TENSOR_ELEMENTS:
-        raise BadInput(f"{what} would have {elements:,} elements (shape {list(map(int, shape))}), more than "
-                       f"the limit of {MAX_TENSOR_ELEMENTS:,}")
 
 
 def _ints(value) -> list[int] | None:
@@ -105,6 +95,15 @@ def _output_bound(node: Node, inputs: list[np.ndarray | None]) -> list[int] | No
     if op == Kind.CONCAT and present:
         return [sum(x.size for x in present)]
     return None
+
+
+def _output_itemsize(node: Node, inputs: list[np.ndarray | None]) -> int:
+    """The bytes per element of `node`'s output as `_output_bound` sizes it: ConstantOfShape's `value` (float32
+    by default), else the widest input."""
+    if node.op == "ConstantOfShape":
+        value = node.attrs.get("value")
+        return np.asarray(value).dtype.itemsize if value is not None else 4
+    return max((x.dtype.itemsize for x in inputs if x is not None), default=4)
 
 
 @dataclass
@@ -165,7 +164,7 @@ def probe(graph: Graph, batches: tuple[int, ...] = PROBE_BATCHES) -> Probe:
         for name in graph.inputs:
             tensor = graph.tensors[name]
             shape = _concrete_input_shape(tensor, batch)
-            check_elements(shape, f"graph input '{name}' at batch {batch}")
+            check_tensor_bytes(shape, tensor.dtype.itemsize, f"graph input '{name}' at batch {batch}")
             env[name] = np.zeros(shape, dtype=tensor.dtype)
         for node in order:
             outputs = _evaluate(graph, node, env, static, index, batch_one_cache, batch)
@@ -176,7 +175,8 @@ def probe(graph: Graph, batches: tuple[int, ...] = PROBE_BATCHES) -> Probe:
             for name, value in zip(node.outputs, outputs):
                 if not name:
                     continue
-                check_elements(value.shape, f"output '{name}' of node '{node.name}' ({node.op})")
+                check_tensor_bytes(value.shape, value.dtype.itemsize,
+                                   f"output '{name}' of node '{node.name}' ({node.op})")
                 shapes.setdefault(name, []).append(tuple(value.shape))
                 dtypes[name] = value.dtype
                 is_static = node.op in SHAPE_OPS or all(
@@ -210,7 +210,8 @@ def _evaluate(graph: Graph, node: Node, env: dict[str, np.ndarray], static: dict
     inputs = [value(name) for name in node.inputs]
     bound = _output_bound(node, inputs)
     if bound is not None:  # refuse before the op allocates its output
-        check_elements(bound, f"output of node '{node.name}' ({node.op}) at batch {probe_batch}")
+        check_tensor_bytes(bound, _output_itemsize(node, inputs),
+                           f"output of node '{node.name}' ({node.op}) at batch {probe_batch}")
     with np.errstate(all="ignore"):
         if node.op in BATCH_PRESERVING and inputs and inputs[0] is not None and inputs[0].ndim > 0:
             batch = inputs[0].shape[0]

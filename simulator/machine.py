@@ -12,6 +12,7 @@ This module reads programs through qdeploy.program (numpy and stdlib only) and n
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +22,8 @@ import numpy as np
 
 from isa.kinds import PER_IMAGE_KINDS, RESHAPE_KINDS, WEIGHTED_GEMM_KINDS, Kind, handler
 from isa.instructions import Instruction, from_manifest
+from qdeploy import fileio
+from qdeploy.fileio import byte_size
 from qdeploy.program import Program
 from isa.target import Arithmetic, Rounding, target_from_dict
 from simulator.kernels.depthwise import depthwise_conv
@@ -43,7 +46,31 @@ SLICE_IMAGES = 16
 
 
 class ProgramInputError(ValueError):
-    """An input array that does not fit the program (name, shape, dtype)."""
+    """An input array that does not fit the program (name, shape, dtype), or a batch too large for it."""
+
+
+def image_bytes(instr: Instruction, tensors: dict) -> int:
+    """An upper estimate of the bytes one image needs in the buffers of `instr` while it runs: its input and
+    output codes; a ConvGemm's padded, upsampled read (int8) and im2col matrix (int8 and a float32 copy for the
+    BLAS path); 12 bytes per accumulator (a float32 product and an int64 sum). From the program's tensor shapes
+    alone, before anything is allocated."""
+    def elements(name: str) -> int:
+        return math.prod(tensors[name]["shape"][1:])
+
+    codes = sum(elements(name) for name in instr.inputs) + elements(instr.output)
+    if instr.kind != Kind.CONV_GEMM:
+        return codes + 12 * elements(instr.output)
+    channels, height, width = tensors[instr.inputs[0]]["shape"][1:]
+    rows, cols = instr.read_size(height, width)
+    (pt, pl, pb, pr), (oh, ow) = instr.pads, instr.output_size(height, width)
+    read = channels * (rows + pt + pb) * (cols + pl + pr)
+    columns = oh * ow * channels * instr.kernel[0] * instr.kernel[1]
+    return codes + read + 5 * columns + 12 * oh * ow * tensors[instr.output]["shape"][1]
+
+
+def largest_image_bytes(program: Program) -> tuple[int, str]:
+    """(bytes, instruction name) of the instruction whose buffers need the most per image (`image_bytes`)."""
+    return max(((image_bytes(instr, program.tensors), instr.name) for instr in program.records), default=(0, ""))
 
 
 @dataclass
@@ -118,6 +145,7 @@ class Machine:
         # A program made only of per-image kinds may run slices of the batch in parallel threads with the same
         # integers (isa/kinds.py PER_IMAGE_KINDS leaves Host out: the host executor may not be thread-safe).
         self.per_image = all(instr.kind in PER_IMAGE_KINDS for instr in self.records)
+        self.image_bytes, self.largest = largest_image_bytes(program)
         self._local = threading.local()  # per-thread scratch buffers (kernels.gemm._scratch)
         self._pool: ThreadPoolExecutor | None = None
 
@@ -161,9 +189,17 @@ class Machine:
         program = self.program
         env = {name: self._check_input(name, inputs[name]) for name in program.inputs}
         batch = min((x.shape[0] for x in env.values()), default=0)
-        # At least two slices per thread (a slow thread delays the end less), of at most SLICE_IMAGES images.
-        pieces = min(batch, max(2 * self.threads, -(-batch // SLICE_IMAGES)))
-        if dump or pieces < 2 or not self.per_image or not blas_threads_limitable():
+        # At least two slices per thread (a slow thread delays the end less), of at most SLICE_IMAGES images, and
+        # of at most as many images as fit one instruction's buffers in fileio.MAX_TENSOR_BYTES.
+        most = self._images_per_call()
+        pieces = min(batch, max(2 * self.threads, -(-batch // SLICE_IMAGES), -(-batch // most)))
+        whole = dump or pieces < 2 or not self.per_image or not blas_threads_limitable()
+        if whole and batch > most:
+            raise ProgramInputError(f"{batch} images at once need {byte_size(batch * self.image_bytes)} in the "
+                                    f"buffers of instruction '{self.largest}', more than the limit of "
+                                    f"{byte_size(fileio.MAX_TENSOR_BYTES)} (qdeploy.fileio.MAX_TENSOR_BYTES); "
+                                    f"give at most {most} at a time")
+        if whole:
             with one_blas_thread():
                 return self._run_images(env, dump, profile)
         bounds = [batch * i // pieces for i in range(pieces + 1)]
@@ -174,6 +210,14 @@ class Machine:
         events = {name: sum(r.overflow_events[name] for r in results) for name in results[0].overflow_events}
         seconds = {name: sum(r.seconds[name] for r in results) for name in results[0].seconds}
         return RunResult(outputs, events, seconds=seconds)
+
+    def _images_per_call(self) -> int:
+        """How many images one pass may hold (`image_bytes`); ProgramInputError when not even one fits."""
+        if self.image_bytes > fileio.MAX_TENSOR_BYTES:
+            raise ProgramInputError(f"instruction '{self.largest}' needs {byte_size(self.image_bytes)} of buffers "
+                                    f"per image, more than the limit of {byte_size(fileio.MAX_TENSOR_BYTES)} "
+                                    f"(qdeploy.fileio.MAX_TENSOR_BYTES)")
+        return max(1, fileio.MAX_TENSOR_BYTES // max(self.image_bytes, 1))
 
     def _run_images(self, env: dict[str, np.ndarray], dump: bool, profile: bool = False) -> RunResult:
         program = self.program

@@ -25,6 +25,7 @@ import numpy as np
 
 from isa.kinds import WEIGHTED_GEMM_KINDS
 from qdeploy.errors import BadInput
+from qdeploy.fileio import read_npy
 from qdeploy.ir import Graph
 from qdeploy.program import Program
 
@@ -36,9 +37,10 @@ def load_labels(path: str | os.PathLike) -> np.ndarray:
         raise BadInput(f"{path}: no such labels file")
     if path.suffix == ".npy":
         try:
-            labels = np.load(path, allow_pickle=False)
-        except (ValueError, OSError, EOFError) as error:
-            raise BadInput(f"{path}: not a readable .npy file ({error})") from error
+            with open(path, "rb") as handle:
+                labels = read_npy(handle, os.fstat(handle.fileno()).st_size, str(path))
+        except OSError as error:
+            raise BadInput(f"{path}: not a readable .npy file ({error.strerror or error})") from error
         if labels.ndim == 2 and labels.shape[1] == 1:
             labels = labels[:, 0]
         if labels.ndim != 1 or not (np.issubdtype(labels.dtype, np.integer) or labels.dtype == np.bool_):
