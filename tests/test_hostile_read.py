@@ -101,7 +101,7 @@ def npy_header(shape: tuple[int, ...], dtype: str = "<f4") -> bytes:
     return b"\x93NUMPY\x01\x00" + struct.pack("<H", len(text)) + text
 
 
-HUGE = (1 << 20, 3, 8, 8)  # 1 M samples of 3 x 8 x 8 float32: 768 MiB declared in 128 bytes
+HUGE = (1 << 38, 3, 8, 8)  # 2^38 samples of 3 x 8 x 8 float32: 192 TiB declared in 128 bytes
 BOMB = npy_header(HUGE) + b"\0" * 16
 
 
@@ -225,7 +225,7 @@ def test_attribute_tensors_stored_inside_the_model_folder_are_read(tmp_path):
 # ---- 3. memory bombs -----------------------------------------------------------------------------------------
 
 def test_npy_headers_declaring_more_than_the_file_holds(work, tmp_path):
-    """A 144-byte .npy declaring 768 MiB: as `run --input`, in an .npz, as `calibrate --data` (.npy and .npz)
+    """A 144-byte .npy declaring 192 TiB: as `run --input`, in an .npz, as `calibrate --data` (.npy and .npz)
     and inside a .qdp (its SHA-256 recomputed, so only the size check can refuse it): refused from the header,
     naming the file (and the member), before anything is allocated."""
     bomb = tmp_path / "bomb.npy"
@@ -236,7 +236,7 @@ def test_npy_headers_declaring_more_than_the_file_holds(work, tmp_path):
     out = sentinel(tmp_path / "out.npy")
     for data in (bomb, archive):
         refused(qdeploy("run", work["qdp"], "--input", data, "-o", out), str(data), "declares float32",
-                "768.0 MiB", "truncated, or a forged header")
+                "192.0 TiB", "truncated, or a forged header")
         table = sentinel(tmp_path / "calib.json")
         refused(qdeploy("calibrate", work["model"], "--data", data, "-o", table), str(data), "declares float32")
         untouched(table)
