@@ -7,7 +7,8 @@ plus the residual add (a K = 2 GEMM with the add's pre-scale weights) and the la
 channel concat). Every array is an integer array; the only floats are the host-side quantization of the
 network input and the dequantization of outputs, both outside the accelerator.
 
-This module reads programs through qdeploy.program (numpy and stdlib only) and nothing else of the compiler.
+This module reads programs through qdeploy.program and takes its size limit from qdeploy.fileio (both numpy and
+stdlib only), and nothing else of the compiler.
 """
 
 from __future__ import annotations
@@ -193,19 +194,23 @@ class Machine:
         # of at most as many images as fit one instruction's buffers in fileio.MAX_TENSOR_BYTES.
         most = self._images_per_call()
         pieces = min(batch, max(2 * self.threads, -(-batch // SLICE_IMAGES), -(-batch // most)))
-        whole = dump or pieces < 2 or not self.per_image or not blas_threads_limitable()
-        if whole and batch > most:
+        if (dump or not self.per_image) and batch > most:  # one pass of the whole batch: it must fit
             raise ProgramInputError(f"{batch} images at once need {byte_size(batch * self.image_bytes)} in the "
                                     f"buffers of instruction '{self.largest}', more than the limit of "
                                     f"{byte_size(fileio.MAX_TENSOR_BYTES)} (qdeploy.fileio.MAX_TENSOR_BYTES); "
                                     f"give at most {most} at a time")
-        if whole:
+        threaded = blas_threads_limitable()
+        if dump or pieces < 2 or not self.per_image or (not threaded and batch <= most):
             with one_blas_thread():
                 return self._run_images(env, dump, profile)
         bounds = [batch * i // pieces for i in range(pieces + 1)]
         slices = [{name: x[a:b] for name, x in env.items()} for a, b in zip(bounds[:-1], bounds[1:])]
-        with one_blas_thread():
-            results = list(self._executor().map(lambda part: self._run_images(part, False, profile), slices))
+
+        def run(part: dict[str, np.ndarray]) -> RunResult:
+            return self._run_images(part, False, profile)
+
+        with one_blas_thread():  # without a BLAS thread limit, the slices that make a batch fit run one by one
+            results = list(self._executor().map(run, slices) if threaded else map(run, slices))
         outputs = {name: np.concatenate([r.outputs[name] for r in results]) for name in program.outputs}
         events = {name: sum(r.overflow_events[name] for r in results) for name in results[0].overflow_events}
         seconds = {name: sum(r.seconds[name] for r in results) for name in results[0].seconds}

@@ -413,3 +413,27 @@ def test_memory_error_is_a_last_resort_one_line(work, tmp_path):
     refused(qdeploy("run", work["model"], "--input", big, "-o", out, memory=1 << 30), f"{work['model']}: out of "
             "memory (Unable to allocate")
     untouched(out)
+
+
+def test_the_machine_cuts_a_batch_to_fit_its_buffers(work, monkeypatch):
+    """With the limit set so that one image's buffers fit and two do not, a batch of 4 runs one image per pass
+    with the same integers; a dump (one pass of the whole batch) is refused before it runs, saying how many fit."""
+    from qdeploy import fileio
+    from qdeploy.program import read_program
+    from simulator.machine import Machine, ProgramInputError
+
+    program = read_program(work["qdp"])
+    x = {program.inputs[0]: np.load(work["x"])}
+    machine = Machine(program, threads=1)
+    want = machine.run(x).outputs
+    monkeypatch.setattr(fileio, "MAX_TENSOR_BYTES", machine.image_bytes + 1)
+    cut = Machine(program, threads=1)
+    passes = []
+    run_images = cut._run_images
+    monkeypatch.setattr(cut, "_run_images", lambda env, *rest: passes.append(len(next(iter(env.values()))))
+                        or run_images(env, *rest))
+    got = cut.run(x).outputs
+    assert passes == [1, 1, 1, 1]
+    assert all(np.array_equal(got[name], want[name]) for name in want)
+    with pytest.raises(ProgramInputError, match=r"4 images at once need .* give at most 1 at a time"):
+        cut.run(x, dump=True)
