@@ -12,12 +12,14 @@ once on a batch of one and given the probe's batch, so a probe costs about one i
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from qdeploy.errors import BadInput, Unsupported
-from qdeploy.fileio import check_tensor_bytes
+from qdeploy import fileio
+from qdeploy.fileio import byte_size, check_tensor_bytes
 from qdeploy.ir import Graph, Node, Tensor, topological_order
 from isa.kinds import Kind
 from qdeploy.reference import run_node
@@ -40,6 +42,10 @@ SHAPE_OPS = {"Shape", "Size"}
 BROADCAST_OPS = {"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Sum", "Mean", "Equal", "Less", "Greater",
                  "Where"}
 WINDOW_OPS = {"Conv", "MaxPool", "AveragePool", Kind.CONV_GEMM}
+# What a probe holds at once, its static values and the activations still to be read (each is dropped after its
+# last reader), is at most PROBE_HELD_TENSORS x MAX_TENSOR_BYTES: a node whose output bound would pass that is
+# refused before it runs, any other once its output is known (which is within one MAX_TENSOR_BYTES).
+PROBE_HELD_TENSORS = 2
 
 
 def _ints(value) -> list[int] | None:
@@ -159,15 +165,19 @@ def probe(graph: Graph, batches: tuple[int, ...] = PROBE_BATCHES) -> Probe:
             static[name] = [tensor.data] * len(batches)
             shapes[name] = [tuple(tensor.data.shape)] * len(batches)
             dtypes[name] = tensor.data.dtype
+    last_read = {name: step for step, node in enumerate(order) for name in node.inputs if name}
+    held_static = 0  # bytes of the static values computed so far (kept for the Probe)
     for index, batch in enumerate(batches):
         env: dict[str, np.ndarray] = {}
+        held = held_static  # bytes this probe holds: static values and activations still to be read
         for name in graph.inputs:
             tensor = graph.tensors[name]
             shape = _concrete_input_shape(tensor, batch)
             check_tensor_bytes(shape, tensor.dtype.itemsize, f"graph input '{name}' at batch {batch}")
             env[name] = np.zeros(shape, dtype=tensor.dtype)
-        for node in order:
-            outputs = _evaluate(graph, node, env, static, index, batch_one_cache, batch)
+            held += env[name].nbytes
+        for step, node in enumerate(order):
+            outputs = _evaluate(graph, node, env, static, index, batch_one_cache, batch, held)
             declared = [name for name in node.outputs if name]
             if len(node.outputs) > len(outputs) and any(node.outputs[len(outputs):]):
                 raise Unsupported(f"node '{node.name}' ({node.op}) declares {len(declared)} outputs; qdeploy "
@@ -179,25 +189,41 @@ def probe(graph: Graph, batches: tuple[int, ...] = PROBE_BATCHES) -> Probe:
                                    f"output '{name}' of node '{node.name}' ({node.op})")
                 shapes.setdefault(name, []).append(tuple(value.shape))
                 dtypes[name] = value.dtype
+                held += value.nbytes
                 is_static = node.op in SHAPE_OPS or all(
                     not i or i in static for i in node.inputs)
                 if is_static:
                     static.setdefault(name, []).append(value)
+                    held_static += value.nbytes
                 else:
                     if value.size == 0:
                         raise Unsupported(f"node '{node.name}' ({node.op}) produces '{name}' of shape "
                                           f"{value.shape} at batch {batch}: zero-size activations are not "
                                           f"supported")
                     env[name] = value
-            # Static values are kept in `static`; activations in env (zeros, only their shape matters).
+            _check_held(held, node, batch)
+            # Static values are kept in `static`; activations in env (zeros, only their shape matters) until
+            # their last reader has run.
             for name, value in zip(node.outputs, outputs):
                 if name in static:
                     env[name] = value
+            for name in {*node.inputs, *node.outputs}:
+                if name in env and name not in static and last_read.get(name, -1) <= step:
+                    held -= env.pop(name).nbytes
     return Probe(shapes, dtypes, static)
 
 
+def _check_held(held: int, node: Node, batch: int) -> None:
+    limit = PROBE_HELD_TENSORS * fileio.MAX_TENSOR_BYTES
+    if held > limit:
+        raise BadInput(f"shape inference at batch {batch} would hold {byte_size(held)} with the output of node "
+                       f"'{node.name}' ({node.op}), more than the limit of {byte_size(limit)} "
+                       f"({PROBE_HELD_TENSORS} x qdeploy.fileio.MAX_TENSOR_BYTES)")
+
+
 def _evaluate(graph: Graph, node: Node, env: dict[str, np.ndarray], static: dict[str, list[np.ndarray]],
-              index: int, batch_one_cache: dict[str, list[np.ndarray]], probe_batch: int) -> list[np.ndarray]:
+              index: int, batch_one_cache: dict[str, list[np.ndarray]], probe_batch: int, held: int
+              ) -> list[np.ndarray]:
     def value(name: str) -> np.ndarray | None:
         if not name:
             return None
@@ -210,8 +236,9 @@ def _evaluate(graph: Graph, node: Node, env: dict[str, np.ndarray], static: dict
     inputs = [value(name) for name in node.inputs]
     bound = _output_bound(node, inputs)
     if bound is not None:  # refuse before the op allocates its output
-        check_tensor_bytes(bound, _output_itemsize(node, inputs),
-                           f"output of node '{node.name}' ({node.op}) at batch {probe_batch}")
+        itemsize = _output_itemsize(node, inputs)
+        check_tensor_bytes(bound, itemsize, f"output of node '{node.name}' ({node.op}) at batch {probe_batch}")
+        _check_held(held + math.prod(max(int(d), 0) for d in bound) * itemsize, node, probe_batch)
     with np.errstate(all="ignore"):
         if node.op in BATCH_PRESERVING and inputs and inputs[0] is not None and inputs[0].ndim > 0:
             batch = inputs[0].shape[0]

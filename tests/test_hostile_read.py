@@ -437,3 +437,27 @@ def test_the_machine_cuts_a_batch_to_fit_its_buffers(work, monkeypatch):
     assert all(np.array_equal(got[name], want[name]) for name in want)
     with pytest.raises(ProgramInputError, match=r"4 images at once need .* give at most 1 at a time"):
         cut.run(x, dump=True)
+
+
+def test_shape_inference_bounds_what_it_holds_at_once(tmp_path, monkeypatch):
+    """Tensors each within the limit but together beyond what the probe may hold (2 x MAX_TENSOR_BYTES, here 2 x
+    1 MiB): three 0.8 MiB ConstantOfShape values summed are refused at the third, before it is filled; the same
+    graph on 0.2 MiB values loads (the static values of both probe batches, 1.5 MiB, are kept)."""
+    from qdeploy import fileio
+    from qdeploy.errors import BadInput
+    from qdeploy.onnx_import import load_onnx
+
+    monkeypatch.setattr(fileio, "MAX_TENSOR_BYTES", 1 << 20)
+
+    def model(elements: int) -> Path:
+        nodes = [helper.make_node("ConstantOfShape", ["s"], [f"z{i}"], name=f"fill{i}") for i in range(3)]
+        nodes += [helper.make_node("Sum", ["z0", "z1", "z2"], ["t"], name="sum"),
+                  helper.make_node("ReduceSum", ["t"], ["r"], name="total"),
+                  helper.make_node("Add", ["x", "r"], ["y"], name="add")]
+        proto = make_model(nodes, [("x", ["N", 1])], [("y", None)], {"s": np.array([1, elements], np.int64)})
+        return save(proto, tmp_path / f"fills{elements}.onnx")
+
+    with pytest.raises(BadInput, match=r"would hold 2\.\d MiB with the output of node 'fill2' \(ConstantOfShape\), "
+                                       r"more than the limit of 2\.0 MiB"):
+        load_onnx(model(200_000))
+    assert load_onnx(model(50_000)).tensors["y"].shape == (None, 1)
