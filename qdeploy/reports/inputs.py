@@ -25,7 +25,7 @@ import numpy as np
 
 from isa.kinds import WEIGHTED_GEMM_KINDS
 from qdeploy.errors import BadInput
-from qdeploy.fileio import read_npy
+from qdeploy.fileio import read_npy, read_npy_header
 from qdeploy.ir import Graph
 from qdeploy.program import Program
 
@@ -97,6 +97,8 @@ def load_peer(path: str | os.PathLike) -> Peer:
             raise BadInput(f"{path}: entry {i} needs \"label\" and \"logits\" strings")
         logits_path = path.parent / entry["logits"]
         try:
+            with open(logits_path, "rb") as handle:  # the header against the file's bytes before mapping them
+                read_npy_header(handle, os.fstat(handle.fileno()).st_size, str(logits_path))
             logits = np.load(logits_path, mmap_mode="r", allow_pickle=False)
         except (FileNotFoundError, ValueError, OSError) as error:
             raise BadInput(f"{path}: entry '{entry['label']}': cannot read {logits_path} ({error})") from error
