@@ -72,8 +72,17 @@ def parse_input_shapes(specs: list[str] | None) -> dict[str, tuple[int | None, .
 
 INPUT_SHAPE = typer.Option(None, "--input-shape", help="Fix symbolic dims: NAME:N,3,224,224 (repeatable).")
 JSON = typer.Option(False, "--json", help="Print machine-readable JSON instead of tables.")
-CLUSTER = typer.Option(None, "--cluster", help="Run the forward passes on a Dask cluster: local, local:N or "
-                                                 "tcp://HOST:PORT (same results; pip install 'qdeploy[distributed]').")
+CLUSTER = typer.Option(None, "--cluster", help="Run the forward passes on a Dask cluster: local, local:N (N at most "
+                                                 "the usable CPUs) or tcp://HOST:PORT (same results; pip install "
+                                                 "'qdeploy[distributed]').")
+
+
+def _check_cluster(spec: str | None) -> None:
+    """A malformed --cluster, or more local workers than CPUs, is refused before any work (qdeploy/cluster.py)."""
+    if spec is not None:
+        from qdeploy.cluster import parse_spec
+
+        parse_spec(spec)
 
 
 def _format_shape(shape: list) -> str:
@@ -364,6 +373,7 @@ def calibrate(model: Path = typer.Argument(..., help="An .onnx model."),
     from qdeploy.calibration import calibrate as run_calibration
     from qdeploy.fileio import check_output
 
+    _check_cluster(cluster)
     if output.is_dir():
         raise BadInput(f"{output}: is a folder; give the calibration table's file name")
     check_output(output, model, data, import_tensorrt_cache)
@@ -537,6 +547,7 @@ def report(model: Path = typer.Argument(..., help="The float .onnx model."),
     --json, report.json)."""
     from calib.data import Preprocess, parse_floats, parse_size
 
+    _check_cluster(cluster)
     preprocess = Preprocess(parse_size(size), parse_floats(mean, "--mean", Preprocess.mean),
                             parse_floats(std, "--std", Preprocess.std), layout.upper(), channels.upper())
     import shlex
