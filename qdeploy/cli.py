@@ -644,22 +644,30 @@ def vectors_export(program: Path = typer.Argument(..., help="A compiled .qdp pro
 def vectors_compare(expected: Path = typer.Argument(..., help="Directory from `vectors export` or `vectors stress`."),
                     actual: Path = typer.Argument(..., help="RTL dump directory: acc/out/stored .hex files at the "
                                                             "same relative paths."),
+                    layers: Optional[str] = typer.Option(None, "--layers",
+                                                         help="Compare only these layers: names or indexes, "
+                                                              "comma-separated (the others need no dump)."),
                     json_output: bool = JSON) -> None:
     """Compare RTL dumps with the golden vectors, layer by layer: match/mismatch counts, the first mismatch
     (layer, tile, row, col, expected, actual) and its likely cause (rounding-mode mismatch?, saturation
-    mismatch?, data mismatch). Exit 0 when everything dumped matches, 3 on any mismatch, 2 on bad input."""
+    mismatch?, data mismatch). Every layer of the golden set must have a dump, unless --layers names the ones
+    to compare. Exit 0 when every layer is dumped and matches, 3 on any mismatch, 4 when no value differs but
+    a layer has no dump (the testbench crashed or timed out?), 2 on bad input."""
     from simulator.vectors import VectorError, compare_vectors
 
+    selection = None if layers is None else [name.strip() for name in layers.split(",") if name.strip()]
     try:
-        report = compare_vectors(expected, actual)
+        report = compare_vectors(expected, actual, selection)
     except VectorError as error:
         raise BadInput(str(error)) from error
     if json_output:
         typer.echo(json.dumps(report.to_json(), indent=2))
     else:
         _print_comparison(report)
-    if not report.ok:
+    if report.mismatches:
         raise typer.Exit(VECTORS_MISMATCH_EXIT)
+    if report.not_dumped:
+        raise typer.Exit(VECTORS_NOT_DUMPED_EXIT)
 
 
 @vectors_app.command("stress")
@@ -716,6 +724,7 @@ def target_header(target: Path = typer.Argument(..., help="A target.toml."),
 
 
 VECTORS_MISMATCH_EXIT = 3  # `vectors compare`: some dumped value differs (2 stays bad input, 1 internal error)
+VECTORS_NOT_DUMPED_EXIT = 4  # `vectors compare`: nothing differs, but a layer compared has no dump
 
 
 def _size(nbytes: float) -> str:
@@ -791,7 +800,13 @@ def _print_comparison(report) -> None:
             echo(f"             {f.mismatches} mismatch(es): {classes}")
     dumped = sum(1 for layer in report.layers if layer.files)
     bad = sum(1 for layer in report.layers if layer.status == "mismatch")
-    verdict = "all match" if report.ok else f"{report.mismatches} mismatch(es) in {bad} layer(s) (exit 3)"
+    verdict = (f"{report.mismatches} mismatch(es) in {bad} layer(s) (exit 3)" if report.mismatches else
+               "all match")
+    missing = report.not_dumped
+    if missing:
+        verdict += (f"; {len(missing)} of {len(report.layers)} layer(s) not dumped, e.g. '{missing[0]}'"
+                    + ("" if report.mismatches else f" (exit {VECTORS_NOT_DUMPED_EXIT}: compare a subset with "
+                                                    f"--layers)"))
     echo(f"compared {report.compared_files} file(s) of {dumped} layer(s): {verdict}")
 
 
