@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import gc
 import json
+import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -833,10 +834,46 @@ def _collector_paused():
         gc.enable()
 
 
+class _QuietWhenClosed:
+    """sys.stdout that, once its reader has gone (`qdeploy calibrate ... | head -1`), points the file descriptor at
+    /dev/null and carries on instead of raising BrokenPipeError, so the command finishes its work and exits
+    with its own status (0, or 3 for a `vectors compare` mismatch): the recipe of Python's docs, "Note on
+    SIGPIPE", applied at each write rather than once at the end."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._drop()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._drop()
+
+    def _drop(self) -> None:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, self._stream.fileno())
+        os.close(devnull)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
 def main() -> int:
-    """The `qdeploy` command: a usage error is one line `error: ...` with exit code 2, like a user error."""
+    """The `qdeploy` command: a usage error is one line `error: ...` with exit code 2, like a user error; a closed
+    stdout pipe is not an error (_QuietWhenClosed)."""
+    if sys.stdout is not None:
+        sys.stdout = _QuietWhenClosed(sys.stdout)
     try:
-        return _main()
+        code = _main()
+        sys.stdout.flush()
+        return code
     finally:
         # The process ends here and the OS frees its memory: frozen objects are out of the cyclic collector's
         # reach, so interpreter shutdown skips its full collections over every module's objects (0.2 s at the
