@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from qdeploy.errors import BadInput
-from qdeploy.fileio import atomic_write
+from qdeploy.fileio import atomic_write, check_input
 from isa.geometry import PAD_FILLS, UPSAMPLE_FILLS, pool_output_size, upsampled_size
 from isa.instructions import Instruction, from_manifest
 from isa.kinds import RESHAPE_KINDS, Kind, UnknownKind, handler
@@ -524,9 +524,7 @@ def validate_program(program: Program) -> None:
 
 def read_program(path: str | os.PathLike) -> Program:
     """Read and verify a `.qdp` file; BadInput on anything damaged, foreign or of another version."""
-    path = Path(path)
-    if not path.exists():
-        raise BadInput(f"{path}: no such file")
+    path = check_input(path, "a compiled .qdp program")
     try:
         archive = zipfile.ZipFile(path)
     except (zipfile.BadZipFile, OSError, NotImplementedError, ValueError) as error:
