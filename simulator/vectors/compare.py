@@ -61,11 +61,10 @@ def read_hex_file(path: str | os.PathLike, record: dict) -> tuple[np.ndarray, np
     return lines_to_matrix(words, rows, cols), lines_to_matrix(unknown, rows, cols)
 
 
-def _inside(folder: Path, relative, resolve: bool) -> Path:
-    """folder / relative, for a path a manifest names: VectorError unless it is a relative path without '..'
+def _inside(folder: Path, relative, manifest: Path, resolve: bool = True) -> Path:
+    """folder / relative, for a path `manifest` names: VectorError unless it is a relative path without '..'
     (and, with `resolve`, one whose links too stay inside `folder`), so that a manifest cannot make compare read
     other files."""
-    manifest = folder / MANIFEST
     if not isinstance(relative, str) or not relative or Path(relative).is_absolute() or ".." in Path(relative).parts:
         raise VectorError(f"{manifest}: names the file {json.dumps(relative)[:80]}, which is not a path inside "
                           f"{folder}")
@@ -77,13 +76,13 @@ def _inside(folder: Path, relative, resolve: bool) -> Path:
 
 def _expected(root: Path, record: dict) -> np.ndarray:
     if "npy" in record:
-        path = _inside(root, record["npy"], resolve=True)
+        path = _inside(root, record["npy"], root / MANIFEST)
         try:
             array = np.load(path, allow_pickle=False)
         except (OSError, ValueError, EOFError) as error:
             raise VectorError(f"{path}: not a readable .npy file ({error})") from None
         return channels_last(array) if array.ndim > 2 else array
-    return read_hex_file(_inside(root, record["hex"], resolve=True), record)[0]
+    return read_hex_file(_inside(root, record["hex"], root / MANIFEST), record)[0]
 
 
 @dataclass
@@ -214,7 +213,7 @@ class CompareReport:
 
 def _compare_file(root: Path, dump: Path, layer: dict, key: str, record: dict, params: dict,
                   acc: np.ndarray | None, tile: dict | None) -> FileComparison | None:
-    path = _inside(dump, record["hex"], resolve=False)  # the testbench's own folder: its links are its business
+    path = _inside(dump, record["hex"], root / MANIFEST, resolve=False)  # the dump's links are the testbench's
     if not path.is_file():
         return None
     expected = _expected(root, record)
