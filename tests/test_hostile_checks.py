@@ -347,10 +347,15 @@ def test_a_golden_manifest_naming_files_outside_its_folder_is_one_line(work, tmp
         edited["layers"][0]["files"]["out" if name == "dump_path" else "mult"][key] = value
         (folder / name / "manifest.json").write_text(json.dumps(edited))
         cases.append(["vectors", "compare", name, "dump"])
-    results, _ = invoke_bounded(folder, cases)
+    shutil.copytree(folder / "vec", folder / "damaged", symlinks=True)
+    damaged = json.loads(json.dumps(manifest))
+    del damaged["layers"][1]["files"]
+    (folder / "damaged" / "manifest.json").write_text(json.dumps(damaged))
+    results, _ = invoke_bounded(folder, cases + [["vectors", "compare", "damaged", "dump"]])
     for name, result in zip(edits, results):
         line = refused(result, folder, f"{name}/manifest.json: names the file")
         assert "is not a path inside" in line or "a link to a file outside" in line
+    refused(results[-1], folder, "damaged/manifest.json: damaged manifest (KeyError: 'files')")
 
 
 # ---- item 7: closed pipes ------------------------------------------------------------------------------------------
