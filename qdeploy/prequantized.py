@@ -123,7 +123,8 @@ def _check_parameters(where: str, scale: np.ndarray, zero_point: np.ndarray, len
     if scale.ndim > 1 or (scale.size != 1 and length is not None and scale.size != length):
         raise BadInput(f"{where}: {scale.size} scales of shape {list(scale.shape)} for an axis of {length} "
                        f"entries (expected one scale, or one per entry)")
-    values = scale.astype(np.float32).reshape(-1)
+    with np.errstate(over="ignore"):  # a float64 scale beyond float32's range becomes inf, refused below
+        values = scale.astype(np.float32).reshape(-1)
     bad = np.flatnonzero(~(np.isfinite(values) & (values > 0)))
     if scale.dtype.kind != "f" or bad.size:
         shown = scale.dtype if scale.dtype.kind != "f" else f"{float(scale.reshape(-1)[bad[0]]):g}"

@@ -255,6 +255,7 @@ QDQ_CASES = {
     "weight_scale_negative.onnx": ({"s_w": np.array([0.01, 0.01, -0.01, 0.01], np.float32)}, [],
                                    ("weight 'wq'", "scale -0.01 (entry 2)")),
     "weight_scale_underflow.onnx": ({"s_w": np.full(4, 1e-50)}, [], ("weight 'wq'", "in float32")),
+    "weight_scale_overflow.onnx": ({"s_w": np.full(4, 1e300)}, [], ("weight 'wq'", "scale 1e+300 (entry 0)")),
     "weight_scale_length.onnx": ({"s_w": np.full(5, 0.01, np.float32), "z_w": np.zeros(5, np.int8)}, [],
                                  ("weight 'wq'", "5 scales", "axis of 4 entries")),
     "weight_zero_point_length.onnx": ({"z_w": np.zeros(3, np.int8)}, [], ("weight 'wq'", "zero point int8 of shape [3]")),
