@@ -273,7 +273,9 @@ def _weighted_gemm(program: Program, instr: dict, where: str, in_shapes: list, o
         raise _Invalid(f"{where}: field 'weight' must name an int8 (M, K) array")
     channels, k = weight.shape
     _array(program, instr, "bias", where, "int32", (channels,))
-    _array(program, instr, "weight_scale", where, "float32", (channels,))
+    weight_scale = _array(program, instr, "weight_scale", where, "float32", (channels,))
+    if not np.all(np.isfinite(weight_scale)) or np.any(weight_scale < 0):  # export-onnx writes them as scales
+        raise _Invalid(f"{where}: weight_scale must hold finite numbers >= 0")
     _check_epilogue(program, instr, channels, where, out_dtype, rounding)
     return channels, k, in_shapes[0]
 
@@ -322,6 +324,10 @@ def _add_gemm(program: Program, instr: dict, where: str, in_shapes: list, out_dt
     if in_shapes[0] != in_shapes[1]:
         raise _Invalid(f"{where}: adds tensors of shapes {in_shapes[0]} and {in_shapes[1]}")
     _ints(_field(instr, "add_weights", where), f"{where}: add_weights", 2, 0, ADD_WEIGHT_MAX)
+    add_scale = _field(instr, "add_scale", where)
+    if not (isinstance(add_scale, (int, float)) and not isinstance(add_scale, bool) and math.isfinite(add_scale)
+            and add_scale > 0):
+        raise _Invalid(f"{where}: add_scale must be a finite number > 0, got {json.dumps(add_scale)[:40]}")
     ratio = _array(program, instr, "add_ratio_f32", where, "float32", (2,))
     if not np.all(np.isfinite(ratio)):
         raise _Invalid(f"{where}: add_ratio_f32 must be finite")

@@ -188,6 +188,8 @@ PROGRAM_EDITS = {
     "mult_bits.qdp": (_edit_manifest(lambda m: m["target"]["arithmetic"].update(mult_bits=16)),
                       ("instruction 'conv'", "field 'mult'", "mult_bits = 16")),
     "merge.qdp": (_edit_manifest(_merge_rows), ("instruction 'merge'", "1/2 rows per sample")),
+    "weight_scale.qdp": (_replace_array(lambda m: _first("ConvGemm")(m)["weight_scale"], np.full(4, np.nan, np.float32)),
+                         ("instruction 'conv'", "weight_scale must hold finite numbers >= 0")),
 }
 
 
@@ -209,6 +211,29 @@ def test_program_fields_beyond_the_hardware_are_refused_at_load(work, tmp_path):
         refused(result, folder, *fragments)
     kept(folder / "out.npy")
     assert not (folder / "vectors").exists()
+
+
+def test_addgemm_fields_beyond_the_hardware_are_refused_at_load(tmp_path):
+    """The AddGemm's pre-scale weights sit in the array's 16-bit weight operand (the vector export wrote them as
+    int16: 2^20 overflowed there); its add_scale must be a finite scale."""
+    nodes = [helper.make_node("Conv", ["x", "W"], ["c"], name="conv"),
+             helper.make_node("Add", ["c", "x"], ["y"], name="residual")]
+    model = save(make_model(nodes, [("x", ["N", 3, 4, 4])], [("y", ["N", 3, 4, 4])], {"W": rng_weights(0, 3, 3, 1, 1)}),
+                 tmp_path / "residual.onnx")
+    np.save(tmp_path / "x.npy", np.random.default_rng(0).standard_normal((2, 3, 4, 4)).astype(np.float32))
+    assert cli("calibrate", model, "--data", tmp_path / "x.npy", "-o", tmp_path / "t.json").exit_code == 0
+    assert cli("compile", model, "--calib", tmp_path / "t.json", "-o", tmp_path / "r.qdp").exit_code == 0
+    edits = {"weights.qdp": (lambda m: _first("AddGemm")(m).update(add_weights=[1 << 20, 1]), "add_weights"),
+             "scale.qdp": (lambda m: _first("AddGemm")(m).update(add_scale=float("nan")), "add_scale must be")}
+    cases = []
+    for name, (edit, _) in edits.items():
+        _rewrite_program(tmp_path / "r.qdp", tmp_path / name, _edit_manifest(edit))
+        cases += [["vectors", "export", name, "--input", "x.npy", "-o", "vectors"], ["run", name, "-i", "x.npy", "-o", "y.npy"]]
+    results, _ = invoke_bounded(tmp_path, cases)
+    for index, result in enumerate(results):
+        name, (_, fragment) = list(edits.items())[index // 2]
+        refused(result, tmp_path, f"{name}: damaged program", "instruction 'residual'", fragment)
+    assert not (tmp_path / "vectors").exists() and not (tmp_path / "y.npy").exists()
 
 
 def test_a_multiplier_too_small_for_the_shift_field_is_stored_as_zero_and_gives_zero():
