@@ -109,7 +109,8 @@ def test_cluster_specs_are_refused_in_one_line_before_dask_is_imported(work, tmp
     folder = fresh(work, tmp_path)
     cpus = len(os.sched_getaffinity(0))
     specs = {f"local:{cpus + 1}": f"more than the {cpus} usable CPUs", "local:100000": "usable CPUs",
-             "local:" + "9" * 40: "usable CPUs", "local:\u00b2": "local:N", "local:0": "local:N", "tcp://": "tcp://HOST:PORT",
+             "local:" + "9" * 40: "usable CPUs", "local:\u00b2": "local:N", "local:0": "local:N",
+             "tcp://": "tcp://HOST:PORT",
              "tcp://127.0.0.1:abc": "tcp://HOST:PORT", "tcp://127.0.0.1:70000": "tcp://HOST:PORT", "cluster9": "local"}
     cases = [[command, "cnn.onnx", *extra, "--data", "x.npy", "--cluster", spec, "-o", output]
              for spec in specs for command, extra, output in (("calibrate", [], "out.npy"),
@@ -188,7 +189,8 @@ PROGRAM_EDITS = {
     "mult_bits.qdp": (_edit_manifest(lambda m: m["target"]["arithmetic"].update(mult_bits=16)),
                       ("instruction 'conv'", "field 'mult'", "mult_bits = 16")),
     "merge.qdp": (_edit_manifest(_merge_rows), ("instruction 'merge'", "1/2 rows per sample")),
-    "weight_scale.qdp": (_replace_array(lambda m: _first("ConvGemm")(m)["weight_scale"], np.full(4, np.nan, np.float32)),
+    "weight_scale.qdp": (_replace_array(lambda m: _first("ConvGemm")(m)["weight_scale"],
+                                        np.full(4, np.nan, np.float32)),
                          ("instruction 'conv'", "weight_scale must hold finite numbers >= 0")),
 }
 
@@ -228,7 +230,8 @@ def test_addgemm_fields_beyond_the_hardware_are_refused_at_load(tmp_path):
     cases = []
     for name, (edit, _) in edits.items():
         _rewrite_program(tmp_path / "r.qdp", tmp_path / name, _edit_manifest(edit))
-        cases += [["vectors", "export", name, "--input", "x.npy", "-o", "vectors"], ["run", name, "-i", "x.npy", "-o", "y.npy"]]
+        cases += [["vectors", "export", name, "--input", "x.npy", "-o", "vectors"],
+                  ["run", name, "-i", "x.npy", "-o", "y.npy"]]
     results, _ = invoke_bounded(tmp_path, cases)
     for index, result in enumerate(results):
         name, (_, fragment) = list(edits.items())[index // 2]
@@ -283,7 +286,8 @@ QDQ_CASES = {
     "weight_scale_overflow.onnx": ({"s_w": np.full(4, 1e300)}, [], ("weight 'wq'", "scale 1e+300 (entry 0)")),
     "weight_scale_length.onnx": ({"s_w": np.full(5, 0.01, np.float32), "z_w": np.zeros(5, np.int8)}, [],
                                  ("weight 'wq'", "5 scales", "axis of 4 entries")),
-    "weight_zero_point_length.onnx": ({"z_w": np.zeros(3, np.int8)}, [], ("weight 'wq'", "zero point int8 of shape [3]")),
+    "weight_zero_point_length.onnx": ({"z_w": np.zeros(3, np.int8)}, [],
+                                      ("weight 'wq'", "zero point int8 of shape [3]")),
     "bias_scale_zero.onnx": ({"s_b": np.zeros(4, np.float32)}, [], ("weight 'bq'", "scale 0")),
     "activation_scale_infinite.onnx": ({"s_x": np.float32(np.inf)}, [], ("initializer 's_x'",)),
     "activation_scale_negative.onnx": ({"s_y": np.float32(-0.05)}, [], ("tensor 'c'", "scale -0.05")),
@@ -405,7 +409,8 @@ def test_a_closed_stdout_pipe_ends_the_command_quietly_with_its_own_status(work,
     dump_layers(folder / "vec", folder / "dump", 1)
     incomplete = run_into_closed_pipe(folder, "vectors", "compare", "vec", "dump")
     assert (incomplete.returncode, incomplete.stderr) == (4, "")
-    out = folder / "dump" / json.loads((folder / "vec" / "manifest.json").read_text())["layers"][0]["files"]["out"]["hex"]
+    first_layer = json.loads((folder / "vec" / "manifest.json").read_text())["layers"][0]
+    out = folder / "dump" / first_layer["files"]["out"]["hex"]
     words = out.read_text().split("\n")
     words[0] = words[0][:-2] + ("00" if words[0][-2:] != "00" else "01")  # element 0 of the first row differs
     out.write_text("\n".join(words))
