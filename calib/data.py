@@ -32,7 +32,7 @@ import numpy as np
 
 from calib import DEFAULT_CHANNELS, DEFAULT_LAYOUT, DEFAULT_MEAN, DEFAULT_STD
 from qdeploy.errors import BadInput
-from qdeploy.fileio import member_size, read_npy_header
+from qdeploy.fileio import check_input, member_size, read_npy_header
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
 LAYOUTS = ("NCHW", "NHWC")
@@ -436,6 +436,8 @@ def open_data(data, *, num_samples: int, input_names: Sequence[str],
     path = Path(data)
     if not path.exists():
         raise BadInput(f"{path}: no such file or folder")
+    if not path.is_dir():
+        check_input(path, "a folder of images or a .npy/.npz file")
     if path.is_dir():
         preprocess = preprocess or Preprocess()
         if len(input_names) != 1:

@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from qdeploy.errors import BadInput
-from qdeploy.fileio import atomic_write
+from qdeploy.fileio import atomic_write, check_input
 
 FORMAT = "qdeploy-calibration"
 VERSION = 1
@@ -107,11 +107,9 @@ class CalibrationTable:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> CalibrationTable:
-        path = Path(path)
+        path = check_input(path, "a calibration table (.json)")
         try:
             text = path.read_text()
-        except FileNotFoundError:
-            raise BadInput(f"{path}: no such file") from None
         except (OSError, UnicodeDecodeError) as error:
             raise BadInput(f"{path}: cannot read the calibration table ({error})") from error
         try:
@@ -240,11 +238,9 @@ def float32_hex(value: float) -> str:
 
 
 def read_tensorrt_cache(path: str | os.PathLike) -> TensorRTCache:
-    path = Path(path)
+    path = check_input(path, "a TensorRT calibration cache")
     try:
         lines = path.read_text().splitlines()
-    except FileNotFoundError:
-        raise BadInput(f"{path}: no such file") from None
     except (OSError, UnicodeDecodeError) as error:
         raise BadInput(f"{path}: cannot read the TensorRT calibration cache ({error})") from error
     if not lines or not _TENSORRT_HEADER.match(lines[0].strip()):

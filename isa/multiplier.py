@@ -5,7 +5,8 @@ vectors (simulator/vectors.py) derive multipliers with these functions, so they 
     M ~= mult * 2^-shift,   2^(mult_bits-2) <= mult < 2^(mult_bits-1)   (mult = 0 for M = 0)
 
 `shift` is the TOTAL right shift n (not relative to Q31): for mult_bits = 32, M = 1/2 is (2^30, 31).
-A negative shift is a left shift (only for M >= 2^(mult_bits-1), never in practice).
+A negative shift is a left shift (only for M >= 2^(mult_bits-1), never in practice). The hardware holds the
+shift in an int8 field (SHIFT_RANGE; docs/hardware.md: int32 bias, int32 multiplier, int8 shift per channel).
 """
 
 from __future__ import annotations
@@ -15,15 +16,18 @@ from fractions import Fraction
 
 import numpy as np
 
+SHIFT_RANGE = (-128, 127)  # the output stage's shift field, int8: every program's shifts lie in it
+
 
 def quantize_multiplier(real_multiplier: float, mult_bits: int = 32) -> tuple[int, int]:
     """(mult, shift) with M ~= mult * 2^-shift and mult in [2^(mult_bits-2), 2^(mult_bits-1)), M >= 0 finite.
 
     mult = round(M * 2^shift), ties up (M > 0, so up = away from zero, as TFLite's QuantizeMultiplier);
     if rounding reaches 2^(mult_bits-1), mult is halved and shift decremented. Relative error
-    |mult * 2^-shift - M| / M <= 2^-(mult_bits-1). M = 0 gives (0, 0). Tiny M gives large shifts (any size:
-    the kernels return 0 exactly once the shift exceeds the product's width); M >= 2^(mult_bits-1) gives a
-    negative shift (a left shift)."""
+    |mult * 2^-shift - M| / M <= 2^-(mult_bits-1). M = 0 gives (0, 0). M >= 2^(mult_bits-1) gives a negative
+    shift (a left shift); one below SHIFT_RANGE's -128 is a ValueError. A tiny M whose shift would exceed
+    SHIFT_RANGE's 127 also gives (0, 0): with shift n >= 128, |acc * mult| < 2^63 * 2^31 < 2^(n-1), so every
+    rounding mode gives 0 for every accumulator (tflite flushes n > 62 to 0), exactly as M = 0 does."""
     if not 2 <= mult_bits <= 32:
         raise ValueError(f"mult_bits = {mult_bits}: expected 2..32")
     value = float(real_multiplier)
@@ -40,6 +44,11 @@ def quantize_multiplier(real_multiplier: float, mult_bits: int = 32) -> tuple[in
     mult = math.floor(scaled + Fraction(1, 2))
     if mult == 1 << (mult_bits - 1):
         mult, shift = mult >> 1, shift - 1
+    if shift > SHIFT_RANGE[1]:
+        return 0, 0
+    if shift < SHIFT_RANGE[0]:
+        raise ValueError(f"real multiplier {real_multiplier!r}: needs a left shift of {-shift}, beyond the shift "
+                         f"field's {-SHIFT_RANGE[0]}")
     return mult, shift
 
 

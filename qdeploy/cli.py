@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import gc
 import json
+import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -79,8 +80,17 @@ def parse_input_shapes(specs: list[str] | None) -> dict[str, tuple[int | None, .
 
 INPUT_SHAPE = typer.Option(None, "--input-shape", help="Fix symbolic dims: NAME:N,3,224,224 (repeatable).")
 JSON = typer.Option(False, "--json", help="Print machine-readable JSON instead of tables.")
-CLUSTER = typer.Option(None, "--cluster", help="Run the forward passes on a Dask cluster: local, local:N or "
-                                                 "tcp://HOST:PORT (same results; pip install 'qdeploy[distributed]').")
+CLUSTER = typer.Option(None, "--cluster", help="Run the forward passes on a Dask cluster: local, local:N (N at most "
+                                                 "the usable CPUs) or tcp://HOST:PORT (same results; pip install "
+                                                 "'qdeploy[distributed]').")
+
+
+def _check_cluster(spec: str | None) -> None:
+    """A malformed --cluster, or more local workers than CPUs, is refused before any work (qdeploy/cluster.py)."""
+    if spec is not None:
+        from qdeploy.cluster import parse_spec
+
+        parse_spec(spec)
 
 
 def _format_shape(shape: list) -> str:
@@ -371,6 +381,7 @@ def calibrate(model: Path = typer.Argument(..., help="An .onnx model."),
     from qdeploy.calibration import calibrate as run_calibration
     from qdeploy.fileio import check_output
 
+    _check_cluster(cluster)
     if output.is_dir():
         raise BadInput(f"{output}: is a folder; give the calibration table's file name")
     check_output(output, model, data, import_tensorrt_cache)
@@ -544,6 +555,7 @@ def report(model: Path = typer.Argument(..., help="The float .onnx model."),
     --json, report.json)."""
     from calib.data import Preprocess, parse_floats, parse_size
 
+    _check_cluster(cluster)
     preprocess = Preprocess(parse_size(size), parse_floats(mean, "--mean", Preprocess.mean),
                             parse_floats(std, "--std", Preprocess.std), layout.upper(), channels.upper())
     import shlex
@@ -640,22 +652,30 @@ def vectors_export(program: Path = typer.Argument(..., help="A compiled .qdp pro
 def vectors_compare(expected: Path = typer.Argument(..., help="Directory from `vectors export` or `vectors stress`."),
                     actual: Path = typer.Argument(..., help="RTL dump directory: acc/out/stored .hex files at the "
                                                             "same relative paths."),
+                    layers: Optional[str] = typer.Option(None, "--layers",
+                                                         help="Compare only these layers: names or indexes, "
+                                                              "comma-separated (the others need no dump)."),
                     json_output: bool = JSON) -> None:
     """Compare RTL dumps with the golden vectors, layer by layer: match/mismatch counts, the first mismatch
     (layer, tile, row, col, expected, actual) and its likely cause (rounding-mode mismatch?, saturation
-    mismatch?, data mismatch). Exit 0 when everything dumped matches, 3 on any mismatch, 2 on bad input."""
+    mismatch?, data mismatch). Every layer of the golden set must have a dump, unless --layers names the ones
+    to compare. Exit 0 when every layer is dumped and matches, 3 on any mismatch, 4 when no value differs but
+    a layer has no dump (the testbench crashed or timed out?), 2 on bad input."""
     from simulator.vectors import VectorError, compare_vectors
 
+    selection = None if layers is None else [name.strip() for name in layers.split(",") if name.strip()]
     try:
-        report = compare_vectors(expected, actual)
+        report = compare_vectors(expected, actual, selection)
     except VectorError as error:
         raise BadInput(str(error)) from error
     if json_output:
         typer.echo(json.dumps(report.to_json(), indent=2))
     else:
         _print_comparison(report)
-    if not report.ok:
+    if report.mismatches:
         raise typer.Exit(VECTORS_MISMATCH_EXIT)
+    if report.not_dumped:
+        raise typer.Exit(VECTORS_NOT_DUMPED_EXIT)
 
 
 @vectors_app.command("stress")
@@ -712,6 +732,7 @@ def target_header(target: Path = typer.Argument(..., help="A target.toml."),
 
 
 VECTORS_MISMATCH_EXIT = 3  # `vectors compare`: some dumped value differs (2 stays bad input, 1 internal error)
+VECTORS_NOT_DUMPED_EXIT = 4  # `vectors compare`: nothing differs, but a layer compared has no dump
 
 
 def _size(nbytes: float) -> str:
@@ -787,7 +808,13 @@ def _print_comparison(report) -> None:
             echo(f"             {f.mismatches} mismatch(es): {classes}")
     dumped = sum(1 for layer in report.layers if layer.files)
     bad = sum(1 for layer in report.layers if layer.status == "mismatch")
-    verdict = "all match" if report.ok else f"{report.mismatches} mismatch(es) in {bad} layer(s) (exit 3)"
+    verdict = (f"{report.mismatches} mismatch(es) in {bad} layer(s) (exit 3)" if report.mismatches else
+               "all match")
+    missing = report.not_dumped
+    if missing:
+        verdict += (f"; {len(missing)} of {len(report.layers)} layer(s) not dumped, e.g. '{missing[0]}'"
+                    + ("" if report.mismatches else f" (exit {VECTORS_NOT_DUMPED_EXIT}: compare a subset with "
+                                                    f"--layers)"))
     echo(f"compared {report.compared_files} file(s) of {dumped} layer(s): {verdict}")
 
 
@@ -814,10 +841,46 @@ def _collector_paused():
         gc.enable()
 
 
+class _QuietWhenClosed:
+    """sys.stdout that, once its reader has gone (`qdeploy calibrate ... | head -1`), points the file descriptor at
+    /dev/null and carries on instead of raising BrokenPipeError, so the command finishes its work and exits
+    with its own status (0, or 3 for a `vectors compare` mismatch): the recipe of Python's docs, "Note on
+    SIGPIPE", applied at each write rather than once at the end."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._drop()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._drop()
+
+    def _drop(self) -> None:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, self._stream.fileno())
+        os.close(devnull)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
 def main() -> int:
-    """The `qdeploy` command: a usage error is one line `error: ...` with exit code 2, like a user error."""
+    """The `qdeploy` command: a usage error is one line `error: ...` with exit code 2, like a user error; a closed
+    stdout pipe is not an error (_QuietWhenClosed)."""
+    if sys.stdout is not None:
+        sys.stdout = _QuietWhenClosed(sys.stdout)
     try:
-        return _main()
+        code = _main()
+        sys.stdout.flush()
+        return code
     finally:
         # The process ends here and the OS frees its memory: frozen objects are out of the cyclic collector's
         # reach, so interpreter shutdown skips its full collections over every module's objects (0.2 s at the

@@ -14,17 +14,20 @@ batch size: a batch's float forward pass is the same computation wherever it run
 finish early wait for their turn (at most `IN_FLIGHT_PER_WORKER` shards per worker are submitted ahead). A
 worker that dies loses nothing: Dask recomputes its unfinished shards on another worker (the tasks are pure).
 
-Cluster specs: `local` (one worker process per core) or `local:N` start a cluster on this machine bound to
-127.0.0.1 with no dashboard; `tcp://HOST:PORT` joins a running scheduler (`dask scheduler`, `dask worker`: start
-them with `--host 127.0.0.1` and `--no-dashboard`, their defaults listen on every interface). Every worker must
-run this qdeploy version (checked before any work). Dask is imported only here, when `--cluster` is given: it is
+Cluster specs: `local` (one worker process per core) or `local:N` (N at most the usable CPUs) start a cluster
+on this machine bound to 127.0.0.1 with no dashboard; `tcp://HOST:PORT` joins a running scheduler (`dask
+scheduler`, `dask worker`: start them with `--host 127.0.0.1` and `--no-dashboard`, their defaults listen on
+every interface), once the server has opened with a Dask handshake. Every worker must run this qdeploy version
+(checked before any work). Dask is imported only here, when `--cluster` is given: it is
 the optional extra `pip install 'qdeploy[distributed]'`."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
+import re
+import socket
+import struct
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -41,31 +44,98 @@ def _worker_version() -> str:
     return qdeploy.__version__
 
 
+SPEC_FORMS = "local, local:N (1 <= N <= the usable CPUs) or tcp://HOST:PORT"
+PROBE_SECONDS = 5  # a Dask server sends its handshake as soon as it accepts a connection
+MAX_HANDSHAKE_BYTES = 1 << 16  # a Dask handshake is a few hundred bytes of msgpack
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """A parsed `--cluster` value: `workers` local worker processes, or the scheduler at (host, port)."""
+
+    text: str
+    workers: int | None = None
+    host: str | None = None
+    port: int | None = None
+
+
+def parse_spec(spec: str) -> ClusterSpec:
+    """The cluster `spec` names (module docstring), or BadInput in one line: a malformed spec, or more local
+    workers than this process may use CPUs (each worker is a process of some 60 MB that starts in ~2 s, so
+    local:100000 would take the machine down). Imports nothing of Dask."""
+    from simulator.threads import usable_cpus
+
+    if spec == "local" or spec.startswith("local:"):
+        count = spec.partition(":")[2]
+        cpus = usable_cpus()
+        if not count:
+            return ClusterSpec(spec, workers=cpus)
+        if not re.fullmatch(r"[0-9]+", count) or int(count[:12]) < 1:  # ASCII digits only: '²'.isdigit()
+            raise BadInput(f"--cluster {spec}: expected {SPEC_FORMS}")
+        if len(count) > 12 or int(count) > cpus:
+            raise BadInput(f"--cluster {spec}: {count} workers, more than the {cpus} usable CPUs of this machine "
+                           f"(one worker process per CPU at most; local alone takes {cpus})")
+        return ClusterSpec(spec, workers=int(count))
+    host, _, port = spec[len("tcp://"):].rpartition(":") if spec.startswith("tcp://") else ("", "", "")
+    if not host or "/" in host or not re.fullmatch(r"[0-9]{1,5}", port) or not 1 <= int(port) <= 65535:
+        raise BadInput(f"--cluster {spec}: expected {SPEC_FORMS}")
+    return ClusterSpec(spec, host=host.removeprefix("[").removesuffix("]"), port=int(port))
+
+
+def _probe_scheduler(spec: ClusterSpec) -> None:
+    """BadInput unless the server at spec's address opens with what a Dask handshake starts with: an 8-byte
+    little-endian length of at most MAX_HANDSHAKE_BYTES, within PROBE_SECONDS. Dask's client reads that
+    length and allocates it before any check: an HTTP server's reply 'HTTP/1.1 ...' read as a length asks for
+    3 EiB (a MemoryError), a smaller garbage length would allocate and wait."""
+    try:
+        probe = socket.create_connection((spec.host, spec.port), timeout=PROBE_SECONDS)
+    except OSError as error:  # refused, unreachable, no such host, or no answer within PROBE_SECONDS
+        raise BadInput(f"--cluster {spec.text}: cannot reach the scheduler ({error.strerror or error})") from None
+    head = b""
+    with probe:
+        try:
+            while len(head) < 8 and (chunk := probe.recv(8 - len(head))):
+                head += chunk
+        except TimeoutError:
+            raise BadInput(f"--cluster {spec.text}: the server sent no Dask handshake within {PROBE_SECONDS} s "
+                           f"(not a Dask scheduler, or not answering)") from None
+        except OSError as error:
+            raise BadInput(f"--cluster {spec.text}: the connection failed ({error.strerror or error})") from None
+    if len(head) < 8:
+        raise BadInput(f"--cluster {spec.text}: the server closed the connection without a Dask handshake "
+                       f"(not a Dask scheduler)")
+    (length,) = struct.unpack("<Q", head)
+    if not 0 < length <= MAX_HANDSHAKE_BYTES:
+        raise BadInput(f"--cluster {spec.text}: the server does not speak Dask's protocol (its first message "
+                       f"declares {length:,} bytes; a Dask handshake has a few hundred)")
+
+
 @contextlib.contextmanager
 def connect(spec: str) -> Iterator[Any]:
-    """A dask.distributed Client for `spec` (module docstring), closed (and a local cluster stopped) on exit."""
+    """A dask.distributed Client for `spec` (module docstring), closed (and a local cluster stopped) on exit.
+    The spec is checked before Dask is imported (parse_spec); a tcp:// address must answer as a Dask scheduler
+    (_probe_scheduler) before Dask's client reads from it."""
+    parsed = parse_spec(spec)
     try:
         from distributed import Client, LocalCluster
     except ImportError:
         raise BadInput(f"--cluster {spec}: Dask is not installed (pip install 'qdeploy[distributed]')") from None
     cluster = None
-    if spec == "local" or spec.startswith("local:"):
-        count = spec.partition(":")[2]
-        if count and (not count.isdigit() or int(count) < 1):
-            raise BadInput(f"--cluster {spec}: expected local, local:N (N >= 1 workers) or tcp://HOST:PORT")
-        workers = int(count) if count else max(1, len(os.sched_getaffinity(0)))
-        cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, host="127.0.0.1",
+    if parsed.workers is not None:
+        cluster = LocalCluster(n_workers=parsed.workers, threads_per_worker=1, processes=True, host="127.0.0.1",
                                scheduler_port=0, dashboard_address=None, silence_logs=logging.ERROR)
         address = cluster
-    elif spec.startswith("tcp://"):
-        address = spec
     else:
-        raise BadInput(f"--cluster {spec}: expected local, local:N (N >= 1 workers) or tcp://HOST:PORT")
+        _probe_scheduler(parsed)
+        address = spec
     try:
         try:
             client = Client(address, timeout="10s")
         except (OSError, TimeoutError) as error:
             raise BadInput(f"--cluster {spec}: cannot reach the scheduler ({error})") from error
+        except Exception as error:  # a server that passed the probe but not the handshake (MemoryError, msgpack)
+            raise BadInput(f"--cluster {spec}: the server does not speak Dask's protocol ({type(error).__name__}: "
+                           f"{error})") from error
         try:
             _check_workers(client, spec)
             yield client

@@ -27,6 +27,39 @@ MAX_TENSOR_BYTES = 1 << 30
 MAX_DEFLATE_RATIO = 1032
 
 
+def what_is(path: Path) -> str | None:
+    """What `path` is when it is not a regular file (a link to one counts as one): 'no such file', 'a folder',
+    'a FIFO (named pipe)', 'a socket', 'a device'; None for a regular file."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return "no such file"
+    except OSError as error:
+        return f"unreadable ({error.strerror or error})"
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    return ("a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device")
+
+
+def check_input(path: str | os.PathLike, expected: str) -> Path:
+    """`path` when it is a regular file; BadInput naming what it is otherwise (`what_is`): reading a FIFO or a
+    device would block or never end, and a folder is not 'missing'. `expected` says what was wanted."""
+    path = Path(path)
+    kind = what_is(path)
+    if kind == "no such file":
+        raise BadInput(f"{path}: no such file")
+    if kind is not None:
+        raise BadInput(f"{path}: is {kind}, not a regular file; expected {expected}")
+    return path
+
+
+def _shown_folder(path: Path, target: Path) -> Path:
+    """The folder an output goes to, as the user typed it (a link's target folder when `path` is a link)."""
+    return target.parent if path.is_symlink() else path.parent
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
@@ -47,7 +80,7 @@ def check_output(path: str | os.PathLike, *inputs: str | os.PathLike | None) -> 
     if target.exists() and not target.is_file():
         raise BadInput(f"{path}: is not a regular file (a device, FIFO or socket); give a file name")
     if not os.access(target.parent, os.W_OK | os.X_OK):
-        raise BadInput(f"{path}: cannot write in {target.parent} (permission denied)")
+        raise BadInput(f"{path}: cannot write in {_shown_folder(path, target)} (permission denied)")
     for source in inputs:
         if source is None:
             continue
@@ -67,7 +100,8 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path
     try:
         handle, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     except OSError as error:
-        raise BadInput(f"{path}: cannot write in {target.parent} ({error.strerror or error})") from None
+        raise BadInput(f"{path}: cannot write in {_shown_folder(Path(path), target)} ({error.strerror or error})"
+                       ) from None
     os.close(handle)
     try:
         os.chmod(tmp, mode)
@@ -172,9 +206,7 @@ def member_size(info: zipfile.ZipInfo, source: str) -> int:
 def load_arrays(path: str | os.PathLike) -> dict[str, np.ndarray] | np.ndarray:
     """A .npy file -> one array; a .npz file -> {name: array}. Never unpickles; each array's declared size is
     checked against the bytes present before it is allocated (`read_npy_header`)."""
-    path = Path(path)
-    if not path.exists():
-        raise BadInput(f"{path}: no such file")
+    path = check_input(path, "a .npy or .npz array file")
     try:
         with open(path, "rb") as handle:
             if handle.read(4) != b"PK\x03\x04":  # not a zip: an .npy file

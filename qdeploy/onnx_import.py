@@ -19,7 +19,7 @@ from onnx import numpy_helper
 from isa.kinds import Kind  # the layout kinds are named after the ONNX ops they come from
 from qdeploy.batch_one import map_over_batch
 from qdeploy.errors import BadInput, QdeployError, Unsupported
-from qdeploy.fileio import check_tensor_bytes
+from qdeploy.fileio import check_input, check_tensor_bytes, what_is
 from qdeploy.ir import Graph, Node, Tensor, constant, validate
 from qdeploy.prequantized import QUANTIZATION_OPS, ModelQuantization, strip_quantization
 from qdeploy.reference import supported_ops
@@ -126,10 +126,7 @@ def _constant_node_value(node: onnx.NodeProto, attrs: dict[str, Any]) -> np.ndar
 
 
 def _read_model(path: Path) -> onnx.ModelProto:
-    if not path.exists():
-        raise BadInput(f"{path}: no such file")
-    if path.is_dir():
-        raise BadInput(f"{path}: is a directory, expected an .onnx file")
+    check_input(path, "an .onnx model file")
     try:
         model = onnx.load(str(path), load_external_data=False)
     except Exception as error:  # protobuf raises DecodeError and others on damaged files
@@ -200,9 +197,10 @@ def _load_external_data(model: onnx.ModelProto, path: Path) -> None:
         except (OSError, ValueError):  # a NUL in the name, a link loop
             data = None
         if data is None or Path(info.location).is_absolute() or not data.is_relative_to(folder):
-            raise BadInput(f"{where}, which is not a file in the model's folder {folder}")
-        if not data.is_file():
-            raise BadInput(f"{where}, which does not exist (copy it beside the model)")
+            raise BadInput(f"{where}, which is not a file in the model's folder")
+        if (kind := what_is(data)) is not None:
+            raise BadInput(f"{where}, which does not exist (copy it beside the model)" if kind == "no such file" else
+                           f"{where}, which is {kind}, not a regular file")
         if any(d < 0 for d in tensor.dims):
             raise BadInput(f"{path}: {what} has negative dimensions {list(tensor.dims)}")
         itemsize = _itemsize(tensor, f"{path}: {what}")
@@ -267,6 +265,26 @@ def check_finite_constants(graph: Graph, path: Path) -> None:
         first = tuple(int(i) for i in np.unravel_index(int(np.flatnonzero(bad)[0]), data.shape))
         raise BadInput(f"{path}: initializer '{name}' has {int(bad.sum())} non-finite value(s) (first: "
                        f"{data[first]} at index {list(first)}); weights must be finite numbers")
+
+
+# Inputs that say how to shape a tensor rather than hold data (ONNX's "shape", "repeats", "axes", ...): qdeploy
+# compiles a program of fixed shapes, so each must be a constant; a graph input there is refused naming the node
+# (the probe's zeros would otherwise stand in for it and a later node take the blame).
+SHAPE_INPUTS = {Kind.RESHAPE: {1: "target shape"}, "Expand": {1: "shape"}, "Tile": {1: "repeats"},
+                "ConstantOfShape": {0: "shape"}, "Range": {0: "start", 1: "limit", 2: "delta"},
+                "Slice": {1: "starts", 2: "ends", 3: "axes", 4: "steps"}, "Pad": {1: "pads", 3: "axes"},
+                "Resize": {1: "roi", 2: "scales", 3: "sizes"}, "Upsample": {1: "scales"}, Kind.SQUEEZE: {1: "axes"},
+                Kind.UNSQUEEZE: {1: "axes"}, "Split": {1: "split"}}
+
+
+def _check_shape_inputs(nodes: list[Node], inputs: list[str]) -> None:
+    """Unsupported naming the first node whose shape input (SHAPE_INPUTS) is a graph input."""
+    for node in nodes:
+        for index, role in SHAPE_INPUTS.get(node.op, {}).items():
+            if index < len(node.inputs) and node.inputs[index] in inputs:
+                raise Unsupported(f"node '{node.name}' ({node.op}): its {role} '{node.inputs[index]}' is a graph "
+                                  f"input, known only when the model runs; qdeploy compiles fixed shapes and needs "
+                                  f"it as a constant (an initializer)")
 
 
 def _input_shape(value: onnx.ValueInfoProto, override: tuple[int | None, ...] | None, path: Path
@@ -429,6 +447,10 @@ def load_quantized_onnx(path: str | os.PathLike, input_shapes: dict[str, tuple[i
         except QdeployError as error:
             raise type(error)(f"{path}: {error}") from error
         nodes.append(Node(name, proto.op_type, list(proto.input), list(proto.output), attrs))
+    try:
+        _check_shape_inputs(nodes, inputs)
+    except QdeployError as error:
+        raise type(error)(f"{path}: {error}") from error
     batch = _stated_batch(onnx_graph, inputs, original_shapes)
     as_stated = (list(nodes), dict(tensors))  # map_over_batch needs the image's graph as the file states it
     nodes = _free_resize_batch(_free_reshape_batch(nodes, tensors, batch), tensors, batch)

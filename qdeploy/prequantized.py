@@ -105,11 +105,45 @@ def _scalar_or_axis(graph: Graph, node: Node, index: int, what: str) -> np.ndarr
     return data
 
 
+def _axis(node: Node, rank: int, scale: np.ndarray, where: str) -> int:
+    """The node's `axis` attribute (default 1) in 0..rank-1; with per-axis scales, BadInput outside ONNX's
+    [-rank, rank-1] (a per-tensor scale ignores it: ONNX Runtime writes axis 1 on 1-D biases)."""
+    axis = int(node.attrs.get("axis", 1))
+    if scale.size > 1 and not -rank <= axis < rank:
+        raise BadInput(f"{where}: axis {axis} is outside the {rank} axes of the tensor")
+    return axis % max(rank, 1)
+
+
+def _check_parameters(where: str, scale: np.ndarray, zero_point: np.ndarray, length: int | None,
+                      stated_zero_point: bool = True) -> None:
+    """ONNX's rules for QuantizeLinear/DequantizeLinear parameters, BadInput naming `where` otherwise: the scale
+    is a scalar or 1-D with one entry per index of the quantized axis (`length`; None when unknown), each a
+    finite float32 > 0 (a scale of 0 divides by zero: a channel that silently outputs 0); a stated zero point
+    has the scale's shape and an integer type."""
+    if scale.ndim > 1 or (scale.size != 1 and length is not None and scale.size != length):
+        raise BadInput(f"{where}: {scale.size} scales of shape {list(scale.shape)} for an axis of {length} "
+                       f"entries (expected one scale, or one per entry)")
+    with np.errstate(over="ignore"):  # a float64 scale beyond float32's range becomes inf, refused below
+        values = scale.astype(np.float32).reshape(-1)
+    bad = np.flatnonzero(~(np.isfinite(values) & (values > 0)))
+    if scale.dtype.kind != "f" or bad.size:
+        shown = scale.dtype if scale.dtype.kind != "f" else f"{float(scale.reshape(-1)[bad[0]]):g}"
+        entry = f" (entry {int(bad[0])})" if scale.size > 1 and bad.size else ""
+        raise BadInput(f"{where}: scale {shown}{entry} is not a finite float > 0 (in float32)")
+    if stated_zero_point and (zero_point.size != scale.size or zero_point.dtype.kind not in "iu"):
+        raise BadInput(f"{where}: zero point {zero_point.dtype} of shape {list(zero_point.shape)} does not match "
+                       f"the scale's shape {list(scale.shape)} (ONNX: the same shape, an integer type)")
+
+
 def _zero_point(graph: Graph, node: Node, index: int) -> np.ndarray:
     """The zero point input (default: uint8 0, ONNX QuantizeLinear/DequantizeLinear)."""
     if len(node.inputs) > index and node.inputs[index]:
         return _scalar_or_axis(graph, node, index, "zero point")
     return np.zeros((), np.uint8)
+
+
+def _has_input(node: Node, index: int) -> bool:
+    return len(node.inputs) > index and bool(node.inputs[index])
 
 
 def _is_unit(scale: np.ndarray) -> bool:
@@ -167,16 +201,21 @@ class _Stripper:
         self.nodes: list[Node] = []
 
     # ---- activations -----------------------------------------------------------------------------------
-    def _activation_scale(self, node: Node, tensor: str, scale: np.ndarray, zero_point: np.ndarray
-                          ) -> TensorScale:
+    def _activation_scale(self, node: Node, tensor: str, scale: np.ndarray, zero_point: np.ndarray,
+                          stated_zero_point: bool = True) -> TensorScale:
         dtype = np.dtype(zero_point.dtype)
+        where = f"tensor '{tensor}' (node '{node.name}', {node.op})"
+        shape = self.graph.tensors[tensor].shape if tensor in self.graph.tensors else None
+        length = None
+        if scale.size > 1 and shape is not None:  # per axis: one scale per entry of the quantized axis
+            size = shape[_axis(node, len(shape), scale, where)]
+            length = size if isinstance(size, int) else None
+        _check_parameters(where, scale, zero_point, length, stated_zero_point)
         if dtype not in INT_RANGES:
             raise Unsupported(f"tensor '{tensor}' is quantized to {dtype} by node '{node.name}'; the "
                               f"accelerator's activations are int8 or uint8")
         scales = scale.astype(np.float32).reshape(-1).astype(np.float64)
         zero_points = np.broadcast_to(zero_point.astype(np.int64).reshape(-1), scales.shape)
-        if not np.all(np.isfinite(scales) & (scales > 0)):
-            raise BadInput(f"node '{node.name}' ({node.op}): tensor '{tensor}' has a scale <= 0 or not finite")
         if scales.size == 1 and zero_points[0] == 0:
             return TensorScale(float(scales[0]), dtype == np.uint8, node.name)
         reason = (f"is quantized per channel ({scales.size} scales)" if scales.size > 1 else
@@ -220,7 +259,10 @@ class _Stripper:
             if q_min is None:
                 raise Unsupported(f"node '{node.name}' (QuantizeLinear): weight '{x}' is quantized to "
                                   f"{zero_point.dtype}; expected int8")
-            axis = int(node.attrs.get("axis", 1)) % max(value.ndim, 1)
+            where = f"weight '{x}' (node '{node.name}', QuantizeLinear)"
+            axis = _axis(node, value.ndim, scale, where)
+            _check_parameters(where, scale, zero_point, value.shape[axis] if value.ndim else 1,
+                              _has_input(node, 2))
             q = np.round(value.astype(np.float32) / _per_axis(scale.astype(np.float32), value.shape, axis))
             q = np.clip(q + _per_axis(zero_point.astype(np.int64), value.shape, axis), q_min, q_max)
             self.int_constants[y] = q.astype(zero_point.dtype)
@@ -234,7 +276,7 @@ class _Stripper:
                 self.quantized[y] = (source, stated)
                 return
         source = self._float(x)
-        self.quantized[y] = (source, self._activation_scale(node, source, scale, zero_point))
+        self.quantized[y] = (source, self._activation_scale(node, source, scale, zero_point, _has_input(node, 2)))
         self._record(source, self.quantized[y][1])
 
     def dequantize_linear(self, node: Node) -> None:
@@ -243,10 +285,12 @@ class _Stripper:
         zero_point = _zero_point(self.graph, node, 2)
         q = self.int_constants.get(q_name, self.graph.constant_data(q_name))
         if q is not None:  # a weight or bias
+            where = f"weight '{q_name}' (node '{node.name}', DequantizeLinear)"
+            axis = _axis(node, q.ndim, scale, where)
+            _check_parameters(where, scale, zero_point, q.shape[axis] if q.ndim else 1, _has_input(node, 2))
             if np.any(zero_point != 0):
                 raise Unsupported(f"weight '{q_name}' has a non-zero zero point (node '{node.name}'); the "
                                   f"accelerator's weights are symmetric (zero point 0)")
-            axis = int(node.attrs.get("axis", 1)) % max(q.ndim, 1)
             s = scale.astype(np.float32)
             value = q.astype(np.float32) * _per_axis(s, q.shape, axis)  # ONNX DequantizeLinear, in float32
             self.new_tensors.append(constant(y, value.astype(np.float32)))
@@ -258,7 +302,7 @@ class _Stripper:
             raise Unsupported(f"node '{node.name}' (DequantizeLinear) reads '{q_name}', which no QuantizeLinear "
                               f"in the model writes (an integer model input is not supported)")
         source, stated = self.quantized[q_name]
-        read = self._activation_scale(node, source, scale, zero_point)
+        read = self._activation_scale(node, source, scale, zero_point, _has_input(node, 2))
         if (read.scale, read.unsigned) != (stated.scale, stated.unsigned):
             raise Unsupported(f"tensor '{source}' is quantized with scale {stated.scale:.6g} by '{stated.node}' "
                               f"but dequantized with {read.scale:.6g} by '{node.name}'")
@@ -310,7 +354,10 @@ class _Stripper:
         elif np.any(w_zero != 0):
             raise Unsupported(f"weight '{w_q}' has a non-zero zero point (node '{node.name}'); the accelerator's "
                               f"weights are symmetric (zero point 0)")
-        w_scale = self.graph.constant_data(s_w).astype(np.float32)
+        w_scale = self.graph.constant_data(s_w)
+        _check_parameters(f"weight '{w_q}' (node '{node.name}', QLinearConv)", w_scale, w_zero, weight.shape[0],
+                          stated_zero_point=False)
+        w_scale = w_scale.astype(np.float32)
         w_name = self.graph.unique_name(f"{node.name}_weight")
         self.new_tensors.append(constant(w_name, weight.astype(np.float32) * _per_axis(w_scale, weight.shape, 0)))
         self.dequantized[w_name] = (weight, w_scale, 0, w_q)
@@ -326,7 +373,7 @@ class _Stripper:
         self.nodes.append(Node(node.name, "Conv", inputs, [out], dict(node.attrs)))
         y_zero = self.graph.constant_data(zp_y)
         if _zero_point_is(y_zero, np.uint8, 128):  # a signed output held as uint8 y + 128
-            scale = self._activation_scale(node, out, self.graph.constant_data(s_y), np.zeros((), np.int8))
+            scale = self._activation_scale(node, out, self.graph.constant_data(s_y), np.zeros((), np.int8), False)
             self.shifted[out] = (out, scale)
         else:
             scale = self._activation_scale(node, out, self.graph.constant_data(s_y), y_zero)

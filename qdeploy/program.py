@@ -21,17 +21,19 @@ import os
 import zipfile
 import zlib
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from qdeploy.errors import BadInput
-from qdeploy.fileio import MAX_DEFLATE_RATIO, atomic_write, read_npy
+from qdeploy.fileio import MAX_DEFLATE_RATIO, atomic_write, check_input, read_npy
 from isa.geometry import PAD_FILLS, UPSAMPLE_FILLS, pool_output_size, upsampled_size
 from isa.instructions import Instruction, from_manifest
 from isa.kinds import RESHAPE_KINDS, Kind, UnknownKind, handler
-from isa.target import TargetError, target_from_dict
+from isa.multiplier import SHIFT_RANGE
+from isa.target import Arithmetic, TargetError, target_from_dict
 
 FORMAT = "qdeploy-program"
 FORMAT_VERSION = 1
@@ -125,11 +127,15 @@ def _read_member(archive: zipfile.ZipFile, member: str, limit: int, path: Path) 
 # ---- structure of a program ---------------------------------------------------------------------------------
 # The manifest has no checksum (it is plain JSON, meant to be read), so a program is checked against the
 # structure quantize.py writes and simulator/machine.py reads, before anything runs: every field an instruction
-# needs, with its type and range; every array it names, with its dtype and shape; every tensor defined before
-# it is read; and each instruction's output shape, per sample, recomputed from its input's (ONNX Conv / MaxPool
-# output-size formulas) and, with the simulator's buffers for it, bounded per sample by fileio.MAX_TENSOR_BYTES,
-# so that a damaged program fails here with one line instead of inside the simulator. Fields not listed are
-# allowed (later versions add some).
+# needs, with its type and range, integer fields within the hardware's field widths (a shift in the int8 field,
+# a multiplier in the target's mult_bits, an AddGemm weight in the 16-bit weight operand); every array it
+# names, with its dtype and shape; every tensor defined before it is read; each instruction's output shape, per
+# sample, recomputed from its input's (ONNX Conv / MaxPool output-size formulas) and, with the simulator's
+# buffers for it, bounded per sample by fileio.MAX_TENSOR_BYTES; and the rows each tensor holds per sample (a
+# reshape may merge rows only whole), so that a damaged program fails here with one line instead of inside the
+# simulator or the vector export. Fields not listed are allowed (later versions add some).
+
+ADD_WEIGHT_MAX = (1 << 15) - 1  # an AddGemm's pre-scale weights sit in the array's 16-bit weight operand
 
 TENSOR_DTYPES = {"int8": (-128, 127), "uint8": (0, 255),
                  "int32": (-(2 ** 31 - 1), 2 ** 31 - 1)}  # int32: a weighted GEMM's output that no instruction reads
@@ -207,10 +213,12 @@ def _check_epilogue(program: Program, instr: dict, channels: int, where: str, ou
         _ints([_field(instr, key, where)], f"{where}: {key}", 1, 0)
     if clamp[0] > clamp[1]:
         raise _Invalid(f"{where}: clamp range {clamp} is empty")
+    mult_bits = program.manifest["target"]["arithmetic"].get("mult_bits", Arithmetic.mult_bits)
     mult = _array(program, instr, "mult", where, "int64", (channels,))
-    if mult.size and (mult.min() < 0 or mult.max() >= 1 << 31):
-        raise _Invalid(f"{where}: a requantization multiplier is outside [0, 2^31)")
+    _within(mult, "mult", 0, (1 << (mult_bits - 1)) - 1, where,
+            f"the requantization multiplier field (mult_bits = {mult_bits})")
     shift = _array(program, instr, "shift", where, "int64", (channels,))
+    _within(shift, "shift", *SHIFT_RANGE, where, "the hardware's int8 shift field")
     if rounding == "tflite" and shift.size and shift.min() < 0:
         raise _Invalid(f"{where}: rounding tflite needs shifts >= 0")
     scale = _array(program, instr, "scale_f32", where, "float32", (channels,))
@@ -220,6 +228,15 @@ def _check_epilogue(program: Program, instr: dict, channels: int, where: str, ou
         bounds = _array(program, instr, "clamp_hi", where, "int32", (channels,))
         if bounds.size and (bounds.min() < clamp[0] or bounds.max() > clamp[1]):
             raise _Invalid(f"{where}: clamp_hi must lie within the clamp range {clamp}")
+
+
+def _within(values: np.ndarray, key: str, low: int, high: int, where: str, field_name: str) -> None:
+    """_Invalid naming the first channel of `values` outside [low, high], the range of a hardware field."""
+    outside = np.flatnonzero((values < low) | (values > high))
+    if outside.size:
+        c = int(outside[0])
+        raise _Invalid(f"{where}: field '{key}' holds {int(values[c])} (channel {c}), outside {field_name} "
+                       f"[{low}, {high}]")
 
 
 def _check_lookup(program: Program, lookup, where: str, out_dtype: str) -> tuple[int, int]:
@@ -261,7 +278,9 @@ def _weighted_gemm(program: Program, instr: dict, where: str, in_shapes: list, o
         raise _Invalid(f"{where}: field 'weight' must name an int8 (M, K) array")
     channels, k = weight.shape
     _array(program, instr, "bias", where, "int32", (channels,))
-    _array(program, instr, "weight_scale", where, "float32", (channels,))
+    weight_scale = _array(program, instr, "weight_scale", where, "float32", (channels,))
+    if not np.all(np.isfinite(weight_scale)) or np.any(weight_scale < 0):  # export-onnx writes them as scales
+        raise _Invalid(f"{where}: weight_scale must hold finite numbers >= 0")
     _check_epilogue(program, instr, channels, where, out_dtype, rounding)
     return channels, k, in_shapes[0]
 
@@ -312,7 +331,11 @@ def _add_gemm(program: Program, instr: dict, where: str, in_shapes: list, out_dt
               ) -> tuple[int, ...]:
     if in_shapes[0] != in_shapes[1]:
         raise _Invalid(f"{where}: adds tensors of shapes {in_shapes[0]} and {in_shapes[1]}")
-    _ints(_field(instr, "add_weights", where), f"{where}: add_weights", 2, 0, (1 << 31) - 1)
+    _ints(_field(instr, "add_weights", where), f"{where}: add_weights", 2, 0, ADD_WEIGHT_MAX)
+    add_scale = _field(instr, "add_scale", where)
+    if not (isinstance(add_scale, (int, float)) and not isinstance(add_scale, bool) and math.isfinite(add_scale)
+            and add_scale > 0):
+        raise _Invalid(f"{where}: add_scale must be a finite number > 0, got {json.dumps(add_scale)[:40]}")
     ratio = _array(program, instr, "add_ratio_f32", where, "float32", (2,))
     if not np.all(np.isfinite(ratio)):
         raise _Invalid(f"{where}: add_ratio_f32 must be finite")
@@ -432,6 +455,22 @@ def _instruction_shape(program: Program, instr: dict, where: str, shapes: dict[s
     return tuple(check(program, instr, where, [shapes[name] for name in inputs], out_dtype, rounding))
 
 
+def _rows(instr: dict, inputs: list[str], shapes: dict[str, tuple[int, ...]], rows: dict[str, Fraction],
+          shape: tuple[int, ...], where: str) -> Fraction:
+    """Rows per sample of an instruction's output: a reshape's output rows hold the input's elements, size for
+    size (r_out = r_in * size_in / size_out, a whole number for every batch only when an integer); any other
+    instruction keeps its first input's rows."""
+    if not inputs:
+        return Fraction(1)
+    if instr["kind"] not in RESHAPE_KINDS:
+        return rows[inputs[0]]
+    count = rows[inputs[0]] * math.prod(shapes[inputs[0]]) / math.prod(shape)
+    if count.denominator != 1:
+        raise _Invalid(f"{where}: reshapes {rows[inputs[0]]} row(s) of {list(shapes[inputs[0]])} per sample into "
+                       f"rows of {list(shape)}: {count} rows per sample, which a batch of 1 cannot fill")
+    return count
+
+
 def validate_program(program: Program) -> None:
     """Raise _Invalid with the first structural problem of `program` (see the comment above)."""
     manifest = program.manifest
@@ -466,6 +505,7 @@ def validate_program(program: Program) -> None:
             if not isinstance(name, str) or name not in manifest["tensors"]:
                 raise _Invalid(f"{key[:-1]} {json.dumps(name)[:60]} has no tensor record")
     defined = {name: tuple(manifest["tensors"][name]["shape"][1:]) for name in manifest["inputs"]}
+    rows = {name: Fraction(1) for name in manifest["inputs"]}  # rows of the free first axis per sample
     names = set()
     for index, instr in enumerate(manifest["instructions"]):
         if not isinstance(instr, dict):
@@ -490,6 +530,7 @@ def validate_program(program: Program) -> None:
             raise _Invalid(f"{where} computes shape {list(shape)} per sample, but tensor '{output}' records "
                            f"{manifest['tensors'][output]['shape'][1:]}")
         defined[output] = shape
+        rows[output] = _rows(instr, inputs, defined, rows, shape, where)
     missing = [name for name in manifest["outputs"] if name not in defined]
     if missing:
         raise _Invalid(f"output '{missing[0]}' is computed by no instruction")
@@ -497,9 +538,7 @@ def validate_program(program: Program) -> None:
 
 def read_program(path: str | os.PathLike) -> Program:
     """Read and verify a `.qdp` file; BadInput on anything damaged, foreign or of another version."""
-    path = Path(path)
-    if not path.exists():
-        raise BadInput(f"{path}: no such file")
+    path = check_input(path, "a compiled .qdp program")
     try:
         archive = zipfile.ZipFile(path)
     except (zipfile.BadZipFile, OSError, NotImplementedError, ValueError) as error:

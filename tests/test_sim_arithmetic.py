@@ -273,10 +273,11 @@ def test_quantize_multiplier_hand_values():
     assert quantize_multiplier(1.0) == (2**30, 30)
     assert quantize_multiplier(1 - 2.0**-40) == (2**30, 30)  # rounds up to 2^31: renormalised
     assert quantize_multiplier(2.0**40) == (2**30, -10)  # M >= 2^31: a left shift
-    assert quantize_multiplier(2.0**-100) == (2**30, 130)  # tiny: a large shift
+    assert quantize_multiplier(2.0**-97) == (2**30, 127)  # tiny: a large shift, the int8 field's largest
+    assert quantize_multiplier(2.0**-98) == (0, 0)  # shift 128: every accumulator gives 0, as M = 0
     assert quantize_multiplier(0.75, 8) == (96, 7)  # Q7: 0.75 = 96 / 128
     assert quantize_multiplier(3.0, 2) == (1, -2)  # 1 bit of mantissa: 3 = 1.5 * 2 rounds up to 2 * 2 = 4
-    for bad in (-1.0, math.nan, math.inf):
+    for bad in (-1.0, math.nan, math.inf, 2.0**200):  # 2^200: a left shift beyond the int8 field
         with pytest.raises(ValueError):
             quantize_multiplier(bad)
 

@@ -279,7 +279,7 @@ def build_report(model: str | os.PathLike, program: str | os.PathLike | Program,
     output = Path(output)
     if output.exists() and not output.is_dir():
         raise BadInput(f"{output}: exists and is not a folder; give the report folder")
-    writable = next(folder for folder in (output, *output.absolute().parents) if folder.exists())
+    writable = next(folder for folder in (output, *output.parents) if folder.exists())  # as typed: relative ends at .
     if not os.access(writable, os.W_OK | os.X_OK):
         raise BadInput(f"{output}: cannot write in {writable} (permission denied)")
     if batch_size < 1:

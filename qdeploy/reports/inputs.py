@@ -25,16 +25,14 @@ import numpy as np
 
 from isa.kinds import WEIGHTED_GEMM_KINDS
 from qdeploy.errors import BadInput
-from qdeploy.fileio import read_npy, read_npy_header
+from qdeploy.fileio import check_input, read_npy, read_npy_header
 from qdeploy.ir import Graph
 from qdeploy.program import Program
 
 
 def load_labels(path: str | os.PathLike) -> np.ndarray:
     """Integer class labels from a .npy or .txt file (module docstring)."""
-    path = Path(path)
-    if not path.is_file():
-        raise BadInput(f"{path}: no such labels file")
+    path = check_input(path, "a labels file (.npy or .txt)")
     if path.suffix == ".npy":
         try:
             with open(path, "rb") as handle:

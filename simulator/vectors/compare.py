@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
@@ -60,11 +61,28 @@ def read_hex_file(path: str | os.PathLike, record: dict) -> tuple[np.ndarray, np
     return lines_to_matrix(words, rows, cols), lines_to_matrix(unknown, rows, cols)
 
 
+def _inside(folder: Path, relative, manifest: Path, resolve: bool = True) -> Path:
+    """folder / relative, for a path `manifest` names: VectorError unless it is a relative path without '..'
+    (and, with `resolve`, one whose links too stay inside `folder`), so that a manifest cannot make compare read
+    other files."""
+    if not isinstance(relative, str) or not relative or Path(relative).is_absolute() or ".." in Path(relative).parts:
+        raise VectorError(f"{manifest}: names the file {json.dumps(relative)[:80]}, which is not a path inside "
+                          f"{folder}")
+    path = folder / relative
+    if resolve and not path.resolve().is_relative_to(folder.resolve()):
+        raise VectorError(f"{manifest}: names the file '{relative}', a link to a file outside {folder}")
+    return path
+
+
 def _expected(root: Path, record: dict) -> np.ndarray:
     if "npy" in record:
-        array = np.load(root / record["npy"], allow_pickle=False)
+        path = _inside(root, record["npy"], root / MANIFEST)
+        try:
+            array = np.load(path, allow_pickle=False)
+        except (OSError, ValueError, EOFError) as error:
+            raise VectorError(f"{path}: not a readable .npy file ({error})") from None
         return channels_last(array) if array.ndim > 2 else array
-    return read_hex_file(root / record["hex"], record)[0]
+    return read_hex_file(_inside(root, record["hex"], root / MANIFEST), record)[0]
 
 
 @dataclass
@@ -170,8 +188,14 @@ class CompareReport:
         return sum(f.mismatches for layer in self.layers for f in layer.files)
 
     @property
+    def not_dumped(self) -> list[str]:
+        """The compared layers that have no dump file (a testbench that crashed or timed out on them)."""
+        return [layer.name for layer in self.layers if not layer.files]
+
+    @property
     def ok(self) -> bool:
-        return self.compared_files > 0 and self.mismatches == 0
+        """Every layer compared has a dump and every dumped value matches."""
+        return self.compared_files > 0 and self.mismatches == 0 and not self.not_dumped
 
     def to_json(self) -> dict:
         def first(m: Mismatch | None):
@@ -179,7 +203,7 @@ class CompareReport:
                                            "col": m.col, "expected": m.expected, "actual": m.actual,
                                            "class": m.classification, "detail": m.detail}
         return {"ok": self.ok, "expected": self.expected, "actual": self.actual,
-                "compared_files": self.compared_files, "mismatches": self.mismatches,
+                "compared_files": self.compared_files, "mismatches": self.mismatches, "not_dumped": self.not_dumped,
                 "layers": [{"index": layer.index, "name": layer.name, "status": layer.status,
                             "files": [{"file": f.file, "path": f.path, "elements": f.elements,
                                        "matches": f.elements - f.mismatches, "mismatches": f.mismatches,
@@ -189,7 +213,7 @@ class CompareReport:
 
 def _compare_file(root: Path, dump: Path, layer: dict, key: str, record: dict, params: dict,
                   acc: np.ndarray | None, tile: dict | None) -> FileComparison | None:
-    path = dump / record["hex"]
+    path = _inside(dump, record["hex"], root / MANIFEST, resolve=False)  # the dump's links are the testbench's
     if not path.is_file():
         return None
     expected = _expected(root, record)
@@ -216,32 +240,57 @@ def _compare_file(root: Path, dump: Path, layer: dict, key: str, record: dict, p
     return FileComparison(key, record["hex"], int(expected.size), int(len(positions)), classes, first)
 
 
-def compare_vectors(expected_dir: str | os.PathLike, dump_dir: str | os.PathLike) -> CompareReport:
+def _compare_layer(root: Path, dump: Path, layer: dict) -> LayerComparison:
+    """One layer: each of its files the dump holds (acc, lookup_input, out, stored; per-tile acc, out)."""
+    files = layer["files"]
+    params = {key: _expected(root, files[key]).reshape(-1) for key in ("mult", "shift", "scale_f32")
+              if key in files}
+    acc = _expected(root, files["acc"]) if "acc" in files else None
+    if "lookup_input" in files:
+        params["lookup_input"] = _expected(root, files["lookup_input"])
+    compared = []
+    for key in COMPARED:
+        if key in files and (result := _compare_file(root, dump, layer, key, files[key], params, acc, None)):
+            compared.append(result)
+    for tile in layer.get("tile_files", []):
+        for key in ("acc", "out"):
+            if key in tile["files"] and (result := _compare_file(root, dump, layer, key, tile["files"][key],
+                                                                  params, acc, tile)):
+                compared.append(result)
+    return LayerComparison(layer["index"], layer["name"], compared)
+
+
+def select_layers(manifest: dict, selection: Sequence[str] | None, source: str) -> list[dict]:
+    """The manifest's layers named in `selection` (each a layer name or index), in manifest order; all of them
+    for None. VectorError naming an entry that is no layer of the manifest."""
+    layers = manifest["layers"]
+    if selection is None:
+        return layers
+    by_key = {**{str(layer["index"]): layer for layer in layers}, **{layer["name"]: layer for layer in layers}}
+    unknown = [key for key in selection if key not in by_key]
+    if unknown or not selection:
+        raise VectorError(f"--layers: {unknown[0] if unknown else 'nothing'!r} is no layer of {source} (give "
+                          f"names or indexes, e.g. {', '.join(str(layer['index']) for layer in layers[:3])})")
+    chosen = {id(by_key[key]) for key in selection}
+    return [layer for layer in layers if id(layer) in chosen]
+
+
+def compare_vectors(expected_dir: str | os.PathLike, dump_dir: str | os.PathLike,
+                    layers: Sequence[str] | None = None) -> CompareReport:
     """Compare the RTL's dumps (acc, out, stored hex files at the same relative paths as in the vectors
-    directory, per layer and, for exports with --per-tile, per tile) with the golden vectors. Only the
-    logical elements are compared (padding lanes are ignored). VectorError when nothing can be compared."""
+    directory, per layer and, for exports with --per-tile, per tile) with the golden vectors: every layer, or
+    the `layers` named (names or indexes). Only the logical elements are compared (padding lanes are ignored).
+    A layer without any dump file is listed in `not_dumped` and the report is not ok. VectorError when nothing
+    can be compared, or when the manifest names a file outside its folder."""
     root, dump = Path(expected_dir), Path(dump_dir)
     manifest = load_manifest(root)
     if not dump.is_dir():
         raise VectorError(f"{dump}: no such directory")
-    results = []
-    for layer in manifest["layers"]:
-        files = layer["files"]
-        params = {key: _expected(root, files[key]).reshape(-1) for key in ("mult", "shift", "scale_f32")
-                  if key in files}
-        acc = _expected(root, files["acc"]) if "acc" in files else None
-        if "lookup_input" in files:
-            params["lookup_input"] = _expected(root, files["lookup_input"])
-        compared = []
-        for key in COMPARED:
-            if key in files and (result := _compare_file(root, dump, layer, key, files[key], params, acc, None)):
-                compared.append(result)
-        for tile in layer.get("tile_files", []):
-            for key in ("acc", "out"):
-                if key in tile["files"] and (result := _compare_file(root, dump, layer, key, tile["files"][key],
-                                                                      params, acc, tile)):
-                    compared.append(result)
-        results.append(LayerComparison(layer["index"], layer["name"], compared))
+    try:
+        results = [_compare_layer(root, dump, layer) for layer in select_layers(manifest, layers,
+                                                                                str(root / MANIFEST))]
+    except (KeyError, TypeError, IndexError, AttributeError) as error:  # a hand-edited manifest
+        raise VectorError(f"{root / MANIFEST}: damaged manifest ({type(error).__name__}: {error})") from None
     report = CompareReport(str(root), str(dump), results)
     if report.compared_files == 0:
         raise VectorError(f"{dump}: no dump files found at the paths of {root / MANIFEST} (for example "
