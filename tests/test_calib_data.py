@@ -167,7 +167,7 @@ def test_missing_or_unknown_data(tmp_path):
     with pytest.raises(BadInput, match="no such file or folder"):
         open_data(tmp_path / "nope", num_samples=1, input_names=["input"], input_shapes=MODEL_SHAPE)
     (tmp_path / "x.csv").write_text("1,2")
-    with pytest.raises(BadInput, match="expected a folder of images or a .npy/.npz file"):
+    with pytest.raises(BadInput, match="expected a folder of images, an image .* or a .npy/.npz file"):
         open_data(tmp_path / "x.csv", num_samples=1, input_names=["input"], input_shapes=MODEL_SHAPE)
 
 

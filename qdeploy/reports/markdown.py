@@ -88,7 +88,26 @@ def render_markdown(d: dict) -> str:
                      f"{format_percent(split['activations_only']['top1_agreement'])}"])
     rows.append(["host-fallback ops", ", ".join(f"`{h['node']}` ({h['op']})" for h in d["host_ops"]) or "none"])
     lines += _table(["", ""], rows) + [""]
-    if split:
+    mismatched = [row for row in d.get("input_range", []) if row["mismatch"]]
+    for row in mismatched:  # the diagnosis that comes before any advice on methods
+        lines += [f"**Preprocessing mismatch.** Input `{row['name']}`: the data reach |x| = {row['data_amax']:.4g}, "
+                  f"the calibration chose |T| = {row['calibrated_threshold']:.4g} for it. The data are not "
+                  "preprocessed as the calibration data were (a forgotten `--mean`/`--std`, 0..1 against 0..255, "
+                  "another size or channel order): the int8 input clips or uses a few of its 255 levels whatever the "
+                  "threshold method. Preprocess the data as for calibration (images: leave the preprocessing "
+                  "flags out, the table's record applies) before reading anything below.", ""]
+    outputs = d.get("outputs", [])
+    if len(outputs) > 1:
+        lines += [f"The model has {len(outputs)} outputs; the figures above, the peer, the ablation and the error "
+                  f"split measure `{d['output']}` (`qdeploy report --output-name NAME` chooses another). Every output:",
+                  ""]
+        rows = [[f"`{o['name']}`" + (" (figures above)" if o["chosen"] else ""), "x".join(map(str, o["shape"][1:])),
+                 "dense map" if o["dense"] else "classifier", format_json_db(o["sqnr_db"]),
+                 "-" if o["cosine"] is None else f"{o['cosine']:.4f}",
+                 format_percent(o["pixel_agreement"] if o["dense"] else o["top1_agreement"])] for o in outputs]
+        lines += _table(["output", "shape", "kind", "SQNR", "cosine", "agreement (argmax map / top-1)"], rows,
+                        "lllrrr") + [""]
+    if split and not mismatched:
         weights, activations = (db_from_json(split[k]["logits_sqnr_db"]) for k in ("weights_only", "activations_only"))
         if activations + SPLIT_MARGIN_DB < weights:
             lines += [f"The activations cost more than the weights ({activations:.1f} dB against {weights:.1f} dB "
