@@ -15,14 +15,15 @@ report.json (format "qdeploy-report", version 1; fractions in [0, 1], SQNR in dB
   preprocessing mismatch, not a method problem),
   layers [{index, name, kind, output, lookup (the output-stage table's function, or null), sqnr_cumulative_db,
   sqnr_isolated_db, overflow_events, clipped_fraction, scale}], worst_layers {isolated, cumulative}, tensors [{name, method, threshold, amax, scale,
-  clipped_fraction}] (with a calibration table), clipping_budget [{name, fan_in, budget, amax, threshold_rule6,
+  clipped_fraction, writer (the node, i.e. layer, writing it; null for an input)}] (with a calibration table),
+  histograms_shown [{name, writer, why}] (the tensors of histograms.png: `_histograms_that_matter`), clipping_budget [{name, fan_in, budget, amax, threshold_rule6,
   clipped_rule6, threshold, clipped, outputs_hit_rule6, outputs_hit}] (the KL thresholds calib/kl.py rule (7)
   moved, `_clipping_budget_moves`), host_ops [{node, op, reason}], nodes {as_exported, simplified,
   lowered, ops_*, passes, gemm_mac_fraction, macs_per_sample}, settings {calibration_method,
   calibration_samples, per_channel_weights, compile_options, arithmetic, preprocess, batch_size},
   lowering_check {samples, max_relative_error}, error_split {weights_only, activations_only: {logits_sqnr_db,
-  top1_agreement}} (qdeploy/reports/evaluate.py), peer (null, or {name, description, entries [{label,
-  top1_agreement, top5_agreement, logits_sqnr_db, cosine, accuracy_int8, settings, best}], best,
+  top1_agreement}} (qdeploy/reports/evaluate.py), peer (null, or {name, description, entries [{label, toolkit
+  (the entry's own toolkit, or null: the peer's name), top1_agreement, top5_agreement, logits_sqnr_db, cosine, accuracy_int8, settings, best}], best,
   ours_minus_best}), ablation (null, or {name, description, entries} as peer's, without best), plots {sqnr,
   histograms}, seconds, command, warnings."""
 
@@ -109,7 +110,8 @@ class ReportResult:
         if peer:
             best = next(e for e in peer["entries"] if e["best"])
             sqnr = metrics.format_json_db(best["logits_sqnr_db"])
-            lines.append(f"  peer {peer['name']} ({best['label']}, its best): top-1 agreement "
+            lines.append(f"  peer {best.get('toolkit') or peer['name']} ({best['label']}, the peers' best): "
+                         f"top-1 agreement "
                          f"{metrics.format_percent(best['top1_agreement'])}, logits SQNR {sqnr}")
         if d["host_ops"]:
             work = format_host_work([SimpleNamespace(**h) for h in d["host_ops"]])
@@ -209,6 +211,38 @@ def _calibration_summary(table: CalibrationTable, program: Program) -> tuple[lis
     return rows, plots, warnings
 
 
+HISTOGRAM_PANELS = 12  # at most this many histograms in the figure: the tensors that matter (_histograms_that_matter)
+
+
+def _histograms_that_matter(plots: list[dict], layers: list[dict], moves: list[dict], program: Program
+                            ) -> list[dict]:
+    """The histograms worth a look, each with why and the node writing it (its tensor's name is the figure's,
+    the node's the per-layer table's): the input and output tensors of the layers with the worst isolated SQNR,
+    worst first, then the thresholds the clipping budget moved, then the program's inputs and outputs; at most
+    HISTOGRAM_PANELS. report.md's tensor table lists every tensor."""
+    by_name = {plot["name"]: plot for plot in plots}
+    writers = {layer["output"]: layer["name"] for layer in layers}
+    reads = {instr.name: list(instr.inputs) for instr in program.records}
+    chosen: dict[str, str] = {}
+
+    def add(name: str, why: str) -> None:
+        if name in by_name and name not in chosen and len(chosen) < HISTOGRAM_PANELS:
+            chosen[name] = why
+
+    worst = sorted(layers, key=lambda l: metrics.db_from_json(l["sqnr_isolated_db"]))[:WORST_LAYERS]
+    for layer in worst:
+        for name in reads.get(layer["name"], []):
+            add(name, f"input of worst layer {layer['name']}")
+        add(layer["output"], f"output of worst layer {layer['name']}")
+    for move in moves:
+        add(move["name"], "threshold moved by the clipping budget")
+    for name in program.inputs:
+        add(name, "model input")
+    for name in program.outputs:
+        add(name, "model output")
+    return [{**by_name[name], "why": why, "writer": writers.get(name, "model input")} for name, why in chosen.items()]
+
+
 def _clipping_budget_moves(table: CalibrationTable, fan_in: dict[str, int]) -> list[dict]:
     """The KL thresholds the consumer-aware clipping budget moved (calib/kl.py rule (7)): per KL tensor with a
     histogram, the threshold rule (6) alone would give (at most 1% of the non-zero values clipped) against the
@@ -247,7 +281,7 @@ def _summarise_entries(peer, stats_list, evaluator: Evaluator, labels: np.ndarra
         top = np.concatenate(stats.top)
         top1, top5 = metrics.agreement(evaluator.output.concatenated(evaluator.output.float_top), top)
         cosine = np.concatenate(stats.cosine)
-        record = {"label": entry.label, "top1_agreement": top1, "top5_agreement": top5,
+        record = {"label": entry.label, "toolkit": entry.toolkit, "top1_agreement": top1, "top5_agreement": top5,
                   "logits_sqnr_db": metrics.json_number(stats.sqnr.db), "cosine": float(np.mean(cosine)),
                   "accuracy_int8": None, "settings": entry.settings, "best": False}
         if labels is not None:
@@ -481,6 +515,9 @@ def build_report(model: str | os.PathLike, program: str | os.PathLike | Program,
         tensors, histogram_plots, calib_warnings = _calibration_summary(table, program)
         warnings += calib_warnings
         budget_moves = _clipping_budget_moves(table, consumer_fan_in(lowering))
+        writers = {layer["output"]: layer["name"] for layer in layers}
+        for row in tensors:  # the node writing each tensor: the per-layer table's name for it
+            row["writer"] = writers.get(row["name"])
     arithmetic = program.manifest["target"]["arithmetic"]
     summary = summarize(imported.original, imported.graph, imported.passes)
     host_ops = [{"node": h.node, "op": h.op, "reason": h.reason, "macs": h.macs, "elements": h.elements}
@@ -558,7 +595,9 @@ def build_report(model: str | os.PathLike, program: str | os.PathLike | Program,
     document["plots"]["sqnr"] = SQNR_PNG
     stale = output / HISTOGRAMS_PNG
     if histogram_plots:
-        files.append(plots.histogram_grid(histogram_plots, output / HISTOGRAMS_PNG))
+        shown = _histograms_that_matter(histogram_plots, layers, budget_moves, program)
+        files.append(plots.histogram_grid(shown, output / HISTOGRAMS_PNG))
+        document["histograms_shown"] = [{"name": h["name"], "writer": h["writer"], "why": h["why"]} for h in shown]
         document["plots"]["histograms"] = HISTOGRAMS_PNG
     elif stale.exists():
         stale.unlink()  # from an earlier report with --calib: it would not describe this one
