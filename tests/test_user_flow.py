@@ -186,3 +186,41 @@ def test_api_flow_with_a_generator_of_batches(case):
     with pytest.raises(Exception, match="contradicts the calibration's std"):
         api.report(model, compiled.program, case["eval"], root / "api_refused", calib=result.table,
                    preprocess=Preprocess(mean=MEAN, std=(1.0,)))
+
+
+def _readme_blocks(after: str, language: str = "") -> str:
+    """The first fenced block of README.md after the text `after`."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start = text.index("```" + language + "\n", text.index(after)) + len(language) + 4
+    return text[start:text.index("```", start)]
+
+
+def test_readme_commands_for_an_image_folder_run_as_written(case, tmp_path, monkeypatch):
+    """README "Your own model": the four commands for an image folder, typed as written (the two-output model
+    as model.onnx, the JPEG folders as calib_photos/ and eval_photos/), and the Python cell, executed as written."""
+    import shlex
+    import shutil
+
+    monkeypatch.chdir(tmp_path)
+    shutil.copy(case["model"], "model.onnx")
+    shutil.copytree(case["calib"], "calib_photos")
+    shutil.copytree(case["eval"], "eval_photos")
+    commands = [line.split("#")[0] for line in _readme_blocks("**A folder of images**").splitlines() if line]
+    assert [shlex.split(c)[:2] for c in commands] == [["qdeploy", c] for c in ("calibrate", "compile", "run",
+                                                                               "report")]
+    for command in commands:
+        result = runner.invoke(app, shlex.split(command)[1:])
+        assert result.exit_code == 0, (command, result.output)
+    cli_report = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert [o["name"] for o in cli_report["outputs"]] == ["classes", "mask"]
+    assert set(np.load("outputs.npz")) == {"classes", "mask"}
+
+    cell = _readme_blocks("**In Python**", "python")
+    namespace: dict = {}
+    exec(compile(cell, "README.md", "exec"), namespace)  # noqa: S102 (the README's own example)
+    document = namespace["report"].document
+    assert document["outputs"] == cli_report["outputs"]  # the same table, program and figures as the CLI's
+    assert document["settings"]["preprocess"] == cli_report["settings"]["preprocess"]
+    assert_array_equal(namespace["outputs"]["mask"], np.load("outputs.npz")["mask"])
