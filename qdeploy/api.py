@@ -142,10 +142,12 @@ def estimate_performance(model: str | os.PathLike, program: Program) -> PerfRepo
 
 
 def export_vectors(program: str | os.PathLike, input, output: str | os.PathLike, *,
-                   per_tile: bool = False, preprocess: Preprocess | PreprocessFlags | None = None):
+                   per_tile: bool = False, preprocess: Preprocess | PreprocessFlags | None = None,
+                   layers: list[str] | None = None, progress=None):
     """Run the program file on `input` (what `run` accepts: .npy/.npz, images with the program's recorded
     preprocessing, arrays) and write its golden vectors to the directory `output` (simulator/vectors/export.py);
-    returns its ExportResult."""
+    returns its ExportResult. `layers`: only these instructions (names or indexes); `progress(done, total)`
+    after each layer's files."""
     from simulator.vectors import VectorError
     from simulator.vectors import export_vectors as write_vectors
 
@@ -154,7 +156,8 @@ def export_vectors(program: str | os.PathLike, input, output: str | os.PathLike,
                                  str(input) if isinstance(input, (str, os.PathLike)) else "input")
     try:
         return write_vectors(loaded, arrays, output, per_tile=per_tile, host=run_host_op,
-                             source={"program": str(program), "input": str(input)})
+                             source={"program": str(program), "input": str(input)}, layers=layers,
+                             progress=progress)
     except (VectorError, ProgramInputError) as error:
         raise BadInput(f"{program}: {error}") from error
 

@@ -655,21 +655,38 @@ def vectors_export(program: Path = typer.Argument(..., help="A compiled .qdp pro
                                                help="Vector directory (written atomically; a previous vectors "
                                                     "directory is replaced)."),
                    per_tile: bool = typer.Option(False, "--per-tile", help="Also write each output tile's files."),
+                   layer: Optional[list[str]] = typer.Option(
+                       None, "--layer", help="Only this instruction (name or index; repeatable): a smaller "
+                                             "vector set for one layer's RTL test."),
                    size: Optional[str] = SIZE, mean: Optional[str] = MEAN, std: Optional[str] = STD,
                    layout: Optional[str] = LAYOUT, channels: Optional[str] = CHANNELS,
-                   json_output: bool = JSON) -> None:
+                   json_output: bool = JSON, verbose: bool = VERBOSE, quiet: bool = QUIET) -> None:
     """Run the program on the simulator and write per-layer golden vectors for RTL verification: the int8 input
     after im2col as the array sees it, weights, int32 bias, multipliers/shifts and float32 scales, accumulators
     before requantization and int8 outputs, as $readmemh hex files with .npy twins and manifest.json
     (format: docs/hardware.md)."""
-    result = _api().export_vectors(program, input, output, per_tile=per_tile,
-                                   preprocess=_preprocess_flags(size, mean, std, layout, channels))
+    progress = _BatchProgress("writing vectors", quiet or json_output)
+    try:
+        result = _api().export_vectors(program, input, output, per_tile=per_tile,
+                                       preprocess=_preprocess_flags(size, mean, std, layout, channels),
+                                       layers=layer, progress=progress)
+    finally:
+        progress.close()
     layers = [{"index": r["index"], "name": r["name"], "kind": r["kind"], "dir": r["dir"], "groups": r["groups"],
                "m": r["m"], "n": r["n"], "k": r["k"], "tiles": r["tiles"], "files": sorted(r["files"]),
                "tile_files": len(r.get("tile_files", []))} for r in result.layers]
     if json_output:
         typer.echo(json.dumps({"output": str(output), "batch": result.manifest["source"]["batch"],
                                "layers": layers, "skipped": result.manifest["skipped"]}, indent=2))
+        return
+    if quiet:
+        return
+    if not verbose:
+        skipped = result.manifest["skipped"]
+        files = sum(len(r["files"]) for r in layers)
+        typer.echo(f"wrote {output}/ ({len(layers)} layers, {files} files per layer set, batch "
+                   f"{result.manifest['source']['batch']}; {len(skipped)} instructions skipped; --verbose lists "
+                   f"them; manifest {output / 'manifest.json'})")
         return
     width = max((len(r["name"]) for r in layers), default=4)
     typer.echo(f"{'#':>3} {'layer':<{width}} {'kind':<9} {'G x (M x K).(K x N)':>24} {'tiles':>6}  files")
