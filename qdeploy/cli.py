@@ -24,7 +24,9 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, **PLAIN,
                   help="Deploy float ONNX CNNs onto int8 matrix-only accelerators.")
 vectors_app = typer.Typer(no_args_is_help=True, help="Golden test vectors for RTL verification.", **PLAIN)
 target_app = typer.Typer(no_args_is_help=True, help="Accelerator target configuration.", **PLAIN)
+rtl_app = typer.Typer(no_args_is_help=True, help="The reference RTL (hw/) on golden vectors.", **PLAIN)
 app.add_typer(vectors_app, name="vectors")
+app.add_typer(rtl_app, name="rtl")
 app.add_typer(target_app, name="target")
 
 
@@ -720,6 +722,47 @@ def vectors_compare(expected: Path = typer.Argument(..., help="Directory from `v
     if json_output:
         typer.echo(json.dumps(report.to_json(), indent=2))
     else:
+        _print_comparison(report)
+    if not report.ok:
+        raise typer.Exit(VECTORS_MISMATCH_EXIT)
+
+
+@rtl_app.command("run")
+@user_errors
+def rtl_run(vectors: Path = typer.Argument(..., help="Directory from `vectors export` or `vectors stress`."),
+            output: Path = typer.Option(..., "--output", "-o", help="Dump directory the RTL writes (acc/out/stored "
+                                                                    ".hex at the vectors' relative paths)."),
+            rtl: Optional[list[Path]] = typer.Option(None, "--rtl", help="Your tile's SystemVerilog source(s) in "
+                                                                         "place of hw/qdeploy_gemm_tile.sv (module "
+                                                                         "qdeploy_gemm_tile, same ports; "
+                                                                         "repeatable)."),
+            rounding: Optional[str] = typer.Option(None, help="Build the RTL with this rounding mode instead of the "
+                                                              "target's (a deliberately wrong design)."),
+            quiet: bool = QUIET, json_output: bool = JSON) -> None:
+    """Run the reference testbench under Icarus Verilog (iverilog, vvp) on every layer of a vectors directory,
+    with your tile's sources in place of ours, then compare its dumps with the golden vectors as `vectors
+    compare` does. Exit 0 when everything matches, 3 on any mismatch, 2 on bad input or an RTL that does not
+    build."""
+    from hw.rtl import RtlError, run as run_rtl
+    from simulator.vectors import VectorError, compare_vectors
+
+    if not (vectors / "manifest.json").is_file():
+        raise BadInput(f"{vectors}: not a vectors directory (no manifest.json); write one with `qdeploy vectors "
+                       f"export` or `vectors stress`")
+    progress = _BatchProgress("RTL layers", quiet or json_output)
+    try:
+        ran = run_rtl(vectors, output, rounding, rtl or None, progress)
+        report = compare_vectors(vectors, output)
+    except (RtlError, VectorError, KeyError, ValueError) as error:
+        raise BadInput(f"{vectors}: {error}") from error
+    finally:
+        progress.close()
+    if json_output:
+        typer.echo(json.dumps({"ran": ran.layers, "skipped": ran.skipped, "comparison": report.to_json()}, indent=2))
+    elif not quiet:
+        tile = ", ".join(str(path) for path in rtl) if rtl else "hw/qdeploy_gemm_tile.sv"
+        typer.echo(f"RTL ({tile}) ran {len(ran.layers)} layer(s) into {output}"
+                   + "".join(f"\n  skipped {d}: {why}" for d, why in ran.skipped.items()))
         _print_comparison(report)
     if not report.ok:
         raise typer.Exit(VECTORS_MISMATCH_EXIT)
