@@ -101,6 +101,10 @@ def test_cli_flow_with_the_preprocessing_given_once(case):
     result = cli("run", program, "--input", first, "-o", root / "one.npz")
     assert result.exit_code == 0, result.output
     assert_array_equal(np.load(root / "one.npz")["classes"], outputs["folder"]["classes"][:1])
+    result = cli("vectors", "export", program, "--input", first, "-o", root / "vectors")  # golden vectors of a JPEG
+    assert result.exit_code == 0, result.output
+    vectors = json.loads((root / "vectors" / "manifest.json").read_text())
+    assert vectors["source"]["batch"] == 1 and len(vectors["layers"]) == 5
 
     # the report on both outputs, without repeating the flags
     result = cli("report", model, program, "--data", case["eval"], "--calib", table, "-o", root / "report")
