@@ -400,7 +400,7 @@ def test_histogram_figure_shows_the_tensors_that_matter_named_as_tensor_and_node
     shown = document["histograms_shown"]
     assert 0 < len(shown) <= HISTOGRAM_PANELS
     worst = sorted(document["layers"], key=lambda l: db_from_json(l["sqnr_isolated_db"]))[:WORST_LAYERS]
-    assert shown[0]["why"].startswith("input of worst layer " + worst[0]["name"])
+    assert shown[0]["why"] == "input of worst layer #1 " + worst[0]["name"]
     writers = {layer["output"]: layer["name"] for layer in document["layers"]}
     assert all(h["writer"] == writers.get(h["name"], "model input") for h in shown)
     assert {t["name"]: t["writer"] for t in document["tensors"]} == {t["name"]: writers.get(t["name"])

@@ -57,6 +57,7 @@ from qdeploy.reports import DEFAULT_BATCH_SIZE, metrics
 from qdeploy.reports.evaluate import Evaluator, check_original
 from qdeploy.fileio import atomic_write
 from qdeploy.reports.inputs import check_program_matches, load_labels, load_peer
+from qdeploy.reports.plots import short_name
 from qdeploy.samples import choose_preprocess, program_preprocess
 from qdeploy.summary import format_host_work
 
@@ -223,24 +224,25 @@ def _histograms_that_matter(plots: list[dict], layers: list[dict], moves: list[d
     by_name = {plot["name"]: plot for plot in plots}
     writers = {layer["output"]: layer["name"] for layer in layers}
     reads = {instr.name: list(instr.inputs) for instr in program.records}
-    chosen: dict[str, str] = {}
+    chosen: dict[str, tuple[str, str]] = {}  # name -> (why, the same with the layer's name shortened)
 
-    def add(name: str, why: str) -> None:
+    def add(name: str, why: str, layer: str = "") -> None:
         if name in by_name and name not in chosen and len(chosen) < HISTOGRAM_PANELS:
-            chosen[name] = why
+            chosen[name] = (f"{why} {layer}".strip(), f"{why} {short_name(layer, parts=2, width=24)}".strip())
 
     worst = sorted(layers, key=lambda l: metrics.db_from_json(l["sqnr_isolated_db"]))[:WORST_LAYERS]
-    for layer in worst:
+    for rank, layer in enumerate(worst, 1):
         for name in reads.get(layer["name"], []):
-            add(name, f"input of worst layer {layer['name']}")
-        add(layer["output"], f"output of worst layer {layer['name']}")
+            add(name, f"input of worst layer #{rank}", layer["name"])
+        add(layer["output"], f"output of worst layer #{rank}", layer["name"])
     for move in moves:
         add(move["name"], "threshold moved by the clipping budget")
     for name in program.inputs:
         add(name, "model input")
     for name in program.outputs:
         add(name, "model output")
-    return [{**by_name[name], "why": why, "writer": writers.get(name, "model input")} for name, why in chosen.items()]
+    return [{**by_name[name], "why": why, "why_short": short, "writer": writers.get(name, "model input")}
+            for name, (why, short) in chosen.items()]
 
 
 def _clipping_budget_moves(table: CalibrationTable, fan_in: dict[str, int]) -> list[dict]:

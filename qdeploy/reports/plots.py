@@ -80,7 +80,7 @@ def _rebinned(counts: np.ndarray, bins: int) -> np.ndarray:
 def histogram_grid(tensors: list[dict], path: str | os.PathLike) -> Path:
     """One small plot per calibrated tensor: the |x| histogram over [0, amax] (log counts) with the chosen |T|
     (red) and amax (grey dashed) marked, TensorRT's calibration picture. `tensors` are dicts with name, counts,
-    amax, threshold and optionally why (a line under the name). (Fixed margins and few ticks: matplotlib's tight
+    amax, threshold and optionally why_short (a line under the name: why it is shown). (Fixed margins and few ticks: matplotlib's tight
     layout takes seconds per dozen plots.)"""
     from matplotlib.figure import Figure
     from matplotlib.ticker import LogLocator, MaxNLocator, NullLocator
@@ -106,7 +106,7 @@ def histogram_grid(tensors: list[dict], path: str | os.PathLike) -> Path:
         axes.axvline(amax, color="0.4", linewidth=1.0, linestyle="--")
         axes.set_xlim(0, max(amax, threshold) * 1.04 or 1.0)
         ratio = f"{threshold / amax:.2f}" if amax > 0 else "-"
-        why = f"\n{short_name(tensor['why'], parts=2, width=44)}" if tensor.get("why") else ""
+        why = f"\n{tensor['why_short']}" if tensor.get("why_short") else ""
         axes.set_title(f"{i} {short_name(tensor['name'])}{why}\n|T| {threshold:.3g}  amax {amax:.3g}  ({ratio})",
                        fontsize=6.5)
         axes.tick_params(labelsize=5.5, pad=1)
