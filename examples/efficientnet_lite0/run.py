@@ -2,7 +2,7 @@
 
     python examples/efficientnet_lite0/run.py [--out OUTDIR] [--report REPORT_DIR] [--calib N] [--eval N]
                                               [--method kl|max|percentile|mse] [--no-peer]
-                                              [--no-ablation]
+                                              [--no-ablation] [--verbose]
         (defaults: out/efficientnet_lite0 for the big artifacts, out/efficientnet_lite0/report for the report,
          128 calibration and 64 evaluation photographs; examples/regenerate_reports.py writes the committed copy
          in reports/efficientnet_lite0)
@@ -13,7 +13,8 @@
 3. runs the `qdeploy` commands a user would type, printing each: calibrate (KL, per-channel weights: the
    defaults; the only command given the preprocessing flags, which the table records), compile, run on the
    simulator (on the evaluation JPEGs), and report; each prints a short summary (their `--verbose` tables are
-   left out, so the whole job prints under 80 lines);
+   left out, so the whole job prints under 80 lines; --verbose passes `--verbose` to calibrate and compile and
+   prints the ablation's commands);
 4. before the report, measures the peer, ONNX Runtime's quantize_static (ort_peer.py), on the same images, so
    the report's "Peer" section puts its figures next to ours;
 5. and the ablation: one program per default fidelity option (the KL clipping budget, bias correction, unsigned
@@ -103,7 +104,7 @@ def rule6_table(calib: Path, output: Path) -> Path:
     return replace(table, records=records).save(output)
 
 
-def ablation(model: Path, calib_dir: Path, eval_dir: Path, calib: Path, folder: Path) -> Path:
+def ablation(model: Path, calib_dir: Path, eval_dir: Path, calib: Path, folder: Path, verbose: bool = False) -> Path:
     """Compile and run one program per ABLATION row on the evaluation photographs with the `qdeploy` commands;
     write their logits and a file in the report's peer format (`qdeploy report --ablation`)."""
     from calib.data import Preprocess, open_data
@@ -116,17 +117,18 @@ def ablation(model: Path, calib_dir: Path, eval_dir: Path, calib: Path, folder: 
     np.save(folder / "eval.npy", np.concatenate([batch.arrays for batch in source.batches(16)]))
     (folder / "signed.toml").write_text("[arithmetic]\nunsigned_activations = false\n")
     tables = {((), False): calib, ((), True): rule6_table(calib, folder / "calib_rule6.json")}
+    quiet = ("--verbose",) if verbose else ("--quiet",)
     entries = []
     for index, row in enumerate(ABLATION):
         key = (row.calibrate, row.rule6)
         if key not in tables:
             tables[key] = folder / f"calib{len(tables)}.json"
             qdeploy("calibrate", model, "--data", calib_dir, *PREPROCESS_FLAGS, *row.calibrate, "-o", tables[key],
-                    "--quiet", echo=False)
+                    *quiet, echo=verbose)
         program, logits = folder / f"variant{index}.qdp", folder / f"logits{index}.npy"
         qdeploy("compile", model, "--calib", tables[key], "-o", program, *row.compile,
-                *(["--target", folder / "signed.toml"] if row.signed else []), "--quiet", echo=False)
-        qdeploy("run", program, "--input", folder / "eval.npy", "--dequantize", "-o", logits, "--quiet", echo=False)
+                *(["--target", folder / "signed.toml"] if row.signed else []), *quiet, echo=verbose)
+        qdeploy("run", program, "--input", folder / "eval.npy", "--dequantize", "-o", logits, *quiet, echo=verbose)
         print(f"  {index + 1:>2}/{len(ABLATION)} {row.label}", flush=True)
         settings = {"calibrate": " ".join(row.calibrate) + (" KL rule (6)" if row.rule6 else ""),
                     "compile": " ".join(row.compile),
@@ -141,7 +143,7 @@ def ablation(model: Path, calib_dir: Path, eval_dir: Path, calib: Path, folder: 
 
 
 def main(out: Path, report_dir: Path, n_calib: int = N_CALIB, n_eval: int = N_EVAL, peer: bool = True,
-         method: str = "kl", run_ablation: bool = True) -> dict:
+         method: str = "kl", run_ablation: bool = True, verbose: bool = False) -> dict:
     start = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     model = out / "efficientnet_lite0.onnx"
@@ -155,8 +157,9 @@ def main(out: Path, report_dir: Path, n_calib: int = N_CALIB, n_eval: int = N_EV
         images.make_image_folders(calib_dir, eval_dir, n_calib, n_eval, size=SIZE)
 
     calib, program = out / "calib.json", out / "efficientnet_lite0.qdp"
-    qdeploy("calibrate", model, "--data", calib_dir, *PREPROCESS_FLAGS, "--method", method, "-o", calib)
-    qdeploy("compile", model, "--calib", calib, "-o", program)
+    tables = ("--verbose",) if verbose else ()
+    qdeploy("calibrate", model, "--data", calib_dir, *PREPROCESS_FLAGS, "--method", method, "-o", calib, *tables)
+    qdeploy("compile", model, "--calib", calib, "-o", program, *tables)
     qdeploy("run", program, "--input", eval_dir, "--dequantize", "-o", out / "y_int8.npy")  # the table's preprocessing
 
     peer_args = []
@@ -171,7 +174,7 @@ def main(out: Path, report_dir: Path, n_calib: int = N_CALIB, n_eval: int = N_EV
                                      log=lambda text: print(text, flush=True))
         peer_args = ["--peer", peer_file]
 
-    ablation_file = ablation(model, calib_dir, eval_dir, calib, out / "ablation") if run_ablation else None
+    ablation_file = ablation(model, calib_dir, eval_dir, calib, out / "ablation", verbose) if run_ablation else None
     ablation_args = ["--ablation", ablation_file] if ablation_file else []
 
     qdeploy("report", model, program, "--data", eval_dir, "--calib", calib, *peer_args, *ablation_args,
@@ -192,6 +195,8 @@ if __name__ == "__main__":
     parser.add_argument("--no-peer", dest="peer", action="store_false", help="skip ONNX Runtime's quantization")
     parser.add_argument("--no-ablation", dest="ablation", action="store_false",
                         help="skip the ablation (one program per fidelity option)")
+    parser.add_argument("--verbose", action="store_true",
+                        help="the per-tensor and per-layer tables of calibrate and compile, every command printed")
     arguments = parser.parse_args()
     main(arguments.out, arguments.report, arguments.calib, arguments.eval, arguments.peer, arguments.method,
-         arguments.ablation)
+         arguments.ablation, arguments.verbose)
