@@ -20,7 +20,7 @@ from qdeploy.prequantized import ModelQuantization
 from qdeploy.program import Program, read_program, write_program
 from qdeploy.quantize import CompileOptions, LayerReport, compile_graph
 from qdeploy.reference import run_graph, run_host_op
-from qdeploy.samples import choose_preprocess, load_program_samples, load_samples
+from qdeploy.samples import load_program_samples, load_samples, preprocess_for
 from qdeploy.summary import ModelSummary, summarize
 from isa.target import Target, TargetError, load_target
 from simulator.machine import ProgramInputError
@@ -178,10 +178,9 @@ def run(model: str | os.PathLike | Program, inputs, input_shapes: InputShapes | 
                                 dequantize=dequantize, source=source)
     path = Path(model)
     graph = lower_model(path, input_shapes).graph if lowered else import_onnx(path, input_shapes).graph
-    if not isinstance(inputs, (np.ndarray, dict)):
-        given = preprocess if isinstance(preprocess, Preprocess) or preprocess is None else \
-            choose_preprocess(preprocess, None, str(path))
-        inputs = load_samples(inputs, list(graph.inputs), [graph.tensors[n].shape for n in graph.inputs], given)
+    if not isinstance(inputs, (np.ndarray, dict)):  # nothing is recorded in an ONNX model: the flags, or none
+        inputs = load_samples(inputs, list(graph.inputs), [graph.tensors[n].shape for n in graph.inputs],
+                              preprocess_for(inputs, preprocess, None, str(path)))
     return run_graph(graph, bind_inputs(graph, inputs, str(path)))
 
 

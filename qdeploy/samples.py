@@ -42,11 +42,16 @@ def choose_preprocess(flags: PreprocessFlags | Preprocess | None, recorded: Prep
 def load_samples(data, input_names: list[str], input_shapes: list, preprocess: Preprocess | None,
                  source: str | None = None) -> dict[str, np.ndarray] | np.ndarray:
     """Every sample of `data` in memory: an image folder or image file (with `preprocess`; an unreadable image
-    is an error), a .npy/.npz file, an array, {input name: array} or an iterable of such batches."""
+    is an error), a .npy/.npz file (every array holding samples, finite), an array, {input name: array} or an
+    iterable of such batches."""
+    if isinstance(data, (np.ndarray, dict)):
+        return data  # checked where it is bound to the inputs, as before
     if isinstance(data, (str, os.PathLike)) and not is_image_source(data) and Path(data).suffix in (".npy", ".npz"):
-        from qdeploy.fileio import load_arrays  # whole arrays, their dtype kept (int8 inputs are quantized)
+        from qdeploy.fileio import check_samples, load_arrays  # whole arrays, their dtype kept (int8: quantized)
 
-        return load_arrays(data)
+        arrays = load_arrays(data)
+        check_samples(arrays, str(data))
+        return arrays
     loaded = open_data(data, num_samples=ALL_SAMPLES, input_names=input_names, input_shapes=input_shapes,
                        preprocess=preprocess, strict=True)
     with contextlib.closing(loaded.batches(64)) as batches:
@@ -58,19 +63,25 @@ def load_samples(data, input_names: list[str], input_shapes: list, preprocess: P
     return np.concatenate(parts)
 
 
+def preprocess_for(data, flags: PreprocessFlags | Preprocess | None, recorded: Preprocess | None,
+                   source: str) -> Preprocess | None:
+    """The preprocessing of `data`: for images, the record (from `source`) unless flags say otherwise (a
+    contradiction is refused); for arrays none, and flags given with them are refused (arrays arrive
+    preprocessed)."""
+    if is_image_source(data):
+        return choose_preprocess(flags, recorded, source)
+    if isinstance(flags, Preprocess) or (flags is not None and flags.given()):
+        raise BadInput(f"{data if isinstance(data, (str, os.PathLike)) else 'the arrays'}: preprocessing flags "
+                       f"(--size, --mean, --std, --layout, --channels) apply to image files; arrays arrive "
+                       f"preprocessed")
+    return None
+
+
 def load_program_samples(program: Program, program_source: str, data, flags: PreprocessFlags | Preprocess | None
                          ) -> dict[str, np.ndarray] | np.ndarray:
     """`load_samples` for a compiled program: image data get the program's recorded preprocessing (flags that
-    contradict it are refused); flags given with arrays are refused too (arrays arrive preprocessed)."""
-    given = flags if isinstance(flags, Preprocess) else flags is not None and flags.given()
-    if not is_image_source(data):
-        if given:
-            raise BadInput(f"{data if isinstance(data, (str, os.PathLike)) else 'the arrays'}: preprocessing flags "
-                           f"(--size, --mean, --std, --layout, --channels) apply to image files; arrays arrive "
-                           f"preprocessed")
-        preprocess = None
-    else:
-        preprocess = choose_preprocess(flags, program_preprocess(program, program_source),
-                                       f"recorded in {program_source}")
+    contradict it are refused)."""
+    preprocess = preprocess_for(data, flags, program_preprocess(program, program_source),
+                                f"recorded in {program_source}")
     shapes = [program.tensors[name]["shape"] for name in program.inputs]
     return load_samples(data, list(program.inputs), shapes, preprocess)
