@@ -440,3 +440,7 @@ def test_layer_filter_writes_only_the_chosen_layers(exported, tmp_path):
                                  "-o", str(tmp_path / "none"), "--layer", "no_such_layer"])
     assert result.exit_code == 2 and "--layer no_such_layer: no such instruction" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "none").exists()
+    seen = []  # the API's progress callback: once per layer written
+    api.export_vectors(root / "resnet.qdp", root / "x.npy", tmp_path / "api", layers=[first["name"]],
+                       progress=lambda done, total: seen.append((done, total)))
+    assert seen == [(1, 1)]

@@ -180,6 +180,7 @@ def test_api_flow_with_a_generator_of_batches(case):
             yield arrays[start:start + 4]
 
     from_generator = api.run(compiled.program, batches())
+    assert calibrate(model, arrays, num_samples=4).table.preprocess is None  # arrays arrive preprocessed
     for key in ("classes", "mask"):
         assert_array_equal(from_folder[key], from_generator[key])
     seen = []
