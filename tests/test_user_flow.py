@@ -229,3 +229,18 @@ def test_readme_commands_for_an_image_folder_run_as_written(case, tmp_path, monk
     assert document["outputs"] == cli_report["outputs"]  # the same table, program and figures as the CLI's
     assert document["settings"]["preprocess"] == cli_report["settings"]["preprocess"]
     assert_array_equal(namespace["outputs"]["mask"], np.load("outputs.npz")["mask"])
+
+
+def test_quiet_prints_nothing_and_verbose_prints_the_tables(case):
+    root, model = case["root"], case["model"]
+    table, program = root / "q_calib.json", root / "q.qdp"
+    quiet = [cli("calibrate", model, "--data", case["calib"], *FLAGS, "-o", table, "--quiet"),
+             cli("compile", model, "--calib", table, "-o", program, "--quiet"),
+             cli("run", program, "--input", case["eval"], "-o", root / "q.npz", "--quiet"),
+             cli("report", model, program, "--data", case["eval"], "-o", root / "q_report", "--quiet"),
+             cli("vectors", "export", program, "--input", case["eval"], "-o", root / "q_vec", "--quiet")]
+    assert [(r.exit_code, r.stdout) for r in quiet] == [(0, "")] * 5, [r.output for r in quiet]
+    verbose = cli("compile", model, "--calib", table, "-o", program, "--verbose")
+    assert verbose.exit_code == 0 and "acc bits" in verbose.stdout and "ESTIMATE" in verbose.stdout
+    verbose = cli("calibrate", model, "--data", case["calib"], *FLAGS, "-o", table, "--verbose")
+    assert verbose.exit_code == 0 and "T/amax" in verbose.stdout and "classes" in verbose.stdout
