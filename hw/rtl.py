@@ -2,7 +2,7 @@
 `qdeploy vectors compare` (docs/hardware.md section 6).
 
     qdeploy rtl run VECTORS_DIR -o DUMP_DIR [--rtl MY_TILE.sv ...] [--rounding MODE]
-    python hw/rtl.py VECTORS_DIR DUMP_DIR [--rounding MODE]
+    python hw/rtl.py VECTORS_DIR DUMP_DIR [--rtl MY_TILE.sv ...] [--rounding MODE]
 
 builds the testbench once for the vectors' target (its header from `simulator/header.py`), runs it on every
 layer whose output stage the RTL implements, and writes acc.hex and out.hex (and stored.hex after a fused
@@ -141,9 +141,10 @@ def main() -> int:
     parser.add_argument("vectors")
     parser.add_argument("dump")
     parser.add_argument("--rounding", help="build the RTL with this rounding mode instead of the target's")
+    parser.add_argument("--rtl", action="append", type=Path, help="your tile's source in place of ours (repeatable)")
     options = parser.parse_args()
     try:
-        result = run(options.vectors, options.dump, options.rounding)
+        result = run(options.vectors, options.dump, options.rounding, options.rtl)
     except (RtlError, OSError, KeyError, json.JSONDecodeError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -685,9 +685,9 @@ def vectors_export(program: Path = typer.Argument(..., help="A compiled .qdp pro
     if not verbose:
         skipped = result.manifest["skipped"]
         files = sum(len(r["files"]) for r in layers)
-        typer.echo(f"wrote {output}/ ({len(layers)} layers, {files} files per layer set, batch "
-                   f"{result.manifest['source']['batch']}; {len(skipped)} instructions skipped; --verbose lists "
-                   f"them; manifest {output / 'manifest.json'})")
+        typer.echo(f"wrote {output}/ ({len(layers)} layers, {files} files, batch "
+                   f"{result.manifest['source']['batch']}; {len(skipped)} instruction(s) skipped; --verbose lists "
+                   f"the layers; manifest {output / 'manifest.json'})")
         return
     width = max((len(r["name"]) for r in layers), default=4)
     typer.echo(f"{'#':>3} {'layer':<{width}} {'kind':<9} {'G x (M x K).(K x N)':>24} {'tiles':>6}  files")
