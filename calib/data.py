@@ -24,9 +24,9 @@ import queue
 import threading
 import warnings
 import zipfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -79,6 +79,71 @@ class Preprocess:
     @property
     def num_channels(self) -> int:
         return 1 if self.channels == "GRAY" else 3
+
+    def per_channel(self, values: tuple[float, ...]) -> tuple[float, ...]:
+        """`values` (one, or one per channel) as one per channel: `--mean 127` is `--mean 127,127,127`."""
+        return tuple(values) * self.num_channels if len(values) == 1 else tuple(values)
+
+    def to_json(self) -> dict:
+        """What a calibration table and a program record (calib/table.py `preprocess`)."""
+        return {"size": None if self.size is None else list(self.size), "mean": list(self.mean),
+                "std": list(self.std), "layout": self.layout, "channels": self.channels}
+
+    @classmethod
+    def from_json(cls, document, source: str) -> Preprocess:
+        if not isinstance(document, dict) or set(document) != {"size", "mean", "std", "layout", "channels"}:
+            raise BadInput(f"{source}: field \"preprocess\" must be an object with size, mean, std, layout and "
+                           f"channels, got {str(document)[:60]}")
+        try:
+            size = document["size"]
+            size = None if size is None else (int(size[0]), int(size[1])) if len(size) == 2 else tuple(size)
+            return cls(size, tuple(float(v) for v in document["mean"]), tuple(float(v) for v in document["std"]),
+                       str(document["layout"]), str(document["channels"]))
+        except (TypeError, ValueError, IndexError) as error:
+            raise BadInput(f"{source}: field \"preprocess\" is malformed ({error})") from None
+        except BadInput as error:
+            raise BadInput(f"{source}: field \"preprocess\": {error}") from None
+
+
+@dataclass(frozen=True)
+class PreprocessFlags:
+    """The preprocessing flags a command was given, each None when not given (`--size`, `--mean`, ...)."""
+
+    size: str | None = None
+    mean: str | None = None
+    std: str | None = None
+    layout: str | None = None
+    channels: str | None = None
+
+    def given(self) -> bool:
+        return any(value is not None for value in (self.size, self.mean, self.std, self.layout, self.channels))
+
+    def apply(self, recorded: Preprocess | None, source: str) -> Preprocess:
+        """The preprocessing to use: the recorded one (a calibration table's or a program's, from `source`)
+        with no flag given, or the flags over the defaults when nothing is recorded. A flag that contradicts
+        the record is refused, naming both values: data preprocessed otherwise than the calibration data fall
+        outside the ranges the thresholds were chosen for."""
+        given = Preprocess(parse_size(self.size), parse_floats(self.mean, "--mean", Preprocess.mean),
+                           parse_floats(self.std, "--std", Preprocess.std),
+                           (self.layout or DEFAULT_LAYOUT).upper(), (self.channels or DEFAULT_CHANNELS).upper())
+        if recorded is None:
+            return given
+        checks = [("--size", self.size, given.size, recorded.size, lambda v: "x".join(map(str, v))),
+                  ("--layout", self.layout, given.layout, recorded.layout, str),
+                  ("--channels", self.channels, given.channels, recorded.channels, str),
+                  ("--mean", self.mean, recorded.per_channel(given.mean), recorded.per_channel(recorded.mean),
+                   _floats_text),
+                  ("--std", self.std, recorded.per_channel(given.std), recorded.per_channel(recorded.std),
+                   _floats_text)]
+        for flag, text, value, wanted, show in checks:
+            if text is not None and wanted is not None and value != wanted:
+                raise BadInput(f"{flag} {text} contradicts the calibration's {flag[2:]} {show(wanted)} ({source}); "
+                               f"leave the flag out: the recorded preprocessing applies by default")
+        return recorded
+
+
+def _floats_text(values: tuple[float, ...]) -> str:
+    return ",".join(f"{v:g}" for v in values)
 
 
 def parse_size(text: str | None) -> tuple[int, int] | None:
@@ -250,7 +315,7 @@ def image_folder(folder: str | os.PathLike, preprocess: Preprocess, size: tuple[
                  num_samples: int, strict: bool = False) -> CalibrationData:
     """The first `num_samples` readable images of `folder` (module docstring)."""
     folder = Path(folder)
-    files = list_images(folder)
+    files = list_images(folder) if folder.is_dir() else [folder]  # a single image file: one sample
     if not files:
         raise BadInput(f"{folder}: no images (.jpg, .jpeg, .png) in the folder or its subfolders")
     warnings: list[str] = []
@@ -425,20 +490,77 @@ def model_image_size(shape: Sequence[int | None] | None, layout: str, input_name
     return height, width
 
 
+def is_image_source(data) -> bool:
+    """`data` names an image folder or an image file (not arrays)."""
+    if not isinstance(data, (str, os.PathLike)):
+        return False
+    path = Path(data)
+    return path.is_dir() or path.suffix.lower() in IMAGE_SUFFIXES
+
+
+def resolved_preprocess(data, preprocess: Preprocess | None, input_shape: Sequence[int | None] | None,
+                        input_name: str) -> Preprocess | None:
+    """The preprocessing `open_data` applies to `data`, with the size it resolves (the model input's H, W by
+    default), for recording in a calibration table; None for arrays, which arrive preprocessed."""
+    if not is_image_source(data):
+        return None
+    preprocess = preprocess or Preprocess()
+    if preprocess.size is not None:
+        return preprocess
+    return replace(preprocess, size=model_image_size(input_shape, preprocess.layout, input_name))
+
+
+def batches_in_memory(batches: Iterable, num_samples: int, source: str = "batches") -> CalibrationData:
+    """An iterable (a list, a generator) of batches, each an array (single-input model) or {input name: array}
+    with samples along axis 0, as CalibrationData: the first `num_samples` samples, joined in memory."""
+    parts: list = []
+    count = 0
+    for index, batch in enumerate(batches):
+        if not isinstance(batch, (np.ndarray, dict)):
+            raise BadInput(f"{source}: batch {index} is a {type(batch).__name__}; expected an array or "
+                           f"{{input name: array}} with samples along the first axis")
+        if parts and isinstance(batch, dict) != isinstance(parts[0], dict):
+            raise BadInput(f"{source}: batch {index} mixes arrays and {{input name: array}} batches")
+        named = batch if isinstance(batch, dict) else {None: batch}
+        named = {name: np.asarray(array) for name, array in named.items()}
+        if parts and isinstance(batch, dict) and set(named) != set(parts[0]):
+            raise BadInput(f"{source}: batch {index} names inputs {sorted(named)}, batch 0 {sorted(parts[0])}")
+        rows = _sample_count({n: a.shape for n, a in named.items()}, f"{source}: batch {index}")
+        take = min(rows, num_samples - count)
+        named = {name: array[:take] for name, array in named.items()}
+        parts.append(named if isinstance(batch, dict) else named[None])
+        count += take
+        if count >= num_samples:
+            break
+    if not parts:
+        raise BadInput(f"{source}: no batches")
+    if isinstance(parts[0], dict):
+        joined = {name: np.concatenate([part[name] for part in parts]) for name in parts[0]}
+    else:
+        joined = np.concatenate(parts)
+    return in_memory(joined, num_samples, source)
+
+
 def open_data(data, *, num_samples: int, input_names: Sequence[str],
               input_shapes: Sequence[Sequence[int | None] | None], preprocess: Preprocess | None = None,
               strict: bool = False) -> CalibrationData:
-    """A folder of images, a .npy/.npz file, an array or {input name: array}, as CalibrationData."""
+    """A folder of images, one image file, a .npy/.npz file, an array, {input name: array} or an iterable of
+    such batches (joined in memory), as CalibrationData."""
     if num_samples < 1:
         raise BadInput(f"--num-samples {num_samples}: must be at least 1")
     if isinstance(data, (np.ndarray, dict)):
         return in_memory(data, num_samples)
+    if not isinstance(data, (str, os.PathLike)):
+        if not isinstance(data, Iterable):
+            raise BadInput(f"data of type {type(data).__name__}: expected a path, an array, {{input name: array}} "
+                           f"or an iterable of such batches")
+        return batches_in_memory(data, num_samples)
     path = Path(data)
     if not path.exists():
         raise BadInput(f"{path}: no such file or folder")
     if not path.is_dir():
-        check_input(path, "a folder of images or a .npy/.npz file")
-    if path.is_dir():
+        check_input(path, "a folder of images, an image or a .npy/.npz file")
+    if path.is_dir() or path.suffix.lower() in IMAGE_SUFFIXES:
         preprocess = preprocess or Preprocess()
         if len(input_names) != 1:
             raise BadInput(f"{path}: an image folder feeds a single-input model; this one has "
@@ -457,4 +579,5 @@ def open_data(data, *, num_samples: int, input_names: Sequence[str],
         return image_folder(path, preprocess, size, num_samples, strict)
     if path.suffix in (".npy", ".npz"):
         return array_file(path, num_samples)
-    raise BadInput(f"{path}: expected a folder of images or a .npy/.npz file")
+    raise BadInput(f"{path}: expected a folder of images, an image ({', '.join(IMAGE_SUFFIXES)}) or a .npy/.npz "
+                   f"file")

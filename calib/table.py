@@ -21,6 +21,12 @@ back is equal to the one written, bit for bit):
 One line per tensor. `scale` = threshold / 127 (design.md section 3) is written for readers and checked on
 reading. `histogram` is the |x| histogram the threshold was chosen from: len(counts) bins of `bin_width` over
 [0, amax]. `amax` and `histogram` are null for thresholds imported from a TensorRT cache without data.
+`preprocess` (optional) records how image files became the model input when the data were images:
+{"size": [H, W], "mean": [...], "std": [...], "layout": "NCHW", "channels": "RGB"} (calib/data.py
+`Preprocess`; mean and std on 0..255 values); null when the data were arrays (already preprocessed) and absent in
+tables written before it was recorded. `compile` copies it into the program, and `run`, `report` and
+`vectors export` apply it to image files by default and refuse a flag that contradicts it. The input statistics
+are the graph inputs' records (listed first): amax, the |x| histogram and the per-channel means.
 `equalization` says the tensors were measured on the cross-layer-equalized graph (qdeploy/lowering/equalize.py;
 `qdeploy calibrate --equalize`), so the compiler lowers the model the same way; absent means false.
 
@@ -40,6 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
+from calib.data import Preprocess
 from qdeploy.errors import BadInput
 from qdeploy.fileio import atomic_write, check_input
 
@@ -85,6 +92,7 @@ class CalibrationTable:
     model: str | None = None
     equalization: bool = False  # measured on the cross-layer-equalized graph (module docstring)
     extra: dict = field(default_factory=dict)  # unknown top-level keys of a read file, kept on rewrite
+    preprocess: Preprocess | None = None  # how images became the input (module docstring); None: arrays/unknown
 
     @property
     def thresholds(self) -> dict[str, float]:
@@ -94,6 +102,8 @@ class CalibrationTable:
     def to_text(self) -> str:
         head = {"format": FORMAT, "version": VERSION, "model": self.model, "method": self.method,
                 "samples": self.samples, "equalization": self.equalization, **self.extra}
+        if self.preprocess is not None:
+            head["preprocess"] = self.preprocess.to_json()
         lines = ["{"] + [f"  {json.dumps(k)}: {json.dumps(v)}," for k, v in head.items()] + ['  "tensors": [']
         records = [_record_json(r) for r in self.records.values()]
         lines += [f"    {json.dumps(r, allow_nan=False)}{',' if i + 1 < len(records) else ''}"
@@ -141,9 +151,12 @@ class CalibrationTable:
             if record.name in records:
                 raise BadInput(f"{source}: tensors[{index}]: tensor '{record.name}' is listed twice")
             records[record.name] = record
-        known = {"format", "version", "method", "samples", "model", "equalization", "tensors"}
+        preprocess = document.get("preprocess")
+        if preprocess is not None:
+            preprocess = Preprocess.from_json(preprocess, source)
+        known = {"format", "version", "method", "samples", "model", "equalization", "tensors", "preprocess"}
         extra = {k: v for k, v in document.items() if k not in known}
-        return cls(records, method, samples, model, equalization, extra)
+        return cls(records, method, samples, model, equalization, extra, preprocess)
 
     # ---- summaries -------------------------------------------------------------------------------------
     def summary_json(self) -> dict:

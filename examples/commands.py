@@ -16,8 +16,10 @@ def display(path: Path) -> str:
         return str(path)
 
 
-def qdeploy(*args) -> None:
-    """Run one `qdeploy` command (printed first, as the user would type it) in this Python environment."""
+def qdeploy(*args, echo: bool = True) -> None:
+    """Run one `qdeploy` command in this Python environment, printed first as the user would type it (unless
+    `echo` is false: a step of a loop that prints its own one-line progress)."""
     shown = [display(a) if isinstance(a, Path) else str(a) for a in args]
-    print("$ qdeploy " + " ".join(shlex.quote(a) for a in shown), flush=True)
+    if echo:
+        print("$ qdeploy " + " ".join(shlex.quote(a) for a in shown), flush=True)
     subprocess.run([sys.executable, "-m", "qdeploy", *shown], check=True)

@@ -1,11 +1,15 @@
 """Run the reference RTL (hw/*.sv) under Icarus Verilog on a golden-vectors directory and write its dumps, for
 `qdeploy vectors compare` (docs/hardware.md section 6).
 
-    python hw/rtl.py VECTORS_DIR DUMP_DIR [--rounding MODE]
+    qdeploy rtl run VECTORS_DIR -o DUMP_DIR [--rtl MY_TILE.sv ...] [--rounding MODE]
+    python hw/rtl.py VECTORS_DIR DUMP_DIR [--rtl MY_TILE.sv ...] [--rounding MODE]
 
 builds the testbench once for the vectors' target (its header from `simulator/header.py`), runs it on every
 layer whose output stage the RTL implements, and writes acc.hex and out.hex (and stored.hex after a fused
-window-max) under DUMP_DIR/layers/<dir>/.
+window-max) under DUMP_DIR/layers/<dir>/. `--rtl` (the `sources` of `run`) takes a team's own tile in place of
+qdeploy_gemm_tile.sv: their files must define a module `qdeploy_gemm_tile` with its parameters and ports (the
+testbench instantiates it); they may `include "accel_params.svh"` (the target's header, written for the run) and
+"qdeploy_arith.svh".
 `--rounding` builds the RTL with another rounding mode than the vectors' target: a deliberately wrong design,
 whose mismatches `vectors compare` then locates. Needs `iverilog` and `vvp` (Debian: apt-get install iverilog).
 """
@@ -20,9 +24,10 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 HW = Path(__file__).resolve().parent
-SOURCES = [HW / "qdeploy_gemm_tile.sv", HW / "tb_layer.sv"]
+TILE, TESTBENCH = HW / "qdeploy_gemm_tile.sv", HW / "tb_layer.sv"
 
 
 class RtlError(RuntimeError):
@@ -39,8 +44,10 @@ def icarus_available() -> bool:
     return shutil.which("iverilog") is not None and shutil.which("vvp") is not None
 
 
-def build(target_table: dict, folder: Path, rounding: str | None = None) -> Path:
-    """Write the target's header into `folder` and compile the testbench; returns the .vvp file."""
+def build(target_table: dict, folder: Path, rounding: str | None = None,
+          tile_sources: list[Path] | None = None) -> Path:
+    """Write the target's header into `folder` and compile the testbench with the tile `tile_sources` (default:
+    ours, qdeploy_gemm_tile.sv); returns the .vvp file."""
     from isa.target import Rounding, target_from_dict
     from simulator.header import render_header
 
@@ -48,12 +55,17 @@ def build(target_table: dict, folder: Path, rounding: str | None = None) -> Path
         raise RtlError("Icarus Verilog is not installed (iverilog, vvp; Debian: apt-get install iverilog)")
     target = target_from_dict(target_table, source="vectors manifest")
     (folder / "accel_params.svh").write_text(render_header(target, "sv", source="vectors manifest"))
-    command = ["iverilog", "-g2012", "-I", str(folder), "-I", str(HW), "-o", str(folder / "tb_layer.vvp")]
+    tiles = [Path(source) for source in tile_sources] if tile_sources else [TILE]
+    for source in tiles:
+        if not source.is_file():
+            raise RtlError(f"{source}: no such RTL source file")
+    includes = dict.fromkeys([folder, HW, *(source.resolve().parent for source in tiles)])
+    command = ["iverilog", "-g2012", *(f"-I{include}" for include in includes), "-o", str(folder / "tb_layer.vvp")]
     if rounding is not None:
         command.append(f"-Ptb_layer.ROUNDING={list(Rounding).index(Rounding(rounding))}")
-    result = subprocess.run(command + [str(s) for s in SOURCES], capture_output=True, text=True)
+    result = subprocess.run(command + [str(s) for s in [*tiles, TESTBENCH]], capture_output=True, text=True)
     if result.returncode:
-        raise RtlError(f"iverilog failed: {result.stderr.strip()}")
+        raise RtlError(f"iverilog failed: {' '.join(result.stderr.split())[:400]}")
     return folder / "tb_layer.vvp"
 
 
@@ -89,14 +101,18 @@ def window_args(layer: dict) -> list[str]:
     return [f"+{key}={value}" for key, value in values.items()]
 
 
-def run(vectors: str | Path, dump: str | Path, rounding: str | None = None) -> RtlRun:
-    """Run every layer of `vectors` through the RTL, writing the dumps under `dump`."""
+def run(vectors: str | Path, dump: str | Path, rounding: str | None = None, sources: list[Path] | None = None,
+        progress: Callable[[int, int], None] | None = None) -> RtlRun:
+    """Run every layer of `vectors` through the RTL (the tile `sources`, default ours), writing the dumps under
+    `dump`; `progress(done, total)` after each layer."""
     vectors, dump = Path(vectors), Path(dump)
     manifest = json.loads((vectors / "manifest.json").read_text())
     ran, skipped = [], {}
     with tempfile.TemporaryDirectory() as folder:
-        simulation = build(manifest["target"], Path(folder), rounding)
-        for layer in manifest["layers"]:
+        simulation = build(manifest["target"], Path(folder), rounding, sources)
+        for done, layer in enumerate(manifest["layers"], 1):
+            if progress is not None and done > 1:
+                progress(done - 1, len(manifest["layers"]))
             reason = why_not(layer)
             if reason is not None:
                 skipped[layer["dir"]] = reason
@@ -115,6 +131,8 @@ def run(vectors: str | Path, dump: str | Path, rounding: str | None = None) -> R
             if result.returncode or not (out_dir / "out.hex").exists():
                 raise RtlError(f"vvp failed on {layer['dir']}: {(result.stderr or result.stdout).strip()[-300:]}")
             ran.append(layer["dir"])
+        if progress is not None:
+            progress(len(manifest["layers"]), len(manifest["layers"]))
     return RtlRun(ran, skipped)
 
 
@@ -123,9 +141,10 @@ def main() -> int:
     parser.add_argument("vectors")
     parser.add_argument("dump")
     parser.add_argument("--rounding", help="build the RTL with this rounding mode instead of the target's")
+    parser.add_argument("--rtl", action="append", type=Path, help="your tile's source in place of ours (repeatable)")
     options = parser.parse_args()
     try:
-        result = run(options.vectors, options.dump, options.rounding)
+        result = run(options.vectors, options.dump, options.rounding, options.rtl)
     except (RtlError, OSError, KeyError, json.JSONDecodeError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from calib.data import Preprocess, PreprocessFlags
 from calib.table import CalibrationTable
 from qdeploy.binding import bind_inputs, bind_program_inputs
 from qdeploy.errors import BadInput, QdeployError
@@ -19,6 +20,7 @@ from qdeploy.prequantized import ModelQuantization
 from qdeploy.program import Program, read_program, write_program
 from qdeploy.quantize import CompileOptions, LayerReport, compile_graph
 from qdeploy.reference import run_graph, run_host_op
+from qdeploy.samples import load_program_samples, load_samples, preprocess_for
 from qdeploy.summary import ModelSummary, summarize
 from isa.target import Target, TargetError, load_target
 from simulator.machine import ProgramInputError
@@ -113,6 +115,8 @@ def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTabl
         raise type(error)(f"{path}: {error}") from error
     program.manifest["model"] = path.name
     program.manifest["options"]["equalization"] = table.equalization
+    if table.preprocess is not None:  # run, report and vectors export preprocess images as calibration did
+        program.manifest["preprocess"] = table.preprocess.to_json()
     written = write_program(program, output) if output is not None else None
     return CompileResult(program, layers, lowering, written, stated)
 
@@ -137,32 +141,46 @@ def estimate_performance(model: str | os.PathLike, program: Program) -> PerfRepo
 
 
 
-def export_vectors(program: str | os.PathLike, input: str | os.PathLike, output: str | os.PathLike, *,
-                   per_tile: bool = False):
-    """Run the program file on the arrays of `input` (.npy/.npz) and write its golden vectors to the directory
-    `output` (simulator/vectors/export.py); returns its ExportResult."""
-    from qdeploy.fileio import load_arrays
+def export_vectors(program: str | os.PathLike, input, output: str | os.PathLike, *,
+                   per_tile: bool = False, preprocess: Preprocess | PreprocessFlags | None = None,
+                   layers: list[str] | None = None, progress=None):
+    """Run the program file on `input` (what `run` accepts: .npy/.npz, images with the program's recorded
+    preprocessing, arrays) and write its golden vectors to the directory `output` (simulator/vectors/export.py);
+    returns its ExportResult. `layers`: only these instructions (names or indexes); `progress(done, total)`
+    after each layer's files."""
     from simulator.vectors import VectorError
     from simulator.vectors import export_vectors as write_vectors
 
     loaded = read_program(program)
-    arrays = bind_program_inputs(loaded, load_arrays(input), str(input))
+    arrays = bind_program_inputs(loaded, load_program_samples(loaded, str(program), input, preprocess),
+                                 str(input) if isinstance(input, (str, os.PathLike)) else "input")
     try:
         return write_vectors(loaded, arrays, output, per_tile=per_tile, host=run_host_op,
-                             source={"program": str(program), "input": str(input)})
+                             source={"program": str(program), "input": str(input)}, layers=layers,
+                             progress=progress)
     except (VectorError, ProgramInputError) as error:
         raise BadInput(f"{program}: {error}") from error
 
 
-def run(model: str | os.PathLike | Program, inputs: dict[str, np.ndarray] | np.ndarray,
-        input_shapes: InputShapes | None = None, lowered: bool = False, dequantize: bool = False,
+def run(model: str | os.PathLike | Program, inputs, input_shapes: InputShapes | None = None,
+        lowered: bool = False, dequantize: bool = False, preprocess: Preprocess | PreprocessFlags | None = None,
         ) -> dict[str, np.ndarray]:
     """Run a model and return {output name: array}: a .qdp program (or Program) on the simulator, an ONNX
-    model with the float reference executor (`lowered`: the lowered float graph)."""
+    model with the float reference executor (`lowered`: the lowered float graph).
+
+    inputs: what `calibrate` takes: an image folder or image file (preprocessed as the program's calibration
+    data were, by default; `preprocess` for an ONNX model), a .npy/.npz file, an array, {input name: array},
+    or an iterable of such batches (a generator), whose outputs are joined along the batch axis."""
     if isinstance(model, Program) or Path(model).suffix == ".qdp":
-        return run_program_file(model, inputs, dequantize=dequantize)
+        program = model if isinstance(model, Program) else read_program(model)
+        source = "program" if isinstance(model, Program) else str(model)
+        return run_program_file(program, load_program_samples(program, source, inputs, preprocess),
+                                dequantize=dequantize, source=source)
     path = Path(model)
     graph = lower_model(path, input_shapes).graph if lowered else import_onnx(path, input_shapes).graph
+    if not isinstance(inputs, (np.ndarray, dict)):  # nothing is recorded in an ONNX model: the flags, or none
+        inputs = load_samples(inputs, list(graph.inputs), [graph.tensors[n].shape for n in graph.inputs],
+                              preprocess_for(inputs, preprocess, None, str(path)))
     return run_graph(graph, bind_inputs(graph, inputs, str(path)))
 
 
@@ -192,15 +210,17 @@ def report(model: str | os.PathLike, program: str | os.PathLike | Program, data,
            peer: str | os.PathLike | None = None, ablation: str | os.PathLike | None = None,
            num_samples: int | None = None, batch_size: int | None = None, preprocess=None,
            input_shapes: InputShapes | None = None, progress=None, command: str | None = None,
-           cluster: str | None = None):
+           cluster: str | None = None, output_name: str | None = None):
     """Accuracy-drop report of the int8 `program` against the float `model` on `data`, written to the folder
     `output` (report.md, report.json, PNG figures); returns a qdeploy.reports.build.ReportResult (its `document` is
-    report.json). `cluster`: walk the data on a Dask cluster (qdeploy/cluster.py), same report. See
-    qdeploy/reports/build.py for the arguments."""
+    report.json). `data`: what `run` takes (images preprocessed as the calibration data were, arrays, an
+    iterable of batches). `output_name`: the output the headline figures measure (every output gets a row).
+    `progress(done, total)`: called after each batch. `cluster`: walk the data on a Dask cluster
+    (qdeploy/cluster.py), same report. See qdeploy/reports/build.py for the arguments."""
     from qdeploy.reports import DEFAULT_BATCH_SIZE
     from qdeploy.reports.build import build_report
 
     return build_report(model, program, data, output, labels=labels, calib=calib, peer=peer, ablation=ablation,
                         num_samples=num_samples, batch_size=DEFAULT_BATCH_SIZE if batch_size is None else batch_size,
                         preprocess=preprocess, input_shapes=input_shapes, progress=progress, command=command,
-                        cluster=cluster)
+                        cluster=cluster, output_name=output_name)

@@ -28,7 +28,7 @@ from typing import Callable
 import numpy as np
 
 from calib import DEFAULT_BATCH_SIZE, DEFAULT_METHOD, DEFAULT_NUM_SAMPLES, DEFAULT_PERCENTILE
-from calib.data import Preprocess, open_data
+from calib.data import Preprocess, open_data, resolved_preprocess
 from calib.histogram import NonFiniteValue, StreamingHistogram
 from calib.kl import clipping_budget
 from calib.methods import THRESHOLD_METHODS, select_threshold
@@ -56,6 +56,7 @@ class CalibrationResult:
     timings: dict[str, float] = field(default_factory=dict)  # seconds: "lower", "collect", "thresholds"
     warnings: list[str] = field(default_factory=list)  # skipped images, ignored cache entries
     equalized_pairs: int = 0  # GEMM pairs cross-layer equalization rescaled (with equalize)
+    input_names: list[str] = field(default_factory=list)  # the model's inputs (the table's first records)
 
     @property
     def method(self) -> str:
@@ -417,6 +418,9 @@ def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD,
                         f"tensors; compile uses the model's scales for those (this table's thresholds for them are "
                         f"overridden) and this table's for the other {len(names) - len(own)}")
     table_method = TENSORRT_METHOD if data is None else method
-    table = CalibrationTable(records, table_method, samples, Path(model).name, equalize)
+    recorded = (resolved_preprocess(data, preprocess, graph.tensors[graph.inputs[0]].shape, graph.inputs[0])
+                if data is not None and len(graph.inputs) == 1 else None)
+    table = CalibrationTable(records, table_method, samples, Path(model).name, equalize, preprocess=recorded)
     pairs = len(equalizable_pairs(graph)) if equalize else 0
-    return CalibrationResult(table, samples, time.perf_counter() - start, timings, warnings, pairs)
+    return CalibrationResult(table, samples, time.perf_counter() - start, timings, warnings, pairs,
+                             list(graph.inputs))

@@ -25,7 +25,9 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, **PLAIN,
                   help="Deploy float ONNX CNNs onto int8 matrix-only accelerators.")
 vectors_app = typer.Typer(no_args_is_help=True, help="Golden test vectors for RTL verification.", **PLAIN)
 target_app = typer.Typer(no_args_is_help=True, help="Accelerator target configuration.", **PLAIN)
+rtl_app = typer.Typer(no_args_is_help=True, help="The reference RTL (hw/) on golden vectors.", **PLAIN)
 app.add_typer(vectors_app, name="vectors")
+app.add_typer(rtl_app, name="rtl")
 app.add_typer(target_app, name="target")
 
 
@@ -80,6 +82,8 @@ def parse_input_shapes(specs: list[str] | None) -> dict[str, tuple[int | None, .
 
 INPUT_SHAPE = typer.Option(None, "--input-shape", help="Fix symbolic dims: NAME:N,3,224,224 (repeatable).")
 JSON = typer.Option(False, "--json", help="Print machine-readable JSON instead of tables.")
+QUIET = typer.Option(False, "--quiet", "-q", help="Print nothing but errors and warnings.")
+VERBOSE = typer.Option(False, "--verbose", "-v", help="Also print the per-layer tables.")
 CLUSTER = typer.Option(None, "--cluster", help="Run the forward passes on a Dask cluster: local, local:N (N at most "
                                                  "the usable CPUs) or tcp://HOST:PORT (same results; pip install "
                                                  "'qdeploy[distributed]').")
@@ -91,6 +95,23 @@ def _check_cluster(spec: str | None) -> None:
         from qdeploy.cluster import parse_spec
 
         parse_spec(spec)
+
+
+# Image preprocessing for `run`, `report` and `vectors export`: by default the calibration's (recorded in the
+# table and the program); a flag that contradicts it is refused (calib/data.py PreprocessFlags).
+SIZE = typer.Option(None, help="H,W: resize the shorter side, centre-crop (default: the calibration's).")
+MEAN = typer.Option(None, help="Mean on 0..255 values, per channel: a or a,b,c (default: the calibration's).")
+STD = typer.Option(None, help="Std on 0..255 values, per channel: a or a,b,c (default: the calibration's).")
+LAYOUT = typer.Option(None, help="NCHW | NHWC (default: the calibration's).")
+CHANNELS = typer.Option(None, help="RGB | BGR | GRAY (default: the calibration's).")
+DATA_HELP = ("A folder of .jpg/.jpeg/.png images (recursive, sorted by path), one image, or .npy (single input) / "
+             ".npz (one array per input) of preprocessed arrays.")
+
+
+def _preprocess_flags(size, mean, std, layout, channels):
+    from calib.data import PreprocessFlags
+
+    return PreprocessFlags(size, mean, std, layout, channels)
 
 
 def _format_shape(shape: list) -> str:
@@ -275,31 +296,39 @@ def _print_lowering(result) -> None:
 @app.command()
 @user_errors
 def run(model: Path = typer.Argument(..., help="An .onnx model (float reference executor) or a .qdp program."),
-        input: Path = typer.Option(..., "--input", "-i", help=".npy (single input) or .npz (one array per input)."),
+        input: Path = typer.Option(..., "--input", "-i", help=DATA_HELP + " Images of a .qdp are preprocessed as "
+                                                                          "its calibration data were."),
         output: Path = typer.Option(..., "--output", "-o", help=".npy (single output) or .npz."),
         dequantize: bool = typer.Option(False, help="(.qdp) write float outputs instead of int8."),
         lowered: bool = typer.Option(False, help="(.onnx) run the lowered float graph."),
-        input_shape: Optional[list[str]] = INPUT_SHAPE) -> None:
-    """Run a model on arrays and write its outputs: a .qdp program on the bit-accurate simulator (int8 out, or
-    float with --dequantize; float inputs are quantized with the program's input scale), an .onnx model with
-    the float reference executor (--lowered: the lowered float graph)."""
-    from qdeploy.fileio import check_output, check_samples, load_arrays, save_arrays
+        size: Optional[str] = SIZE, mean: Optional[str] = MEAN, std: Optional[str] = STD,
+        layout: Optional[str] = LAYOUT, channels: Optional[str] = CHANNELS,
+        input_shape: Optional[list[str]] = INPUT_SHAPE, quiet: bool = QUIET) -> None:
+    """Run a model on images or arrays and write its outputs: a .qdp program on the bit-accurate simulator (int8
+    out, or float with --dequantize; float inputs are quantized with the program's input scale), an .onnx model
+    with the float reference executor (--lowered: the lowered float graph)."""
+    from qdeploy.fileio import check_output, save_arrays
 
     check_output(output, model, input)
     program_file = model.suffix == ".qdp"
     if (lowered or input_shape) and program_file or dequantize and not program_file:
         raise BadInput(f"{model}: --lowered and --input-shape apply to .onnx models, --dequantize to .qdp programs")
-    arrays = load_arrays(input)
-    check_samples(arrays, str(input))
+    flags = _preprocess_flags(size, mean, std, layout, channels)
     if program_file:  # the simulator alone: no onnx or compiler imports (qdeploy/execute.py)
+        from qdeploy.program import read_program
+        from qdeploy.samples import load_program_samples
+
+        program = read_program(model)
+        arrays = load_program_samples(program, str(model), input, flags)
         with _collector_paused():
             from qdeploy.execute import run_program_file
 
-            outputs = run_program_file(model, arrays, dequantize=dequantize)
+            outputs = run_program_file(program, arrays, dequantize=dequantize, source=str(model))
     else:
-        outputs = _api().run(model, arrays, parse_input_shapes(input_shape), lowered=lowered)
+        outputs = _api().run(model, input, parse_input_shapes(input_shape), lowered=lowered, preprocess=flags)
     save_arrays(output, outputs)
-    typer.echo(f"wrote {output} ({', '.join(f'{k} {v.shape}' for k, v in outputs.items())})")
+    if not quiet:
+        typer.echo(f"wrote {output} ({', '.join(f'{k} {v.shape}' for k, v in outputs.items())})")
 
 
 from calib import (DEFAULT_BATCH_SIZE, DEFAULT_CHANNELS, DEFAULT_LAYOUT, DEFAULT_MEAN,  # noqa: E402 (constants)
@@ -309,11 +338,11 @@ from calib import (DEFAULT_BATCH_SIZE, DEFAULT_CHANNELS, DEFAULT_LAYOUT, DEFAULT
 class _BatchProgress:
     """progress(done, total) callback drawing a bar on stderr, only when stderr is a terminal."""
 
-    def __init__(self, label: str):
-        self.label, self.bar, self.done = label, None, 0
+    def __init__(self, label: str, quiet: bool = False):
+        self.label, self.bar, self.done, self.quiet = label, None, 0, quiet
 
     def __call__(self, done: int, total: int) -> None:
-        if not sys.stderr.isatty():
+        if self.quiet or not sys.stderr.isatty():
             return
         if self.bar is None:
             self.bar = typer.progressbar(length=total, label=self.label, file=sys.stderr)
@@ -326,13 +355,30 @@ class _BatchProgress:
             self.bar.__exit__(None, None, None)
 
 
-def _print_calibration(result, output: Path) -> None:
+def _print_calibration(result, output: Path, verbose: bool) -> None:
     table = result.table
     typer.echo(f"calibrated {len(table.records)} tensors on {result.samples} samples in {result.seconds:.1f} s "
                f"(method {table.method})")
     if table.equalization:
         typer.echo(f"  on the cross-layer-equalized graph: {result.equalized_pairs} GEMM pairs rescaled "
                    f"(compile follows the table)")
+    preprocess = table.preprocess
+    if preprocess is not None:
+        typer.echo(f"  preprocessing recorded (run, report and vectors export apply it to images): size "
+                   f"{'x'.join(map(str, preprocess.size))}, mean {','.join(f'{v:g}' for v in preprocess.mean)}, std "
+                   f"{','.join(f'{v:g}' for v in preprocess.std)} (on 0..255), {preprocess.layout}, "
+                   f"{preprocess.channels}")
+        if preprocess.mean == (0.0,) and preprocess.std == (1.0,):
+            typer.echo("  note: no normalisation: the model sees 0..255 pixel values; if it was trained on "
+                       "normalised input, calibrate again with --mean and --std (0..255 scale)")
+    inputs = [record for name, record in table.records.items() if name in result.input_names]
+    for record in inputs:
+        if record.amax is not None:
+            typer.echo(f"  input '{record.name}': max |x| {record.amax:.4g} over the data, threshold "
+                       f"{record.threshold:.4g}")
+    if not verbose:
+        typer.echo(f"wrote {output} (--verbose lists every tensor's threshold)")
+        return
     width = max((len(name) for name in table.records), default=6)
     typer.echo(f"  {'tensor':<{width}} {'amax':>10} {'|T|':>10} {'T/amax':>7}  method")
     for record in table.records.values():
@@ -373,7 +419,7 @@ def calibrate(model: Path = typer.Argument(..., help="An .onnx model."),
                                                  "follows it)."),
               input_shape: Optional[list[str]] = INPUT_SHAPE,
               cluster: Optional[str] = CLUSTER,
-              json_output: bool = JSON) -> None:
+              json_output: bool = JSON, verbose: bool = VERBOSE, quiet: bool = QUIET) -> None:
     """Run the lowered float graph on calibration data, collect |x| histograms of every tensor the int8
     program quantizes, choose thresholds |T| (KL by default) and write the calibration table."""
     from calib.data import Preprocess, parse_floats, parse_size
@@ -394,7 +440,7 @@ def calibrate(model: Path = typer.Argument(..., help="An .onnx model."),
                        f"go to a TensorRT cache; use one or the other")
     preprocess = Preprocess(parse_size(size), parse_floats(mean, "--mean", Preprocess.mean),
                             parse_floats(std, "--std", Preprocess.std), layout.upper(), channels.upper())
-    progress = _BatchProgress("calibrating")
+    progress = _BatchProgress("calibrating", quiet)
     try:
         result = run_calibration(model, data, method, num_samples=num_samples, batch_size=batch_size,
                                  percentile=DEFAULT_PERCENTILE if percentile is None else percentile,
@@ -412,7 +458,9 @@ def calibrate(model: Path = typer.Argument(..., help="An .onnx model."),
     if json_output:
         typer.echo(json.dumps(result.to_json(), indent=2))
         return
-    _print_calibration(result, output)
+    if quiet:
+        return
+    _print_calibration(result, output, verbose)
     if export_tensorrt_cache is not None:
         typer.echo(f"wrote {export_tensorrt_cache}")
 
@@ -435,7 +483,7 @@ def compile(model: Path = typer.Argument(..., help="An .onnx model."),
                                                    "than 0 or per-channel scales one scale covering its range, "
                                                    "instead of refusing it."),
             input_shape: Optional[list[str]] = INPUT_SHAPE,
-            json_output: bool = JSON) -> None:
+            json_output: bool = JSON, verbose: bool = VERBOSE, quiet: bool = QUIET) -> None:
     """Quantize the lowered graph with the calibration table and write the integer program (.qdp). A model
     that carries QuantizeLinear/DequantizeLinear (QAT, ONNX Runtime, NNCF) compiles with its own scales."""
     from qdeploy.fileio import check_output
@@ -454,8 +502,14 @@ def compile(model: Path = typer.Argument(..., help="An .onnx model."),
         typer.echo(json.dumps({"layers": layers, "output": str(output), "perf": perf.to_json(),
                                "host_ops": host_ops, "prequantized": _stated_summary(result)}, indent=2))
         return
-    _print_layers(result.layers)
-    _print_perf(perf)
+    for layer in result.layers:  # warnings always, on stderr; the tables with --verbose
+        for warning in layer.warnings:
+            typer.echo(f"warning: layer '{layer.name}': {warning}", err=True)
+    if quiet:
+        return
+    if verbose:
+        _print_layers(result.layers)
+        _print_perf(perf)
     _print_stated(result)
     if result.lowering.host_ops:
         from qdeploy.summary import format_host_work
@@ -468,8 +522,14 @@ def compile(model: Path = typer.Argument(..., help="An .onnx model."),
         typer.echo("note: per-tensor weights lose much fidelity (EfficientNet-Lite0: 8.9 dB logits SQNR against 21.0 "
                    "per channel); a table from `qdeploy calibrate --equalize` (cross-layer equalization) is made for "
                    "them, measure it (8.3 dB there)")
+    totals = perf.totals
+    if "preprocess" in result.program.manifest:
+        typer.echo("preprocessing from the calibration table recorded in the program (run, report and vectors "
+                   "export apply it to images)")
     typer.echo(f"wrote {output} ({len(result.program.instructions)} instructions, "
-               f"{len(result.layers)} on the GEMM unit)")
+               f"{len(result.layers)} on the GEMM unit; ESTIMATED {totals['cycles']:,} cycles = "
+               f"{totals['time_us']:,.1f} us per batch of {perf.batch}"
+               + ("" if verbose else "; --verbose prints the per-layer tables") + ")")
 
 
 def _stated_summary(result) -> dict | None:
@@ -516,8 +576,6 @@ def _print_layers(layers) -> None:
              f"{r.weight_scale_min:>9.3g}..{r.weight_scale_max:<9.3g} {r.output_scale:>9.3g} "
              f"{r.mult_min:>11}..{r.mult_max:<11} {r.shift_min:>3}..{r.shift_max:<3} {r.rounding:<11} "
              f"{r.acc_bound_bits}/{r.acc_bits}")
-        for warning in r.warnings:
-            echo(f"  warning: {warning}")
 
 
 from qdeploy.reports import DEFAULT_BATCH_SIZE as REPORT_BATCH_SIZE  # noqa: E402  (light: a constant)
@@ -527,12 +585,12 @@ from qdeploy.reports import DEFAULT_BATCH_SIZE as REPORT_BATCH_SIZE  # noqa: E40
 @user_errors
 def report(model: Path = typer.Argument(..., help="The float .onnx model."),
            program: Path = typer.Argument(..., help="The compiled .qdp program (from this model)."),
-           data: Path = typer.Option(..., help="Evaluation data: a folder of .jpg/.jpeg/.png images (recursive, "
-                                               "sorted by path) or .npy/.npz of preprocessed arrays."),
+           data: Path = typer.Option(..., help="Evaluation data. " + DATA_HELP),
            output: Path = typer.Option(..., "--output", "-o", help="Report folder (report.md, report.json, PNGs)."),
            labels: Optional[Path] = typer.Option(None, help="True classes, one per sample in data order: .npy of "
                                                             "integers or .txt with one integer per line."),
-           calib: Optional[Path] = typer.Option(None, help="The calibration table, for the histogram figure."),
+           calib: Optional[Path] = typer.Option(None, help="The calibration table, for the histogram figure (its "
+                                                           "preprocessing is the program's)."),
            peer: Optional[Path] = typer.Option(None, help="JSON naming another toolkit's int8 logits on the same "
                                                           "data, to compare (qdeploy/reports/inputs.py)."),
            ablation: Optional[Path] = typer.Option(None, help="JSON in the peer format naming logits of qdeploy "
@@ -540,41 +598,37 @@ def report(model: Path = typer.Argument(..., help="The float .onnx model."),
            num_samples: Optional[int] = typer.Option(None, help="Use the first N samples (default: all)."),
            batch_size: int = typer.Option(REPORT_BATCH_SIZE, help="Samples per pass; memory holds one batch's "
                                                                   "tensors."),
-           size: Optional[str] = typer.Option(None, help="H,W: resize the shorter side, centre-crop "
-                                                         "(default: the model input's H,W)."),
-           mean: Optional[str] = typer.Option(None, help="Mean on 0..255 values, per channel: a or a,b,c."),
-           std: Optional[str] = typer.Option(None, help="Std on 0..255 values, per channel: a or a,b,c."),
-           layout: str = typer.Option(DEFAULT_LAYOUT, help="NCHW | NHWC."),
-           channels: str = typer.Option(DEFAULT_CHANNELS, help="RGB | BGR | GRAY."),
+           size: Optional[str] = SIZE, mean: Optional[str] = MEAN, std: Optional[str] = STD,
+           layout: Optional[str] = LAYOUT, channels: Optional[str] = CHANNELS,
+           output_name: Optional[str] = typer.Option(None, "--output-name",
+                                                     help="The model output the headline figures measure (default: "
+                                                          "the first); every output gets a row."),
            input_shape: Optional[list[str]] = INPUT_SHAPE,
            cluster: Optional[str] = CLUSTER,
-           json_output: bool = JSON) -> None:
+           json_output: bool = JSON, quiet: bool = QUIET) -> None:
     """Accuracy-drop report of the int8 program (simulator) against the float model on evaluation data:
     top-1/top-5 agreement, accuracy and drop with --labels, logits SQNR and cosine, per-layer SQNR cumulative
     and isolated, calibration histograms, host-fallback ops and node counts. Prints the headline (or, with
     --json, report.json)."""
-    from calib.data import Preprocess, parse_floats, parse_size
-
     _check_cluster(cluster)
-    preprocess = Preprocess(parse_size(size), parse_floats(mean, "--mean", Preprocess.mean),
-                            parse_floats(std, "--std", Preprocess.std), layout.upper(), channels.upper())
     import shlex
+
+    preprocess = _preprocess_flags(size, mean, std, layout, channels)
 
     options = [("--data", data), ("--labels", labels), ("--calib", calib), ("--peer", peer),
                ("--ablation", ablation), ("--num-samples", num_samples),
                ("--batch-size", batch_size if batch_size != REPORT_BATCH_SIZE else None),
-               ("--size", size), ("--mean", mean), ("--std", std),
-               ("--layout", layout if layout != Preprocess.layout else None),
-               ("--channels", channels if channels != Preprocess.channels else None)]
+               ("--size", size), ("--mean", mean), ("--std", std), ("--layout", layout), ("--channels", channels),
+               ("--output-name", output_name)]
     options += [("--input-shape", spec) for spec in input_shape or []] + [("-o", output)]
     command = " ".join(["qdeploy report", shlex.quote(str(model)), shlex.quote(str(program))] +
                        [f"{flag} {shlex.quote(str(value))}" for flag, value in options if value is not None])
-    progress = _BatchProgress("evaluating")
+    progress = _BatchProgress("evaluating", quiet)
     try:
         result = _api().report(model, program, data, output, labels=labels, calib=calib, peer=peer,
                             ablation=ablation, num_samples=num_samples, batch_size=batch_size, preprocess=preprocess,
                             input_shapes=parse_input_shapes(input_shape), progress=progress, command=command,
-                            cluster=cluster)
+                            cluster=cluster, output_name=output_name)
     finally:
         progress.close()
     for warning in result.warnings:
@@ -582,7 +636,8 @@ def report(model: Path = typer.Argument(..., help="The float .onnx model."),
     if json_output:
         typer.echo(json.dumps(result.document, indent=2))
         return
-    typer.echo(result.headline())
+    if not quiet:
+        typer.echo(result.headline())
 
 
 @app.command("export-onnx")
@@ -614,24 +669,44 @@ def export_onnx(program: Path = typer.Argument(..., help="A compiled .qdp progra
 @vectors_app.command("export")
 @user_errors
 def vectors_export(program: Path = typer.Argument(..., help="A compiled .qdp program."),
-                   input: Path = typer.Option(..., "--input", "-i", help=".npy (single input) or .npz (one array "
-                                                                         "per input); float or already int8."),
+                   input: Path = typer.Option(..., "--input", "-i", help=DATA_HELP + " Arrays float or already "
+                                                                                     "int8."),
                    output: Path = typer.Option(..., "--output", "-o",
                                                help="Vector directory (written atomically; a previous vectors "
                                                     "directory is replaced)."),
                    per_tile: bool = typer.Option(False, "--per-tile", help="Also write each output tile's files."),
-                   json_output: bool = JSON) -> None:
+                   layer: Optional[list[str]] = typer.Option(
+                       None, "--layer", help="Only this instruction (name or index; repeatable): a smaller "
+                                             "vector set for one layer's RTL test."),
+                   size: Optional[str] = SIZE, mean: Optional[str] = MEAN, std: Optional[str] = STD,
+                   layout: Optional[str] = LAYOUT, channels: Optional[str] = CHANNELS,
+                   json_output: bool = JSON, verbose: bool = VERBOSE, quiet: bool = QUIET) -> None:
     """Run the program on the simulator and write per-layer golden vectors for RTL verification: the int8 input
     after im2col as the array sees it, weights, int32 bias, multipliers/shifts and float32 scales, accumulators
     before requantization and int8 outputs, as $readmemh hex files with .npy twins and manifest.json
     (format: docs/hardware.md)."""
-    result = _api().export_vectors(program, input, output, per_tile=per_tile)
+    progress = _BatchProgress("writing vectors", quiet or json_output)
+    try:
+        result = _api().export_vectors(program, input, output, per_tile=per_tile,
+                                       preprocess=_preprocess_flags(size, mean, std, layout, channels),
+                                       layers=layer, progress=progress)
+    finally:
+        progress.close()
     layers = [{"index": r["index"], "name": r["name"], "kind": r["kind"], "dir": r["dir"], "groups": r["groups"],
                "m": r["m"], "n": r["n"], "k": r["k"], "tiles": r["tiles"], "files": sorted(r["files"]),
                "tile_files": len(r.get("tile_files", []))} for r in result.layers]
     if json_output:
         typer.echo(json.dumps({"output": str(output), "batch": result.manifest["source"]["batch"],
                                "layers": layers, "skipped": result.manifest["skipped"]}, indent=2))
+        return
+    if quiet:
+        return
+    if not verbose:
+        skipped = result.manifest["skipped"]
+        files = sum(len(r["files"]) for r in layers)
+        typer.echo(f"wrote {output}/ ({len(layers)} layers, {files} files, batch "
+                   f"{result.manifest['source']['batch']}; {len(skipped)} instruction(s) skipped; --verbose lists "
+                   f"the layers; manifest {output / 'manifest.json'})")
         return
     width = max((len(r["name"]) for r in layers), default=4)
     typer.echo(f"{'#':>3} {'layer':<{width}} {'kind':<9} {'G x (M x K).(K x N)':>24} {'tiles':>6}  files")
@@ -676,6 +751,47 @@ def vectors_compare(expected: Path = typer.Argument(..., help="Directory from `v
         raise typer.Exit(VECTORS_MISMATCH_EXIT)
     if report.not_dumped:
         raise typer.Exit(VECTORS_NOT_DUMPED_EXIT)
+
+
+@rtl_app.command("run")
+@user_errors
+def rtl_run(vectors: Path = typer.Argument(..., help="Directory from `vectors export` or `vectors stress`."),
+            output: Path = typer.Option(..., "--output", "-o", help="Dump directory the RTL writes (acc/out/stored "
+                                                                    ".hex at the vectors' relative paths)."),
+            rtl: Optional[list[Path]] = typer.Option(None, "--rtl", help="Your tile's SystemVerilog source(s) in "
+                                                                         "place of hw/qdeploy_gemm_tile.sv (module "
+                                                                         "qdeploy_gemm_tile, same ports; "
+                                                                         "repeatable)."),
+            rounding: Optional[str] = typer.Option(None, help="Build the RTL with this rounding mode instead of the "
+                                                              "target's (a deliberately wrong design)."),
+            quiet: bool = QUIET, json_output: bool = JSON) -> None:
+    """Run the reference testbench under Icarus Verilog (iverilog, vvp) on every layer of a vectors directory,
+    with your tile's sources in place of ours, then compare its dumps with the golden vectors as `vectors
+    compare` does. Exit 0 when everything matches, 3 on any mismatch, 2 on bad input or an RTL that does not
+    build."""
+    from hw.rtl import RtlError, run as run_rtl
+    from simulator.vectors import VectorError, compare_vectors
+
+    if not (vectors / "manifest.json").is_file():
+        raise BadInput(f"{vectors}: not a vectors directory (no manifest.json); write one with `qdeploy vectors "
+                       f"export` or `vectors stress`")
+    progress = _BatchProgress("RTL layers", quiet or json_output)
+    try:
+        ran = run_rtl(vectors, output, rounding, rtl or None, progress)
+        report = compare_vectors(vectors, output)
+    except (RtlError, VectorError, KeyError, ValueError) as error:
+        raise BadInput(f"{vectors}: {error}") from error
+    finally:
+        progress.close()
+    if json_output:
+        typer.echo(json.dumps({"ran": ran.layers, "skipped": ran.skipped, "comparison": report.to_json()}, indent=2))
+    elif not quiet:
+        tile = ", ".join(str(path) for path in rtl) if rtl else "hw/qdeploy_gemm_tile.sv"
+        typer.echo(f"RTL ({tile}) ran {len(ran.layers)} layer(s) into {output}"
+                   + "".join(f"\n  skipped {d}: {why}" for d, why in ran.skipped.items()))
+        _print_comparison(report)
+    if not report.ok:
+        raise typer.Exit(VECTORS_MISMATCH_EXIT)
 
 
 @vectors_app.command("stress")

@@ -17,10 +17,10 @@ from simulator.machine import dequantize as dequantize_tensor
 
 
 def run_program_file(program: str | os.PathLike | Program, inputs: dict[str, np.ndarray] | np.ndarray,
-                     dequantize: bool = False) -> dict[str, np.ndarray]:
+                     dequantize: bool = False, source: str | None = None) -> dict[str, np.ndarray]:
     """Run a compiled program on the simulator; int8/uint8 outputs, or float with `dequantize`.
     Float inputs are quantized with the program's input scale; integer inputs are taken as quantized."""
-    source = str(program) if not isinstance(program, Program) else "program"
+    source = source or (str(program) if not isinstance(program, Program) else "program")
     program = program if isinstance(program, Program) else read_program(program)
     inputs = bind_program_inputs(program, inputs, source)
     machine = Machine(program)

@@ -95,7 +95,7 @@ def test_cli_end_to_end_writes_the_table_and_tensorrt_cache(resnet_style_onnx, i
     output.write_text("an older table")
     result = runner.invoke(app, ["calibrate", str(resnet_style_onnx), "--data", str(image_dir), *PREPROCESS,
                                  "--num-samples", "16", "--batch-size", "8", "-o", str(output),
-                                 "--export-tensorrt-cache", str(cache)])
+                                 "--export-tensorrt-cache", str(cache), "--verbose"])
     assert result.exit_code == 0, result.output
     table = CalibrationTable.load(output)
     assert table.method == "kl" and table.samples == 16 and table.model == resnet_style_onnx.name

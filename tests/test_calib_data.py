@@ -167,7 +167,7 @@ def test_missing_or_unknown_data(tmp_path):
     with pytest.raises(BadInput, match="no such file or folder"):
         open_data(tmp_path / "nope", num_samples=1, input_names=["input"], input_shapes=MODEL_SHAPE)
     (tmp_path / "x.csv").write_text("1,2")
-    with pytest.raises(BadInput, match="expected a folder of images or a .npy/.npz file"):
+    with pytest.raises(BadInput, match="expected a folder of images, an image .* or a .npy/.npz file"):
         open_data(tmp_path / "x.csv", num_samples=1, input_names=["input"], input_shapes=MODEL_SHAPE)
 
 
@@ -199,3 +199,21 @@ def test_large_images_below_pillows_limit_load_without_a_python_warning(tmp_path
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert load_image(tmp_path / "big.png", Preprocess(), (8, 8)).shape == (3, 8, 8)
+
+
+def test_preprocess_flags_repeat_the_record_or_are_refused_naming_both():
+    from calib.data import PreprocessFlags
+
+    recorded = Preprocess((32, 32), (127.0, 127.0, 127.0), (128.0,), "NCHW", "RGB")
+    assert PreprocessFlags().apply(recorded, "t.json") is recorded
+    assert PreprocessFlags("32", "127", "128,128,128", "nchw", "rgb").apply(recorded, "t.json") is recorded
+    assert PreprocessFlags(mean="1").apply(None, "t.json") == Preprocess(mean=(1.0,))  # nothing recorded: flags
+    for flags, message in ((PreprocessFlags(mean="0"), "--mean 0 contradicts the calibration's mean 127,127,127 "
+                                                        "(t.json)"),
+                           (PreprocessFlags(std="1,2,3"), "--std 1,2,3 contradicts the calibration's std 128,128,128"),
+                           (PreprocessFlags(size="64,32"), "--size 64,32 contradicts the calibration's size 32x32"),
+                           (PreprocessFlags(layout="NHWC"), "--layout NHWC contradicts the calibration's layout NCHW"),
+                           (PreprocessFlags(channels="BGR"), "--channels BGR contradicts the calibration's channels")):
+        with pytest.raises(BadInput) as error:
+            flags.apply(recorded, "t.json")
+        assert str(error.value).startswith(message), str(error.value)

@@ -150,3 +150,26 @@ def test_malformed_tensorrt_caches(tmp_path, text, fragment):
     with pytest.raises(BadInput) as error:
         read_tensorrt_cache(path)
     assert fragment in str(error.value) and "\n" not in str(error.value)
+
+
+def test_preprocessing_is_recorded_and_older_tables_still_load(tmp_path):
+    """A table records how images became the input; one written before the field loads with none; a damaged
+    record is a one-line error naming the table."""
+    from calib.data import Preprocess
+
+    recorded = Preprocess((224, 200), (123.5, 116.25, 103.0), (58.0, 57.0, 57.5), "NHWC", "BGR")
+    table = CalibrationTable({}, "kl", 4, "m.onnx", preprocess=recorded)
+    path = table.save(tmp_path / "t.json")
+    assert json.loads(path.read_text())["preprocess"] == {"size": [224, 200], "mean": [123.5, 116.25, 103.0],
+                                                          "std": [58.0, 57.0, 57.5], "layout": "NHWC",
+                                                          "channels": "BGR"}
+    assert CalibrationTable.load(path).preprocess == recorded
+    older = {"format": "qdeploy-calibration", "version": 1, "model": None, "method": "kl", "samples": 0,
+             "tensors": []}
+    assert CalibrationTable.from_json(older).preprocess is None
+    assert "preprocess" not in CalibrationTable.from_json(older).to_text()
+    for bad, fragment in (({"size": [1, 2]}, "must be an object with size, mean"),
+                          ({**recorded.to_json(), "std": [0.0]}, "divides by zero"),
+                          ({**recorded.to_json(), "layout": "CHW"}, "--layout CHW")):
+        with pytest.raises(BadInput, match=fragment):
+            CalibrationTable.from_json({**older, "preprocess": bad}, "t.json")

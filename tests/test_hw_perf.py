@@ -186,7 +186,7 @@ def test_compile_records_fitting_tiles_and_prints_the_estimate(tmp_path):
     target.write_text("[array]\nrows = 8\ncols = 4\nscratchpad_bytes = 4096\naccumulator_bytes = 1024\n"
                       "scratchpad_banks = 2\naccumulator_banks = 2\n")
     result = runner.invoke(app, ["compile", str(path), "--calib", str(calib), "--target", str(target),
-                                 "-o", str(tmp_path / "s.qdp")])
+                                 "-o", str(tmp_path / "s.qdp"), "--verbose"])
     assert result.exit_code == 0, result.output
     assert "ESTIMATE" in result.output and "8x4 array" in result.output
     assert "kernel launches instead of" in result.output

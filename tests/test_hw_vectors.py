@@ -417,3 +417,30 @@ def test_an_add_of_a_signed_and_an_unsigned_tensor_exports_16_bit_inputs(tmp_pat
     assert values.min() < 0 and values.max() > 127  # both tensors' ranges, exactly
     np.testing.assert_array_equal(values.reshape(np.load(tmp_path / "vec" / record["npy"]).shape),
                                   np.load(tmp_path / "vec" / record["npy"]))
+
+
+def test_layer_filter_writes_only_the_chosen_layers(exported, tmp_path):
+    """`vectors export --layer NAME --layer INDEX`: the chosen layers' files equal the full export's byte for
+    byte; the others are listed as not selected; an unknown layer is a one-line error and writes nothing."""
+    root, manifest = exported
+    first, last = manifest["layers"][0], manifest["layers"][-1]
+    result = runner.invoke(app, ["vectors", "export", str(root / "resnet.qdp"), "--input", str(root / "x.npy"),
+                                 "-o", str(tmp_path / "vec"), "--layer", first["name"], "--layer",
+                                 str(last["index"])])
+    assert result.exit_code == 0, result.output
+    chosen = json.loads((tmp_path / "vec" / "manifest.json").read_text())
+    assert [layer["name"] for layer in chosen["layers"]] == [first["name"], last["name"]]
+    for mine, full in zip(chosen["layers"], (first, last)):
+        for key, record in full["files"].items():
+            assert (tmp_path / "vec" / mine["files"][key]["hex"]).read_bytes() == \
+                (root / "vec" / record["hex"]).read_bytes()
+    reasons = {s["name"]: s["reason"] for s in chosen["skipped"]}
+    assert reasons[manifest["layers"][1]["name"]] == "not selected (--layer)"
+    result = runner.invoke(app, ["vectors", "export", str(root / "resnet.qdp"), "--input", str(root / "x.npy"),
+                                 "-o", str(tmp_path / "none"), "--layer", "no_such_layer"])
+    assert result.exit_code == 2 and "--layer no_such_layer: no such instruction" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "none").exists()
+    seen = []  # the API's progress callback: once per layer written
+    api.export_vectors(root / "resnet.qdp", root / "x.npy", tmp_path / "api", layers=[first["name"]],
+                       progress=lambda done, total: seen.append((done, total)))
+    assert seen == [(1, 1)]

@@ -352,3 +352,58 @@ def test_the_report_lists_the_thresholds_the_clipping_budget_moved():
     assert move["clipped"] <= 0.1 / 576 < move["clipped_rule6"] <= 0.01
     assert move["outputs_hit_rule6"] == pytest.approx(1 - (1 - move["clipped_rule6"]) ** 576)
     assert move["outputs_hit_rule6"] > 0.5 and move["outputs_hit"] < 0.1  # most outputs hit before, < 1 in 10 after
+
+
+def test_peer_rows_are_labelled_by_their_own_toolkit(resnet_case, tmp_path):
+    """Two toolkits in one peer file: each row says which made it, not the file's combined name."""
+    folder = resnet_case["folder"]
+    x = np.load(folder / "eval.npy")
+    np.save(tmp_path / "ours.npy", api.run(resnet_case["program"], x, dequantize=True)["logits"])
+    np.save(tmp_path / "float.npy", api.run(resnet_case["model"], x, lowered=True)["logits"])
+    (tmp_path / "peer.json").write_text(json.dumps({"name": "Alpha 1 and Beta 2", "entries": [
+        {"label": "MinMax", "toolkit": "Alpha 1", "logits": "ours.npy"},
+        {"label": "defaults", "toolkit": "Beta 2", "logits": "float.npy"}]}))
+    result = _report(resnet_case, tmp_path, "--peer", tmp_path / "peer.json")
+    assert result.exit_code == 0, result.output
+    markdown = (tmp_path / "out" / "report.md").read_text()
+    assert "| Alpha 1, MinMax |" in markdown and "| Beta 2, defaults (best) |" in markdown
+    assert "Alpha 1 and Beta 2, " not in markdown
+    assert "peer Beta 2 (defaults, the peers' best)" in result.stdout
+
+
+def test_a_measurably_winning_ablation_row_is_recommended():
+    """The README's photos: MSE thresholds 95.3% / 22.7 dB against the defaults' 87.5% / 22.4 dB on 64 samples
+    (5 samples and 0.3 dB better) is a win; one sample more, or a lower SQNR, is not."""
+    from qdeploy.reports.markdown import ablation_recommendation
+
+    def document(top1: float, db: float) -> dict:
+        return {"samples": 64, "top1_agreement": 56 / 64, "logits_sqnr_db": 22.4,
+                "ablation": {"entries": [
+                    {"label": "defaults", "top1_agreement": 56 / 64, "logits_sqnr_db": 22.4, "settings": {}},
+                    {"label": "MSE", "top1_agreement": top1, "logits_sqnr_db": db,
+                     "settings": {"calibrate": "--method mse"}}]}}
+
+    text = "\n".join(ablation_recommendation(document(61 / 64, 22.7)))
+    assert text.startswith("**Recommendation.** *MSE* measurably beats") and "calibrate `--method mse`" in text
+    for top1, db in ((57 / 64, 22.7), (61 / 64, 22.5), (61 / 64, 20.0)):
+        assert ablation_recommendation(document(top1, db))[0].startswith("**Conclusion.** No row"), (top1, db)
+
+
+def test_histogram_figure_shows_the_tensors_that_matter_named_as_tensor_and_node(resnet_report):
+    """histograms.png: the worst layers' input and output tensors first, each with the node writing it, at most
+    HISTOGRAM_PANELS; every tensor row of report.md names its writer too (the per-layer table's name)."""
+    from qdeploy.reports.build import HISTOGRAM_PANELS, WORST_LAYERS
+
+    from qdeploy.reports.metrics import db_from_json
+
+    document, folder = resnet_report["stdout"], resnet_report["dir"]
+    shown = document["histograms_shown"]
+    assert 0 < len(shown) <= HISTOGRAM_PANELS
+    worst = sorted(document["layers"], key=lambda l: db_from_json(l["sqnr_isolated_db"]))[:WORST_LAYERS]
+    assert shown[0]["why"] == "input of worst layer #1 " + worst[0]["name"]
+    writers = {layer["output"]: layer["name"] for layer in document["layers"]}
+    assert all(h["writer"] == writers.get(h["name"], "model input") for h in shown)
+    assert {t["name"]: t["writer"] for t in document["tensors"]} == {t["name"]: writers.get(t["name"])
+                                                                   for t in document["tensors"]}
+    markdown = (folder / "report.md").read_text()
+    assert "| # | layer (node) | output tensor |" in markdown and "written by (node)" in markdown

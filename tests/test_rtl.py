@@ -85,3 +85,38 @@ def test_an_rtl_with_the_wrong_rounding_mode_is_caught_and_located(tmp_path):
     first = out.first
     assert (first.row, first.col, first.expected, first.actual) == (0, 0, -64, -63)  # -63.5 to even vs up
     assert np.all([f.mismatches == 0 for f in ties.files if f.file == "acc"])
+
+
+def test_rtl_run_takes_a_teams_own_tile_and_locates_its_mismatch(tmp_path):
+    """`qdeploy rtl run VECTORS --rtl my_tile.sv`: a copy of our tile in the team's own folder matches every
+    stress case (exit 0); the same tile with column 0's sum off by one from the last row on is caught, the first
+    mismatch located in the accumulators of column 0 (exit 3)."""
+    from typer.testing import CliRunner
+
+    from qdeploy.cli import app
+
+    runner = CliRunner()
+    target = target_file(tmp_path, "half_even", "wrap", 32, False)
+    export_stress(api.load_target_file(target), tmp_path / "stress")
+    team = tmp_path / "team"
+    team.mkdir()
+    ours = (Path(rtl.HW) / "qdeploy_gemm_tile.sv").read_text()
+    (team / "my_tile.sv").write_text(ours)
+    wrong = ours.replace("acc = acc_add(acc, xv * wv, ACC_BITS, SATURATE);",
+                         "acc = acc_add(acc, xv * wv + wide_t'(c == 0 && r == R - 1), ACC_BITS, SATURATE);")
+    assert wrong != ours
+    (team / "wrong_tile.sv").write_text(wrong)
+    good = runner.invoke(app, ["rtl", "run", str(tmp_path / "stress"), "-o", str(tmp_path / "good"), "--rtl",
+                               str(team / "my_tile.sv")])
+    assert good.exit_code == 0, good.output
+    assert f"RTL ({team / 'my_tile.sv'}) ran" in good.stdout and "all match" in good.stdout
+    bad = runner.invoke(app, ["rtl", "run", str(tmp_path / "stress"), "-o", str(tmp_path / "bad"), "--rtl",
+                              str(team / "wrong_tile.sv"), "--json"])
+    assert bad.exit_code == 3, bad.output
+    comparison = json.loads(bad.stdout)["comparison"]
+    first = next(layer for layer in comparison["layers"] if layer["status"] == "mismatch")
+    acc = next(f for f in first["files"] if f["file"] == "acc")
+    assert acc["mismatches"] and acc["first_mismatch"]["col"] == 0  # the wrong column, located
+    broken = runner.invoke(app, ["rtl", "run", str(tmp_path / "stress"), "-o", str(tmp_path / "x"), "--rtl",
+                                 str(team / "missing.sv")])
+    assert broken.exit_code == 2 and "missing.sv: no such RTL source file" in broken.stderr

@@ -58,7 +58,7 @@ def test_a_dense_prediction_model_runs_its_upsampling_on_the_gemm_unit(tmp_path,
     program = api.compile(path, table).program
     for reference, y in zip(expected, api.run(program, x, dequantize=True).values(), strict=True):
         sqnr = 10 * np.log10(np.sum(reference ** 2) / np.sum((reference - y) ** 2))
-        assert sqnr > 20, sqnr  # measured 42.9-48.3 dB (README, "Your own model")
+        assert sqnr > 20, sqnr  # measured 42.9-48.3 dB (docs/models.md)
 
 
 @pytest.mark.parametrize("name,exporter", [("vit", "dynamo"), ("vit", "torchscript"), ("deit_style", "torchscript")])

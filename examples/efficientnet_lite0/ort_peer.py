@@ -136,7 +136,8 @@ def measure(model: Path, calib_dir: Path, eval_dir: Path, out: Path, preprocess:
         scores[method] = (_agreement(reference, logits), _sqnr(reference, logits))
         log(f"  ORT quantize_static {method}: {seconds:.0f} s; vs ORT float: top-1 agreement "
             f"{100 * scores[method][0]:.1f}%, logits SQNR {scores[method][1]:.1f} dB")
-        entries.append({"label": method, "logits": f"logits_{method.lower()}.npy",
+        entries.append({"label": method, "toolkit": f"ONNX Runtime {ort.__version__} quantize_static",
+                        "logits": f"logits_{method.lower()}.npy",
                         "settings": {"calibrate_method": method, "calibration_images": len(calib),
                                      "quantize_seconds": round(seconds, 1)}})
     nncf_entry = _nncf_entry(model, calib, evaluation, out, reference, log)
@@ -184,7 +185,7 @@ def _nncf_entry(model: Path, calib: np.ndarray, evaluation: np.ndarray, out: Pat
     np.save(out / "logits_nncf.npy", logits.astype(np.float32))
     log(f"  NNCF {nncf.__version__} nncf.quantize: {seconds:.0f} s; vs ORT float: top-1 agreement "
         f"{100 * _agreement(reference, logits):.1f}%, logits SQNR {_sqnr(reference, logits):.1f} dB")
-    return {"label": "NNCF defaults", "logits": "logits_nncf.npy",
+    return {"label": "NNCF defaults", "toolkit": f"NNCF {nncf.__version__} nncf.quantize", "logits": "logits_nncf.npy",
             "settings": {"nncf": nncf.__version__, "calibration_images": len(calib),
                          "quantize_seconds": round(seconds, 1)}}
 

@@ -2,15 +2,19 @@
 
     python examples/efficientnet_lite0/run.py [--out OUTDIR] [--report REPORT_DIR] [--calib N] [--eval N]
                                               [--method kl|max|percentile|mse] [--no-peer]
-                                              [--no-ablation]
-        (defaults: out/efficientnet_lite0 for the big artifacts, reports/efficientnet_lite0 for the report,
-         128 calibration and 64 evaluation photographs)
+                                              [--no-ablation] [--verbose]
+        (defaults: out/efficientnet_lite0 for the big artifacts, out/efficientnet_lite0/report for the report,
+         128 calibration and 64 evaluation photographs; examples/regenerate_reports.py writes the committed copy
+         in reports/efficientnet_lite0)
 
 1. exports the pretrained EfficientNet-Lite0 (examples/zoo.py) to ONNX, if not already there;
 2. writes a calibration folder and a held-out evaluation folder of real photographs (examples/images.py: random
    crops and flips of scikit-image's and matplotlib's photographs; the two folders share no source image);
 3. runs the `qdeploy` commands a user would type, printing each: calibrate (KL, per-channel weights: the
-   defaults), compile, run on the simulator, and report;
+   defaults; the only command given the preprocessing flags, which the table records), compile, run on the
+   simulator (on the evaluation JPEGs), and report; each prints a short summary (their `--verbose` tables are
+   left out, so the whole job prints under 80 lines; --verbose passes `--verbose` to calibrate and compile and
+   prints the ablation's commands);
 4. before the report, measures the peer, ONNX Runtime's quantize_static (ort_peer.py), on the same images, so
    the report's "Peer" section puts its figures next to ours;
 5. and the ablation: one program per default fidelity option (the KL clipping budget, bias correction, unsigned
@@ -19,8 +23,8 @@
    "Ablation" section.
 
 The report (report.md, report.json, PNGs) goes to REPORT_DIR; the model, images, calibration table, program and
-ONNX Runtime's models to OUTDIR (git-ignored). About 5 minutes on 2 CPU cores, 1.5 of them ONNX Runtime's
-calibrations (cached in OUTDIR/onnxruntime/ for later runs) and 1.5 the ablation's eleven programs
+ONNX Runtime's models to OUTDIR (both git-ignored by default). About 5 minutes on 2 CPU cores, 1.5 of them ONNX
+Runtime's calibrations (cached in OUTDIR/onnxruntime/ for later runs) and 1.5 the ablation's eleven programs
 (--no-ablation skips it)."""
 
 from __future__ import annotations
@@ -100,29 +104,32 @@ def rule6_table(calib: Path, output: Path) -> Path:
     return replace(table, records=records).save(output)
 
 
-def ablation(model: Path, calib_dir: Path, eval_dir: Path, calib: Path, folder: Path) -> Path:
+def ablation(model: Path, calib_dir: Path, eval_dir: Path, calib: Path, folder: Path, verbose: bool = False) -> Path:
     """Compile and run one program per ABLATION row on the evaluation photographs with the `qdeploy` commands;
     write their logits and a file in the report's peer format (`qdeploy report --ablation`)."""
     from calib.data import Preprocess, open_data
 
     folder.mkdir(parents=True, exist_ok=True)
-    print("ablation: each default option alone and left out, then options that are not defaults (each program "
-          "runs on the evaluation photographs)", flush=True)
+    print(f"ablation: {len(ABLATION)} programs, each default option alone and left out, then options that are not "
+          f"defaults, each run on the evaluation photographs (`qdeploy calibrate/compile/run --quiet`)", flush=True)
     source = open_data(eval_dir, num_samples=10 ** 9, input_names=["input"], input_shapes=[(None, 3, SIZE, SIZE)],
                        preprocess=Preprocess((SIZE, SIZE), (127.0,) * 3, (128.0,) * 3))
     np.save(folder / "eval.npy", np.concatenate([batch.arrays for batch in source.batches(16)]))
     (folder / "signed.toml").write_text("[arithmetic]\nunsigned_activations = false\n")
     tables = {((), False): calib, ((), True): rule6_table(calib, folder / "calib_rule6.json")}
+    quiet = ("--verbose",) if verbose else ("--quiet",)
     entries = []
     for index, row in enumerate(ABLATION):
         key = (row.calibrate, row.rule6)
         if key not in tables:
             tables[key] = folder / f"calib{len(tables)}.json"
-            qdeploy("calibrate", model, "--data", calib_dir, *PREPROCESS_FLAGS, *row.calibrate, "-o", tables[key])
+            qdeploy("calibrate", model, "--data", calib_dir, *PREPROCESS_FLAGS, *row.calibrate, "-o", tables[key],
+                    *quiet, echo=verbose)
         program, logits = folder / f"variant{index}.qdp", folder / f"logits{index}.npy"
         qdeploy("compile", model, "--calib", tables[key], "-o", program, *row.compile,
-                *(["--target", folder / "signed.toml"] if row.signed else []))
-        qdeploy("run", program, "--input", folder / "eval.npy", "--dequantize", "-o", logits)
+                *(["--target", folder / "signed.toml"] if row.signed else []), *quiet, echo=verbose)
+        qdeploy("run", program, "--input", folder / "eval.npy", "--dequantize", "-o", logits, *quiet, echo=verbose)
+        print(f"  {index + 1:>2}/{len(ABLATION)} {row.label}", flush=True)
         settings = {"calibrate": " ".join(row.calibrate) + (" KL rule (6)" if row.rule6 else ""),
                     "compile": " ".join(row.compile),
                     "target": "unsigned_activations = false" if row.signed else ""}
@@ -136,7 +143,7 @@ def ablation(model: Path, calib_dir: Path, eval_dir: Path, calib: Path, folder: 
 
 
 def main(out: Path, report_dir: Path, n_calib: int = N_CALIB, n_eval: int = N_EVAL, peer: bool = True,
-         method: str = "kl", run_ablation: bool = True) -> dict:
+         method: str = "kl", run_ablation: bool = True, verbose: bool = False) -> dict:
     start = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     model = out / "efficientnet_lite0.onnx"
@@ -148,13 +155,12 @@ def main(out: Path, report_dir: Path, n_calib: int = N_CALIB, n_eval: int = N_EV
         print(f"writing {n_calib} calibration and {n_eval} evaluation photographs (disjoint source images) to "
               f"{display(calib_dir)}/ and {display(eval_dir)}/", flush=True)
         images.make_image_folders(calib_dir, eval_dir, n_calib, n_eval, size=SIZE)
-    x = images.image_batch(8, seed=0, split="eval", size=SIZE)  # the first 8 evaluation views, before JPEG
-    np.save(out / "x.npy", x)
 
     calib, program = out / "calib.json", out / "efficientnet_lite0.qdp"
-    qdeploy("calibrate", model, "--data", calib_dir, *PREPROCESS_FLAGS, "--method", method, "-o", calib)
-    qdeploy("compile", model, "--calib", calib, "-o", program)
-    qdeploy("run", program, "--input", out / "x.npy", "--dequantize", "-o", out / "y_int8.npy")
+    tables = ("--verbose",) if verbose else ()
+    qdeploy("calibrate", model, "--data", calib_dir, *PREPROCESS_FLAGS, "--method", method, "-o", calib, *tables)
+    qdeploy("compile", model, "--calib", calib, "-o", program, *tables)
+    qdeploy("run", program, "--input", eval_dir, "--dequantize", "-o", out / "y_int8.npy")  # the table's preprocessing
 
     peer_args = []
     if peer:
@@ -168,11 +174,11 @@ def main(out: Path, report_dir: Path, n_calib: int = N_CALIB, n_eval: int = N_EV
                                      log=lambda text: print(text, flush=True))
         peer_args = ["--peer", peer_file]
 
-    ablation_file = ablation(model, calib_dir, eval_dir, calib, out / "ablation") if run_ablation else None
+    ablation_file = ablation(model, calib_dir, eval_dir, calib, out / "ablation", verbose) if run_ablation else None
     ablation_args = ["--ablation", ablation_file] if ablation_file else []
 
-    qdeploy("report", model, program, "--data", eval_dir, *PREPROCESS_FLAGS, "--calib", calib, *peer_args,
-            *ablation_args, "-o", report_dir)
+    qdeploy("report", model, program, "--data", eval_dir, "--calib", calib, *peer_args, *ablation_args,
+            "-o", report_dir)
     document = json.loads((report_dir / "report.json").read_text())
     print(f"done in {time.perf_counter() - start:.0f} s. The report: {display(report_dir / 'report.md')}; big "
           f"artifacts (model, images, calibration table, program) in {display(out)}/")
@@ -182,13 +188,15 @@ def main(out: Path, report_dir: Path, n_calib: int = N_CALIB, n_eval: int = N_EV
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=REPO / "out" / "efficientnet_lite0")
-    parser.add_argument("--report", type=Path, default=REPO / "reports" / "efficientnet_lite0")
+    parser.add_argument("--report", type=Path, default=REPO / "out" / "efficientnet_lite0" / "report")
     parser.add_argument("--calib", type=int, default=N_CALIB, help="calibration photographs")
     parser.add_argument("--eval", type=int, default=N_EVAL, help="held-out evaluation photographs")
     parser.add_argument("--method", default="kl", help="threshold method of `qdeploy calibrate` (default: kl)")
     parser.add_argument("--no-peer", dest="peer", action="store_false", help="skip ONNX Runtime's quantization")
     parser.add_argument("--no-ablation", dest="ablation", action="store_false",
                         help="skip the ablation (one program per fidelity option)")
+    parser.add_argument("--verbose", action="store_true",
+                        help="the per-tensor and per-layer tables of calibrate and compile, every command printed")
     arguments = parser.parse_args()
     main(arguments.out, arguments.report, arguments.calib, arguments.eval, arguments.peer, arguments.method,
-         arguments.ablation)
+         arguments.ablation, arguments.verbose)

@@ -7,17 +7,23 @@ report.json (format "qdeploy-report", version 1; fractions in [0, 1], SQNR in dB
   top1_agreement, top5_agreement, logits_sqnr_db, cosine, cosine_min, accuracy_float, accuracy_int8,
   accuracy_drop_points, top5_accuracy_float, top5_accuracy_int8 (the accuracies null without labels),
   samples, data, model, program, labels, output (the output measured), input_sqnr_db {input: dB},
-  pixel_agreement, pixels, output_sqnr_db {output: dB} (only for an NCHW first output: dense prediction),
+  pixel_agreement, pixels, output_sqnr_db {output: dB} (only for an NCHW chosen output: dense prediction),
+  outputs [{name, shape, dense, chosen, sqnr_db, cosine, top1_agreement, pixel_agreement (dense, else null)}]
+  (every output of the program; the headline, peer, ablation and error-split figures measure the chosen one,
+  `output`), input_range [{name, data_amax, calibrated_threshold, mismatch}] (max |x| of the data's input against
+  the program's input threshold |T| = 127 * scale: a factor of INPUT_RANGE_FACTOR or more either way is named a
+  preprocessing mismatch, not a method problem),
   layers [{index, name, kind, output, lookup (the output-stage table's function, or null), sqnr_cumulative_db,
   sqnr_isolated_db, overflow_events, clipped_fraction, scale}], worst_layers {isolated, cumulative}, tensors [{name, method, threshold, amax, scale,
-  clipped_fraction}] (with a calibration table), clipping_budget [{name, fan_in, budget, amax, threshold_rule6,
+  clipped_fraction, writer (the node, i.e. layer, writing it; null for an input)}] (with a calibration table),
+  histograms_shown [{name, writer, why}] (the tensors of histograms.png: `_histograms_that_matter`), clipping_budget [{name, fan_in, budget, amax, threshold_rule6,
   clipped_rule6, threshold, clipped, outputs_hit_rule6, outputs_hit}] (the KL thresholds calib/kl.py rule (7)
   moved, `_clipping_budget_moves`), host_ops [{node, op, reason}], nodes {as_exported, simplified,
   lowered, ops_*, passes, gemm_mac_fraction, macs_per_sample}, settings {calibration_method,
   calibration_samples, per_channel_weights, compile_options, arithmetic, preprocess, batch_size},
   lowering_check {samples, max_relative_error}, error_split {weights_only, activations_only: {logits_sqnr_db,
-  top1_agreement}} (qdeploy/reports/evaluate.py), peer (null, or {name, description, entries [{label,
-  top1_agreement, top5_agreement, logits_sqnr_db, cosine, accuracy_int8, settings, best}], best,
+  top1_agreement}} (qdeploy/reports/evaluate.py), peer (null, or {name, description, entries [{label, toolkit
+  (the entry's own toolkit, or null: the peer's name), top1_agreement, top5_agreement, logits_sqnr_db, cosine, accuracy_int8, settings, best}], best,
   ours_minus_best}), ablation (null, or {name, description, entries} as peer's, without best), plots {sqnr,
   histograms}, seconds, command, warnings."""
 
@@ -39,7 +45,7 @@ from typing import Callable
 
 import numpy as np
 
-from calib.data import Preprocess, open_data
+from calib.data import Preprocess, PreprocessFlags, is_image_source, open_data
 from calib.kl import MAX_CLIPPED_FRACTION, clipping_budget, kl_threshold
 from calib.table import CalibrationTable
 from isa.kinds import Kind
@@ -51,6 +57,8 @@ from qdeploy.reports import DEFAULT_BATCH_SIZE, metrics
 from qdeploy.reports.evaluate import Evaluator, check_original
 from qdeploy.fileio import atomic_write
 from qdeploy.reports.inputs import check_program_matches, load_labels, load_peer
+from qdeploy.reports.plots import short_name
+from qdeploy.samples import choose_preprocess, program_preprocess
 from qdeploy.summary import format_host_work
 
 CHECK_ORIGINAL_SAMPLES = 8  # samples of the first batch also run through the original (unlowered) graph
@@ -77,10 +85,17 @@ class ReportResult:
                  f"  top-1 agreement {metrics.format_percent(d['top1_agreement'])}   top-5 agreement {metrics.format_percent(d['top5_agreement'])}",
                  f"  logits SQNR {metrics.format_json_db(d['logits_sqnr_db'])}   cosine {d['cosine']:.4f} "
                  f"(min {d['cosine_min']:.4f})"]
+        for row in d.get("input_range", []):
+            if row["mismatch"]:
+                lines.append(f"  PREPROCESSING MISMATCH: {input_range_message(row)}")
         if "pixel_agreement" in d:
             lines.append(f"  dense output: argmax map agreement {metrics.format_percent(d['pixel_agreement'])} of "
                          f"{d['pixels']:,} pixels; SQNR per output: " + ", ".join(
                              f"{name} {metrics.format_json_db(db)}" for name, db in d["output_sqnr_db"].items()))
+        others = [o for o in d.get("outputs", []) if not o["chosen"]]
+        if others:
+            lines.append(f"  figures above: output '{d['output']}'; the other outputs (--output-name to choose): "
+                         + "; ".join(_output_line(o) for o in others))
         if d["accuracy_float"] is not None:
             lines.append(f"  accuracy float {metrics.format_percent(d['accuracy_float'])}   int8 {metrics.format_percent(d['accuracy_int8'])}   "
                          f"drop {d['accuracy_drop_points']:+.2f} points")
@@ -96,13 +111,23 @@ class ReportResult:
         if peer:
             best = next(e for e in peer["entries"] if e["best"])
             sqnr = metrics.format_json_db(best["logits_sqnr_db"])
-            lines.append(f"  peer {peer['name']} ({best['label']}, its best): top-1 agreement "
+            lines.append(f"  peer {best.get('toolkit') or peer['name']} ({best['label']}, the peers' best): "
+                         f"top-1 agreement "
                          f"{metrics.format_percent(best['top1_agreement'])}, logits SQNR {sqnr}")
         if d["host_ops"]:
             work = format_host_work([SimpleNamespace(**h) for h in d["host_ops"]])
             lines.append(f"  host-fallback ops ({len(d['host_ops'])}): {'; '.join(work)}")
         lines.append(f"wrote {self.output / 'report.md'} (+ report.json, {len(d['plots'])} PNG)")
         return "\n".join(lines)
+
+
+def _output_line(row: dict) -> str:
+    """One output's figures: SQNR and cosine, with the argmax map agreement of a dense output or the top-1
+    agreement of a classifier's."""
+    agreement = (f"argmax map agreement {metrics.format_percent(row['pixel_agreement'])}" if row["dense"]
+                 else f"top-1 agreement {metrics.format_percent(row['top1_agreement'])}")
+    cosine = "n/a" if row["cosine"] is None else f"{row['cosine']:.4f}"
+    return f"'{row['name']}' SQNR {metrics.format_json_db(row['sqnr_db'])}, cosine {cosine}, {agreement}"
 
 
 def _dense_outputs(logits, layers: list[dict], program) -> dict:
@@ -114,6 +139,46 @@ def _dense_outputs(logits, layers: list[dict], program) -> dict:
     writers = {layer["output"]: layer["sqnr_cumulative_db"] for layer in layers}
     return {"pixel_agreement": logits.pixels_agreeing / logits.pixels, "pixels": logits.pixels,
             "output_sqnr_db": {name: writers.get(name) for name in program.outputs}}
+
+
+INPUT_RANGE_FACTOR = 4.0  # data max |x| this many times above or below the input's |T|: not the calibration's
+
+
+def _every_output(evaluator: Evaluator) -> list[dict]:
+    """One row per program output: SQNR, cosine, top-1 agreement and, for a dense map, argmax agreement."""
+    rows = []
+    for name, stats in evaluator.outputs.items():
+        top1, _ = metrics.agreement(stats.concatenated(stats.float_top), stats.concatenated(stats.int8_top))
+        rows.append({"name": name, "shape": list(stats.shape), "dense": stats.dense,
+                     "chosen": stats is evaluator.output, "sqnr_db": metrics.json_number(stats.sqnr.db),
+                     "cosine": float(np.mean(np.concatenate(stats.cosine))) if stats.cosine else None,
+                     "top1_agreement": top1,
+                     "pixel_agreement": stats.pixels_agreeing / stats.pixels if stats.pixels else None})
+    return rows
+
+
+def _input_range(evaluator: Evaluator, program: Program) -> list[dict]:
+    """Per program input: the data's max |x| against the threshold the calibration chose for it (the program's
+    input scale times 127, or 255 for uint8). Far apart either way, the data are not preprocessed as the
+    calibration data were (a forgotten --mean/--std, 0..1 against 0..255): the int8 input clips or uses a few of
+    its levels, whatever the threshold method."""
+    rows = []
+    for name in program.inputs:
+        tensor = program.tensors[name]
+        if tensor["dtype"] not in ("int8", "uint8") or name not in evaluator.input_amax:
+            continue  # integer data fed as already quantized: no float range to compare
+        threshold = float(tensor["scale"]) * (255.0 if tensor["dtype"] == "uint8" else 127.0)
+        amax = evaluator.input_amax[name]
+        mismatch = amax > INPUT_RANGE_FACTOR * threshold or amax * INPUT_RANGE_FACTOR < threshold
+        rows.append({"name": name, "data_amax": amax, "calibrated_threshold": threshold, "mismatch": bool(mismatch)})
+    return rows
+
+
+def input_range_message(row: dict) -> str:
+    """The diagnosis of a mismatched input range, for the headline, report.md and the warnings."""
+    return (f"input '{row['name']}': the data reach |x| = {row['data_amax']:.4g}, the calibration's range is "
+            f"|x| <= {row['calibrated_threshold']:.4g}: the data are not preprocessed as the calibration data were "
+            f"(check --mean/--std/--size/--channels, or the arrays' scaling); no threshold method fixes this")
 
 
 def _op_counts(graph) -> dict[str, int]:
@@ -145,6 +210,39 @@ def _calibration_summary(table: CalibrationTable, program: Program) -> tuple[lis
         warnings.append(f"the program's scales of {len(differing)} tensor(s) are not |T|/127 of the calibration "
                         f"table (e.g. '{differing[0]}'): the table is not the one the program was compiled with")
     return rows, plots, warnings
+
+
+HISTOGRAM_PANELS = 12  # at most this many histograms in the figure: the tensors that matter (_histograms_that_matter)
+
+
+def _histograms_that_matter(plots: list[dict], layers: list[dict], moves: list[dict], program: Program
+                            ) -> list[dict]:
+    """The histograms worth a look, each with why and the node writing it (its tensor's name is the figure's,
+    the node's the per-layer table's): the input and output tensors of the layers with the worst isolated SQNR,
+    worst first, then the thresholds the clipping budget moved, then the program's inputs and outputs; at most
+    HISTOGRAM_PANELS. report.md's tensor table lists every tensor."""
+    by_name = {plot["name"]: plot for plot in plots}
+    writers = {layer["output"]: layer["name"] for layer in layers}
+    reads = {instr.name: list(instr.inputs) for instr in program.records}
+    chosen: dict[str, tuple[str, str]] = {}  # name -> (why, the same with the layer's name shortened)
+
+    def add(name: str, why: str, layer: str = "") -> None:
+        if name in by_name and name not in chosen and len(chosen) < HISTOGRAM_PANELS:
+            chosen[name] = (f"{why} {layer}".strip(), f"{why} {short_name(layer, parts=2, width=24)}".strip())
+
+    worst = sorted(layers, key=lambda l: metrics.db_from_json(l["sqnr_isolated_db"]))[:WORST_LAYERS]
+    for rank, layer in enumerate(worst, 1):
+        for name in reads.get(layer["name"], []):
+            add(name, f"input of worst layer #{rank}", layer["name"])
+        add(layer["output"], f"output of worst layer #{rank}", layer["name"])
+    for move in moves:
+        add(move["name"], "threshold moved by the clipping budget")
+    for name in program.inputs:
+        add(name, "model input")
+    for name in program.outputs:
+        add(name, "model output")
+    return [{**by_name[name], "why": why, "why_short": short, "writer": writers.get(name, "model input")}
+            for name, (why, short) in chosen.items()]
 
 
 def _clipping_budget_moves(table: CalibrationTable, fan_in: dict[str, int]) -> list[dict]:
@@ -185,7 +283,7 @@ def _summarise_entries(peer, stats_list, evaluator: Evaluator, labels: np.ndarra
         top = np.concatenate(stats.top)
         top1, top5 = metrics.agreement(evaluator.output.concatenated(evaluator.output.float_top), top)
         cosine = np.concatenate(stats.cosine)
-        record = {"label": entry.label, "top1_agreement": top1, "top5_agreement": top5,
+        record = {"label": entry.label, "toolkit": entry.toolkit, "top1_agreement": top1, "top5_agreement": top5,
                   "logits_sqnr_db": metrics.json_number(stats.sqnr.db), "cosine": float(np.mean(cosine)),
                   "accuracy_int8": None, "settings": entry.settings, "best": False}
         if labels is not None:
@@ -218,6 +316,7 @@ class WalkJob:
     input_shapes: object
     data: object  # qdeploy.cluster.ShardData
     threads: int  # the client's slicing of a batch (Evaluator.walk_batch), so the sums add up the same
+    output: str | None = None  # the chosen output (its error-split walks)
 
 
 _EVALUATORS: dict[tuple, Evaluator] = {}  # per worker process: the evaluator of the job it last walked
@@ -235,7 +334,7 @@ def walk_shard(job: WalkJob, window: tuple[int, int]) -> list[tuple[int, list]]:
         for old in _EVALUATORS.values():
             old.close()
         _EVALUATORS.clear()
-        _EVALUATORS[key] = Evaluator(job.program, graph, threads=job.threads)
+        _EVALUATORS[key] = Evaluator(job.program, graph, threads=job.threads, output=job.output)
     evaluator = _EVALUATORS[key]
     return [(start, evaluator.walk_batch(feeds)) for start, _, feeds in job.data.batches(graph, window, [])]
 
@@ -257,11 +356,16 @@ def build_report(model: str | os.PathLike, program: str | os.PathLike | Program,
                  *, labels: str | os.PathLike | np.ndarray | None = None,
                  calib: str | os.PathLike | CalibrationTable | None = None, peer: str | os.PathLike | None = None,
                  ablation: str | os.PathLike | None = None, num_samples: int | None = None, batch_size: int = DEFAULT_BATCH_SIZE,
-                 preprocess: Preprocess | None = None, input_shapes=None, progress: Progress | None = None,
-                 command: str | None = None, cluster: str | None = None) -> ReportResult:
+                 preprocess: Preprocess | PreprocessFlags | None = None, input_shapes=None,
+                 progress: Progress | None = None, command: str | None = None, cluster: str | None = None,
+                 output_name: str | None = None) -> ReportResult:
     """Evaluate `program` against `model` on `data` and write the report folder `output` (module docstring).
 
-    data: an image folder (with `preprocess`), a .npy/.npz file, an array or {input: array}, as for calibration.
+    data: an image folder or image file, a .npy/.npz file, an array, {input: array} or an iterable of batches,
+      as for calibration. Images are preprocessed as the calibration data were (the table's record, else the
+      program's); `preprocess` (flags or a Preprocess) may only repeat it: a contradiction is refused.
+    output_name: the output the headline, peer, ablation and error-split figures measure (default: the first);
+      every output gets its row.
     labels: integer classes, one per sample of `data` (a .npy/.txt path or an array): adds accuracy and drop.
     calib: the calibration table, for the histogram figure and the calibration settings.
     peer: a peer file of another toolkit's int8 logits on the same data (qdeploy/reports/inputs.py).
@@ -310,6 +414,15 @@ def build_report(model: str | os.PathLike, program: str | os.PathLike | Program,
     ablation_file = load_peer(ablation) if ablation is not None else None
     compared = [(path, f) for path, f in ((peer, peer_file), (ablation, ablation_file)) if f is not None]
 
+    if is_image_source(data):  # preprocessed as the calibration data were: the table's record, else the program's
+        if table is not None and table.preprocess is not None:
+            table_name = str(calib) if not isinstance(calib, CalibrationTable) else "the calibration table"
+            recorded, where = table.preprocess, f"recorded in {table_name}"
+        else:
+            recorded, where = program_preprocess(program, program_source), f"recorded in {program_source}"
+        preprocess = choose_preprocess(preprocess, recorded, where)
+    else:
+        preprocess = None
     source = open_data(data, num_samples=sys.maxsize, input_names=graph.inputs,
                        input_shapes=[graph.tensors[n].shape for n in graph.inputs], preprocess=preprocess,
                        strict=source_strict(label_array, compared))
@@ -317,7 +430,7 @@ def build_report(model: str | os.PathLike, program: str | os.PathLike | Program,
     if label_array is not None:
         if len(label_array) != available:
             raise BadInput(f"{labels_name}: {len(label_array)} labels for {available} samples in {source.source}")
-        output_name = program.outputs[0]
+        output_name = output_name or program.outputs[0]
         classes = math.prod(program.tensors[output_name]["shape"][1:])
         bad = np.flatnonzero((label_array < 0) | (label_array >= classes))
         if bad.size:
@@ -331,7 +444,8 @@ def build_report(model: str | os.PathLike, program: str | os.PathLike | Program,
                                f"the data {source.source} has {available}")
     source.samples = min(available, num_samples or available)
 
-    evaluator = Evaluator(program, graph, [(e.label, e.logits) for _, f in compared for e in f.entries])
+    evaluator = Evaluator(program, graph, [(e.label, e.logits) for _, f in compared for e in f.entries],
+                          output=output_name)
     lowering_error = None
     walk_start = time.perf_counter()
 
@@ -344,7 +458,7 @@ def build_report(model: str | os.PathLike, program: str | os.PathLike | Program,
                     feeds = bind_inputs(graph, next(head_batches).arrays, source.source)
             head = {name: array[:CHECK_ORIGINAL_SAMPLES] for name, array in feeds.items()}
             lowering_error = check_original(imported.graph, head, float_logits[:CHECK_ORIGINAL_SAMPLES],
-                                            program.outputs[0])
+                                            evaluator.output.name)
         if progress is not None:
             progress(evaluator.samples, source.samples)
 
@@ -360,12 +474,13 @@ def build_report(model: str | os.PathLike, program: str | os.PathLike | Program,
 
             shard_data = ShardData(data if isinstance(data, (np.ndarray, dict)) else str(data), source.samples,
                                    preprocess, source_strict(label_array, compared), batch_size)
-            job = WalkJob(str(model), program, input_shapes, shard_data, evaluator.threads)
+            job = WalkJob(str(model), program, input_shapes, shard_data, evaluator.threads, evaluator.output.name)
             _walk_on_cluster(cluster, job, evaluator, added)
     walk_seconds = time.perf_counter() - walk_start
     if evaluator.samples == 0:
         raise BadInput(f"{source.source}: no samples to evaluate")
     warnings = list(source.warnings)
+    warnings += [input_range_message(row) for row in _input_range(evaluator, program) if row["mismatch"]]
     if lowering_error is not None and lowering_error > 1e-3:
         warnings.append(f"the lowered float graph differs from the original model by {lowering_error:.2e} "
                         f"(relative) on the first samples: a lowering problem, not quantization")
@@ -402,6 +517,9 @@ def build_report(model: str | os.PathLike, program: str | os.PathLike | Program,
         tensors, histogram_plots, calib_warnings = _calibration_summary(table, program)
         warnings += calib_warnings
         budget_moves = _clipping_budget_moves(table, consumer_fan_in(lowering))
+        writers = {layer["output"]: layer["name"] for layer in layers}
+        for row in tensors:  # the node writing each tensor: the per-layer table's name for it
+            row["writer"] = writers.get(row["name"])
     arithmetic = program.manifest["target"]["arithmetic"]
     summary = summarize(imported.original, imported.graph, imported.passes)
     host_ops = [{"node": h.node, "op": h.op, "reason": h.reason, "macs": h.macs, "elements": h.elements}
@@ -421,6 +539,8 @@ def build_report(model: str | os.PathLike, program: str | os.PathLike | Program,
         "cosine": float(np.mean(cosine)), "cosine_min": float(np.min(cosine)),
         **accuracy,
         **_dense_outputs(logits, layers, program),
+        "outputs": _every_output(evaluator),
+        "input_range": _input_range(evaluator, program),
         "input_sqnr_db": {name: metrics.json_number(acc.db) for name, acc in evaluator.inputs.items()},
         "layers": layers,
         "worst_layers": {"isolated": [{"name": l["name"], "sqnr_isolated_db": l["sqnr_isolated_db"]}
@@ -442,9 +562,7 @@ def build_report(model: str | os.PathLike, program: str | os.PathLike | Program,
                      "per_channel_weights": bool(program.manifest.get("options", {}).get("per_channel_weights", True)),
                      "compile_options": dict(program.manifest.get("options", {})),
                      "arithmetic": arithmetic,
-                     "preprocess": None if preprocess is None or not Path(str(source.source)).is_dir() else {
-                         "size": preprocess.size, "mean": preprocess.mean, "std": preprocess.std,
-                         "layout": preprocess.layout, "channels": preprocess.channels},
+                     "preprocess": None if preprocess is None else preprocess.to_json(),
                      "batch_size": batch_size},
         "lowering_check": {"samples": min(CHECK_ORIGINAL_SAMPLES, evaluator.samples),
                            "max_relative_error": lowering_error},
@@ -479,7 +597,9 @@ def build_report(model: str | os.PathLike, program: str | os.PathLike | Program,
     document["plots"]["sqnr"] = SQNR_PNG
     stale = output / HISTOGRAMS_PNG
     if histogram_plots:
-        files.append(plots.histogram_grid(histogram_plots, output / HISTOGRAMS_PNG))
+        shown = _histograms_that_matter(histogram_plots, layers, budget_moves, program)
+        files.append(plots.histogram_grid(shown, output / HISTOGRAMS_PNG))
+        document["histograms_shown"] = [{"name": h["name"], "writer": h["writer"], "why": h["why"]} for h in shown]
         document["plots"]["histograms"] = HISTOGRAMS_PNG
     elif stale.exists():
         stale.unlink()  # from an earlier report with --calib: it would not describe this one

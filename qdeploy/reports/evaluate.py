@@ -87,7 +87,7 @@ class PeerStats:
 
 @dataclass
 class OutputStats:
-    """The first program output (the logits of a classifier), float vs int8."""
+    """One program output (the logits of a classifier, a dense map), float vs int8."""
 
     name: str
     sqnr: SqnrAccumulator = field(default_factory=SqnrAccumulator)
@@ -97,6 +97,24 @@ class OutputStats:
     shape: tuple = ()  # the program's shape of the output (batch free)
     pixels: int = 0  # NCHW outputs (dense prediction): pixels seen, and those whose argmax over C agrees
     pixels_agreeing: int = 0
+
+    @property
+    def dense(self) -> bool:
+        """An NCHW map with more than one pixel (segmentation logits, detection maps), not a classifier's."""
+        return len(self.shape) == 4 and self.shape[2] * self.shape[3] > 1
+
+    def update(self, f: np.ndarray, q: np.ndarray) -> None:
+        """Add one batch of float and dequantized int8 outputs (as logits: (N, classes))."""
+        self.sqnr.update(f, q)
+        if len(self.shape) == 4:  # the argmax map over the channels, pixel by pixel
+            channels = self.shape[1]
+            f_map = f.reshape(len(f), channels, -1).argmax(axis=1)
+            q_map = q.reshape(len(q), channels, -1).argmax(axis=1)
+            self.pixels += f_map.size
+            self.pixels_agreeing += int(np.count_nonzero(f_map == q_map))
+        self.float_top.append(top_k(f))
+        self.int8_top.append(top_k(q))
+        self.cosine.append(cosine_per_sample(f, q))
 
     def concatenated(self, parts: list[np.ndarray]) -> np.ndarray:
         return np.concatenate(parts) if parts else np.zeros((0, 1), np.int64)
@@ -126,13 +144,14 @@ class SplitStats:
 
 @dataclass
 class _Walk:
-    """What one slice of a batch contributes: per-layer sums, input sums, and the first output (float, int8, and
-    of the two error-split walks)."""
+    """What one slice of a batch contributes: per-layer sums, input sums and max |x|, every output (float and
+    int8), and the chosen output of the two error-split walks."""
 
     layers: dict[int, LayerStats]
     inputs: dict[str, SqnrAccumulator]
-    float_output: np.ndarray
-    int8_output: np.ndarray
+    input_amax: dict[str, float]
+    float_outputs: dict[str, np.ndarray]
+    int8_outputs: dict[str, np.ndarray]
     split_outputs: dict[str, np.ndarray]
 
 
@@ -158,7 +177,7 @@ class Evaluator:
     order. A program with host ops is walked in one thread (the host executor may not be thread-safe)."""
 
     def __init__(self, program: Program, graph: Graph, peers: list[tuple[str, np.ndarray]] | None = None,
-                 threads: int | None = None):
+                 threads: int | None = None, output: str | None = None):
         self.program, self.graph = program, graph
         self.machine = Machine(program)
         self.records = self.machine.records
@@ -173,7 +192,13 @@ class Evaluator:
                 self.layers.append(self._new_layer(step))
         self.by_index = {layer.index: layer for layer in self.layers}
         self.inputs = {name: SqnrAccumulator() for name in program.inputs}
-        self.output = OutputStats(program.outputs[0], shape=tuple(program.tensors[program.outputs[0]]["shape"]))
+        self.input_amax = {name: 0.0 for name in program.inputs}  # max |x| of the data's inputs
+        if output is not None and output not in program.outputs:
+            raise BadInput(f"--output-name {output}: not an output of the program (outputs: "
+                           f"{', '.join(program.outputs)})")
+        self.outputs = {name: OutputStats(name, shape=tuple(program.tensors[name]["shape"]))
+                        for name in program.outputs}
+        self.output = self.outputs[output or program.outputs[0]]  # the one the headline, peers and split measure
         self.peers = [PeerStats(label, logits) for label, logits in peers or []]
         self.split = {walk: SplitStats() for walk in SPLIT_WALKS}
         self.dequantized = {  # per GEMM instruction: the float weight and bias of the weights-only walk
@@ -224,8 +249,14 @@ class Evaluator:
                 self.by_index[index].merge(part)
             for name, part in walk.inputs.items():
                 self.inputs[name].merge(part)
-        f = np.concatenate([walk.float_output for walk in walks])
-        q = np.concatenate([walk.int8_output for walk in walks])
+            for name, amax in walk.input_amax.items():
+                self.input_amax[name] = max(self.input_amax[name], amax)
+        for name, stats in self.outputs.items():
+            if stats is not self.output:
+                stats.update(np.concatenate([walk.float_outputs[name] for walk in walks]),
+                             np.concatenate([walk.int8_outputs[name] for walk in walks]))
+        f = np.concatenate([walk.float_outputs[self.output.name] for walk in walks])
+        q = np.concatenate([walk.int8_outputs[self.output.name] for walk in walks])
         self._update_output(f, q, start)
         for name, stats in self.split.items():
             y = np.concatenate([walk.split_outputs[name] for walk in walks])
@@ -238,6 +269,7 @@ class Evaluator:
         program = self.program
         layers = {layer.index: self._new_layer(layer.index) for layer in self.layers}
         inputs = {name: SqnrAccumulator() for name in program.inputs}
+        input_amax: dict[str, float] = {}
         float_env: dict[str, np.ndarray] = {}
         int_env: dict[str, np.ndarray] = {}
         weights_env: dict[str, np.ndarray] = {}  # the error-split walks (module docstring)
@@ -247,6 +279,7 @@ class Evaluator:
             int_env[name] = quantize_input(program, name, feeds[name])
             acts_env[name] = dequantize(program, name, int_env[name])
             inputs[name].update(feeds[name], acts_env[name])
+            input_amax[name] = float(np.max(np.abs(feeds[name]))) if feeds[name].size else 0.0
         keep = set(program.outputs)
         for step, instr in enumerate(self.records):
             node = self.nodes[instr.name]
@@ -272,7 +305,8 @@ class Evaluator:
                     for env in (float_env, int_env, weights_env, acts_env):
                         env.pop(name, None)
         name = self.output.name
-        return _Walk(layers, inputs, as_logits(float_env[name]), as_logits(dequantize(program, name, int_env[name])),
+        return _Walk(layers, inputs, input_amax, {n: as_logits(float_env[n]) for n in program.outputs},
+                     {n: as_logits(dequantize(program, n, int_env[n])) for n in program.outputs},
                      {"weights_only": as_logits(weights_env[name]), "activations_only": as_logits(acts_env[name])})
 
     def _run_float(self, node, env: dict[str, np.ndarray], parameters=None) -> np.ndarray:
@@ -283,17 +317,7 @@ class Evaluator:
         return run_node(node, operands, self.graph.opset)[0]
 
     def _update_output(self, f: np.ndarray, q: np.ndarray, start: int) -> None:
-        self.output.sqnr.update(f, q)
-        if len(self.output.shape) == 4:  # a dense output: the argmax map over the channels, pixel by pixel
-            channels = self.output.shape[1]
-            f_map = f.reshape(len(f), channels, -1).argmax(axis=1)
-            q_map = q.reshape(len(q), channels, -1).argmax(axis=1)
-            self.output.pixels += f_map.size
-            self.output.pixels_agreeing += int(np.count_nonzero(f_map == q_map))
-        float_top = top_k(f)
-        self.output.float_top.append(float_top)
-        self.output.int8_top.append(top_k(q))
-        self.output.cosine.append(cosine_per_sample(f, q))
+        self.output.update(f, q)
         for peer in self.peers:
             rows = np.asarray(peer.logits[start:start + len(f)], np.float32).reshape(len(f), -1)
             if rows.shape[1] != f.shape[1]:

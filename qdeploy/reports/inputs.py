@@ -12,7 +12,8 @@ so the report compares them with the same float reference and the same formulas:
     {"name": "ONNX Runtime 1.31.1 quantize_static", "description": "...",
      "entries": [{"label": "Entropy", "logits": "ort_entropy_logits.npy", "settings": {...}}, ...]}
 
-`logits` paths are relative to the peer file; each array is (samples in the data, classes)."""
+An entry may name its own `toolkit` (e.g. "NNCF 3.4.0" in a file that also holds ONNX Runtime's entries); the
+report labels each row with it, else with the file's `name`. `logits` paths are relative to the peer file; each array is (samples in the data, classes)."""
 
 from __future__ import annotations
 
@@ -68,6 +69,7 @@ class PeerEntry:
     label: str
     logits: np.ndarray  # memory-mapped (samples, classes)
     settings: dict = field(default_factory=dict)
+    toolkit: str | None = None  # the toolkit that made the entry, when a peer file holds several (else the name)
 
 
 @dataclass
@@ -107,7 +109,10 @@ def load_peer(path: str | os.PathLike) -> Peer:
         if not isinstance(settings, dict):
             raise BadInput(f"{path}: entry '{entry['label']}': \"settings\" must be an object, got "
                            f"{json.dumps(settings)[:40]}")
-        entries.append(PeerEntry(entry["label"], logits, dict(settings)))
+        toolkit = entry.get("toolkit")
+        if toolkit is not None and not isinstance(toolkit, str):
+            raise BadInput(f"{path}: entry '{entry['label']}': \"toolkit\" must be a string")
+        entries.append(PeerEntry(entry["label"], logits, dict(settings), toolkit))
     labels = [e.label for e in entries]
     if len(set(labels)) != len(labels):
         raise BadInput(f"{path}: entry labels must be distinct ({', '.join(labels)})")

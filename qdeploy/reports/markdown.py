@@ -54,6 +54,32 @@ def _ours_label(d: dict) -> str:
     return f"**qdeploy** ({method}, {weights} weights, {d['settings']['arithmetic']['rounding']})"
 
 
+WINS_SAMPLES = 2  # an ablation row "measurably wins" with at least this many more samples agreeing on top-1 ...
+WINS_DB = 0.25  # ... and a logits SQNR at least this much higher (noise of a few dozen samples is below both)
+
+
+def ablation_recommendation(d: dict) -> list[str]:
+    """A conclusion when another setting measurably beats the report's own program on the same samples: more
+    samples agree on top-1 (by WINS_SAMPLES) and the logits SQNR is higher (by WINS_DB); both, so that a
+    different top-1 on a sample or two of a small set is not read as a win. Names the best such row and its flags."""
+    ablation = d.get("ablation") or {}
+    ours_top1, ours_db = d["top1_agreement"], db_from_json(d["logits_sqnr_db"])
+    samples = d["samples"]
+    wins = [e for e in ablation.get("entries", [])
+            if (e["top1_agreement"] - ours_top1) * samples >= WINS_SAMPLES
+            and db_from_json(e["logits_sqnr_db"]) >= ours_db + WINS_DB]
+    if not wins:
+        return ["**Conclusion.** No row measurably beats this report's program (by at least "
+                f"{WINS_SAMPLES} samples of top-1 agreement and {WINS_DB} dB of logits SQNR): keep its settings.", ""]
+    best = max(wins, key=lambda e: (e["top1_agreement"], db_from_json(e["logits_sqnr_db"])))
+    flags = "; ".join(f"{k} `{v}`" for k, v in best["settings"].items()) or "its settings"
+    return [f"**Recommendation.** *{best['label']}* measurably beats this report's program on these "
+            f"{samples} samples: top-1 agreement {format_percent(best['top1_agreement'])} against "
+            f"{format_percent(ours_top1)}, logits SQNR {format_json_db(best['logits_sqnr_db'])} against "
+            f"{format_json_db(d['logits_sqnr_db'])}. Try it on your own evaluation data ({flags}); with few samples, "
+            f"confirm on more before switching.", ""]
+
+
 def render_markdown(d: dict) -> str:
     model, program = Path(d["model"]).name, Path(d["program"]).name
     lines = [f"# Accuracy report: `{model}` as int8 (`{program}`)", "", READING_GUIDE, ""]
@@ -88,7 +114,26 @@ def render_markdown(d: dict) -> str:
                      f"{format_percent(split['activations_only']['top1_agreement'])}"])
     rows.append(["host-fallback ops", ", ".join(f"`{h['node']}` ({h['op']})" for h in d["host_ops"]) or "none"])
     lines += _table(["", ""], rows) + [""]
-    if split:
+    mismatched = [row for row in d.get("input_range", []) if row["mismatch"]]
+    for row in mismatched:  # the diagnosis that comes before any advice on methods
+        lines += [f"**Preprocessing mismatch.** Input `{row['name']}`: the data reach |x| = {row['data_amax']:.4g}, "
+                  f"the calibration chose |T| = {row['calibrated_threshold']:.4g} for it. The data are not "
+                  "preprocessed as the calibration data were (a forgotten `--mean`/`--std`, 0..1 against 0..255, "
+                  "another size or channel order): the int8 input clips or uses a few of its 255 levels whatever the "
+                  "threshold method. Preprocess the data as for calibration (images: leave the preprocessing "
+                  "flags out, the table's record applies) before reading anything below.", ""]
+    outputs = d.get("outputs", [])
+    if len(outputs) > 1:
+        lines += [f"The model has {len(outputs)} outputs; the figures above, the peer, the ablation and the error "
+                  f"split measure `{d['output']}` (`qdeploy report --output-name NAME` chooses another). Every output:",
+                  ""]
+        rows = [[f"`{o['name']}`" + (" (figures above)" if o["chosen"] else ""), "x".join(map(str, o["shape"][1:])),
+                 "dense map" if o["dense"] else "classifier", format_json_db(o["sqnr_db"]),
+                 "-" if o["cosine"] is None else f"{o['cosine']:.4f}",
+                 format_percent(o["pixel_agreement"] if o["dense"] else o["top1_agreement"])] for o in outputs]
+        lines += _table(["output", "shape", "kind", "SQNR", "cosine", "agreement (argmax map / top-1)"], rows,
+                        "lllrrr") + [""]
+    if split and not mismatched:
         weights, activations = (db_from_json(split[k]["logits_sqnr_db"]) for k in ("weights_only", "activations_only"))
         if activations + SPLIT_MARGIN_DB < weights:
             lines += [f"The activations cost more than the weights ({activations:.1f} dB against {weights:.1f} dB "
@@ -111,8 +156,8 @@ def render_markdown(d: dict) -> str:
         rows = [[_ours_label(d), format_percent(d["top1_agreement"]), format_percent(d["top5_agreement"]),
                  format_json_db(d["logits_sqnr_db"]), f"{d['cosine']:.4f}"]
                 + ([format_percent(d["accuracy_int8"], 2)] if labels else [])]
-        for entry in peer["entries"]:
-            name = f"{peer['name']}, {entry['label']}" + (" (its best)" if entry["best"] else "")
+        for entry in peer["entries"]:  # each row names its own toolkit (a peer file may hold several)
+            name = f"{entry.get('toolkit') or peer['name']}, {entry['label']}" + (" (best)" if entry["best"] else "")
             rows.append([name, format_percent(entry["top1_agreement"]), format_percent(entry["top5_agreement"]),
                          format_json_db(entry["logits_sqnr_db"]), f"{entry['cosine']:.4f}"]
                         + ([format_percent(entry["accuracy_int8"], 2)] if labels else []))
@@ -137,6 +182,7 @@ def render_markdown(d: dict) -> str:
                  format_json_db(entry["logits_sqnr_db"]), f"{entry['cosine']:.4f}",
                  "; ".join(f"{k} `{v}`" for k, v in entry["settings"].items())] for entry in ablation["entries"]]
         lines += _table(header, rows, "l" + "r" * (len(header) - 2) + "l") + [""]
+        lines += ablation_recommendation(d)
 
     # ---- layers --------------------------------------------------------------------------------------------
     lines += ["## Per-layer SQNR", "",
@@ -144,13 +190,13 @@ def render_markdown(d: dict) -> str:
               "layout steps move data and add no error). *clipped* is the share of the layer's float outputs beyond "
               "|T|, which int8 cannot represent; *overflows* counts accumulator overflow events.",
               "", f"![per-layer SQNR, cumulative and isolated]({d['plots']['sqnr']})", ""]
-    rows = [[str(i), f"`{layer['name']}`",
+    rows = [[str(i), f"`{layer['name']}`", f"`{layer['output']}`",
              layer["kind"] + (f" + {layer['lookup']} table" if layer.get("lookup") else ""),
              format_json_db(layer["sqnr_cumulative_db"]),
              format_json_db(layer["sqnr_isolated_db"]), format_percent(layer["clipped_fraction"], 3), str(layer["overflow_events"])]
             for i, layer in enumerate(d["layers"])]
-    lines += _table(["#", "layer", "kind", "SQNR cumulative", "SQNR isolated", "clipped", "overflows"], rows,
-                    "rllrrrr") + [""]
+    lines += _table(["#", "layer (node)", "output tensor", "kind", "SQNR cumulative", "SQNR isolated", "clipped",
+                     "overflows"], rows, "rlllrrrr") + [""]
     overflowing = [layer for layer in d["layers"] if layer["overflow_events"]]
     if overflowing:
         arithmetic = d["settings"]["arithmetic"]
@@ -165,19 +211,28 @@ def render_markdown(d: dict) -> str:
     lines += ["## Calibration histograms", ""]
     if "histograms" in d["plots"]:
         samples = d["settings"]["calibration_samples"]
-        lines += [f"The |x| histogram of every quantized tensor over the calibration data ({samples} "
-                  f"samples), log counts, with the chosen threshold |T| (red) and amax (dashed); int8 covers "
-                  f"[-|T|, |T|] in 127 steps and clips the rest. *clipped* is the share of calibration values above "
-                  f"|T| (to the histogram's bin).", "", f"![calibration histograms]({d['plots']['histograms']})", ""]
+        shown = d.get("histograms_shown") or []
+        lines += [f"The |x| histograms over the calibration data ({samples} samples), log counts, with the chosen "
+                  f"threshold |T| (red) and amax (dashed), of the {len(shown)} tensors that matter: the inputs and "
+                  f"outputs of the worst layers by isolated SQNR, the thresholds the clipping budget moved, the "
+                  f"model's inputs and outputs; int8 covers [-|T|, |T|] in 127 steps and clips the rest. Every "
+                  f"tensor is in the table below, with the node (layer) writing it. *clipped* is the share of "
+                  f"calibration values above |T| (to the histogram's bin).", "",
+                  f"![calibration histograms]({d['plots']['histograms']})", ""]
+        if shown:
+            lines += _table(["#", "tensor", "written by (node)", "why shown"],
+                            [[str(i), f"`{h['name']}`", f"`{h['writer']}`", h["why"]] for i, h in enumerate(shown)],
+                            "rlll") + [""]
     else:
         lines += ["Not drawn: give the calibration table (`--calib CALIB.json`) to see the histograms.", ""]
     if d["tensors"]:
-        rows = [[str(i), f"`{t['name']}`", t["method"], _number(t["amax"]), _number(t["threshold"]),
+        rows = [[str(i), f"`{t['name']}`", f"`{t['writer']}`" if t.get("writer") else "(input)", t["method"],
+                 _number(t["amax"]), _number(t["threshold"]),
                  "-" if not t["amax"] else f"{t['threshold'] / t['amax']:.3f}", _number(t["scale"]),
                  "-" if t["clipped_fraction"] is None else f"{100 * t['clipped_fraction']:.3f}%"]
                 for i, t in enumerate(d["tensors"])]
-        lines += _table(["#", "tensor", "method", "amax", "abs T", "T/amax", "scale", "clipped"], rows,
-                        "lllrrrrr") + [""]
+        lines += _table(["#", "tensor", "written by (node)", "method", "amax", "abs T", "T/amax", "scale",
+                         "clipped"], rows, "llllrrrrr") + [""]
 
     moves = d.get("clipping_budget") or []
     if d["settings"]["calibration_method"] == "kl" and d["tensors"]:

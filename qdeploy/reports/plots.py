@@ -80,13 +80,14 @@ def _rebinned(counts: np.ndarray, bins: int) -> np.ndarray:
 def histogram_grid(tensors: list[dict], path: str | os.PathLike) -> Path:
     """One small plot per calibrated tensor: the |x| histogram over [0, amax] (log counts) with the chosen |T|
     (red) and amax (grey dashed) marked, TensorRT's calibration picture. `tensors` are dicts with name, counts,
-    amax, threshold. (Fixed margins and few ticks: matplotlib's tight layout takes seconds per dozen plots.)"""
+    amax, threshold and optionally why_short (a line under the name: why it is shown). (Fixed margins and few ticks: matplotlib's tight
+    layout takes seconds per dozen plots.)"""
     from matplotlib.figure import Figure
     from matplotlib.ticker import LogLocator, MaxNLocator, NullLocator
 
     columns = min(HISTOGRAM_COLUMNS, max(1, len(tensors)))
     rows = max(1, math.ceil(len(tensors) / columns))
-    height = 1.75 * rows + 0.6
+    height = 1.95 * rows + 0.6
     figure = Figure(figsize=(2.6 * columns, height))
     figure.subplots_adjust(left=0.04, right=0.99, bottom=0.25 / height, top=1 - 0.75 / height,
                            wspace=0.28, hspace=0.85)
@@ -105,7 +106,8 @@ def histogram_grid(tensors: list[dict], path: str | os.PathLike) -> Path:
         axes.axvline(amax, color="0.4", linewidth=1.0, linestyle="--")
         axes.set_xlim(0, max(amax, threshold) * 1.04 or 1.0)
         ratio = f"{threshold / amax:.2f}" if amax > 0 else "-"
-        axes.set_title(f"{i} {short_name(tensor['name'])}\n|T| {threshold:.3g}  amax {amax:.3g}  ({ratio})",
+        why = f"\n{tensor['why_short']}" if tensor.get("why_short") else ""
+        axes.set_title(f"{i} {short_name(tensor['name'])}{why}\n|T| {threshold:.3g}  amax {amax:.3g}  ({ratio})",
                        fontsize=6.5)
         axes.tick_params(labelsize=5.5, pad=1)
     figure.suptitle("Calibration histograms of |x| (log counts): red |T| chosen threshold, dashed grey amax",

@@ -10,7 +10,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -419,11 +419,24 @@ class ExportResult:
 
 
 def export_vectors(program, inputs: dict[str, np.ndarray], output: str | os.PathLike, *, per_tile: bool = False,
-                   host: Callable | None = None, source: dict | None = None) -> ExportResult:
+                   host: Callable | None = None, source: dict | None = None, layers: Sequence[str] | None = None,
+                   progress: Callable[[int, int], None] | None = None) -> ExportResult:
     """Run `program` on `inputs` and write the golden vectors of every GEMM instruction to `output`
     (atomically: a temporary directory renamed at the end). `host` runs Host instructions (qdeploy's
-    run_host_op) when the program has any."""
+    run_host_op) when the program has any. `layers`: only these instructions (by name, or by index in the
+    program), the others listed as skipped "not selected"; `progress(done, total)` after each layer's files."""
     from simulator.machine import Machine
+
+    selected = None
+    if layers is not None:
+        names = {instr.name: index for index, instr in enumerate(program.records)}
+        selected = set()
+        for layer in layers:
+            index = names.get(layer, int(layer) if str(layer).isdigit() else None)
+            if index is None or not 0 <= index < len(program.records):
+                raise VectorError(f"--layer {layer}: no such instruction (names or indexes 0..{len(names) - 1}; "
+                                  f"`qdeploy inspect PROGRAM.qdp` lists them)")
+            selected.add(index)
 
     wide = [name for name, record in program.tensors.items() if record["dtype"] == "int32"]
     if wide:  # the vector files hold 8-bit elements (module docstring)
@@ -434,11 +447,13 @@ def export_vectors(program, inputs: dict[str, np.ndarray], output: str | os.Path
     if host is not None:
         machine.host = host
     run = machine.run(inputs, dump=True)
-    layers, skipped = [], []
+    written, skipped = [], []
     vectors = []
     for index, instr in enumerate(program.records):
         reason = handler(OPERANDS, instr.kind, "the golden vectors", f"instruction '{instr.name}'")
-        if callable(reason):
+        if selected is not None and index not in selected:
+            skipped.append({"index": index, "name": instr.name, "kind": instr.kind, "reason": "not selected (--layer)"})
+        elif callable(reason):
             vectors.append(layer_vectors(program, target, index, instr, run, machine))
         else:
             skipped.append({"index": index, "name": instr.name, "kind": instr.kind, "reason": reason})
@@ -459,9 +474,11 @@ def export_vectors(program, inputs: dict[str, np.ndarray], output: str | os.Path
                 f"inputs/{re.sub(r'[^A-Za-z0-9._-]+', '_', name)}", run.tensors[name],
                 channels_last(run.tensors[name]), 8, run.tensors[name].dtype != np.uint8, target.array.cols,
                 "the quantized network input, channels last: row (n*H + h)*W + w, col c; npy is NCHW")
-        for layer in vectors:
-            layers.append(writer.layer(layer, per_tile))
-        manifest["layers"] = layers
+        for done, layer in enumerate(vectors, 1):
+            written.append(writer.layer(layer, per_tile))
+            if progress is not None:
+                progress(done, len(vectors))
+        manifest["layers"] = written
         write_manifest(root, manifest)
         return manifest
 
