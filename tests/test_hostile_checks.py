@@ -454,7 +454,8 @@ def test_fifos_folders_and_runtime_shapes_are_named_as_such(work, tmp_path):
     cases = {
         ("calibrate", "cnn.onnx", "--data", "pipe.npy", "-o", "out.npy"): ("pipe.npy", fifo),
         ("run", "m.qdp", "--input", "pipe.npy", "-o", "out.npy"): ("pipe.npy", fifo),
-        ("run", "m.qdp", "--input", "dir.npy", "-o", "out.npy"): ("dir.npy", folder_kind),
+        # run takes image folders too: a folder is read as one, and one without images is named so
+        ("run", "m.qdp", "--input", "dir.npy", "-o", "out.npy"): ("dir.npy", "no images"),
         ("inspect", "pipe.onnx"): ("pipe.onnx", fifo),
         ("inspect", "pipe.qdp"): ("pipe.qdp", fifo),
         ("inspect", "dir.qdp"): ("dir.qdp", folder_kind),
