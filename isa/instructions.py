@@ -61,8 +61,8 @@ def _stage_fields(stage: OutputStage, instr: "ArrayInstruction") -> dict[str, An
     record: dict[str, Any] = {"mult": stage.requantize.mult, "shift": stage.requantize.shift,
                               "scale_f32": stage.requantize.scale_f32,
                               "clamp": [stage.clamp.lo, stage.clamp.hi]}
-    if stage.clamp_per_channel is not None:
-        record["clamp_hi"] = stage.clamp_per_channel.array
+    if stage.clamp_hi is not None:
+        record["clamp_hi"] = stage.clamp_hi.array
     if stage.lookup is not None:
         record["lookup"] = stage.lookup.to_record()
     if instr.HAS_WINDOW_FIELD:

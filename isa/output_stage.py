@@ -2,13 +2,17 @@
 (docs/design.md section 3). After gemmlowp's output pipeline ("a tuple of output stages", gemmlowp
 doc/output.md), it is an ordered tuple of typed steps; this module is the one place that orders them:
 
-    Bias -> Requantize -> Clamp -> ClampPerChannel -> Lookup -> WindowMax -> (store)
+    Bias -> Requantize -> Clamp -> ClampHi -> Lookup -> WindowMax -> (store)
 
 Every step is present or absent per instruction (`OutputStage.steps` lists the present ones in that order).
+Every backend evaluates a stage the same way, by folding its per-step evaluator table over `stage.steps`
+(`fold`, gemmlowp internal/output.h `OutputPipelineEvalImpl`): the order lives here and nowhere else, and a
+backend without an evaluator for a present step raises `MissingEvaluator` naming the step and the backend
+(tests/test_output_stage_coverage.py walks every step through every backend's table).
 In the float graph a fused MaxPool may come before an activation (Conv -> MaxPool -> Relu) while the hardware
 applies window-max last; that reordering is exact only for steps that commute with a maximum, i.e. monotonic
 non-decreasing ones. Each step declares `monotonic`; the lowering fuses a step behind a window-max only when
-it is (`commutes_with_window_max`), so a future non-monotonic step (a lookup table for SiLU, GELU) is placed
+it is (`commutes_with_window_max`, asked of each step that would move), so a future non-monotonic step (a lookup table for SiLU, GELU) is placed
 correctly instead of silently reordered. The one non-monotonic step is the `Lookup` (a 256-entry table of
 output codes for Sigmoid, SiLU, GELU, ...): its `monotonic` is the table's own (entries non-decreasing).
 """
@@ -16,7 +20,7 @@ output codes for Sigmoid, SiLU, GELU, ...): its `monotonic` is the table's own (
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, Callable, ClassVar, Iterable
 
 
 @dataclass(frozen=True)
@@ -48,7 +52,7 @@ class Clamp:
 
 
 @dataclass(frozen=True)
-class ClampPerChannel:
+class ClampHi:
     """y = min(y, hi[c]): per-channel upper bounds of an equalized ReLU6 (int32 per channel, within Clamp)."""
 
     array: str
@@ -95,15 +99,63 @@ class Lookup:
                 "input_dtype": self.input_dtype, "monotonic": self.monotonic}
 
 
-Step = Bias | Requantize | Clamp | ClampPerChannel | Lookup | WindowMax
-STEP_ORDER: tuple[type, ...] = (Bias, Requantize, Clamp, ClampPerChannel, Lookup, WindowMax)
+Step = Bias | Requantize | Clamp | ClampHi | Lookup | WindowMax
+STEP_ORDER: tuple[type, ...] = (Bias, Requantize, Clamp, ClampHi, Lookup, WindowMax)
 
 
-def commutes_with_window_max(step) -> bool:
-    """Whether `step` (a step class, or a Lookup whose flag is its table's) may be applied before a window-max
-    that came before it in the float graph: max(f(a), f(b)) = f(max(a, b)) holds for every monotonic
-    non-decreasing f."""
+def commutes_with_window_max(step: Step) -> bool:
+    """Whether `step` (a step value: a Lookup's flag is its table's) may be applied before a window-max that came
+    before it in the float graph: max(f(a), f(b)) = f(max(a, b)) holds for every monotonic non-decreasing f."""
     return bool(step.monotonic)
+
+
+class MissingEvaluator(LookupError):
+    """A backend met an output-stage step it has no evaluator for (a step added to STEP_ORDER without its
+    evaluator in that backend)."""
+
+
+def evaluator(table: dict, step: type | Step, backend: str) -> Callable:
+    """The entry of `backend`'s evaluator table for `step` (a step or its class; the exact class: a step that
+    subclasses another still needs its own entry); MissingEvaluator naming the pair when there is none."""
+    cls = step if isinstance(step, type) else type(step)
+    try:
+        return table[cls]
+    except KeyError:
+        raise MissingEvaluator(f"{backend} has no evaluator for the output-stage step {cls.__name__}") from None
+
+
+def fold(steps: Iterable[Step], table: dict, backend: str, value: Any, *context: Any) -> Any:
+    """value after every step in order: value = evaluator(step)(step, value, *context), step by step (gemmlowp's
+    output pipeline). What `value` is (an accumulator array, an ONNX tensor name, a list of files or plusargs) is
+    the backend's own; `context` is passed to every evaluator unchanged."""
+    for step in steps:
+        value = evaluator(table, step, backend)(step, value, *context)
+    return value
+
+
+def fused_fold(steps: Iterable[Step], table: dict, fused: dict[tuple[type, ...], Callable], backend: str,
+               value: Any, *context: Any) -> Any:
+    """`fold`, except that a run of consecutive steps whose classes are a key of `fused` is evaluated at once by
+    that entry (entry(run, value, *context)): a backend's fast path, selected from the steps themselves, that must
+    equal folding the run step by step (each backend's tests say so)."""
+    steps = tuple(steps)
+    i = 0
+    while i < len(steps):
+        for run, entry in fused.items():
+            if tuple(type(s) for s in steps[i:i + len(run)]) == run:
+                value, i = entry(steps[i:i + len(run)], value, *context), i + len(run)
+                break
+        else:
+            value, i = evaluator(table, steps[i], backend)(steps[i], value, *context), i + 1
+    return value
+
+
+def missing_evaluators(steps: Iterable[type], tables: dict[str, dict]) -> list[str]:
+    """'backend: no evaluator for Step' for every (step, backend) pair without an entry, backends in the order
+    given: what the coverage test asserts to be empty."""
+    steps = tuple(steps)
+    return [f"{backend}: no evaluator for {step.__name__}" for backend, table in tables.items() for step in steps
+            if step not in table]
 
 
 @dataclass(frozen=True)
@@ -114,14 +166,14 @@ class OutputStage:
     requantize: Requantize
     clamp: Clamp
     bias: Bias | None = None
-    clamp_per_channel: ClampPerChannel | None = None
+    clamp_hi: ClampHi | None = None
     lookup: Lookup | None = None
     window_max: WindowMax | None = None
 
     @property
     def steps(self) -> tuple[Step, ...]:
         """The present steps in STEP_ORDER."""
-        present = (self.bias, self.requantize, self.clamp, self.clamp_per_channel, self.lookup, self.window_max)
+        present = (self.bias, self.requantize, self.clamp, self.clamp_hi, self.lookup, self.window_max)
         return tuple(step for step in present if step is not None)
 
     @staticmethod
@@ -131,7 +183,7 @@ class OutputStage:
             requantize=Requantize(record["mult"], record["shift"], record["scale_f32"]),
             clamp=Clamp(int(record["clamp"][0]), int(record["clamp"][1])),
             bias=Bias(record["bias"]) if "bias" in record else None,
-            clamp_per_channel=ClampPerChannel(record["clamp_hi"]) if "clamp_hi" in record else None,
+            clamp_hi=ClampHi(record["clamp_hi"]) if "clamp_hi" in record else None,
             lookup=None if lookup is None else Lookup(lookup["table"], lookup["function"],
                                                       float(lookup["input_scale"]), lookup["input_dtype"],
                                                       bool(lookup["monotonic"])),

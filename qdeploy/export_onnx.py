@@ -287,7 +287,7 @@ def _qlinear_conv(b: _Builder, instr: Instruction, x: str, kernel: list[int], at
     program, name = b.program, instr.name
     x_tensor = instr.inputs[0]
     x_dtype, y_dtype = b.dtype(x_tensor), b.requantized_dtype(instr)
-    if instr.stage.clamp_per_channel is not None:
+    if instr.stage.clamp_hi is not None:
         raise Unsupported(f"instruction '{name}' ({instr.kind}): per-channel clamp bounds (an equalized ReLU6) "
                           f"have no ONNX Runtime int8 op (calibrate without --equalize to export)")
     weight = program.arrays[instr.weight]

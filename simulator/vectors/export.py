@@ -181,8 +181,8 @@ def layer_vectors(program, target: Target, index: int, instr: Instruction, run, 
         info["output_stage"] = "float32 add (qdeploy/quantize.py eq. 6-7)"
     elif acc is not None:
         acc = to_matrix(acc)
-    if instr.stage.clamp_per_channel:  # an equalized ReLU6: out = min(clamp(requantize(acc), lo, hi), clamp_hi[c])
-        bound = arrays[instr.stage.clamp_per_channel.array].astype(np.int32).reshape(-1)
+    if instr.stage.clamp_hi:  # an equalized ReLU6: out = min(clamp(requantize(acc), lo, hi), clamp_hi[c])
+        bound = arrays[instr.stage.clamp_hi.array].astype(np.int32).reshape(-1)
         extra["clamp_hi"] = (bound, bound.reshape(1, -1), 16, True, "cols",
                              "per-channel upper bound applied after the clamp (1 x channels)")
     if instr.stage.lookup is not None:  # the table (1 x 256) and the codes it reads (before it and the window)
