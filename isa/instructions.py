@@ -57,16 +57,11 @@ class Instruction:
 
 
 def _stage_fields(stage: OutputStage, instr: "ArrayInstruction") -> dict[str, Any]:
-    """The manifest fields of an output stage (the bias is the weighted GEMMs' own field)."""
-    record: dict[str, Any] = {"mult": stage.requantize.mult, "shift": stage.requantize.shift,
-                              "scale_f32": stage.requantize.scale_f32,
-                              "clamp": [stage.clamp.lo, stage.clamp.hi]}
-    if stage.clamp_hi is not None:
-        record["clamp_hi"] = stage.clamp_hi.array
-    if stage.lookup is not None:
-        record["lookup"] = stage.lookup.to_record()
+    """The manifest fields of an output stage (each step's own, isa/output_stage.py); a kind with a window field
+    writes it as null when there is no window-max."""
+    record = stage.to_manifest()
     if instr.HAS_WINDOW_FIELD:
-        record["window"] = None if stage.window_max is None else stage.window_max.to_record()
+        record.setdefault("window", None)
     return record
 
 

@@ -25,38 +25,108 @@ from typing import Any, Callable, ClassVar, Iterable
 
 @dataclass(frozen=True)
 class Bias:
-    """acc += bias[c] (int32 per output channel, added in the accumulator; weighted GEMMs only)."""
+    """acc += bias[c] (int32 per output channel, added in the accumulator; weighted GEMMs only). In the lowered
+    float graph the bias is the GEMM node's third input (the passes rewrite it with the weights); the compiler
+    adds this step."""
 
     array: str  # program array name
     monotonic: ClassVar[bool] = True
+
+    @classmethod
+    def from_manifest(cls, record: dict) -> "Bias | None":
+        return cls(record["bias"]) if "bias" in record else None
+
+    def to_manifest(self) -> dict:
+        return {}  # the weighted GEMM's own field `bias` (isa/instructions.py) names the same array
 
 
 @dataclass(frozen=True)
 class Requantize:
     """y = round(acc * M[c]) in the target's rounding mode: (mult[c], shift[c]) integers, or the float32 scale
-    scale_f32[c] in `float32_rne` (isa/multiplier.py). M >= 0, so the step is monotonic."""
+    scale_f32[c] in `float32_rne` (isa/multiplier.py). M >= 0, so the step is monotonic. The compiler adds it
+    (in the lowered float graph a product's constant scale is its GEMM's `product_scale`)."""
 
     mult: str
     shift: str
     scale_f32: str
     monotonic: ClassVar[bool] = True
 
+    @classmethod
+    def from_manifest(cls, record: dict) -> "Requantize | None":
+        return cls(record["mult"], record["shift"], record["scale_f32"]) if "mult" in record else None
+
+    def to_manifest(self) -> dict:
+        return {"mult": self.mult, "shift": self.shift, "scale_f32": self.scale_f32}
+
 
 @dataclass(frozen=True)
 class Clamp:
-    """y = min(max(y, lo), hi): the tensor's integer range narrowed by a fused ReLU / ReLU6 / Clip."""
+    """y = min(max(y, lo), hi): the tensor's integer range narrowed by a fused ReLU / ReLU6 / Clip (in the lowered
+    float graph: the float bounds, -inf / inf when no activation is fused)."""
 
-    lo: int
-    hi: int
+    lo: int | float
+    hi: int | float
     monotonic: ClassVar[bool] = True
+
+    @classmethod
+    def from_manifest(cls, record: dict) -> "Clamp | None":
+        return cls(int(record["clamp"][0]), int(record["clamp"][1])) if "clamp" in record else None
+
+    def to_manifest(self) -> dict:
+        return {"clamp": [self.lo, self.hi]}
 
 
 @dataclass(frozen=True)
 class ClampHi:
-    """y = min(y, hi[c]): per-channel upper bounds of an equalized ReLU6 (int32 per channel, within Clamp)."""
+    """y = min(y, hi[c]): per-channel upper bounds of an equalized ReLU6, within Clamp: `hi` names the program's
+    int32 array (in the lowered float graph: the float bounds themselves, lowering/equalize.py)."""
 
-    array: str
+    hi: str | tuple[float, ...]
     monotonic: ClassVar[bool] = True
+
+    @classmethod
+    def from_manifest(cls, record: dict) -> "ClampHi | None":
+        return cls(record["clamp_hi"]) if "clamp_hi" in record else None
+
+    def to_manifest(self) -> dict:
+        return {"clamp_hi": self.hi}
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """y = table[q - q_min]: the clamped code q of the requantized pre-activation (dtype `input_dtype`: int8,
+    q_min = -128, or uint8, q_min = 0) indexes a 256-entry table of output codes (the output's dtype) that
+    tabulates a unary function (Sigmoid, SiLU, GELU, ...: `function`, an ONNX op with attributes `params`) on the
+    256 input codes with the pre-activation scale `input_scale` and the output scale (qdeploy/quantize.py eq.
+    (5b)). `monotonic`: the function (the table) is non-decreasing (then, and only then, it commutes with a
+    window-max). In the lowered float graph it has no table yet: function, params and monotonic."""
+
+    function: str
+    monotonic: bool
+    params: tuple[tuple[str, object], ...] = ()  # the ONNX op's attributes (lowered float graph)
+    table: str = ""  # program array name
+    input_scale: float = 0.0
+    input_dtype: str = ""
+
+    @property
+    def offset(self) -> int:
+        """What the code adds to become the table index: 128 for int8 codes, 0 for uint8."""
+        return 128 if self.input_dtype == "int8" else 0
+
+    def to_record(self) -> dict:
+        return {"table": self.table, "function": self.function, "input_scale": self.input_scale,
+                "input_dtype": self.input_dtype, "monotonic": self.monotonic}
+
+    @classmethod
+    def from_manifest(cls, record: dict) -> "Lookup | None":
+        lookup = record.get("lookup")
+        if lookup is None:
+            return None
+        return cls(lookup["function"], bool(lookup["monotonic"]), table=lookup["table"],
+                   input_scale=float(lookup["input_scale"]), input_dtype=lookup["input_dtype"])
+
+    def to_manifest(self) -> dict:
+        return {"lookup": self.to_record()}
 
 
 @dataclass(frozen=True)
@@ -74,29 +144,16 @@ class WindowMax:
         return {"kernel": list(self.kernel), "strides": list(self.strides), "pads": list(self.pads),
                 "dilations": list(self.dilations), "ceil_mode": int(self.ceil_mode)}
 
+    @classmethod
+    def from_manifest(cls, record: dict) -> "WindowMax | None":
+        window = record.get("window")
+        if window is None:
+            return None
+        return cls(tuple(window["kernel"]), tuple(window["strides"]), tuple(window["pads"]),
+                   tuple(window["dilations"]), bool(window["ceil_mode"]))
 
-@dataclass(frozen=True)
-class Lookup:
-    """y = table[q - q_min]: the clamped code q of the requantized pre-activation (dtype `input_dtype`: int8,
-    q_min = -128, or uint8, q_min = 0) indexes a 256-entry table of output codes (the output's dtype) that
-    tabulates a unary function (Sigmoid, SiLU, GELU, ...: `function`, informative) on the 256 input codes with
-    the pre-activation scale `input_scale` and the output scale (qdeploy/quantize.py eq. (5b)). `monotonic`:
-    the table is non-decreasing (then, and only then, it commutes with a window-max)."""
-
-    table: str
-    function: str
-    input_scale: float
-    input_dtype: str
-    monotonic: bool
-
-    @property
-    def offset(self) -> int:
-        """What the code adds to become the table index: 128 for int8 codes, 0 for uint8."""
-        return 128 if self.input_dtype == "int8" else 0
-
-    def to_record(self) -> dict:
-        return {"table": self.table, "function": self.function, "input_scale": self.input_scale,
-                "input_dtype": self.input_dtype, "monotonic": self.monotonic}
+    def to_manifest(self) -> dict:
+        return {"window": self.to_record()}
 
 
 Step = Bias | Requantize | Clamp | ClampHi | Lookup | WindowMax
@@ -160,33 +217,46 @@ def missing_evaluators(steps: Iterable[type], tables: dict[str, dict]) -> list[s
 
 @dataclass(frozen=True)
 class OutputStage:
-    """The output stage of one array instruction, read from its program record (manifest fields `bias`,
-    `mult`/`shift`/`scale_f32`, `clamp`, `clamp_hi`, `lookup`, `window`). The fields are in STEP_ORDER."""
+    """The output stage of one array instruction: its present steps in STEP_ORDER. In a program, read from and
+    written to the manifest fields each step names (`bias`, `mult`/`shift`/`scale_f32`, `clamp`, `clamp_hi`,
+    `lookup`, `window`: each step's from_manifest / to_manifest); on a node of the lowered float graph, the node's
+    `output_stage` attribute with the steps' float parameters (Clamp, ClampHi, Lookup, WindowMax)."""
 
-    requantize: Requantize
-    clamp: Clamp
-    bias: Bias | None = None
-    clamp_hi: ClampHi | None = None
-    lookup: Lookup | None = None
-    window_max: WindowMax | None = None
+    steps: tuple[Step, ...] = ()
 
-    @property
-    def steps(self) -> tuple[Step, ...]:
-        """The present steps in STEP_ORDER."""
-        present = (self.bias, self.requantize, self.clamp, self.clamp_hi, self.lookup, self.window_max)
-        return tuple(step for step in present if step is not None)
+    def __post_init__(self):
+        ranks = [STEP_ORDER.index(type(step)) for step in self.steps if type(step) in STEP_ORDER]
+        if ranks != sorted(set(ranks)):
+            raise ValueError(f"output stage {[type(s).__name__ for s in self.steps]}: steps out of order or "
+                             f"repeated (the order is {[t.__name__ for t in STEP_ORDER]})")
+
+    def step(self, cls: type) -> Step | None:
+        """The step of class `cls`, or None."""
+        return next((step for step in self.steps if type(step) is cls), None)
+
+    bias = property(lambda self: self.step(Bias))
+    requantize = property(lambda self: self.step(Requantize))
+    clamp = property(lambda self: self.step(Clamp))
+    clamp_hi = property(lambda self: self.step(ClampHi))
+    lookup = property(lambda self: self.step(Lookup))
+    window_max = property(lambda self: self.step(WindowMax))
+
+    def with_step(self, step: Step) -> "OutputStage":
+        """This stage with `step` in its place in STEP_ORDER (replacing the step of its class)."""
+        others = [s for s in self.steps if type(s) is not type(step)]
+        return OutputStage(tuple(sorted([*others, step], key=lambda s: STEP_ORDER.index(type(s)))))
+
+    def without(self, *classes: type) -> "OutputStage":
+        return OutputStage(tuple(step for step in self.steps if type(step) not in classes))
 
     @staticmethod
     def of(record: dict) -> "OutputStage":
-        window, lookup = record.get("window"), record.get("lookup")
-        return OutputStage(
-            requantize=Requantize(record["mult"], record["shift"], record["scale_f32"]),
-            clamp=Clamp(int(record["clamp"][0]), int(record["clamp"][1])),
-            bias=Bias(record["bias"]) if "bias" in record else None,
-            clamp_hi=ClampHi(record["clamp_hi"]) if "clamp_hi" in record else None,
-            lookup=None if lookup is None else Lookup(lookup["table"], lookup["function"],
-                                                      float(lookup["input_scale"]), lookup["input_dtype"],
-                                                      bool(lookup["monotonic"])),
-            window_max=None if window is None else WindowMax(
-                tuple(window["kernel"]), tuple(window["strides"]), tuple(window["pads"]),
-                tuple(window["dilations"]), bool(window["ceil_mode"])))
+        """The stage of a (checked) manifest instruction: each step of STEP_ORDER that its record holds."""
+        return OutputStage(tuple(step for cls in STEP_ORDER if (step := cls.from_manifest(record)) is not None))
+
+    def to_manifest(self) -> dict:
+        """The manifest fields of the stage's steps."""
+        record: dict = {}
+        for step in self.steps:
+            record.update(step.to_manifest())
+        return record

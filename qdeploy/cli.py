@@ -164,7 +164,7 @@ def _inspect_program(path: Path, json_output: bool) -> None:
 def _describe_array_instruction(program, instr) -> str:
     text = f"clamp {[instr.stage.clamp.lo, instr.stage.clamp.hi]} k={instr.k} acc bound {instr.acc_bound_bits} bits"
     if instr.stage.clamp_hi is not None:
-        bounds = program.arrays[instr.stage.clamp_hi.array]
+        bounds = program.arrays[instr.stage.clamp_hi.hi]
         text += f" per-channel upper bounds {int(bounds.min())}..{int(bounds.max())}"
     if instr.stage.lookup is not None:
         lookup = instr.stage.lookup

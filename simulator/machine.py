@@ -469,7 +469,7 @@ def _requantize_clamp(steps: tuple[Requantize, Clamp], plane: _Plane, machine: M
 
 def _clamp_hi(step: ClampHi, plane: _Plane, machine: Machine, instr: Instruction) -> _Plane:
     """y = min(y, hi[c]) with c the last axis."""
-    return _Plane(np.minimum(plane.y, machine.arrays[step.array].astype(plane.y.dtype), out=plane.y), plane.layout)
+    return _Plane(np.minimum(plane.y, machine.arrays[step.hi].astype(plane.y.dtype), out=plane.y), plane.layout)
 
 
 def _lookup(step: Lookup, plane: _Plane, machine: Machine, instr: Instruction) -> _Plane:

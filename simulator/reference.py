@@ -349,7 +349,7 @@ def _clamp(step: Clamp, plane: _Plane, arrays: dict, arithmetic: Arithmetic) -> 
 
 def _clamp_hi(step: ClampHi, plane: _Plane, arrays: dict, arithmetic: Arithmetic) -> _Plane:
     """min(y, hi[c])."""
-    bounds = arrays[step.array]
+    bounds = arrays[step.hi]
     return _each(plane, lambda v, c: min(v, int(_per_column(bounds, c))))
 
 

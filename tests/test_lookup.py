@@ -17,6 +17,7 @@ from onnx import helper
 from builders import make_model, rng_weights, save
 from calib.table import CalibrationTable, TensorRecord
 from isa.kinds import Kind
+from isa.output_stage import WindowMax
 from isa.target import Arithmetic, ArrayConfig, Target
 from qdeploy import api
 from qdeploy.errors import Unsupported
@@ -253,7 +254,7 @@ def test_a_max_pool_after_silu_is_right(tmp_path, unsigned):
     identity = next(i for name, i in records.items() if name not in ("conv1", "conv2"))
     assert identity.stage.lookup.monotonic is False
     conv2 = records["conv2"]
-    unpooled = Machine(program).execute(replace(conv2, stage=replace(conv2.stage, window_max=None)),
+    unpooled = Machine(program).execute(replace(conv2, stage=conv2.stage.without(WindowMax)),
                                         [run.tensors["p1"]])[0]
     table = program.arrays[identity.stage.lookup.table]
     looked_up = table[unpooled.astype(np.int64) + identity.stage.lookup.offset]

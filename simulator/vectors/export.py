@@ -192,7 +192,7 @@ def _clamp_vectors(step, v: _StageVectors, layer: _LayerRun) -> _StageVectors:
 
 def _clamp_hi_vectors(step, v: _StageVectors, layer: _LayerRun) -> _StageVectors:
     """An equalized ReLU6: out = min(clamp(requantize(acc), lo, hi), clamp_hi[c])."""
-    bound = layer.arrays[step.array].astype(np.int32).reshape(-1)
+    bound = layer.arrays[step.hi].astype(np.int32).reshape(-1)
     return replace(v, extra={**v.extra, "clamp_hi": (bound, bound.reshape(1, -1), 16, True, "cols",
                                                      "per-channel upper bound applied after the clamp (1 x channels)")})
 
@@ -201,7 +201,7 @@ def _lookup_vectors(step, v: _StageVectors, layer: _LayerRun) -> _StageVectors:
     """The table (1 x 256) and the codes it reads (the instruction run again without it and the window-max)."""
     instr = layer.instr
     table = layer.arrays[step.table]
-    bare = replace(instr, stage=replace(instr.stage, lookup=None, window_max=None))
+    bare = replace(instr, stage=instr.stage.without(Lookup, WindowMax))
     codes = channels_last(layer.machine.execute(bare, layer.args)[0])
     extra = {"lookup_table": (table, table.astype(np.int64).reshape(1, -1), 8, table.dtype != np.uint8, "cols",
                               f"the output stage's lookup table ({step.function}): entry i is the output "
@@ -215,7 +215,7 @@ def _lookup_vectors(step, v: _StageVectors, layer: _LayerRun) -> _StageVectors:
 def _window_vectors(step, v: _StageVectors, layer: _LayerRun) -> _StageVectors:
     """The grid the window-max reads (the instruction run again without it) and the stored tensor."""
     instr = layer.instr
-    unpooled = replace(instr, stage=replace(instr.stage, window_max=None))
+    unpooled = replace(instr, stage=instr.stage.without(WindowMax))
     return replace(v, info={**v.info, "window": step.to_record()},
                    grid=layer.machine.execute(unpooled, layer.args)[0], stored=v.grid)
 
