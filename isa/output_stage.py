@@ -246,6 +246,27 @@ class OutputStage:
         others = [s for s in self.steps if type(s) is not type(step)]
         return OutputStage(tuple(sorted([*others, step], key=lambda s: STEP_ORDER.index(type(s)))))
 
+    def joined(self, step: Step) -> "OutputStage | None":
+        """This stage with `step`, which follows it in the float graph, joined to it (the lowering's fusion); None
+        when they do not compose into one output stage. The stage applies its steps in STEP_ORDER, so `step` moves
+        before every step of the stage that comes later in that order: exact only where the two commute. A step
+        moves before a window-max when it is monotonic (commutes_with_window_max: max(f(a), f(b)) =
+        f(max(a, b))); before anything else, not (a clamp after a table would run before it). Clamps compose by
+        intersection, clamp(clamp(x, a, b), c, d) = clamp(x, max(a, c), min(b, d)), when that interval is not
+        empty; one window-max and one table fit a stage."""
+        rank = STEP_ORDER.index(type(step))
+        for later in self.steps:
+            if STEP_ORDER.index(type(later)) > rank and not (isinstance(later, WindowMax)
+                                                             and commutes_with_window_max(step)):
+                return None
+        same = self.step(type(step))
+        if same is None:
+            return self.with_step(step)
+        if isinstance(step, Clamp):
+            low, high = max(same.lo, step.lo), min(same.hi, step.hi)
+            return None if low > high else self.with_step(Clamp(low, high))
+        return None
+
     def without(self, *classes: type) -> "OutputStage":
         return OutputStage(tuple(step for step in self.steps if type(step) not in classes))
 
@@ -260,3 +281,8 @@ class OutputStage:
         for step in self.steps:
             record.update(step.to_manifest())
         return record
+
+
+# The float output stage of a lowered instruction that fuses nothing (an unbounded clamp): what every lowering rule
+# starts from (qdeploy/lowering/instructions.py).
+NO_OUTPUT_STAGE = OutputStage((Clamp(-float("inf"), float("inf")),))

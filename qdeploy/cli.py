@@ -197,21 +197,21 @@ def _json_number(value):
     return float(value) if hasattr(value, "__float__") else str(value)
 
 
-def _format_epilogue(epilogue: dict) -> str:
-    parts = ["+bias"] if epilogue.get("bias") else []
-    if "scale" in epilogue:  # a constant scale folded into a product of two activations
-        parts.append(f"x{epilogue['scale']:g}")
-    if "clamp" in epilogue:
-        low, high = epilogue["clamp"]
+def _format_output_stage(stage: dict) -> str:
+    parts = ["+bias"] if stage.get("bias") else []
+    if "scale" in stage:  # a constant scale folded into a product of two activations
+        parts.append(f"x{stage['scale']:g}")
+    if "clamp" in stage:
+        low, high = stage["clamp"]
         parts.append("relu" if (low, high) == (0.0, float("inf")) else
                      "relu6" if (low, high) == (0.0, 6.0) else f"clamp[{low:g},{high:g}]")
-    if "clamp_max_channels" in epilogue:  # an equalized ReLU6: one upper bound per channel
-        bounds = epilogue["clamp_max_channels"]
+    if "clamp_hi" in stage:  # an equalized ReLU6: one upper bound per channel
+        bounds = stage["clamp_hi"]
         parts.append(f"per-channel max {min(bounds):.3g}..{max(bounds):.3g}")
-    if "lookup" in epilogue:  # an output-stage lookup table (Sigmoid, SiLU as Swish, GELU, ...)
-        parts.append(f"lookup[{epilogue['lookup']['function']}]")
-    if "window_max" in epilogue:
-        window = epilogue["window_max"]
+    if "lookup" in stage:  # an output-stage lookup table (Sigmoid, SiLU as Swish, GELU, ...)
+        parts.append(f"lookup[{stage['lookup']['function']}]")
+    if "window_max" in stage:
+        window = stage["window_max"]
         parts.append(f"maxpool{window['kernel'][0]}x{window['kernel'][1]}/{window['strides'][0]}")
     return " ".join(parts)
 
@@ -242,7 +242,7 @@ def _print_lowering(result) -> None:
                      f"{'x'.join(map(str, geometry['output']))}")
         groups = f" groups={instr.groups}" if instr.groups > 1 else ""
         echo(f"  {instr.kind:<9} {instr.name:<{width}} M={instr.m:<6} N={instr.n:<5} K={instr.k:<5}{groups:<12} "
-             f"{shape}  {_format_epilogue(instr.epilogue)}")
+             f"{shape}  {_format_output_stage(instr.output_stage)}")
     for step in result.layout:
         echo(f"  layout    {step['name']:<{width}} {step['kind']}")
     if result.host_ops:

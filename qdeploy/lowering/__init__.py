@@ -1,7 +1,7 @@
 """Lowering: every operator becomes an instruction of the int8 GEMM unit (design.md section 4).
 
 `lower(graph)` runs the LOWER pass list and describes the result: one record per instruction with its
-GEMM geometry and fused epilogue, the layout-only steps, the host ops that could not be lowered (with the
+GEMM geometry and fused output stage, the layout-only steps, the host ops that could not be lowered (with the
 reason), and the fraction of multiply-accumulates that run on the GEMM unit."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from qdeploy.errors import QdeployError, Unsupported
 from qdeploy.ir import Graph, Node
 from isa.geometry import conv_output_size, upsampled_size, zero_read_macs
 from isa.kinds import LAYOUT_KINDS, WEIGHTED_GEMM_KINDS, Kind, handler
-from qdeploy.lowering.instructions import INSTRUCTION_OPS, LAYOUT_OPS, has_window_max, is_channel_concat, node_kind
+from qdeploy.lowering.instructions import INSTRUCTION_OPS, LAYOUT_OPS, is_channel_concat, node_kind, output_stage
 from qdeploy.lowering.rules import LOWERING
 from qdeploy.summary import node_elements, node_macs
 
@@ -32,7 +32,7 @@ class Instruction:
     groups: int
     macs: int
     geometry: dict = field(default_factory=dict)  # im2col: kernel, strides, pads, dilations, in/out shapes
-    epilogue: dict = field(default_factory=dict)  # bias, clamp, window-max
+    output_stage: dict = field(default_factory=dict)  # bias, clamp, clamp_hi, lookup, window-max
 
 
 @dataclass
@@ -71,21 +71,21 @@ def _shape(graph: Graph, name: str) -> list:
     return list(shape) if shape is not None else []
 
 
-def _epilogue(node: Node) -> dict:
-    attrs = node.attrs
+def _output_stage(node: Node) -> dict:
+    """The output stage as the description shows it: `bias` (a weighted GEMM's), `clamp` unless unbounded, a
+    product's constant `scale`, and the steps clamp_hi, lookup and window_max when present."""
+    stage = output_stage(node)
     result = {"bias": node.op in WEIGHTED_GEMM_KINDS}
-    if attrs["act_min"] != float("-inf") or attrs["act_max"] != float("inf"):
-        result["clamp"] = [attrs["act_min"], attrs["act_max"]]
-    if "product_scale" in attrs:  # a constant scale folded into a product of two activations
-        result["scale"] = attrs["product_scale"]
-    if "act_max_channels" in attrs:
-        result["clamp_max_channels"] = list(attrs["act_max_channels"])
-    if attrs.get("lookup_function") is not None:
-        result["lookup"] = {"function": attrs["lookup_function"], **attrs["lookup_params"]}
-    if has_window_max(attrs):
-        result["window_max"] = {"kernel": attrs["pool_kernel_shape"], "strides": attrs["pool_strides"],
-                                "pads": attrs["pool_pads"], "dilations": attrs["pool_dilations"],
-                                "ceil_mode": attrs["pool_ceil_mode"]}
+    if stage.clamp.lo != float("-inf") or stage.clamp.hi != float("inf"):
+        result["clamp"] = [stage.clamp.lo, stage.clamp.hi]
+    if "product_scale" in node.attrs:  # a constant scale folded into a product of two activations
+        result["scale"] = node.attrs["product_scale"]
+    if stage.clamp_hi is not None:
+        result["clamp_hi"] = list(stage.clamp_hi.hi)
+    if stage.lookup is not None:
+        result["lookup"] = {"function": stage.lookup.function, **dict(stage.lookup.params)}
+    if stage.window_max is not None:
+        result["window_max"] = stage.window_max.to_record()
     return result
 
 
@@ -160,7 +160,7 @@ def describe_instruction(graph: Graph, node: Node) -> Instruction:
     m, n, k, groups, geometry = handler(GEOMETRY, node_kind(graph, node), "the lowering description",
                                         f"node '{node.name}'")(graph, node)
     return Instruction(node.op, node.name, [i for i in node.inputs if not graph.tensors[i].is_constant],
-                       node.outputs[0], m, n, k, groups, groups * m * n * k, geometry, _epilogue(node))
+                       node.outputs[0], m, n, k, groups, groups * m * n * k, geometry, _output_stage(node))
 
 
 def host_reason(graph: Graph, node: Node) -> str:
