@@ -9,10 +9,11 @@ Arrays are named by their program array names (str); the output stage is `isa.ou
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
-from isa.geometry import conv_output_size, upsampled_size
+from isa.geometry import GemmShape, conv_output_size, upsampled_size, zero_read_macs
 from isa.kinds import RESHAPE_KINDS, Kind, handler
 from isa.output_stage import OutputStage
 
@@ -28,6 +29,12 @@ class Instruction:
 
     # Manifest keys of optional fields that are written only when set (not as null).
     OMITTED_WHEN_NONE: ClassVar[tuple[str, ...]] = ()
+
+    def gemm_shape(self, in_shapes: list, out_shape: list, batch: int, stored: int) -> GemmShape | None:
+        """The GEMM this instruction puts on the array for `batch` images (in_shapes, out_shape: the program's
+        tensor shapes; stored: output bytes after window-max), or None: a layout or host instruction puts none
+        (isa/tiling.py gemm_shape; a kind that reuses a datapath inherits its parent's)."""
+        return None
 
     @classmethod
     def from_manifest(cls, record: dict) -> "Instruction":
@@ -109,6 +116,20 @@ class ConvGemm(ArrayInstruction):
         return (conv_output_size(h, self.kernel[0], self.strides[0], self.pads[0], self.pads[2], self.dilations[0]),
                 conv_output_size(w, self.kernel[1], self.strides[1], self.pads[1], self.pads[3], self.dilations[1]))
 
+    def gemm_shape(self, in_shapes: list, out_shape: list, batch: int, stored: int) -> GemmShape:
+        """m = batch*OH*OW, k = C/G*kh*kw, n = M/G per group, OH and OW of the (upsampled) read. The MACs on zeros
+        of an upsampled read are counted (`zero_macs`): they run, and the model charges them."""
+        _, channels, height, width = in_shapes[0]
+        oh, ow = self.output_size(height, width)
+        groups = int(self.group)
+        zero_macs = 0
+        if self.upsample is not None:
+            zero_macs = batch * zero_read_macs(height, width, self.kernel, self.strides, self.pads, self.dilations,
+                                               self.upsample, self.upsample_fill, self.pad_fill,
+                                               int(out_shape[1]) * int(channels) // groups)
+        return GemmShape(groups, batch * oh * ow, int(out_shape[1]) // groups, int(self.k), stored,
+                         zero_macs=zero_macs)
+
 
 @dataclass(frozen=True, kw_only=True)
 class DenseGemm(ArrayInstruction):
@@ -120,6 +141,10 @@ class DenseGemm(ArrayInstruction):
 
     HAS_WINDOW_FIELD: ClassVar[bool] = False
 
+    def gemm_shape(self, in_shapes: list, out_shape: list, batch: int, stored: int) -> GemmShape:
+        """m = batch, one group."""
+        return GemmShape(1, batch, _prod(out_shape[1:]), int(self.k), stored)
+
 
 @dataclass(frozen=True, kw_only=True)
 class AddGemm(ArrayInstruction):
@@ -129,6 +154,12 @@ class AddGemm(ArrayInstruction):
     add_weights: tuple[int, int]
     add_scale: float
     add_ratio_f32: str
+
+    def gemm_shape(self, in_shapes: list, out_shape: list, batch: int, stored: int) -> GemmShape:
+        """One group per channel, m = batch*H*W, k = 2, n = 1."""
+        in_shape = in_shapes[0]
+        channels = int(in_shape[1]) if len(in_shape) > 1 else 1
+        return GemmShape(channels, batch * _prod(in_shape[2:]), 1, 2, stored)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,6 +171,11 @@ class MulGemm(ArrayInstruction):
     in an identity GEMM)."""
 
     HAS_WINDOW_FIELD: ClassVar[bool] = False
+
+    def gemm_shape(self, in_shapes: list, out_shape: list, batch: int, stored: int) -> GemmShape:
+        """One group per element of b (its weight, per sample), m = the a elements it multiplies, k = n = 1."""
+        a_elements, b_elements = _prod(in_shapes[0][1:]), _prod(in_shapes[1][1:])
+        return GemmShape(batch * b_elements, a_elements // b_elements, 1, 1, stored)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -153,6 +189,11 @@ class MatMulGemm(ArrayInstruction):
     transpose_b: bool
 
     HAS_WINDOW_FIELD: ClassVar[bool] = False
+
+    def gemm_shape(self, in_shapes: list, out_shape: list, batch: int, stored: int) -> GemmShape:
+        """One group per sample and leading index, (M x K) . (K x P); K is the instruction's k."""
+        return GemmShape(batch * _prod(in_shapes[0][1:-2]), int(out_shape[-2]), int(out_shape[-1]), int(self.k),
+                         stored)
 
     def grouped_operands(self, a, b) -> tuple:
         """(a, b) as the array reads them, (G, M, K) and (G, K, P) with one group per sample and leading index:
@@ -201,6 +242,10 @@ class Host(Instruction):
     opset: int
     operands: tuple = field(default_factory=tuple)
     attrs: dict = field(default_factory=dict)
+
+
+def _prod(values) -> int:
+    return math.prod(int(v) for v in values)
 
 
 # The records' handler table: the dataclass of each kind.
