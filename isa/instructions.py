@@ -36,6 +36,10 @@ class Instruction:
         (isa/tiling.py gemm_shape; a kind that reuses a datapath inherits its parent's)."""
         return None
 
+    def describe(self, arrays: dict) -> str:
+        """`qdeploy inspect`'s line for the instruction after its kind and name (`arrays`: the program's)."""
+        return f"shape {list(self.shape) if hasattr(self, 'shape') else ''}"
+
     @classmethod
     def from_manifest(cls, record: dict) -> "Instruction":
         values = {}
@@ -82,6 +86,18 @@ class ArrayInstruction(Instruction):
     tiles: dict | None = None
 
     HAS_WINDOW_FIELD: ClassVar[bool] = True  # the manifest holds "window" (null when none)
+
+    def describe(self, arrays: dict) -> str:
+        stage = self.stage
+        text = f"clamp {[stage.clamp.lo, stage.clamp.hi]} k={self.k} acc bound {self.acc_bound_bits} bits"
+        if stage.clamp_hi is not None:
+            bounds = arrays[stage.clamp_hi.hi]
+            text += f" per-channel upper bounds {int(bounds.min())}..{int(bounds.max())}"
+        if stage.lookup is not None:
+            lookup = stage.lookup
+            text += (f" then lookup table {lookup.function} ({lookup.input_dtype} codes, scale "
+                     f"{lookup.input_scale:.6g}{'' if lookup.monotonic else ', non-monotonic'})")
+        return text
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,6 +146,13 @@ class ConvGemm(ArrayInstruction):
         return GemmShape(groups, batch * oh * ow, int(out_shape[1]) // groups, int(self.k), stored,
                          zero_macs=zero_macs)
 
+    def describe(self, arrays: dict) -> str:
+        text = super().describe(arrays)
+        if self.upsample is not None or self.pad_fill is not None:
+            text += (f" read x{'x'.join(map(str, self.upsample or (1, 1)))} {self.upsample_fill or ''} "
+                     f"pad {self.pad_fill or 'zero'}")
+        return text
+
 
 @dataclass(frozen=True, kw_only=True)
 class DenseGemm(ArrayInstruction):
@@ -177,6 +200,10 @@ class MulGemm(ArrayInstruction):
         a_elements, b_elements = _prod(in_shapes[0][1:]), _prod(in_shapes[1][1:])
         return GemmShape(batch * b_elements, a_elements // b_elements, 1, 1, stored)
 
+    def describe(self, arrays: dict) -> str:
+        """The array line and the two operands."""
+        return f"{super().describe(arrays)}, operands {self.inputs[0]} by {self.inputs[1]}"
+
 
 @dataclass(frozen=True, kw_only=True)
 class MatMulGemm(ArrayInstruction):
@@ -194,6 +221,12 @@ class MatMulGemm(ArrayInstruction):
         """One group per sample and leading index, (M x K) . (K x P); K is the instruction's k."""
         return GemmShape(batch * _prod(in_shapes[0][1:-2]), int(out_shape[-2]), int(out_shape[-1]), int(self.k),
                          stored)
+
+    def describe(self, arrays: dict) -> str:
+        """The array line and the two operands (^T: read transposed)."""
+        first, second = (f"{name}^T" if flag else name
+                         for name, flag in zip(self.inputs, (self.transpose_a, self.transpose_b)))
+        return f"{super().describe(arrays)}, operands {first} by {second}"
 
     def grouped_operands(self, a, b) -> tuple:
         """(a, b) as the array reads them, (G, M, K) and (G, K, P) with one group per sample and leading index:

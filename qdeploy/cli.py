@@ -13,7 +13,6 @@ from typing import Callable, Optional
 
 import typer
 
-from isa.kinds import ACTIVATION_GEMM_KINDS, ARRAY_KINDS, LAYOUT_KINDS, Kind, handler
 from isa.target import TargetError
 from qdeploy.errors import BadInput, QdeployError, one_line
 
@@ -157,40 +156,7 @@ def _inspect_program(path: Path, json_output: bool) -> None:
     typer.echo(f"instructions ({len(records)}):")
     width = max(len(instr.name) for instr in records)
     for instr in records:
-        describe = handler(PROGRAM_PRINTERS, instr.kind, "inspect", f"instruction '{instr.name}'")
-        typer.echo(f"  {instr.kind:<9} {instr.name:<{width}} {describe(program, instr)}")
-
-
-def _describe_array_instruction(program, instr) -> str:
-    text = f"clamp {[instr.stage.clamp.lo, instr.stage.clamp.hi]} k={instr.k} acc bound {instr.acc_bound_bits} bits"
-    if instr.stage.clamp_hi is not None:
-        bounds = program.arrays[instr.stage.clamp_hi.hi]
-        text += f" per-channel upper bounds {int(bounds.min())}..{int(bounds.max())}"
-    if instr.stage.lookup is not None:
-        lookup = instr.stage.lookup
-        text += (f" then lookup table {lookup.function} ({lookup.input_dtype} codes, scale "
-                 f"{lookup.input_scale:.6g}{'' if lookup.monotonic else ', non-monotonic'})")
-    if getattr(instr, "upsample", None) is not None or getattr(instr, "pad_fill", None) is not None:
-        text += (f" read x{'x'.join(map(str, instr.upsample or (1, 1)))} {instr.upsample_fill or ''} "
-                 f"pad {instr.pad_fill or 'zero'}")
-    return text
-
-
-def _describe_activation_product(program, instr) -> str:
-    """MulGemm, MatMulGemm: the array line and the two operands (^T: read transposed)."""
-    first, second = (f"{name}^T" if getattr(instr, flag, False) else name
-                     for name, flag in zip(instr.inputs, ("transpose_a", "transpose_b")))
-    return f"{_describe_array_instruction(program, instr)}, operands {first} by {second}"
-
-
-def _describe_data_movement(program, instr) -> str:
-    return f"shape {list(instr.shape) if hasattr(instr, 'shape') else ''}"
-
-
-# `inspect`'s handler table for a program's instructions: the line after kind and name.
-PROGRAM_PRINTERS = {**{kind: _describe_array_instruction for kind in ARRAY_KINDS},
-                    **{kind: _describe_activation_product for kind in ACTIVATION_GEMM_KINDS},
-                    **{kind: _describe_data_movement for kind in LAYOUT_KINDS | {Kind.HOST}}}
+        typer.echo(f"  {instr.kind:<9} {instr.name:<{width}} {instr.describe(program.arrays)}")
 
 
 def _json_number(value):

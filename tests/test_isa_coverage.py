@@ -9,7 +9,6 @@ import pytest
 
 import isa.instructions
 import isa.tiling
-import qdeploy.cli
 import qdeploy.export_onnx
 import qdeploy.lowering
 import qdeploy.program
@@ -38,7 +37,6 @@ def stage_tables() -> dict[str, tuple[dict, frozenset]]:
         "Python-int twins": (simulator.reference.TWINS, every),
         "ONNX export": (qdeploy.export_onnx.EXPORTERS, every),
         "golden vectors": (simulator.vectors.export.OPERANDS, every),
-        "inspect printers": (qdeploy.cli.PROGRAM_PRINTERS, every),
     }
 
 
@@ -52,9 +50,9 @@ def test_every_stage_handles_every_kind():
 
 
 def test_every_array_kind_has_its_gemm_shape():
-    """The performance model's GEMM shape is a method of the records (isa/instructions.py), inherited by a kind
-    that reuses a datapath; every array kind's record has its own or its datapath's, the others put no GEMM on the
-    array."""
+    """The performance model's GEMM shape (like `inspect`'s line, `describe`) is a method of the records
+    (isa/instructions.py), inherited by a kind that reuses a datapath; every array kind's record has its own or its
+    datapath's, the others put no GEMM on the array."""
     from isa.instructions import Instruction
     from isa.kinds import ARRAY_KINDS
 
