@@ -41,6 +41,15 @@ class Instruction:
         return f"shape {list(self.shape) if hasattr(self, 'shape') else ''}"
 
     @classmethod
+    def lowered_gemm(cls, in_shapes: list, out_shape: list, attrs: dict, weight_shape: tuple | None,
+                     rows: int) -> tuple[int, int, int, int, dict]:
+        """(m, n, k, groups, geometry) per sample of the GEMM a node of the lowered graph puts on the array (the
+        lowering description, qdeploy/lowering/__init__.py): from its tensors' shapes (batch first), its
+        attributes, its constant weight's shape and its output's rows per image (Tensor.rows). A kind that reuses
+        a datapath inherits its parent's."""
+        raise ValueError(f"{cls.__name__} is not an array instruction")
+
+    @classmethod
     def from_manifest(cls, record: dict) -> "Instruction":
         values = {}
         for f in fields(cls):
@@ -121,6 +130,30 @@ class ConvGemm(ArrayInstruction):
 
     OMITTED_WHEN_NONE: ClassVar[tuple[str, ...]] = ("upsample", "upsample_fill", "pad_fill")
 
+    @classmethod
+    def lowered_gemm(cls, in_shapes: list, out_shape: list, attrs: dict, weight_shape: tuple | None,
+                     rows: int) -> tuple[int, int, int, int, dict]:
+        """Per group (OH*OW x C/g*kh*kw) . (C/g*kh*kw x M/g). The GEMM runs before the window-max, so M counts the
+        conv's outputs, not the pooled ones. An upsampled read (isa/geometry.py) adds its factor and fills, and
+        `zero_macs`: the MACs that read a zero of the read (inserted zeros, zero padding)."""
+        groups = int(attrs["group"])
+        in_shape = in_shapes[0]
+        kh, kw = weight_shape[2:]
+        (sh, sw), (dh, dw), pads = attrs["strides"], attrs["dilations"], attrs["pads"]
+        upsample, fill = attrs.get("upsample"), attrs.get("upsample_fill")
+        fh, fw = upsample or (1, 1)
+        oh = conv_output_size(upsampled_size(in_shape[2], fh, fill), kh, sh, pads[0], pads[2], dh)
+        ow = conv_output_size(upsampled_size(in_shape[3], fw, fill), kw, sw, pads[1], pads[3], dw)
+        geometry = {"input": in_shape[1:], "output": [weight_shape[0], oh, ow], "kernel": [kh, kw],
+                    "strides": [sh, sw], "pads": pads, "dilations": [dh, dw]}
+        if upsample is not None or attrs.get("pad_fill") is not None:
+            geometry.update({"upsample": list(upsample or (1, 1)), "upsample_fill": fill,
+                             "pad_fill": attrs.get("pad_fill") or "zero",
+                             "zero_macs": zero_read_macs(in_shape[2], in_shape[3], (kh, kw), (sh, sw), pads,
+                                                         (dh, dw), upsample, fill, attrs.get("pad_fill"),
+                                                         weight_shape[0] * weight_shape[1])})
+        return oh * ow, weight_shape[0] // groups, _prod(weight_shape[1:]), groups, geometry
+
     def read_size(self, height: int, width: int) -> tuple[int, int]:
         """(H, W) of the input as the window reads it, before padding (isa.geometry.upsampled_size)."""
         fh, fw = self.upsample or (1, 1)
@@ -168,6 +201,12 @@ class DenseGemm(ArrayInstruction):
         """m = batch, one group."""
         return GemmShape(1, batch, _prod(out_shape[1:]), int(self.k), stored)
 
+    @classmethod
+    def lowered_gemm(cls, in_shapes: list, out_shape: list, attrs: dict, weight_shape: tuple | None,
+                     rows: int) -> tuple[int, int, int, int, dict]:
+        """(rows x K) . (K x M) per sample (rows: 1, or the image's tokens)."""
+        return rows, weight_shape[0], weight_shape[1], 1, {"input": in_shapes[0][1:], "output": out_shape[1:]}
+
 
 @dataclass(frozen=True, kw_only=True)
 class AddGemm(ArrayInstruction):
@@ -184,6 +223,15 @@ class AddGemm(ArrayInstruction):
         channels = int(in_shape[1]) if len(in_shape) > 1 else 1
         return GemmShape(channels, batch * _prod(in_shape[2:]), 1, 2, stored)
 
+    @classmethod
+    def lowered_gemm(cls, in_shapes: list, out_shape: list, attrs: dict, weight_shape: tuple | None,
+                     rows: int) -> tuple[int, int, int, int, dict]:
+        """Per channel, each output is [a b] . [1 1]^T."""
+        in_shape = in_shapes[0]
+        groups = int(in_shape[1]) if len(in_shape) > 1 else 1
+        m = _prod(in_shape[2:]) if len(in_shape) > 2 else 1
+        return m, 1, 2, groups, {"input": in_shape[1:], "output": in_shape[1:]}
+
 
 @dataclass(frozen=True, kw_only=True)
 class MulGemm(ArrayInstruction):
@@ -199,6 +247,16 @@ class MulGemm(ArrayInstruction):
         """One group per element of b (its weight, per sample), m = the a elements it multiplies, k = n = 1."""
         a_elements, b_elements = _prod(in_shapes[0][1:]), _prod(in_shapes[1][1:])
         return GemmShape(batch * b_elements, a_elements // b_elements, 1, 1, stored)
+
+    @classmethod
+    def lowered_gemm(cls, in_shapes: list, out_shape: list, attrs: dict, weight_shape: tuple | None,
+                     rows: int) -> tuple[int, int, int, int, dict]:
+        """One group per element of b (per sample), each output [a] . [b]: m = the a elements one b element
+        multiplies, k = n = 1."""
+        a_shape, b_shape = in_shapes[0], in_shapes[1]
+        groups = _prod(b_shape[1:])
+        return _prod(a_shape[1:]) // groups, 1, 1, groups, {"input": a_shape[1:], "operand": b_shape[1:],
+                                                            "output": a_shape[1:]}
 
     def describe(self, arrays: dict) -> str:
         """The array line and the two operands."""
@@ -221,6 +279,16 @@ class MatMulGemm(ArrayInstruction):
         """One group per sample and leading index, (M x K) . (K x P); K is the instruction's k."""
         return GemmShape(batch * _prod(in_shapes[0][1:-2]), int(out_shape[-2]), int(out_shape[-1]), int(self.k),
                          stored)
+
+    @classmethod
+    def lowered_gemm(cls, in_shapes: list, out_shape: list, attrs: dict, weight_shape: tuple | None,
+                     rows: int) -> tuple[int, int, int, int, dict]:
+        """One (M x K) . (K x P) GEMM per leading index (per sample)."""
+        a_shape = in_shapes[0]
+        geometry = {"input": a_shape[1:], "operand": in_shapes[1][1:], "output": out_shape[1:],
+                    "transpose_a": int(attrs["transpose_a"]), "transpose_b": int(attrs["transpose_b"])}
+        m, k = (a_shape[-1], a_shape[-2]) if attrs["transpose_a"] else (a_shape[-2], a_shape[-1])
+        return int(m), int(out_shape[-1]), int(k), _prod(a_shape[1:-2]), geometry
 
     def describe(self, arrays: dict) -> str:
         """The array line and the two operands (^T: read transposed)."""

@@ -18,6 +18,7 @@ import qdeploy.export_onnx  # noqa: E402
 import simulator.machine  # noqa: E402
 import simulator.reference  # noqa: E402
 import simulator.vectors.export  # noqa: E402
+from isa.instructions import AddGemm  # noqa: E402
 from isa.kinds import Kind  # noqa: E402
 from isa.output_stage import (STEP_ORDER, Clamp, ClampHi, MissingEvaluator, Requantize, fold,  # noqa: E402
                               missing_evaluators)
@@ -182,7 +183,25 @@ def test_dry_run_a_new_kind_on_an_existing_datapath():
         table, required = extended[stage]
         partial = {**extended, stage: ({k: v for k, v in table.items() if k != MIN_GEMM}, required)}
         assert missing_handlers_by_name(partial) == [f"{stage}: no handler for {MIN_GEMM}"]
-    assert len(tables) == 9  # the kind tables a new kind reaches (plus isa/kinds.py for its name)
+    assert len(tables) == 8  # the kind tables a new kind reaches (plus isa/kinds.py for its name)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MinGemm(AddGemm):
+    """The dry run's record (isa/instructions.py): AddGemm's fields and datapath."""
+
+
+def test_dry_run_a_kind_on_a_datapath_inherits_its_record_methods():
+    """What follows from the record alone is inherited: manifest fields, output stage, GEMM shapes, inspect line."""
+    record = {"kind": Kind.ADD_GEMM, "name": "m", "inputs": ["a", "b"], "output": "y", "mult": "0_mult",
+              "shift": "0_shift", "scale_f32": "0_scale", "clamp": [0, 127], "window": None, "k": 2,
+              "acc_bound_bits": 17, "add_weights": [16384, 9000], "add_scale": 0.5, "add_ratio_f32": "0_ratio"}
+    add, low = AddGemm.from_manifest(record), MinGemm.from_manifest(record)
+    assert low.to_manifest() == add.to_manifest() == record and low.stage == add.stage
+    shapes = ([[None, 4, 3, 5], [None, 4, 3, 5]], [None, 4, 3, 5])
+    assert MinGemm.lowered_gemm(*shapes, {}, None, 1) == AddGemm.lowered_gemm(*shapes, {}, None, 1)
+    assert low.gemm_shape(*shapes, 2, 120) == add.gemm_shape(*shapes, 2, 120)
+    assert low.describe({}) == add.describe({}) == "clamp [0, 127] k=2 acc bound 17 bits"
 
 
 def missing_handlers_by_name(tables) -> list[str]:
