@@ -11,10 +11,10 @@ backend without an evaluator for a present step raises `MissingEvaluator` naming
 (tests/test_output_stage_coverage.py walks every step through every backend's table).
 In the float graph a fused MaxPool may come before an activation (Conv -> MaxPool -> Relu) while the hardware
 applies window-max last; that reordering is exact only for steps that commute with a maximum, i.e. monotonic
-non-decreasing ones. Each step declares `monotonic`; the lowering fuses a step behind a window-max only when
-it is (`commutes_with_window_max`, asked of each step that would move), so a future non-monotonic step (a lookup table for SiLU, GELU) is placed
-correctly instead of silently reordered. The one non-monotonic step is the `Lookup` (a 256-entry table of
-output codes for Sigmoid, SiLU, GELU, ...): its `monotonic` is the table's own (entries non-decreasing).
+non-decreasing ones. Each step declares `monotonic`; the lowering fuses a step behind a window-max only when it is
+(`commutes_with_window_max`, asked of each step that would move: `OutputStage.joined`), so a non-monotonic
+step is placed correctly instead of silently reordered. The one non-monotonic step is the `Lookup` (a 256-entry
+table of output codes for Sigmoid, SiLU, GELU, ...): its `monotonic` is the table's own (entries non-decreasing).
 """
 
 from __future__ import annotations

@@ -31,10 +31,10 @@ How each instruction is exported (x = the input tensor, y = the output; s_x, s_y
 - Concat: Concat(axis=1); the inputs share the output's scale.
 - outputs: the int8 tensors; with `float_outputs`, DequantizeLinear(y, s_y, 0).
 
-QLinearConv saturates to the int8 range only, so a narrower clamp [lo, hi] of a fused ReLU/ReLU6 (or
-act_min = -127) is a Clip on the int8 tensor (Clip accepts int8 from opset 12); MaxPool accepts int8 from
-opset 12. Clip and MaxPool commute with the requantization (both are monotonic), so the chain equals the
-program's output stage `Requantize -> Clamp -> Lookup -> WindowMax`, each step written by its evaluator in STEP_EXPORTERS.
+QLinearConv saturates to the int8 range only, so a narrower clamp [lo, hi] of a fused ReLU/ReLU6 (or act_min = -127)
+is a Clip on the int8 tensor (Clip accepts int8 from opset 12); MaxPool accepts int8 from opset 12. Clip and MaxPool
+commute with the requantization (both are monotonic), so the chain equals the program's output stage `Requantize ->
+Clamp -> Lookup -> WindowMax`, each step written by its evaluator in STEP_EXPORTERS.
 
 Arithmetic of ONNX Runtime on this model (onnxruntime 1.31, x86-64 with AVX2 and FMA), measured by
 tests/test_export_onnx.py and read from MLAS:

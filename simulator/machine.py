@@ -128,9 +128,9 @@ class Machine:
 
     def _fused_output_stage(self, instr: Instruction, plan: _GemmPlan) -> PlaneParameters | None:
         """The Requantize step's per-channel parameters when a ConvGemm's int8 GEMM (kernels.int8_simd) may run its
-        output stage's first steps (INT8_SIMD_STEPS: Bias, Requantize, Clamp) in its store: every exact sum of every channel, for any input of the input's dtype, fits an
-        int32 register of at most 32 bits (so there is no wrap, no saturation, no event, and the int32 result is
-        the sum), else None."""
+        output stage's first steps (INT8_SIMD_STEPS: Bias, Requantize, Clamp) in its store: every exact sum of every
+        channel, for any input of the input's dtype, fits an int32 register of at most 32 bits (so there is no wrap,
+        no saturation, no event, and the int32 result is the sum), else None."""
         if (plan.packed is None or instr.kind != Kind.CONV_GEMM or self.arithmetic.acc_bits > 32 or not self.fused
                 or tuple(map(type, instr.stage.steps[:len(INT8_SIMD_STEPS)])) != INT8_SIMD_STEPS):
             return None
@@ -338,7 +338,8 @@ class Machine:
         else:  # grouped: im2col + one GEMM per group, (G, N*OH*OW, M/G) -> (N, OH*OW, M), channel c = g*M/G + j
             groups = instr.group
             cols = im2col(x, kernel, strides, pads, dilations, groups)
-            result = gemm(cols, plan.weight, acc_bits, overflow, bias=None if bias is None else bias.reshape(groups, -1))
+            grouped_bias = None if bias is None else bias.reshape(groups, -1)
+            result = gemm(cols, plan.weight, acc_bits, overflow, bias=grouped_bias)
             acc, events = np.ascontiguousarray(result.acc.transpose(1, 0, 2)).reshape(n, oh * ow, -1), result.events
         return self._output_stage(instr, acc, layout, steps), acc, events  # y in acc's memory order, then NCHW
 

@@ -296,9 +296,9 @@ def window_max(x: np.ndarray, kernel_shape: Sequence[int], strides: Sequence[int
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Whole instructions: the Python-int twin of each kind, its GEMM then its output stage, folded step by step
-# over the stage's steps (isa/output_stage.py). `run_instruction` is what the machine's KERNELS table must equal, instruction
-# by instruction (tests/test_isa_twins.py).
+# Whole instructions: the Python-int twin of each kind, its GEMM then its output stage, folded step by step over
+# the stage's steps (isa/output_stage.py). `run_instruction` is what the machine's KERNELS table must equal,
+# instruction by instruction (tests/test_isa_twins.py).
 
 @dataclass(frozen=True)
 class _Plane:

@@ -135,8 +135,10 @@ def test_gating_forms_lower_to_mul_gemm_with_the_broadcast_operand_second(tmp_pa
     assert {name: nodes[name].op for name in ("product", "channel_gate", "spatial_gate", "square")} == \
         dict.fromkeys(("product", "channel_gate", "spatial_gate", "square"), Kind.MUL_GEMM)
     assert nodes["channel_gate"].inputs == ["b", "g"]  # swapped: the (N, C, 1, 1) gate is read with repeats
-    assert nodes["product"].outputs == ["abr"] and nodes["product"].attrs["output_stage"].clamp.lo == 0  # the ReLU fused
-    assert nodes["pool"].op == Kind.CONV_GEMM and nodes["pool"].attrs["output_stage"].window_max.kernel == (2, 2)  # no window
+    assert nodes["product"].outputs == ["abr"]
+    assert nodes["product"].attrs["output_stage"].clamp.lo == 0  # the ReLU fused
+    assert nodes["pool"].op == Kind.CONV_GEMM  # MulGemm has no window-max: the MaxPool runs in an identity GEMM
+    assert nodes["pool"].attrs["output_stage"].window_max.kernel == (2, 2)
 
 
 def test_attention_runs_both_matmuls_on_the_array_with_the_transpose_folded(tmp_path):

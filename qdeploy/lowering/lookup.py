@@ -17,12 +17,13 @@ precision, the set is that function (`recognise_functions` makes it one node of 
 written out, so every exporter's arrangement is covered.
 
 `fuse_lookups` then puts each function into the output stage of the instruction producing x (when x is read by
-nothing else; when that instruction ends in a window-max, only for a monotonic f, since the table then runs
-before the window-max that came first in the float graph: a non-monotonic f (SiLU, GELU, Mish, HardSwish) gets
-an identity GEMM after it), or, when there is no such producer, into an identity GEMM. The fused instruction's
-output stage gets the step `Lookup(function, monotonic, params)` (isa/output_stage.py) and a second output: the pre-activation tensor (x itself when fused into its producer), which
-calibration measures like any other tensor, so the table's input has its own threshold. A clamp after a
-table cannot join the output stage (it would run before the table), nor can a second table."""
+nothing else; when that instruction ends in a window-max, only for a monotonic f, since the table then runs before
+the window-max that came first in the float graph: a non-monotonic f (SiLU, GELU, Mish, HardSwish) gets an identity
+GEMM after it), or, when there is no such producer, into an identity GEMM. The fused instruction's output stage gets
+the step `Lookup(function, monotonic, params)` (isa/output_stage.py) and a second output: the pre-activation tensor
+(x itself when fused into its producer), which calibration measures like any other tensor, so the table's input has
+its own threshold. A clamp after a table cannot join the output stage (it would run before the table), nor can a
+second table."""
 
 from __future__ import annotations
 

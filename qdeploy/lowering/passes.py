@@ -416,6 +416,6 @@ LOWER: list[Pass] = [
 ]
 
 
-__all__ = ["LOWER", "copy_shared_concat_inputs", "fold_read_into_conv", "lower_channel_permutations", "split_to_slices", "fold_batchnorm", "fold_constant_affine", "fuse_output_stages",
-           "lower_gemm_ops",
-           "lower_remaining_ops", "lower_standalone_output_stages"]
+__all__ = ["LOWER", "copy_shared_concat_inputs", "fold_read_into_conv", "lower_channel_permutations", "split_to_slices",
+           "fold_batchnorm", "fold_constant_affine", "fuse_output_stages", "lower_gemm_ops", "lower_remaining_ops",
+           "lower_standalone_output_stages"]
