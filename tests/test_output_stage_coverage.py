@@ -20,8 +20,8 @@ import simulator.reference  # noqa: E402
 import simulator.vectors.export  # noqa: E402
 from isa.instructions import AddGemm  # noqa: E402
 from isa.kinds import Kind  # noqa: E402
-from isa.output_stage import (STEP_ORDER, Clamp, ClampHi, MissingEvaluator, Requantize, fold,  # noqa: E402
-                              missing_evaluators)
+from isa.output_stage import (STEP_ORDER, Clamp, ClampHi, Lookup, MissingEvaluator, OutputStage,  # noqa: E402
+                              Requantize, WindowMax, fold, missing_evaluators)
 from isa.target import Arithmetic, Target  # noqa: E402
 from qdeploy import api  # noqa: E402
 from simulator.machine import Machine  # noqa: E402
@@ -49,6 +49,25 @@ def test_a_missing_evaluator_is_named():
     assert missing_evaluators(STEP_ORDER, tables) == ["the ONNX export: no evaluator for ClampHi"]
     with pytest.raises(MissingEvaluator, match="the ONNX export has no evaluator for the output-stage step ClampHi"):
         fold([ClampHi("bounds")], tables["the ONNX export"], "the ONNX export", "y")
+
+
+# --- fusion asks each step ----------------------------------------------------------------------------------
+
+def test_fusion_moves_a_step_before_a_window_max_only_when_it_is_monotonic():
+    """OutputStage.joined (the lowering's fusion): a step that follows a fused MaxPool in the float graph moves
+    before the window-max only if that step is monotonic; nothing moves before a table; clamps intersect."""
+    inf = float("inf")
+    pooled = OutputStage((Clamp(-inf, inf), WindowMax((2, 2), (2, 2), (0, 0, 0, 0), (1, 1), False)))
+    sigmoid, gelu = Lookup("Sigmoid", True), Lookup("Gelu", False)
+    assert pooled.joined(gelu) is None  # max(f(a), f(b)) != f(max(a, b)) for a non-monotonic f
+    assert [type(s) for s in pooled.joined(sigmoid).steps] == [Clamp, Lookup, WindowMax]
+    assert pooled.joined(Clamp(0.0, 6.0)).steps[0] == Clamp(0.0, 6.0)
+    assert pooled.joined(Clamp(0.0, inf)).joined(Clamp(-1.0, 6.0)).clamp == Clamp(0.0, 6.0)
+    assert pooled.joined(Clamp(7.0, inf)).joined(Clamp(-inf, 6.0)) is None  # an empty interval
+    assert pooled.joined(sigmoid).joined(Clamp(0.0, 6.0)) is None  # it would run before the table
+    assert pooled.joined(pooled.window_max) is None  # one window-max per stage
+    with pytest.raises(ValueError, match="steps out of order"):
+        OutputStage((WindowMax((2, 2), (2, 2), (0, 0, 0, 0), (1, 1), False), Clamp(0, 1)))
 
 
 # --- fused fast paths = the folded evaluation --------------------------------------------------------------
