@@ -56,8 +56,8 @@ def check(name: str, exporter: str, folder: Path, calibration: int = 4, batch: i
     return {"model": name, "exporter": exporter, "host_ops": dict(Counter(h.op for h in lowering.host_ops)),
             "gemm_share": lowering.gemm_mac_fraction, "relative_error": relative, "ran_batch": outputs[0].shape[0],
             "top1_agreement": agreement, "sqnr_db": sqnr,
-            "lookups": dict(Counter(i.epilogue["lookup"]["function"] for i in lowering.instructions
-                                    if "lookup" in i.epilogue)),
+            "lookups": dict(Counter(i.output_stage["lookup"]["function"] for i in lowering.instructions
+                                    if "lookup" in i.output_stage)),
             "seconds": time.perf_counter() - start}
 
 

@@ -125,7 +125,7 @@ function automatic wide_t float32_multiply(input wide_t acc, input logic [31:0] 
 endfunction
 
 // The output stage after the accumulator (isa/output_stage.py): Requantize in `mode`, Clamp to [lo, hi], then
-// ClampPerChannel (hi_channel, pass hi when the instruction has none).
+// ClampHi (hi_channel, pass hi when the instruction has none).
 function automatic wide_t output_stage(input wide_t acc, input wide_t mult, input int shift,
                                        input logic [31:0] scale_bits, input int mode, input int lo, input int hi,
                                        input int hi_channel);

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from isa.output_stage import STEP_ORDER, Bias, Clamp, ClampHi, Lookup, Requantize, WindowMax, fold
+
 HW = Path(__file__).resolve().parent
 TILE, TESTBENCH = HW / "qdeploy_gemm_tile.sv", HW / "tb_layer.sv"
 
@@ -76,21 +78,32 @@ def why_not(layer: dict) -> str | None:
     return None
 
 
-def lookup_args(layer: dict) -> list[str]:
+def _read_from_files(step: type, args: list[str], layer: dict) -> list[str]:
+    """Bias, Requantize: the testbench reads bias.hex, mult.hex and shift.hex of every layer (the rounding mode
+    is the build's); no plusarg."""
+    return args
+
+
+def clamp_args(step: type, args: list[str], layer: dict) -> list[str]:
+    low, high = layer["clamp"]
+    return [*args, f"+LO={low}", f"+HI={high}"]
+
+
+def clamp_hi_args(step: type, args: list[str], layer: dict) -> list[str]:
+    """Per-channel upper bounds: the testbench reads clamp_hi.hex."""
+    return [*args, "+CLAMP_HI=1"]
+
+
+def lookup_args(step: type, args: list[str], layer: dict) -> list[str]:
     """The plusarg of an output-stage lookup table (isa/output_stage.py Lookup): the code's offset into it."""
-    lookup = layer.get("lookup")
-    if not lookup:
-        return []
-    return [f"+LOOKUP_OFFSET={128 if lookup['input_dtype'] == 'int8' else 0}"]
+    return [*args, f"+LOOKUP_OFFSET={128 if layer['lookup']['input_dtype'] == 'int8' else 0}"]
 
 
-def window_args(layer: dict) -> list[str]:
+def window_args(step: type, args: list[str], layer: dict) -> list[str]:
     """The plusargs of a fused window-max: output grid, window, pooled size (isa/geometry.py)."""
     from isa.geometry import pool_output_size
 
-    window = layer.get("window")
-    if not window:
-        return []
+    window = layer["window"]
     batch, _, height, width = layer["output_grid"]
     (kh, kw), (sh, sw), (pt, pl, pb, pr), (dh, dw) = (window[key] for key in ("kernel", "strides", "pads",
                                                                                   "dilations"))
@@ -98,7 +111,26 @@ def window_args(layer: dict) -> list[str]:
               pool_output_size(width, kw, sw, pl, pr, dw, bool(window["ceil_mode"]))]
     values = {"WINDOW": 1, "NB": batch, "OH": height, "OW": width, "KH": kh, "KW": kw, "SH": sh, "SW": sw,
               "PT": pt, "PL": pl, "PB": pb, "PR": pr, "DH": dh, "DW": dw, "POH": pooled[0], "POW": pooled[1]}
-    return [f"+{key}={value}" for key, value in values.items()]
+    return [*args, *(f"+{key}={value}" for key, value in values.items())]
+
+
+def output_stage_args(layer: dict, table: dict | None = None) -> list[str]:
+    """The plusargs of a layer's output stage: its steps (the vectors manifest's `output_stage`, step names in
+    order) folded over the STEP_ARGS evaluators (isa/output_stage.py fold), each adding its own."""
+    if "output_stage" not in layer:
+        raise RtlError(f"layer {layer['dir']}: the vectors name no output stage (written before qdeploy wrote "
+                       f"`output_stage`; export them again)")
+    by_name = {step.__name__: step for step in (*STEP_ORDER, *(table or STEP_ARGS))}
+    unknown = [name for name in layer["output_stage"] if name not in by_name]
+    if unknown:
+        raise RtlError(f"layer {layer['dir']}: unknown output-stage step {unknown[0]!r}")
+    return fold([by_name[name] for name in layer["output_stage"]], table or STEP_ARGS, "the reference RTL runner",
+                [], layer)
+
+
+# The reference RTL runner's evaluator of each output-stage step (isa/output_stage.py): the plusargs it adds.
+STEP_ARGS = {Bias: _read_from_files, Requantize: _read_from_files, Clamp: clamp_args, ClampHi: clamp_hi_args,
+             Lookup: lookup_args, WindowMax: window_args}
 
 
 def run(vectors: str | Path, dump: str | Path, rounding: str | None = None, sources: list[Path] | None = None,
@@ -120,13 +152,10 @@ def run(vectors: str | Path, dump: str | Path, rounding: str | None = None, sour
             files = layer["files"]
             out_dir = dump / layer["dir"]
             out_dir.mkdir(parents=True, exist_ok=True)
-            low, high = layer["clamp"]
             args = [f"+dir={vectors / layer['dir']}", f"+dump={out_dir}", f"+G={layer['groups']}", f"+M={layer['m']}",
                     f"+N={layer['n']}", f"+K={layer['k']}", f"+WBITS={files['weight']['bits']}",
-                    f"+INBITS={files['input']['bits']}",
-                    f"+UNSIGNED={int(not files['input']['signed'])}", f"+LO={low}", f"+HI={high}",
-                    f"+CLAMP_HI={int('clamp_hi' in files)}", f"+SIGNED_OUT={int(files['out']['signed'])}",
-                    *window_args(layer), *lookup_args(layer)]
+                    f"+INBITS={files['input']['bits']}", f"+UNSIGNED={int(not files['input']['signed'])}",
+                    f"+SIGNED_OUT={int(files['out']['signed'])}", *output_stage_args(layer)]
             result = subprocess.run(["vvp", "-n", str(simulation), *args], capture_output=True, text=True)
             if result.returncode or not (out_dir / "out.hex").exists():
                 raise RtlError(f"vvp failed on {layer['dir']}: {(result.stderr or result.stdout).strip()[-300:]}")

@@ -4,7 +4,8 @@
 // geometry comes as plusargs (hw/rtl.py reads them from the vectors manifest):
 //   +dir=<layer dir> +dump=<dump layer dir> +G=<groups> +M=<m> +N=<n> +K=<k> +WBITS=<8|16> +INBITS=<8|16>
 //   +UNSIGNED=<0|1>
-//   +LO=<clamp lo> +HI=<clamp hi> +CLAMP_HI=<0|1> +SIGNED_OUT=<0|1>
+//   +LO=<clamp lo> +HI=<clamp hi> +SIGNED_OUT=<0|1>
+// and, for per-channel upper bounds (the ClampHi step, clamp_hi.hex), +CLAMP_HI=1
 // and, for an output-stage lookup table (lookup_table.hex, 256 entries), +LOOKUP_OFFSET=<128 for int8 codes|0>
 // and, for a fused MaxPool (the window-max on store, writing stored.hex), +WINDOW=1 with the output grid
 // +NB=<batch> +OH +OW, the window +KH +KW +SH +SW +PT +PL +PB +PR +DH +DW and the pooled size +POH +POW.
@@ -104,7 +105,7 @@ module tb_layer;
         !$value$plusargs("WBITS=%d", WBITS) || !$value$plusargs("INBITS=%d", INBITS) ||
         !$value$plusargs("UNSIGNED=%d", UNSIGNED) ||
         !$value$plusargs("LO=%d", LO) || !$value$plusargs("HI=%d", HI) ||
-        !$value$plusargs("CLAMP_HI=%d", HAS_CLAMP_HI) || !$value$plusargs("SIGNED_OUT=%d", SIGNED_OUT)) begin
+        !$value$plusargs("SIGNED_OUT=%d", SIGNED_OUT)) begin
       $display("tb_layer: missing plusargs"); $finish;
     end
     k_words = words(K, R); n_words = words(N, C); gn_words = words(G * N, C);
@@ -114,6 +115,7 @@ module tb_layer;
     $readmemh({dir, "/mult.hex"}, mult_mem);
     $readmemh({dir, "/shift.hex"}, shift_mem);
     $readmemh({dir, "/scale_f32.hex"}, scale_mem);
+    if (!$value$plusargs("CLAMP_HI=%d", HAS_CLAMP_HI)) HAS_CLAMP_HI = 0;
     if (HAS_CLAMP_HI) $readmemh({dir, "/clamp_hi.hex"}, clamp_hi_mem);
     if (!$value$plusargs("LOOKUP_OFFSET=%d", LOOKUP_OFFSET)) LOOKUP_OFFSET = -1;
     if (LOOKUP_OFFSET >= 0) $readmemh({dir, "/lookup_table.hex"}, table_mem);

@@ -3,6 +3,8 @@ the program checks, the tiler and the simulator."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 
 def conv_output_size(size: int, kernel: int, stride: int, pad_begin: int, pad_end: int, dilation: int) -> int:
     """ONNX Conv: floor((size + pads - dilation*(kernel-1) - 1) / stride) + 1."""
@@ -96,3 +98,26 @@ def zero_read_macs(height: int, width: int, kernel: tuple, strides: tuple, pads:
     rows, oh = real_taps(height, kernel[0], strides[0], pads[0], pads[2], dilations[0], fh, fill, pad_fill)
     cols, ow = real_taps(width, kernel[1], strides[1], pads[1], pads[3], dilations[1], fw, fill, pad_fill)
     return macs_per_tap * (kernel[0] * kernel[1] * oh * ow - sum(rows) * sum(cols))
+
+
+@dataclass(frozen=True)
+class GemmShape:
+    """One instruction as the array runs it: `groups` GEMMs (m x k) . (k x n) for a batch, and the bytes its
+    output stage stores (after window-max)."""
+
+    groups: int
+    m: int
+    n: int
+    k: int
+    stored_bytes: int
+    table_bytes: int = 0  # the output stage's lookup table (256 bytes), read once with the parameters
+    zero_macs: int = 0  # MACs whose input is a zero of an upsampled read (isa/geometry.py zero_read_macs)
+
+    @property
+    def macs(self) -> int:
+        return self.groups * self.m * self.n * self.k
+
+    @property
+    def out_bytes(self) -> int:
+        """int8 bytes of the GEMM's result before window-max."""
+        return self.groups * self.m * self.n

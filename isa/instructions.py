@@ -9,10 +9,11 @@ Arrays are named by their program array names (str); the output stage is `isa.ou
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
-from isa.geometry import conv_output_size, upsampled_size
+from isa.geometry import GemmShape, conv_output_size, upsampled_size, zero_read_macs
 from isa.kinds import RESHAPE_KINDS, Kind, handler
 from isa.output_stage import OutputStage
 
@@ -28,6 +29,25 @@ class Instruction:
 
     # Manifest keys of optional fields that are written only when set (not as null).
     OMITTED_WHEN_NONE: ClassVar[tuple[str, ...]] = ()
+
+    def gemm_shape(self, in_shapes: list, out_shape: list, batch: int, stored: int) -> GemmShape | None:
+        """The GEMM this instruction puts on the array for `batch` images (in_shapes, out_shape: the program's
+        tensor shapes; stored: output bytes after window-max), or None: a layout or host instruction puts none
+        (isa/tiling.py gemm_shape; a kind that reuses a datapath inherits its parent's)."""
+        return None
+
+    def describe(self, arrays: dict) -> str:
+        """`qdeploy inspect`'s line for the instruction after its kind and name (`arrays`: the program's)."""
+        return f"shape {list(self.shape) if hasattr(self, 'shape') else ''}"
+
+    @classmethod
+    def lowered_gemm(cls, in_shapes: list, out_shape: list, attrs: dict, weight_shape: tuple | None,
+                     rows: int) -> tuple[int, int, int, int, dict]:
+        """(m, n, k, groups, geometry) per sample of the GEMM a node of the lowered graph puts on the array (the
+        lowering description, qdeploy/lowering/__init__.py): from its tensors' shapes (batch first), its
+        attributes, its constant weight's shape and its output's rows per image (Tensor.rows). A kind that reuses
+        a datapath inherits its parent's."""
+        raise ValueError(f"{cls.__name__} is not an array instruction")
 
     @classmethod
     def from_manifest(cls, record: dict) -> "Instruction":
@@ -57,16 +77,11 @@ class Instruction:
 
 
 def _stage_fields(stage: OutputStage, instr: "ArrayInstruction") -> dict[str, Any]:
-    """The manifest fields of an output stage (the bias is the weighted GEMMs' own field)."""
-    record: dict[str, Any] = {"mult": stage.requantize.mult, "shift": stage.requantize.shift,
-                              "scale_f32": stage.requantize.scale_f32,
-                              "clamp": [stage.clamp.lo, stage.clamp.hi]}
-    if stage.clamp_per_channel is not None:
-        record["clamp_hi"] = stage.clamp_per_channel.array
-    if stage.lookup is not None:
-        record["lookup"] = stage.lookup.to_record()
+    """The manifest fields of an output stage (each step's own, isa/output_stage.py); a kind with a window field
+    writes it as null when there is no window-max."""
+    record = stage.to_manifest()
     if instr.HAS_WINDOW_FIELD:
-        record["window"] = None if stage.window_max is None else stage.window_max.to_record()
+        record.setdefault("window", None)
     return record
 
 
@@ -80,6 +95,18 @@ class ArrayInstruction(Instruction):
     tiles: dict | None = None
 
     HAS_WINDOW_FIELD: ClassVar[bool] = True  # the manifest holds "window" (null when none)
+
+    def describe(self, arrays: dict) -> str:
+        stage = self.stage
+        text = f"clamp {[stage.clamp.lo, stage.clamp.hi]} k={self.k} acc bound {self.acc_bound_bits} bits"
+        if stage.clamp_hi is not None:
+            bounds = arrays[stage.clamp_hi.hi]
+            text += f" per-channel upper bounds {int(bounds.min())}..{int(bounds.max())}"
+        if stage.lookup is not None:
+            lookup = stage.lookup
+            text += (f" then lookup table {lookup.function} ({lookup.input_dtype} codes, scale "
+                     f"{lookup.input_scale:.6g}{'' if lookup.monotonic else ', non-monotonic'})")
+        return text
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,6 +130,30 @@ class ConvGemm(ArrayInstruction):
 
     OMITTED_WHEN_NONE: ClassVar[tuple[str, ...]] = ("upsample", "upsample_fill", "pad_fill")
 
+    @classmethod
+    def lowered_gemm(cls, in_shapes: list, out_shape: list, attrs: dict, weight_shape: tuple | None,
+                     rows: int) -> tuple[int, int, int, int, dict]:
+        """Per group (OH*OW x C/g*kh*kw) . (C/g*kh*kw x M/g). The GEMM runs before the window-max, so M counts the
+        conv's outputs, not the pooled ones. An upsampled read (isa/geometry.py) adds its factor and fills, and
+        `zero_macs`: the MACs that read a zero of the read (inserted zeros, zero padding)."""
+        groups = int(attrs["group"])
+        in_shape = in_shapes[0]
+        kh, kw = weight_shape[2:]
+        (sh, sw), (dh, dw), pads = attrs["strides"], attrs["dilations"], attrs["pads"]
+        upsample, fill = attrs.get("upsample"), attrs.get("upsample_fill")
+        fh, fw = upsample or (1, 1)
+        oh = conv_output_size(upsampled_size(in_shape[2], fh, fill), kh, sh, pads[0], pads[2], dh)
+        ow = conv_output_size(upsampled_size(in_shape[3], fw, fill), kw, sw, pads[1], pads[3], dw)
+        geometry = {"input": in_shape[1:], "output": [weight_shape[0], oh, ow], "kernel": [kh, kw],
+                    "strides": [sh, sw], "pads": pads, "dilations": [dh, dw]}
+        if upsample is not None or attrs.get("pad_fill") is not None:
+            geometry.update({"upsample": list(upsample or (1, 1)), "upsample_fill": fill,
+                             "pad_fill": attrs.get("pad_fill") or "zero",
+                             "zero_macs": zero_read_macs(in_shape[2], in_shape[3], (kh, kw), (sh, sw), pads,
+                                                         (dh, dw), upsample, fill, attrs.get("pad_fill"),
+                                                         weight_shape[0] * weight_shape[1])})
+        return oh * ow, weight_shape[0] // groups, _prod(weight_shape[1:]), groups, geometry
+
     def read_size(self, height: int, width: int) -> tuple[int, int]:
         """(H, W) of the input as the window reads it, before padding (isa.geometry.upsampled_size)."""
         fh, fw = self.upsample or (1, 1)
@@ -113,6 +164,27 @@ class ConvGemm(ArrayInstruction):
         h, w = self.read_size(height, width)
         return (conv_output_size(h, self.kernel[0], self.strides[0], self.pads[0], self.pads[2], self.dilations[0]),
                 conv_output_size(w, self.kernel[1], self.strides[1], self.pads[1], self.pads[3], self.dilations[1]))
+
+    def gemm_shape(self, in_shapes: list, out_shape: list, batch: int, stored: int) -> GemmShape:
+        """m = batch*OH*OW, k = C/G*kh*kw, n = M/G per group, OH and OW of the (upsampled) read. The MACs on zeros
+        of an upsampled read are counted (`zero_macs`): they run, and the model charges them."""
+        _, channels, height, width = in_shapes[0]
+        oh, ow = self.output_size(height, width)
+        groups = int(self.group)
+        zero_macs = 0
+        if self.upsample is not None:
+            zero_macs = batch * zero_read_macs(height, width, self.kernel, self.strides, self.pads, self.dilations,
+                                               self.upsample, self.upsample_fill, self.pad_fill,
+                                               int(out_shape[1]) * int(channels) // groups)
+        return GemmShape(groups, batch * oh * ow, int(out_shape[1]) // groups, int(self.k), stored,
+                         zero_macs=zero_macs)
+
+    def describe(self, arrays: dict) -> str:
+        text = super().describe(arrays)
+        if self.upsample is not None or self.pad_fill is not None:
+            text += (f" read x{'x'.join(map(str, self.upsample or (1, 1)))} {self.upsample_fill or ''} "
+                     f"pad {self.pad_fill or 'zero'}")
+        return text
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -125,6 +197,16 @@ class DenseGemm(ArrayInstruction):
 
     HAS_WINDOW_FIELD: ClassVar[bool] = False
 
+    def gemm_shape(self, in_shapes: list, out_shape: list, batch: int, stored: int) -> GemmShape:
+        """m = batch, one group."""
+        return GemmShape(1, batch, _prod(out_shape[1:]), int(self.k), stored)
+
+    @classmethod
+    def lowered_gemm(cls, in_shapes: list, out_shape: list, attrs: dict, weight_shape: tuple | None,
+                     rows: int) -> tuple[int, int, int, int, dict]:
+        """(rows x K) . (K x M) per sample (rows: 1, or the image's tokens)."""
+        return rows, weight_shape[0], weight_shape[1], 1, {"input": in_shapes[0][1:], "output": out_shape[1:]}
+
 
 @dataclass(frozen=True, kw_only=True)
 class AddGemm(ArrayInstruction):
@@ -134,6 +216,21 @@ class AddGemm(ArrayInstruction):
     add_weights: tuple[int, int]
     add_scale: float
     add_ratio_f32: str
+
+    def gemm_shape(self, in_shapes: list, out_shape: list, batch: int, stored: int) -> GemmShape:
+        """One group per channel, m = batch*H*W, k = 2, n = 1."""
+        in_shape = in_shapes[0]
+        channels = int(in_shape[1]) if len(in_shape) > 1 else 1
+        return GemmShape(channels, batch * _prod(in_shape[2:]), 1, 2, stored)
+
+    @classmethod
+    def lowered_gemm(cls, in_shapes: list, out_shape: list, attrs: dict, weight_shape: tuple | None,
+                     rows: int) -> tuple[int, int, int, int, dict]:
+        """Per channel, each output is [a b] . [1 1]^T."""
+        in_shape = in_shapes[0]
+        groups = int(in_shape[1]) if len(in_shape) > 1 else 1
+        m = _prod(in_shape[2:]) if len(in_shape) > 2 else 1
+        return m, 1, 2, groups, {"input": in_shape[1:], "output": in_shape[1:]}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -145,6 +242,25 @@ class MulGemm(ArrayInstruction):
     in an identity GEMM)."""
 
     HAS_WINDOW_FIELD: ClassVar[bool] = False
+
+    def gemm_shape(self, in_shapes: list, out_shape: list, batch: int, stored: int) -> GemmShape:
+        """One group per element of b (its weight, per sample), m = the a elements it multiplies, k = n = 1."""
+        a_elements, b_elements = _prod(in_shapes[0][1:]), _prod(in_shapes[1][1:])
+        return GemmShape(batch * b_elements, a_elements // b_elements, 1, 1, stored)
+
+    @classmethod
+    def lowered_gemm(cls, in_shapes: list, out_shape: list, attrs: dict, weight_shape: tuple | None,
+                     rows: int) -> tuple[int, int, int, int, dict]:
+        """One group per element of b (per sample), each output [a] . [b]: m = the a elements one b element
+        multiplies, k = n = 1."""
+        a_shape, b_shape = in_shapes[0], in_shapes[1]
+        groups = _prod(b_shape[1:])
+        return _prod(a_shape[1:]) // groups, 1, 1, groups, {"input": a_shape[1:], "operand": b_shape[1:],
+                                                            "output": a_shape[1:]}
+
+    def describe(self, arrays: dict) -> str:
+        """The array line and the two operands."""
+        return f"{super().describe(arrays)}, operands {self.inputs[0]} by {self.inputs[1]}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -158,6 +274,27 @@ class MatMulGemm(ArrayInstruction):
     transpose_b: bool
 
     HAS_WINDOW_FIELD: ClassVar[bool] = False
+
+    def gemm_shape(self, in_shapes: list, out_shape: list, batch: int, stored: int) -> GemmShape:
+        """One group per sample and leading index, (M x K) . (K x P); K is the instruction's k."""
+        return GemmShape(batch * _prod(in_shapes[0][1:-2]), int(out_shape[-2]), int(out_shape[-1]), int(self.k),
+                         stored)
+
+    @classmethod
+    def lowered_gemm(cls, in_shapes: list, out_shape: list, attrs: dict, weight_shape: tuple | None,
+                     rows: int) -> tuple[int, int, int, int, dict]:
+        """One (M x K) . (K x P) GEMM per leading index (per sample)."""
+        a_shape = in_shapes[0]
+        geometry = {"input": a_shape[1:], "operand": in_shapes[1][1:], "output": out_shape[1:],
+                    "transpose_a": int(attrs["transpose_a"]), "transpose_b": int(attrs["transpose_b"])}
+        m, k = (a_shape[-1], a_shape[-2]) if attrs["transpose_a"] else (a_shape[-2], a_shape[-1])
+        return int(m), int(out_shape[-1]), int(k), _prod(a_shape[1:-2]), geometry
+
+    def describe(self, arrays: dict) -> str:
+        """The array line and the two operands (^T: read transposed)."""
+        first, second = (f"{name}^T" if flag else name
+                         for name, flag in zip(self.inputs, (self.transpose_a, self.transpose_b)))
+        return f"{super().describe(arrays)}, operands {first} by {second}"
 
     def grouped_operands(self, a, b) -> tuple:
         """(a, b) as the array reads them, (G, M, K) and (G, K, P) with one group per sample and leading index:
@@ -206,6 +343,10 @@ class Host(Instruction):
     opset: int
     operands: tuple = field(default_factory=tuple)
     attrs: dict = field(default_factory=dict)
+
+
+def _prod(values) -> int:
+    return math.prod(int(v) for v in values)
 
 
 # The records' handler table: the dataclass of each kind.

@@ -10,9 +10,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Iterable
 
-from isa.geometry import zero_read_macs
+from isa.geometry import GemmShape  # noqa: F401  (where readers of the tiler find it)
 from isa.instructions import Instruction, from_manifest
-from isa.kinds import LAYOUT_KINDS, Kind, handler
 from isa.target import ArrayConfig, Target, acc_element_bytes, target_from_dict
 
 PARAM_BYTES_PER_CHANNEL = 9  # int32 bias + int32 multiplier + int8 shift, read once per instruction
@@ -23,79 +22,8 @@ def _ceil(a: int, b: int) -> int:
     return -(-a // b)
 
 
-@dataclass(frozen=True)
-class GemmShape:
-    """One instruction as the array runs it: `groups` GEMMs (m x k) . (k x n) for a batch, and the bytes its
-    output stage stores (after window-max)."""
-
-    groups: int
-    m: int
-    n: int
-    k: int
-    stored_bytes: int
-    table_bytes: int = 0  # the output stage's lookup table (256 bytes), read once with the parameters
-    zero_macs: int = 0  # MACs whose input is a zero of an upsampled read (isa/geometry.py zero_read_macs)
-
-    @property
-    def macs(self) -> int:
-        return self.groups * self.m * self.n * self.k
-
-    @property
-    def out_bytes(self) -> int:
-        """int8 bytes of the GEMM's result before window-max."""
-        return self.groups * self.m * self.n
-
-
 def _prod(values: Iterable[int]) -> int:
     return math.prod(int(v) for v in values)
-
-
-def _conv_shape(instr: Instruction, in_shapes: list, out_shape: list, batch: int, stored: int) -> GemmShape:
-    """ConvGemm: m = batch*OH*OW, k = C/G*kh*kw, n = M/G per group, OH and OW of the (upsampled) read. The
-    MACs on zeros of an upsampled read are counted (`zero_macs`): they run, and the model charges them."""
-    _, channels, height, width = in_shapes[0]
-    oh, ow = instr.output_size(height, width)
-    groups = int(instr.group)
-    zero_macs = 0
-    if instr.upsample is not None:
-        zero_macs = batch * zero_read_macs(height, width, instr.kernel, instr.strides, instr.pads, instr.dilations,
-                                           instr.upsample, instr.upsample_fill, instr.pad_fill,
-                                           int(out_shape[1]) * int(channels) // groups)
-    return GemmShape(groups, batch * oh * ow, int(out_shape[1]) // groups, int(instr.k), stored, zero_macs=zero_macs)
-
-
-def _dense_shape(instr: Instruction, in_shapes: list, out_shape: list, batch: int, stored: int) -> GemmShape:
-    """DenseGemm: m = batch, one group."""
-    return GemmShape(1, batch, _prod(out_shape[1:]), int(instr.k), stored)
-
-
-def _add_shape(instr: Instruction, in_shapes: list, out_shape: list, batch: int, stored: int) -> GemmShape:
-    """AddGemm: one group per channel, m = batch*H*W, k = 2, n = 1."""
-    in_shape = in_shapes[0]
-    channels = int(in_shape[1]) if len(in_shape) > 1 else 1
-    return GemmShape(channels, batch * _prod(in_shape[2:]), 1, 2, stored)
-
-
-def _mul_shape(instr: Instruction, in_shapes: list, out_shape: list, batch: int, stored: int) -> GemmShape:
-    """MulGemm: one group per element of b (its weight, per sample), m = the a elements it multiplies, k = n = 1."""
-    a_elements, b_elements = _prod(in_shapes[0][1:]), _prod(in_shapes[1][1:])
-    return GemmShape(batch * b_elements, a_elements // b_elements, 1, 1, stored)
-
-
-def _matmul_shape(instr: Instruction, in_shapes: list, out_shape: list, batch: int, stored: int) -> GemmShape:
-    """MatMulGemm: one group per sample and leading index, (M x K) . (K x P); K is the instruction's k."""
-    a = in_shapes[0]
-    return GemmShape(batch * _prod(a[1:-2]), int(out_shape[-2]), int(out_shape[-1]), int(instr.k), stored)
-
-
-def _no_array_work(instr: Instruction, *_) -> None:
-    return None
-
-
-# The performance model's handler table: the GEMM an instruction puts on the array, or None (layout, host).
-GEMM_SHAPES = {Kind.CONV_GEMM: _conv_shape, Kind.DENSE_GEMM: _dense_shape, Kind.ADD_GEMM: _add_shape,
-               Kind.MUL_GEMM: _mul_shape, Kind.MATMUL_GEMM: _matmul_shape,
-               **{kind: _no_array_work for kind in LAYOUT_KINDS | {Kind.HOST}}}
 
 
 def gemm_shape(instr: Instruction, tensors: dict, batch: int = 1) -> GemmShape | None:
@@ -104,8 +32,8 @@ def gemm_shape(instr: Instruction, tensors: dict, batch: int = 1) -> GemmShape |
     in_shapes = [tensors[name]["shape"] for name in instr.inputs]
     out_shape = tensors[instr.output]["shape"]
     stored = batch * _prod(out_shape[1:])
-    shape_of = handler(GEMM_SHAPES, instr.kind, "the performance model", f"instruction '{instr.name}'")
-    shape = shape_of(instr, in_shapes, out_shape, batch, stored)
+    shape = instr.gemm_shape(in_shapes, out_shape, batch, stored)  # the record's own (inherited by a kind
+    # that reuses a datapath: isa/instructions.py)
     stage = getattr(instr, "stage", None)
     if shape is not None and stage is not None and stage.lookup is not None:
         shape = replace(shape, table_bytes=256)

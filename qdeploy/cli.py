@@ -14,7 +14,6 @@ from typing import Callable, Optional
 
 import typer
 
-from isa.kinds import ACTIVATION_GEMM_KINDS, ARRAY_KINDS, LAYOUT_KINDS, Kind, handler
 from isa.target import TargetError
 from qdeploy.errors import BadInput, QdeployError, one_line
 
@@ -195,61 +194,28 @@ def _inspect_program(path: Path, json_output: bool) -> None:
     typer.echo(f"instructions ({len(records)}):")
     width = max(len(instr.name) for instr in records)
     for instr in records:
-        describe = handler(PROGRAM_PRINTERS, instr.kind, "inspect", f"instruction '{instr.name}'")
-        typer.echo(f"  {instr.kind:<9} {instr.name:<{width}} {describe(program, instr)}")
-
-
-def _describe_array_instruction(program, instr) -> str:
-    text = f"clamp {[instr.stage.clamp.lo, instr.stage.clamp.hi]} k={instr.k} acc bound {instr.acc_bound_bits} bits"
-    if instr.stage.clamp_per_channel is not None:
-        bounds = program.arrays[instr.stage.clamp_per_channel.array]
-        text += f" per-channel upper bounds {int(bounds.min())}..{int(bounds.max())}"
-    if instr.stage.lookup is not None:
-        lookup = instr.stage.lookup
-        text += (f" then lookup table {lookup.function} ({lookup.input_dtype} codes, scale "
-                 f"{lookup.input_scale:.6g}{'' if lookup.monotonic else ', non-monotonic'})")
-    if getattr(instr, "upsample", None) is not None or getattr(instr, "pad_fill", None) is not None:
-        text += (f" read x{'x'.join(map(str, instr.upsample or (1, 1)))} {instr.upsample_fill or ''} "
-                 f"pad {instr.pad_fill or 'zero'}")
-    return text
-
-
-def _describe_activation_product(program, instr) -> str:
-    """MulGemm, MatMulGemm: the array line and the two operands (^T: read transposed)."""
-    first, second = (f"{name}^T" if getattr(instr, flag, False) else name
-                     for name, flag in zip(instr.inputs, ("transpose_a", "transpose_b")))
-    return f"{_describe_array_instruction(program, instr)}, operands {first} by {second}"
-
-
-def _describe_data_movement(program, instr) -> str:
-    return f"shape {list(instr.shape) if hasattr(instr, 'shape') else ''}"
-
-
-# `inspect`'s handler table for a program's instructions: the line after kind and name.
-PROGRAM_PRINTERS = {**{kind: _describe_array_instruction for kind in ARRAY_KINDS},
-                    **{kind: _describe_activation_product for kind in ACTIVATION_GEMM_KINDS},
-                    **{kind: _describe_data_movement for kind in LAYOUT_KINDS | {Kind.HOST}}}
+        typer.echo(f"  {instr.kind:<9} {instr.name:<{width}} {instr.describe(program.arrays)}")
 
 
 def _json_number(value):
     return float(value) if hasattr(value, "__float__") else str(value)
 
 
-def _format_epilogue(epilogue: dict) -> str:
-    parts = ["+bias"] if epilogue.get("bias") else []
-    if "scale" in epilogue:  # a constant scale folded into a product of two activations
-        parts.append(f"x{epilogue['scale']:g}")
-    if "clamp" in epilogue:
-        low, high = epilogue["clamp"]
+def _format_output_stage(stage: dict) -> str:
+    parts = ["+bias"] if stage.get("bias") else []
+    if "scale" in stage:  # a constant scale folded into a product of two activations
+        parts.append(f"x{stage['scale']:g}")
+    if "clamp" in stage:
+        low, high = stage["clamp"]
         parts.append("relu" if (low, high) == (0.0, float("inf")) else
                      "relu6" if (low, high) == (0.0, 6.0) else f"clamp[{low:g},{high:g}]")
-    if "clamp_max_channels" in epilogue:  # an equalized ReLU6: one upper bound per channel
-        bounds = epilogue["clamp_max_channels"]
+    if "clamp_hi" in stage:  # an equalized ReLU6: one upper bound per channel
+        bounds = stage["clamp_hi"]
         parts.append(f"per-channel max {min(bounds):.3g}..{max(bounds):.3g}")
-    if "lookup" in epilogue:  # an output-stage lookup table (Sigmoid, SiLU as Swish, GELU, ...)
-        parts.append(f"lookup[{epilogue['lookup']['function']}]")
-    if "window_max" in epilogue:
-        window = epilogue["window_max"]
+    if "lookup" in stage:  # an output-stage lookup table (Sigmoid, SiLU as Swish, GELU, ...)
+        parts.append(f"lookup[{stage['lookup']['function']}]")
+    if "window_max" in stage:
+        window = stage["window_max"]
         parts.append(f"maxpool{window['kernel'][0]}x{window['kernel'][1]}/{window['strides'][0]}")
     return " ".join(parts)
 
@@ -280,7 +246,7 @@ def _print_lowering(result) -> None:
                      f"{'x'.join(map(str, geometry['output']))}")
         groups = f" groups={instr.groups}" if instr.groups > 1 else ""
         echo(f"  {instr.kind:<9} {instr.name:<{width}} M={instr.m:<6} N={instr.n:<5} K={instr.k:<5}{groups:<12} "
-             f"{shape}  {_format_epilogue(instr.epilogue)}")
+             f"{shape}  {_format_output_stage(instr.output_stage)}")
     for step in result.layout:
         echo(f"  layout    {step['name']:<{width}} {step['kind']}")
     if result.host_ops:

@@ -31,10 +31,10 @@ How each instruction is exported (x = the input tensor, y = the output; s_x, s_y
 - Concat: Concat(axis=1); the inputs share the output's scale.
 - outputs: the int8 tensors; with `float_outputs`, DequantizeLinear(y, s_y, 0).
 
-QLinearConv saturates to the int8 range only, so a narrower clamp [lo, hi] of a fused ReLU/ReLU6 (or
-act_min = -127) is a Clip on the int8 tensor (Clip accepts int8 from opset 12); MaxPool accepts int8 from
-opset 12. Clip and MaxPool commute with the requantization (both are monotonic), so the chain equals the
-program's epilogue `requantize -> clamp -> window-max`.
+QLinearConv saturates to the int8 range only, so a narrower clamp [lo, hi] of a fused ReLU/ReLU6 (or act_min = -127)
+is a Clip on the int8 tensor (Clip accepts int8 from opset 12); MaxPool accepts int8 from opset 12. Clip and MaxPool
+commute with the requantization (both are monotonic), so the chain equals the program's output stage `Requantize ->
+Clamp -> Lookup -> WindowMax`, each step written by its evaluator in STEP_EXPORTERS.
 
 Arithmetic of ONNX Runtime on this model (onnxruntime 1.31, x86-64 with AVX2 and FMA), measured by
 tests/test_export_onnx.py and read from MLAS:
@@ -98,6 +98,7 @@ from qdeploy.fileio import atomic_write
 from qdeploy.program import Program
 from isa.target import Rounding, target_from_dict
 from isa.instructions import Instruction
+from isa.output_stage import Bias, Clamp, ClampHi, Lookup, Requantize, WindowMax, fold
 from isa.kinds import RESHAPE_KINDS, Kind, handler
 
 OPSET = 13  # per-axis QuantizeLinear/DequantizeLinear; int8 Clip and MaxPool need 12
@@ -211,36 +212,26 @@ class _Builder:
         return self.node("Clip", [value, *bounds], output, f"{name}/Clip")
 
     def requantized_name(self, instr: Instruction) -> str:
-        """Name of the requantizing op's output: the final tensor when no clamp or window follows."""
-        later = self.needs_clip(instr) or instr.stage.window_max or instr.stage.lookup
-        return f"{instr.output}/requantized" if later else self.names[instr.output]
+        """Name of the requantizing op's output: the final tensor when no later step writes a tensor."""
+        return f"{instr.output}/requantized" if self.written_steps(instr) else self.names[instr.output]
 
     def needs_clip(self, instr: Instruction) -> bool:
         return (instr.stage.clamp.lo, instr.stage.clamp.hi) != _DTYPE_RANGE[self.requantized_dtype(instr)]
 
-    def epilogue(self, instr: Instruction, value: str) -> str:
-        """Clip to the program's [lo, hi] where it is narrower than the dtype, the table read, then the fused
-        window-max."""
-        final, window, lookup = self.names[instr.output], instr.stage.window_max, instr.stage.lookup
-        if self.needs_clip(instr):
-            value = self.clip(value, instr.stage.clamp.lo, instr.stage.clamp.hi, self.requantized_dtype(instr),
-                              f"{instr.output}/clipped" if window or lookup else final, instr.name)
-        if lookup is not None:
-            index = self.node("Cast", [value], f"{instr.output}/lookup_code", f"{instr.name}/lookup_Cast",
-                              to=onnx.TensorProto.INT32)
-            if lookup.offset:
-                offset = self.constant(f"{instr.name}/lookup_offset", np.array(lookup.offset, np.int32))
-                index = self.node("Add", [index, offset], f"{instr.output}/lookup_index", f"{instr.name}/lookup_Add")
-            table = self.constant(f"{instr.name}/lookup_table", self.program.arrays[lookup.table])
-            value = self.node("Gather", [table, index], f"{instr.output}/looked_up" if window else final,
-                              f"{instr.name}/lookup_Gather", axis=0)
-        if window is not None:
-            pads, ceil_mode = _floor_mode_pads(window.to_record(), self.window_input_size(instr),
-                                               self.program.tensors[instr.output]["shape"][2:])
-            value = self.node("MaxPool", [value], final, f"{instr.name}/MaxPool",
-                              kernel_shape=list(window.kernel), strides=list(window.strides), pads=pads,
-                              dilations=list(window.dilations), ceil_mode=ceil_mode)
-        return value
+    def written_steps(self, instr: Instruction) -> list:
+        """The output-stage steps that write a tensor of their own: every step after the requantizing op but a
+        Clamp as wide as the dtype (the op saturates to it)."""
+        return [step for step in instr.stage.steps if type(step) not in (Bias, Requantize)
+                and not (isinstance(step, Clamp) and not self.needs_clip(instr))]
+
+    def step_output(self, instr: Instruction, step, intermediate: str) -> str:
+        """The tensor a step writes: the instruction's output when it is the last step that writes one."""
+        return self.names[instr.output] if step is self.written_steps(instr)[-1] else f"{instr.output}/{intermediate}"
+
+    def output_stage(self, instr: Instruction, value: str) -> str:
+        """The output stage after the requantizing op `value`: its steps folded over the tensor (isa/output_stage.py
+        fold, STEP_EXPORTERS), each writing ONNX nodes."""
+        return fold(instr.stage.steps, STEP_EXPORTERS, "the ONNX export", value, self, instr)
 
     def window_input_size(self, instr: Instruction) -> list[int]:
         """Spatial size of the tensor the fused window-max reads (the GEMM's output before the window)."""
@@ -248,6 +239,53 @@ class _Builder:
         if instr.kind != Kind.CONV_GEMM:
             return list(x)  # AddGemm: elementwise
         return list(instr.output_size(*x))
+
+
+def _in_the_requantizing_op(step, value: str, b: _Builder, instr: Instruction) -> str:
+    """Bias and Requantize: computed by the kind's requantizing op (QLinearConv's bias and output scale,
+    QLinearAdd's QuantizeLinear, Cast-Mul-QuantizeLinear of int32 accumulators), which saturates to the dtype;
+    nothing more to write."""
+    return value
+
+
+def _clip(step: Clamp, value: str, b: _Builder, instr: Instruction) -> str:
+    """Clip to [lo, hi] where it is narrower than the dtype the requantizing op saturates to."""
+    if not b.needs_clip(instr):
+        return value
+    return b.clip(value, step.lo, step.hi, b.requantized_dtype(instr), b.step_output(instr, step, "clipped"),
+                  instr.name)
+
+
+def _clamp_hi(step: ClampHi, value: str, b: _Builder, instr: Instruction) -> str:
+    raise Unsupported(f"instruction '{instr.name}' ({instr.kind}): per-channel clamp bounds (an equalized ReLU6) "
+                      f"have no ONNX Runtime int8 op (calibrate without --equalize to export)")
+
+
+def _gather(step: Lookup, value: str, b: _Builder, instr: Instruction) -> str:
+    """The table read: Cast to int32, Add the code's offset, Gather from the 256-entry table."""
+    index = b.node("Cast", [value], f"{instr.output}/lookup_code", f"{instr.name}/lookup_Cast",
+                   to=onnx.TensorProto.INT32)
+    if step.offset:
+        offset = b.constant(f"{instr.name}/lookup_offset", np.array(step.offset, np.int32))
+        index = b.node("Add", [index, offset], f"{instr.output}/lookup_index", f"{instr.name}/lookup_Add")
+    table = b.constant(f"{instr.name}/lookup_table", b.program.arrays[step.table])
+    return b.node("Gather", [table, index], b.step_output(instr, step, "looked_up"), f"{instr.name}/lookup_Gather",
+                  axis=0)
+
+
+def _max_pool(step: WindowMax, value: str, b: _Builder, instr: Instruction) -> str:
+    """MaxPool on the integer tensor (int8/uint8: opset 12+), in floor mode where that is possible."""
+    pads, ceil_mode = _floor_mode_pads(step.to_record(), b.window_input_size(instr),
+                                       b.program.tensors[instr.output]["shape"][2:])
+    return b.node("MaxPool", [value], b.step_output(instr, step, "pooled"), f"{instr.name}/MaxPool",
+                  kernel_shape=list(step.kernel), strides=list(step.strides), pads=pads,
+                  dilations=list(step.dilations), ceil_mode=ceil_mode)
+
+
+# The ONNX export's evaluator of each output-stage step (isa/output_stage.py): (step, tensor, builder, instr) ->
+# the tensor after it.
+STEP_EXPORTERS = {Bias: _in_the_requantizing_op, Requantize: _in_the_requantizing_op, Clamp: _clip,
+                  ClampHi: _clamp_hi, Lookup: _gather, WindowMax: _max_pool}
 
 
 def _floor_mode_pads(window: dict, in_size: list[int], out_size: list[int]) -> tuple[list[int], int]:
@@ -275,7 +313,7 @@ def _floor_mode_pads(window: dict, in_size: list[int], out_size: list[int]) -> t
 
 def _qlinear_conv(b: _Builder, instr: Instruction, x: str, kernel: list[int], attrs: dict, output: str) -> str:
     """QLinearConv with the program's weight (reshaped to (M, C/g, kh, kw)), per-channel weight scales and
-    int32 bias; its output is saturated to the dtype range (the clamp follows in the epilogue).
+    int32 bias; its output is saturated to the dtype range (the Clamp step follows in the output stage).
 
     int8 input and output: int8 x int8 as the program stores them. A uint8 tensor on either side (ONNX
     Runtime's QLinearConv takes and gives one type): the conv runs in uint8, an int8 input as q + 128 with zero
@@ -287,9 +325,8 @@ def _qlinear_conv(b: _Builder, instr: Instruction, x: str, kernel: list[int], at
     program, name = b.program, instr.name
     x_tensor = instr.inputs[0]
     x_dtype, y_dtype = b.dtype(x_tensor), b.requantized_dtype(instr)
-    if instr.stage.clamp_per_channel is not None:
-        raise Unsupported(f"instruction '{name}' ({instr.kind}): per-channel clamp bounds (an equalized ReLU6) "
-                          f"have no ONNX Runtime int8 op (calibrate without --equalize to export)")
+    if instr.stage.clamp_hi is not None:  # refused before any node is written
+        _clamp_hi(instr.stage.clamp_hi, x, b, instr)
     weight = program.arrays[instr.weight]
     m, k = weight.shape
     taps = int(np.prod(kernel))
@@ -361,7 +398,7 @@ def _conv_gemm(b: _Builder, instr: Instruction) -> str:
     y = _qlinear_conv(b, instr, x, list(instr.kernel),
                       {"strides": list(instr.strides), "pads": pads, "dilations": list(instr.dilations),
                        "group": instr.group}, b.requantized_name(instr))
-    return b.epilogue(instr, y)
+    return b.output_stage(instr, y)
 
 
 def _dense_gemm(b: _Builder, instr: Instruction) -> str:
@@ -376,7 +413,7 @@ def _dense_gemm(b: _Builder, instr: Instruction) -> str:
     y = _qlinear_conv(b, instr, as_image, [1, 1], {}, f"{name}/output_nchw")
     y = b.node(Kind.RESHAPE, [y, b.constant(f"{name}/shape_out", np.array([0, m], np.int64))],
                b.requantized_name(instr), f"{name}/Reshape_out")
-    return b.epilogue(instr, y)
+    return b.output_stage(instr, y)
 
 
 def _add_gemm(b: _Builder, instr: Instruction) -> str:
@@ -391,12 +428,12 @@ def _add_gemm(b: _Builder, instr: Instruction) -> str:
     total = b.node("Add", floats, f"{name}/sum", f"{name}/Add")
     y_scale, y_zero = b.requantized_qparams(instr)
     y = b.node("QuantizeLinear", [total, y_scale, y_zero], b.requantized_name(instr), f"{name}/QuantizeLinear")
-    return b.epilogue(instr, y)
+    return b.output_stage(instr, y)
 
 
 def _requantize_acc(b: _Builder, instr: Instruction, acc: str) -> str:
     """int32 accumulators -> the output stage: Cast to float32, Mul by scale_f32, QuantizeLinear with scale 1
-    (rne, saturated to the output dtype), then the epilogue's Clip and window-max."""
+    (rne, saturated to the output dtype), then the output stage's later steps."""
     name = instr.name
     value = b.node("Cast", [acc], f"{name}/acc_f32", f"{name}/Cast_acc", to=TensorProto.FLOAT)
     scale = b.constant(f"{name}/scale_f32", np.float32(b.program.arrays[instr.stage.requantize.scale_f32].reshape(-1)[0]))
@@ -404,7 +441,7 @@ def _requantize_acc(b: _Builder, instr: Instruction, acc: str) -> str:
     one = b.constant(f"{name}/unit_scale", np.array(1.0, np.float32))
     zero = b.constant(f"{name}/zero_point", np.zeros((), np.dtype(b.dtype(instr.output))))
     y = b.node("QuantizeLinear", [value, one, zero], b.requantized_name(instr), f"{name}/QuantizeLinear")
-    return b.epilogue(instr, y)
+    return b.output_stage(instr, y)
 
 
 def _mul_gemm(b: _Builder, instr: Instruction) -> str:

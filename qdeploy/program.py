@@ -200,8 +200,8 @@ def _window_shape(spec, channels: int, height: int, width: int, where: str, conv
     return (channels,) + out
 
 
-def _check_epilogue(program: Program, instr: dict, channels: int, where: str, out_dtype: str, rounding: str
-                    ) -> None:
+def _check_output_stage(program: Program, instr: dict, channels: int, where: str, out_dtype: str, rounding: str
+                        ) -> None:
     """clamp within the output's integer range (the table input's, with a lookup); per-channel mult, shift,
     scale_f32 (design.md section 3), clamp_hi (optional) within the clamp, and the lookup (optional): a
     256-entry table of the output's dtype, read by int8 or uint8 codes."""
@@ -281,7 +281,7 @@ def _weighted_gemm(program: Program, instr: dict, where: str, in_shapes: list, o
     weight_scale = _array(program, instr, "weight_scale", where, "float32", (channels,))
     if not np.all(np.isfinite(weight_scale)) or np.any(weight_scale < 0):  # export-onnx writes them as scales
         raise _Invalid(f"{where}: weight_scale must hold finite numbers >= 0")
-    _check_epilogue(program, instr, channels, where, out_dtype, rounding)
+    _check_output_stage(program, instr, channels, where, out_dtype, rounding)
     return channels, k, in_shapes[0]
 
 
@@ -339,7 +339,7 @@ def _add_gemm(program: Program, instr: dict, where: str, in_shapes: list, out_dt
     ratio = _array(program, instr, "add_ratio_f32", where, "float32", (2,))
     if not np.all(np.isfinite(ratio)):
         raise _Invalid(f"{where}: add_ratio_f32 must be finite")
-    _check_epilogue(program, instr, 1, where, out_dtype, rounding)
+    _check_output_stage(program, instr, 1, where, out_dtype, rounding)
     return _window_of(instr, in_shapes[0], where)
 
 
@@ -348,7 +348,7 @@ def _mul_gemm(program: Program, instr: dict, where: str, in_shapes: list, out_dt
     a, b = in_shapes
     if len(a) != len(b) or any(q not in (1, p) for p, q in zip(a, b)):
         raise _Invalid(f"{where}: multiplies {a} by {b}, which does not broadcast to it")
-    _check_epilogue(program, instr, 1, where, out_dtype, rounding)
+    _check_output_stage(program, instr, 1, where, out_dtype, rounding)
     return a
 
 
@@ -362,7 +362,7 @@ def _matmul_gemm(program: Program, instr: dict, where: str, in_shapes: list, out
     if len(a) < 2 or len(a) != len(b) or a[:-2] != b[:-2] or a[-1] != b[-2]:
         raise _Invalid(f"{where}: multiplies {a} by {b} as read (transpose_a {flags[0]}, transpose_b {flags[1]}): "
                        f"not (..., M, K) by (..., K, P)")
-    _check_epilogue(program, instr, 1, where, out_dtype, rounding)
+    _check_output_stage(program, instr, 1, where, out_dtype, rounding)
     if instr["k"] != a[-1]:
         raise _Invalid(f"{where}: k = {instr['k']} is not the contraction length {a[-1]}")
     return a[:-1] + b[-1:]

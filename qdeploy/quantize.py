@@ -14,7 +14,7 @@ channel c:
                int32 with s_out = max_c s_in * s_w[c] (so M[c] <= 1 and y fits wherever acc does): the GEMM's
                result at nearly the accumulator's resolution, for the host to read
   (5) y        = clamp(requantize(acc, M), lo, hi), lo/hi from the fused activation, then min(y, hi[c]) with
-               hi[c] = round(act_max[c] / s_out) where equalization made the bound per channel, then window-max
+               hi[c] = round(clamp_hi[c] / s_out) where equalization made the bound per channel, then window-max
   (5b) with a lookup table (a fused Sigmoid, SiLU, GELU, ...: lowering/lookup.py), (4)-(5) requantize and clamp
                to the pre-activation p (its own calibrated scale s_p, int8, or uint8 when it is non-negative on
                an unsigned target) and the output is y = table[p - p_min] with, for each of the 256 codes
@@ -62,7 +62,9 @@ from qdeploy.errors import BadInput, Unsupported
 from qdeploy.ir import Graph, Node
 from qdeploy.lowering import LoweringResult
 from isa.kinds import RESHAPE_KINDS, VIEW_KINDS, WEIGHTED_GEMM_KINDS, Kind, handler
-from qdeploy.lowering.instructions import INSTRUCTION_OPS, has_lookup, has_window_max, is_channel_concat, node_kind
+from isa.instructions import RECORDS
+from isa.output_stage import Bias, Clamp, ClampHi, Lookup, OutputStage, Requantize
+from qdeploy.lowering.instructions import INSTRUCTION_OPS, is_channel_concat, node_kind, output_stage
 from qdeploy.lowering.lookup import NON_NEGATIVE, evaluate
 from qdeploy.prequantized import ModelQuantization, model_bias, model_weights
 from qdeploy.program import Program
@@ -139,11 +141,12 @@ class _Scales:
                 self.unsigned[out] = False
             elif node.op in INSTRUCTION_OPS:
                 # A Concat's buffer is signed (its other slices may be negative), so are the slices' writers.
-                non_negative = node.attrs["act_min"] >= 0
-                if has_lookup(node.attrs):  # (5b): the table's input p, then y = f(p)
+                stage = output_stage(node)
+                non_negative = stage.clamp.lo >= 0
+                if stage.lookup is not None:  # (5b): the table's input p, then y = f(p)
                     self._assign(node.outputs[1], thresholds, target.arithmetic.unsigned_activations and non_negative)
                     self.lookup_input[out] = (self.scale.pop(node.outputs[1]), self.unsigned.pop(node.outputs[1]))
-                    function, params = node.attrs["lookup_function"], node.attrs["lookup_params"]
+                    function, params = stage.lookup.function, dict(stage.lookup.params)
                     non_negative = function in NON_NEGATIVE and NON_NEGATIVE[function](params)
                 unsigned = target.arithmetic.unsigned_activations and non_negative and out not in concat_scale
                 self._assign(out, thresholds, unsigned, override=concat_scale.get(out))
@@ -161,7 +164,8 @@ class _Scales:
         writes it as int32 (eq. (4b) of the module docstring) instead of refusing it for want of a scale."""
         out = node.outputs[0]
         return (self.stated is not None and out not in thresholds and out in self.graph.outputs
-                and not consumers.get(out) and node.op in WEIGHTED_GEMM_KINDS and not has_window_max(node.attrs))
+                and not consumers.get(out) and node.op in WEIGHTED_GEMM_KINDS
+                and output_stage(node).window_max is None)
 
     def _concat_scales(self, thresholds: dict[str, float]) -> dict[str, tuple[str, float]]:
         """Producer output -> the Concat output whose scale it must take."""
@@ -225,24 +229,17 @@ def _requant_params(real: np.ndarray, target: Target) -> dict[str, np.ndarray]:
             "shift": np.array([p[1] for p in pairs], np.int64)}
 
 
-def _clamp_bounds(attrs: dict, scale: float, qrange: tuple[int, int]) -> tuple[int, int]:
-    """Fused activation bounds in the output's integers: ReLU gives lo = 0, ReLU6 hi = round(6 / s_out)."""
+def _clamp_bounds(node: Node, scale: float, qrange: tuple[int, int]) -> tuple[int, int]:
+    """The Clamp step's float bounds in the output's integers: ReLU gives lo = 0, ReLU6 hi = round(6 / s_out)."""
+    clamp = output_stage(node).clamp
     q_min, q_max = qrange
     lo, hi = q_min, q_max
-    if attrs["act_min"] != -math.inf:
-        lo = int(np.clip(np.round(attrs["act_min"] / scale), q_min, q_max))
-    if attrs["act_max"] != math.inf:
-        hi = int(np.clip(np.round(attrs["act_max"] / scale), q_min, q_max))
+    if clamp.lo != -math.inf:
+        lo = int(np.clip(np.round(clamp.lo / scale), q_min, q_max))
+    if clamp.hi != math.inf:
+        hi = int(np.clip(np.round(clamp.hi / scale), q_min, q_max))
     # A clamp interval outside the calibrated range collapses to one value, as the float clamp does there.
     return lo, max(lo, hi)
-
-
-def _window(attrs: dict) -> dict | None:
-    if not has_window_max(attrs):
-        return None
-    return {"kernel": list(attrs["pool_kernel_shape"]), "strides": list(attrs["pool_strides"]),
-            "pads": list(attrs["pool_pads"]), "dilations": list(attrs["pool_dilations"]),
-            "ceil_mode": int(attrs["pool_ceil_mode"])}
 
 
 def _read_fields(attrs: dict) -> dict:
@@ -299,26 +296,26 @@ class _Compiler:
         s_out, q_range = scales.requantized(y)
         saturated = int(np.sum((q_bias < INT32_MIN) | (q_bias > INT32_MAX)))
         q_bias = np.clip(q_bias, INT32_MIN, INT32_MAX).astype(np.int32)
-        lo, hi = _clamp_bounds(node.attrs, s_out, q_range)
+        lo, hi = _clamp_bounds(node, s_out, q_range)
         x_lo, x_hi = scales.range(x)
         k = rows.shape[1]
         bound = k * max(abs(x_lo), abs(x_hi)) * int(np.max(np.abs(q_w), initial=0)) + \
             int(np.max(np.abs(q_bias.astype(np.int64)), initial=0))
+        bias_array = self.array(index, "bias", q_bias)
+        steps = [Bias(bias_array), self._requant(index, s_in, s_w, s_out), Clamp(lo, hi)]
+        clamp_hi = output_stage(node).clamp_hi
+        if clamp_hi is not None:  # per-channel bounds of an equalized ReLU6 (lowering/equalize.py)
+            channel_hi = np.clip(np.round(np.asarray(clamp_hi.hi) / s_out), lo, hi)
+            steps.append(ClampHi(self.array(index, "clamp_hi", channel_hi.astype(np.int32))))
         record = {
-            "weight": self.array(index, "weight", q_w.astype(np.int8)),
-            "bias": self.array(index, "bias", q_bias),
+            "weight": self.array(index, "weight", q_w.astype(np.int8)), "bias": bias_array,
             "weight_scale": self.array(index, "weight_scale", s_w.astype(np.float32)),
-            **self._requant(index, s_in, s_w, s_out),
-            "clamp": [lo, hi], "acc_bound_bits": _bits_for(bound), "k": k,
+            "stage": self._stage(index, node, steps), "acc_bound_bits": _bits_for(bound), "k": k,
         }
-        if "act_max_channels" in node.attrs:  # per-channel bounds of an equalized ReLU6 (lowering/equalize.py)
-            channel_hi = np.clip(np.round(np.asarray(node.attrs["act_max_channels"]) / s_out), lo, hi)
-            record["clamp_hi"] = self.array(index, "clamp_hi", channel_hi.astype(np.int32))
-        record.update(self._lookup(index, node))
         if node.op == Kind.CONV_GEMM:
             record.update(kernel=list(weight.shape[2:]), group=int(node.attrs["group"]),
                           strides=list(node.attrs["strides"]), pads=list(node.attrs["pads"]),
-                          dilations=list(node.attrs["dilations"]), window=_window(node.attrs))
+                          dilations=list(node.attrs["dilations"]))
             record.update(_read_fields(node.attrs))
         self._report(node, record, s_in, s_w, s_out, saturated)
         return record
@@ -391,7 +388,7 @@ class _Compiler:
         error = error.reshape(groups, out_channels // groups, per_group, kh, kw)
         return np.einsum("gmcij,gc,ij->gm", error, means[:, 0, :], taps).reshape(-1)
 
-    def _requant(self, index: int, s_in: float, s_w: np.ndarray, s_out: float) -> dict:
+    def _requant(self, index: int, s_in: float, s_w: np.ndarray, s_out: float) -> Requantize:
         """Eq. (4) per channel: M = s_in * s_w[c] / s_out as (mult, shift); and the float32 multiplier of
         `float32_rne`, float32(float32(s_in * s_w) / s_out) as ONNX Runtime computes it (design.md 3)."""
         real = s_in * s_w / s_out
@@ -402,9 +399,14 @@ class _Compiler:
                            f"{float(np.max(real)):.3g} is out of range (scales {s_in:.3g}, {float(np.max(s_w)):.3g}, "
                            f"{s_out:.3g}); check the calibration table")
         params = _requant_params(real, self.target)
-        return {"mult": self.array(index, "mult", params["mult"]),
-                "shift": self.array(index, "shift", params["shift"]),
-                "scale_f32": self.array(index, "scale_f32", scale_f32)}
+        return Requantize(self.array(index, "mult", params["mult"]), self.array(index, "shift", params["shift"]),
+                          self.array(index, "scale_f32", scale_f32))
+
+    def _stage(self, index: int, node: Node, steps: list) -> OutputStage:
+        """The instruction's output stage: `steps` (Bias, Requantize, Clamp, ClampHi with their integers), then
+        the node's Lookup with its table (eq. (5b)) and its WindowMax (whose parameters need no calibration)."""
+        lookup, window = self._lookup(index, node), output_stage(node).window_max
+        return OutputStage(tuple(steps) + tuple(step for step in (lookup, window) if step is not None))
 
     def add(self, index: int, node: Node) -> dict:
         scales = self.scales
@@ -413,15 +415,14 @@ class _Compiler:
         (s_a, s_b), (s_out, q_range) = (scales.scale[a], scales.scale[b]), scales.requantized(y)
         s_acc = max(s_a, s_b) / 2 ** ADD_PRESCALE_BITS
         w_a, w_b = int(np.round(s_a / s_acc)), int(np.round(s_b / s_acc))
-        lo, hi = _clamp_bounds(node.attrs, s_out, q_range)
+        lo, hi = _clamp_bounds(node, s_out, q_range)
         bound = 255 * (w_a + w_b)
         # float32_rne: eq. (6), the float32 scale ratios of ONNX Runtime's QLinearAdd.
         ratio = np.array([np.float32(s_a) / np.float32(s_out), np.float32(s_b) / np.float32(s_out)], np.float32)
+        stage = self._stage(index, node, [self._requant(index, 1.0, np.array([s_acc]), s_out), Clamp(lo, hi)])
         record = {"add_weights": [w_a, w_b], "add_scale": s_acc,
                   "add_ratio_f32": self.array(index, "add_ratio_f32", ratio),
-                  **self._requant(index, 1.0, np.array([s_acc]), s_out),
-                  "clamp": [lo, hi], "window": _window(node.attrs), "acc_bound_bits": _bits_for(bound), "k": 2,
-                  **self._lookup(index, node)}
+                  "stage": stage, "acc_bound_bits": _bits_for(bound), "k": 2}
         self._report(node, record, s_a, np.array([s_acc]), s_out, 0)
         return record
 
@@ -434,41 +435,42 @@ class _Compiler:
 
         k = describe_instruction(self.graph, node).k
         bound = k * max(abs(v) for v in scales.range(a)) * max(abs(v) for v in scales.range(b))
-        lo, hi = _clamp_bounds(node.attrs, s_out, scales.range(y))
+        lo, hi = _clamp_bounds(node, s_out, scales.range(y))
         s_b_scaled = s_b * node.attrs.get("product_scale", 1.0)  # a folded constant scale c: M = c s_a s_b / s_out
-        record = {**self._requant(index, s_a, np.array([s_b_scaled]), s_out), "clamp": [lo, hi],
-                  "acc_bound_bits": _bits_for(bound), "k": k}
+        stage = OutputStage((self._requant(index, s_a, np.array([s_b_scaled]), s_out), Clamp(lo, hi)))
+        record = {"stage": stage, "acc_bound_bits": _bits_for(bound), "k": k}
         if node.op == Kind.MATMUL_GEMM:
             record.update(transpose_a=bool(node.attrs["transpose_a"]), transpose_b=bool(node.attrs["transpose_b"]))
         self._report(node, record, s_a, np.array([s_b_scaled]), s_out, 0)
         return record
 
-    def _lookup(self, index: int, node: Node) -> dict:
-        """The `lookup` field of eq. (5b) (none without a fused table): the 256-entry table of output codes."""
-        y = node.outputs[0]
-        if not has_lookup(node.attrs):
-            return {}
+    def _lookup(self, index: int, node: Node) -> Lookup | None:
+        """The Lookup step of eq. (5b) with its table (None without a fused table): 256 output codes."""
+        y, lookup = node.outputs[0], output_stage(node).lookup
+        if lookup is None:
+            return None
         if self.target.array.lookup_tables == 0:
-            raise Unsupported(f"node '{node.name}' ({node.op}) applies {node.attrs['lookup_function']} as a lookup "
+            raise Unsupported(f"node '{node.name}' ({node.op}) applies {lookup.function} as a lookup "
                               f"table and the target has none (lookup_tables = 0)")
         s_p, unsigned = self.scales.lookup_input[y]
         codes = np.arange(256, dtype=np.float64) + (0 if unsigned else -128)
-        function, params = node.attrs["lookup_function"], node.attrs["lookup_params"]
-        values = evaluate(function, params, codes * s_p)
+        function = lookup.function
+        values = evaluate(function, dict(lookup.params), codes * s_p)
         out_lo, out_hi = self.scales.range(y)
         with np.errstate(over="ignore", invalid="ignore"):
             table = np.clip(np.round(values / self.scales.scale[y]), out_lo, out_hi)
         dtype = np.uint8 if self.scales.unsigned[y] else np.int8
         table = table.astype(dtype)
-        return {"lookup": {"table": self.array(index, "lookup_table", table), "function": function,
-                           "input_scale": s_p, "input_dtype": "uint8" if unsigned else "int8",
-                           "monotonic": bool(np.all(np.diff(table.astype(np.int64)) >= 0))}}
+        return Lookup(function, bool(np.all(np.diff(table.astype(np.int64)) >= 0)),
+                      table=self.array(index, "lookup_table", table), input_scale=s_p,
+                      input_dtype="uint8" if unsigned else "int8")
 
     def _report(self, node: Node, record: dict, s_in: float, s_w: np.ndarray, s_out: float, saturated: int):
         from qdeploy.lowering import describe_instruction
 
         described = describe_instruction(self.graph, node)
-        mult, shift = self.arrays[record["mult"]], self.arrays[record["shift"]]
+        requant = record["stage"].requantize
+        mult, shift = self.arrays[requant.mult], self.arrays[requant.shift]
         report = LayerReport(node.name, node.op, described.m, described.n, described.k, described.groups,
                              s_in, float(np.min(s_w)), float(np.max(s_w)), s_out, int(mult.min()),
                              int(mult.max()), int(shift.min()), int(shift.max()),
@@ -487,11 +489,11 @@ class _Compiler:
         for index, node in enumerate(graph.nodes):
             self.current = f"'{node.name}' ({node.op})"
             kind = node_kind(graph, node)
-            base = {"kind": node.op, "name": node.name, "inputs": list(
-                node.inputs[:1] if kind in WEIGHTED_GEMM_KINDS else node.inputs), "output": node.outputs[0]}
-            base.update(handler(COMPILERS, kind, "the compiler", f"node '{node.name}'")(self, index, node))
-            base["inputs"] = [i for i in base["inputs"] if i and not graph.tensors[i].is_constant]
-            instructions.append(base)
+            fields = handler(COMPILERS, kind, "the compiler", f"node '{node.name}'")(self, index, node)
+            inputs = node.inputs[:1] if kind in WEIGHTED_GEMM_KINDS else node.inputs
+            record = RECORDS[kind](kind=kind, name=node.name, output=node.outputs[0], **fields,
+                                   inputs=tuple(i for i in inputs if i and not graph.tensors[i].is_constant))
+            instructions.append(record.to_manifest())  # the program is written from the typed records
         tensors = {}
         for name, scale in self.scales.scale.items():
             dtype = "int32" if name in self.scales.wide else "uint8" if self.scales.unsigned[name] else "int8"
@@ -525,7 +527,7 @@ class _Compiler:
                 attrs[key] = {"array": self.array(index, f"attr_{key}", value)}
             else:
                 attrs[key] = value
-        return {"kind": Kind.HOST, "op": node.op, "opset": self.graph.opset, "operands": operands, "attrs": attrs}
+        return {"op": node.op, "opset": self.graph.opset, "operands": operands, "attrs": attrs}
 
     def _concat(self, index: int, node: Node) -> dict:
         return {"axis": 1}  # node_kind: only a channel Concat is this kind; any other runs on the host
@@ -546,7 +548,7 @@ class _Compiler:
         return {"shape": shape}
 
 
-# The compiler's handler table: the manifest fields (and arrays) of each kind's instruction.
+# The compiler's handler table: the record fields (and arrays) of each kind's instruction, the output stage included.
 COMPILERS = {Kind.CONV_GEMM: _Compiler.gemm, Kind.DENSE_GEMM: _Compiler.gemm, Kind.ADD_GEMM: _Compiler.add,
              Kind.MUL_GEMM: _Compiler.product, Kind.MATMUL_GEMM: _Compiler.product,
              Kind.CONCAT: _Compiler._concat, **{kind: _Compiler._reshape for kind in RESHAPE_KINDS},
@@ -563,7 +565,7 @@ def compile_graph(lowered: LoweringResult, thresholds: dict[str, float], target:
     model's integer weights and scales, and its bias where no fold changed it (qdeploy/prequantized.py)."""
     options = options or CompileOptions()
     if not target.array.window_max_on_store:
-        pooled = [n for n in lowered.graph.nodes if n.op in INSTRUCTION_OPS and has_window_max(n.attrs)]
+        pooled = [n for n in lowered.graph.nodes if n.op in INSTRUCTION_OPS and output_stage(n).window_max]
         if pooled:
             raise Unsupported(f"instruction '{pooled[0].name}' ends in a MaxPool, which runs as window-max on the "
                               f"store path, and the target has none (window_max_on_store = false)")

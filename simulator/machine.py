@@ -18,11 +18,13 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 import numpy as np
 
 from isa.kinds import PER_IMAGE_KINDS, RESHAPE_KINDS, WEIGHTED_GEMM_KINDS, Kind, handler
 from isa.instructions import Instruction, from_manifest
+from isa.output_stage import Bias, Clamp, ClampHi, Lookup, OutputStage, Requantize, Step, WindowMax, fused_fold
 from qdeploy import fileio
 from qdeploy.fileio import byte_size
 from qdeploy.program import Program
@@ -32,7 +34,7 @@ from simulator.kernels import int8_simd
 from simulator.kernels.gemm import (INT32_MAX, add_gemm_kernel, channel_max_abs, channels_in_range, gemm, gemm_planar,
                                     mul_gemm_kernel)
 from simulator.kernels.im2col import im2col, im2col_planar
-from simulator.kernels.requantize import PlaneParameters, plane_parameters, requantize
+from simulator.kernels.requantize import PlaneParameters, output_dtype, plane_parameters, requantize
 from simulator.kernels.upsample import upsampled_read
 from simulator.kernels.window_max import window_max
 from isa.geometry import conv_output_size
@@ -124,10 +126,13 @@ def dequantize(program: Program, name: str, q: np.ndarray) -> np.ndarray:
 class Machine:
     """Runs one program; construct once and call `run` for each batch."""
 
-    def __init__(self, program: Program, threads: int | None = None):
+    def __init__(self, program: Program, threads: int | None = None, fused: bool = True):
         """threads: worker threads for slices of a batch (default: the CPUs this process may use); results do
-        not depend on it."""
+        not depend on it. fused: run the output stage's fused fast paths (the Bias in the GEMM, Requantize and
+        Clamp in one pass, int8_simd's requantizing store); False folds every step by itself, with the same
+        integers (tests/test_output_stage_coverage.py), for checking."""
         self.program = program
+        self.fused = fused
         self.target = target_from_dict(program.manifest["target"])
         self.arithmetic = self.target.arithmetic
         self.arrays = program.arrays
@@ -151,11 +156,12 @@ class Machine:
         self._pool: ThreadPoolExecutor | None = None
 
     def _fused_output_stage(self, instr: Instruction, plan: _GemmPlan) -> PlaneParameters | None:
-        """The Requantize step's per-channel parameters when a ConvGemm's int8 GEMM (kernels.int8_simd) may
-        requantize in its store: every exact sum of every channel, for any input of the input's dtype, fits an
-        int32 register of at most 32 bits (so there is no wrap, no saturation, no event, and the int32 result is
-        the sum), else None."""
-        if plan.packed is None or instr.kind != Kind.CONV_GEMM or self.arithmetic.acc_bits > 32:
+        """The Requantize step's per-channel parameters when a ConvGemm's int8 GEMM (kernels.int8_simd) may run its
+        output stage's first steps (INT8_SIMD_STEPS: Bias, Requantize, Clamp) in its store: every exact sum of every
+        channel, for any input of the input's dtype, fits an int32 register of at most 32 bits (so there is no wrap,
+        no saturation, no event, and the int32 result is the sum), else None."""
+        if (plan.packed is None or instr.kind != Kind.CONV_GEMM or self.arithmetic.acc_bits > 32 or not self.fused
+                or tuple(map(type, instr.stage.steps[:len(INT8_SIMD_STEPS)])) != INT8_SIMD_STEPS):
             return None
         input_max = _dtype_bound(self.program.tensors[instr.inputs[0]]["dtype"])
         limit = min((1 << (self.arithmetic.acc_bits - 1)) - 1, INT32_MAX)
@@ -313,39 +319,32 @@ class Machine:
         y = self.host(instr.op, instr.opset, operands, attrs)
         return quantize_input(self.program, instr.output, np.asarray(y, np.float32)), None, None
 
-    def _requantize(self, instr: Instruction, acc: np.ndarray) -> np.ndarray:
-        """acc (..., C) -> the output stage's Requantize, Clamp and ClampPerChannel steps (isa/output_stage.py;
-        the Bias is added in the accumulator by the GEMM kernels)."""
-        stage = instr.stage
-        requant, (lo, hi) = stage.requantize, (stage.clamp.lo, stage.clamp.hi)
+    def _accumulated(self, stage: OutputStage) -> tuple[np.ndarray | None, tuple[Step, ...]]:
+        """(the bias the GEMM kernels add, the steps left to fold): a leading Bias step runs fused into the
+        accumulation (the bias is the register's last term, so adding it in the GEMM or after it gives the same
+        register, wrapped or saturated), unless the machine folds every step (fused=False)."""
+        steps = stage.steps
+        if self.fused and steps and isinstance(steps[0], Bias):
+            return self.arrays[steps[0].array], steps[1:]
+        return None, steps
+
+    def _output_stage(self, instr: Instruction, acc: np.ndarray, layout: Callable[[np.ndarray], np.ndarray],
+                      steps: tuple[Step, ...]) -> np.ndarray:
+        """`steps` of the instruction's output stage folded over acc (..., C), channels last (isa/output_stage.py
+        fold, the evaluators of STEP_EVALUATORS), the result laid out as stored by `layout` (or by the WindowMax
+        step on the way to memory). A run of steps with a FUSED_STEPS entry (Requantize and Clamp: one kernel
+        pass) is evaluated by it, unless fused=False."""
+        plane = fused_fold(steps, STEP_EVALUATORS, FUSED_STEPS if self.fused else {}, "the simulator",
+                           _Plane(acc, layout), self, instr)
+        return plane.layout(plane.y)
+
+    def _requantized(self, requant: Requantize, acc: np.ndarray, lo: int, hi: int) -> np.ndarray:
+        """acc (..., C) requantized per channel in the target's rounding mode and saturated to [lo, hi]
+        (kernels.requantize: one pass, stored in requantize.output_dtype(lo, hi))."""
         if self.arithmetic.rounding == Rounding.FLOAT32_RNE:
-            y = requantize(acc, mode=Rounding.FLOAT32_RNE, lo=lo, hi=hi, scale=self.arrays[requant.scale_f32])
-        else:
-            y = requantize(acc, self.arrays[requant.mult], self.arrays[requant.shift], self.arithmetic.rounding,
-                           lo, hi)
-        return self._after_requantize(instr, y)
-
-    def _after_requantize(self, instr: Instruction, y: np.ndarray) -> np.ndarray:
-        """The output stage's ClampPerChannel and Lookup steps on a requantized y (..., C)."""
-        stage = instr.stage
-        if stage.clamp_per_channel is not None:  # per-channel upper bounds (channel = last axis), within [lo, hi]
-            np.minimum(y, self.arrays[stage.clamp_per_channel.array].astype(y.dtype), out=y)
-        return self._lookup(instr, y)
-
-    def _lookup(self, instr: Instruction, y: np.ndarray) -> np.ndarray:
-        """The output stage's Lookup step: y = table[q + offset] (offset 128 for int8 codes, 0 for uint8), one
-        table read per output element, in the table's (the output's) dtype."""
-        lookup = instr.stage.lookup
-        if lookup is None:
-            return y
-        return np.take(self.arrays[lookup.table], y.astype(np.int16) + np.int16(lookup.offset))
-
-    def _store(self, instr: Instruction, y: np.ndarray) -> np.ndarray:
-        """The output stage's last step, WindowMax, on the way to memory."""
-        window = instr.stage.window_max
-        if window is None:
-            return y
-        return window_max(y, window.kernel, window.strides, window.pads, window.dilations, window.ceil_mode)
+            return requantize(acc, mode=Rounding.FLOAT32_RNE, lo=lo, hi=hi, scale=self.arrays[requant.scale_f32])
+        return requantize(acc, self.arrays[requant.mult], self.arrays[requant.shift], self.arithmetic.rounding,
+                          lo, hi)
 
     def conv_gemm(self, instr: Instruction, args: list[np.ndarray]):
         """(y NCHW, acc (N*OH*OW, M) before requantization, events)."""
@@ -364,19 +363,22 @@ class Machine:
             x, pads = upsampled_read(x, instr.upsample, instr.upsample_fill, pads, instr.pad_fill)
         oh = conv_output_size(x.shape[2], kernel[0], strides[0], pads[0], pads[2], dilations[0])
         ow = conv_output_size(x.shape[3], kernel[1], strides[1], pads[1], pads[3], dilations[1])
-        bias = self.arrays[instr.bias]
+        bias, steps = self._accumulated(instr.stage)
+
+        def layout(y: np.ndarray) -> np.ndarray:  # (N, OH*OW, M) -> NCHW; no copy when y is NCHW in memory
+            return np.ascontiguousarray(y.transpose(0, 2, 1)).reshape(n, -1, oh, ow)
+
         acc_bits, overflow = self.arithmetic.acc_bits, self.arithmetic.overflow
         if plan.method == "depthwise":
             acc4, events = depthwise_conv(x, plan.weight, bias, kernel, strides, pads, dilations, acc_bits, overflow,
                                           x_max_abs=_dtype_bound(x.dtype), w_max_abs=plan.weight_max)
             acc = acc4.transpose(0, 2, 3, 1).reshape(n, oh * ow, -1)  # a view: acc4 is NCHW or NHWC in memory
         elif plan.fused is not None and not need_acc:  # planar or grouped
-            stage = instr.stage  # im2col, the GEMM and the Requantize step in one kernel, (N, M, OH*OW)
+            stage = instr.stage  # im2col, the GEMM, Bias, Requantize and Clamp in one kernel, (N, M, OH*OW)
             y = int8_simd.conv(plan.packed, np.ascontiguousarray(x), (kernel, strides, pads, dilations), (oh, ow),
-                               bias, self._scratch(), plan.fused, stage.clamp.lo, stage.clamp.hi)
-            y = self._after_requantize(instr, y.transpose(0, 2, 1))
-            y = np.ascontiguousarray(y.transpose(0, 2, 1)).reshape(n, -1, oh, ow)
-            return self._store(instr, y), None, 0
+                               self.arrays[stage.bias.array], self._scratch(), plan.fused,
+                               stage.clamp.lo, stage.clamp.hi)
+            return self._output_stage(instr, y.transpose(0, 2, 1), layout, stage.steps[len(INT8_SIMD_STEPS):]), None, 0
         elif plan.method == "planar":
             cols = im2col_planar(x, kernel, strides, pads, dilations)  # (N, K, OH*OW); 1x1: a view of x
             result = gemm_planar(plan.weight, cols, acc_bits, overflow, bias=bias, w_float=plan.weight_f32,
@@ -385,25 +387,24 @@ class Machine:
         else:  # grouped: im2col + one GEMM per group, (G, N*OH*OW, M/G) -> (N, OH*OW, M), channel c = g*M/G + j
             groups = instr.group
             cols = im2col(x, kernel, strides, pads, dilations, groups)
-            result = gemm(cols, plan.weight, acc_bits, overflow, bias=bias.reshape(groups, -1))
+            grouped_bias = None if bias is None else bias.reshape(groups, -1)
+            result = gemm(cols, plan.weight, acc_bits, overflow, bias=grouped_bias)
             acc, events = np.ascontiguousarray(result.acc.transpose(1, 0, 2)).reshape(n, oh * ow, -1), result.events
-        y = self._requantize(instr, acc)  # (N, OH*OW, M), in acc's memory order
-        y = np.ascontiguousarray(y.transpose(0, 2, 1)).reshape(n, -1, oh, ow)  # no copy when acc was NCHW
-        return self._store(instr, y), acc, events
+        return self._output_stage(instr, acc, layout, steps), acc, events  # y in acc's memory order, then NCHW
 
     def dense_gemm(self, instr: Instruction, args: list[np.ndarray]):
         """(y (N, M), acc (N, M), events): the planar GEMM of w (M, K) with x^T, requantized in that layout."""
         (x,) = args
         plan = self.plans[instr.name]
+        bias, steps = self._accumulated(instr.stage)
         if plan.method != "planar":
-            result = gemm(x, plan.weight[0], self.arithmetic.acc_bits, self.arithmetic.overflow,
-                          bias=self.arrays[instr.bias])
-            return self._requantize(instr, result.acc), result.acc, result.events
+            result = gemm(x, plan.weight[0], self.arithmetic.acc_bits, self.arithmetic.overflow, bias=bias)
+            return self._output_stage(instr, result.acc, _as_is, steps), result.acc, result.events
         result = gemm_planar(plan.weight, np.ascontiguousarray(x.T)[None], self.arithmetic.acc_bits,
-                             self.arithmetic.overflow, bias=self.arrays[instr.bias], w_float=plan.weight_f32,
+                             self.arithmetic.overflow, bias=bias, w_float=plan.weight_f32,
                              w_max_abs=plan.weight_max, scratch=self._scratch(), packed=plan.packed)
         acc = result.acc[0].T  # (N, M) view of (M, N) memory
-        y = np.ascontiguousarray(self._requantize(instr, acc))
+        y = self._output_stage(instr, acc, np.ascontiguousarray, steps)
         return y, np.ascontiguousarray(acc), result.events
 
     def _acc_dtype(self, bound: int) -> type:
@@ -416,19 +417,20 @@ class Machine:
         """acc = a * w_a + b * w_b: a K = 2 GEMM per element, [a b] . [w_a w_b]^T, in the accumulator.
         With rounding float32_rne: the float32 output-stage add of ONNX Runtime's QLinearAdd (add_float32_rne)."""
         a, b = args
-        if self.arithmetic.rounding == Rounding.FLOAT32_RNE:
+        steps = instr.stage.steps
+        if self.arithmetic.rounding == Rounding.FLOAT32_RNE:  # Requantize and Clamp in the float32 add
+            _require_prefix(instr, steps, ADD_FLOAT32_STEPS)
             y, value = add_float32_rne(a, b, self.arrays[instr.add_ratio_f32], instr.stage.clamp.lo,
                                        instr.stage.clamp.hi)
-            return self._store(instr, self._lookup(instr, y)), value, 0
+            return self._output_stage(instr, y, _as_is, steps[len(ADD_FLOAT32_STEPS):]), value, 0
         w_a, w_b = instr.add_weights
         bound = _dtype_bound(a.dtype) * abs(int(w_a)) + _dtype_bound(b.dtype) * abs(int(w_b))
         acc = np.empty(a.size, self._acc_dtype(bound))
         events = add_gemm_kernel(np.ascontiguousarray(a).reshape(-1), np.ascontiguousarray(b).reshape(-1),
                                  int(w_a), int(w_b), self.arithmetic.acc_min, self.arithmetic.acc_max,
                                  self.arithmetic.overflow == "saturate", acc)
-        acc = acc.reshape(-1, 1)
-        y = self._requantize(instr, acc).reshape(a.shape)
-        return self._store(instr, y), acc.reshape(a.shape), events
+        y = self._output_stage(instr, acc.reshape(-1, 1), _reshaped(a.shape), steps)
+        return y, acc.reshape(a.shape), events
 
     def mul_gemm(self, instr: Instruction, args: list[np.ndarray]):
         """acc = a * b (b broadcast to a's shape): a K = 1 GEMM per element whose weight b is read from memory, then
@@ -438,7 +440,7 @@ class Machine:
         acc = np.empty(a.size, self._acc_dtype(_dtype_bound(a.dtype) * _dtype_bound(b.dtype)))
         events = mul_gemm_kernel(np.ascontiguousarray(a).reshape(-1), b, self.arithmetic.acc_min,
                                  self.arithmetic.acc_max, self.arithmetic.overflow == "saturate", acc)
-        y = self._requantize(instr, acc.reshape(-1, 1)).reshape(a.shape)
+        y = self._output_stage(instr, acc.reshape(-1, 1), _reshaped(a.shape), instr.stage.steps)
         return y, acc.reshape(a.shape), events
 
     def matmul_gemm(self, instr: Instruction, args: list[np.ndarray]):
@@ -449,8 +451,96 @@ class Machine:
         result = gemm(np.ascontiguousarray(a), np.ascontiguousarray(b), self.arithmetic.acc_bits,
                       self.arithmetic.overflow)
         shape = args[0].shape[:-2] + (a.shape[1], b.shape[2])
-        y = self._requantize(instr, result.acc.reshape(-1, 1)).reshape(shape)
+        y = self._output_stage(instr, result.acc.reshape(-1, 1), _reshaped(shape), instr.stage.steps)
         return y, result.acc.reshape(shape), result.events
+
+
+# --- the output stage ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Plane:
+    """What the machine's output-stage evaluators act on: y with the channels on its last axis, and `layout`, which
+    lays such a y out as the instruction stores it (NCHW for a convolution, the input's shape for an elementwise
+    GEMM). WindowMax, the step on the way to memory, lays y out and pools it."""
+
+    y: np.ndarray
+    layout: Callable[[np.ndarray], np.ndarray]
+
+
+def _as_is(y: np.ndarray) -> np.ndarray:
+    return y
+
+
+def _reshaped(shape: tuple) -> Callable[[np.ndarray], np.ndarray]:
+    return lambda y: y.reshape(shape)
+
+
+def _require_prefix(instr: Instruction, steps: tuple[Step, ...], prefix: tuple[type, ...]) -> None:
+    """ValueError unless the stage starts with the steps a fused kernel computes (then it may run them)."""
+    if tuple(map(type, steps[:len(prefix)])) != prefix:
+        raise ValueError(f"instruction '{instr.name}': its output stage starts "
+                         f"{[type(s).__name__ for s in steps]}, not {[t.__name__ for t in prefix]}")
+
+
+def _register_bounds(dtype: np.dtype) -> tuple[int, int]:
+    info = np.iinfo(dtype)
+    return int(info.min), int(info.max)
+
+
+def _bias(step: Bias, plane: _Plane, machine: Machine, instr: Instruction) -> _Plane:
+    """acc + bias[c] in the acc_bits register, wrapped or saturated as the accumulator's last term (in int64: exact
+    for acc_bits <= 62). Events of this addition are not counted: the fused path (the bias in the GEMM) counts."""
+    arithmetic = machine.arithmetic
+    acc = plane.y.astype(np.int64) + np.asarray(machine.arrays[step.array], np.int64).reshape(-1)
+    if arithmetic.overflow == "saturate":
+        acc = np.clip(acc, arithmetic.acc_min, arithmetic.acc_max)
+    else:
+        half = np.int64(1) << (arithmetic.acc_bits - 1)
+        acc = (acc + half) % (2 * half) - half
+    return _Plane(acc, plane.layout)
+
+
+def _requantize(step: Requantize, plane: _Plane, machine: Machine, instr: Instruction) -> _Plane:
+    """round(acc * M[c]) saturated to the register of the stored dtype (int8, uint8 or int32: the dtype the Clamp
+    step stores, requantize.output_dtype), in one kernel pass."""
+    lo, hi = _register_bounds(output_dtype(instr.stage.clamp.lo, instr.stage.clamp.hi))
+    return _Plane(machine._requantized(step, plane.y, lo, hi), plane.layout)
+
+
+def _clamp(step: Clamp, plane: _Plane, machine: Machine, instr: Instruction) -> _Plane:
+    return _Plane(np.clip(plane.y, step.lo, step.hi, out=plane.y), plane.layout)
+
+
+def _requantize_clamp(steps: tuple[Requantize, Clamp], plane: _Plane, machine: Machine, instr: Instruction) -> _Plane:
+    """Requantize then Clamp in one kernel pass: clamp(v, lo, hi) = clamp(clamp(v, register), lo, hi), the clamp
+    range lying within the register's."""
+    requant, clamp = steps
+    return _Plane(machine._requantized(requant, plane.y, clamp.lo, clamp.hi), plane.layout)
+
+
+def _clamp_hi(step: ClampHi, plane: _Plane, machine: Machine, instr: Instruction) -> _Plane:
+    """y = min(y, hi[c]) with c the last axis."""
+    return _Plane(np.minimum(plane.y, machine.arrays[step.hi].astype(plane.y.dtype), out=plane.y), plane.layout)
+
+
+def _lookup(step: Lookup, plane: _Plane, machine: Machine, instr: Instruction) -> _Plane:
+    """y = table[q + offset] (offset 128 for int8 codes, 0 for uint8), one table read per element, in the table's
+    (the output's) dtype."""
+    return _Plane(np.take(machine.arrays[step.table], plane.y.astype(np.int16) + np.int16(step.offset)), plane.layout)
+
+
+def _window_max(step: WindowMax, plane: _Plane, machine: Machine, instr: Instruction) -> _Plane:
+    """The maximum over each window of the stored (NCHW) tensor, on the way to memory."""
+    stored = plane.layout(plane.y)
+    return _Plane(window_max(stored, step.kernel, step.strides, step.pads, step.dilations, step.ceil_mode), _as_is)
+
+
+# The simulator's evaluator of each output-stage step (isa/output_stage.py), (step, plane, machine, instr) -> plane.
+STEP_EVALUATORS = {Bias: _bias, Requantize: _requantize, Clamp: _clamp, ClampHi: _clamp_hi, Lookup: _lookup,
+                   WindowMax: _window_max}
+# Fast paths, selected from the stage's steps, equal to folding those steps one by one (Machine(fused=False)):
+FUSED_STEPS = {(Requantize, Clamp): _requantize_clamp}  # one requantize kernel pass with the clamp bounds
+INT8_SIMD_STEPS = (Bias, Requantize, Clamp)  # kernels.int8_simd.conv's requantizing store (_fused_output_stage)
+ADD_FLOAT32_STEPS = (Requantize, Clamp)  # add_float32_rne: the float32 add requantizes and clamps
 
 
 # The simulator's handler table: the kernel of each kind, Machine method (instr, args) -> (y, acc, events).

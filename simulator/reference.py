@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import math
 from fractions import Fraction
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import numpy as np
 
 from isa.geometry import conv_output_size, pool_output_size, read_source, upsampled_size
 from isa.kinds import RESHAPE_KINDS, Kind, handler
 from isa.instructions import Instruction, from_manifest
+from isa.output_stage import Bias, Clamp, ClampHi, Lookup, Requantize, WindowMax, fold
 from isa.target import Arithmetic
 
 INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1
@@ -294,44 +296,87 @@ def window_max(x: np.ndarray, kernel_shape: Sequence[int], strides: Sequence[int
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Whole instructions: the Python-int twin of each kind, composed of the twins above in the output stage's
-# order (isa/output_stage.py). `run_instruction` is what the machine's KERNELS table must equal, instruction
-# by instruction (tests/test_isa_twins.py).
+# Whole instructions: the Python-int twin of each kind, its GEMM then its output stage, folded step by step over
+# the stage's steps (isa/output_stage.py). `run_instruction` is what the machine's KERNELS table must equal,
+# instruction by instruction (tests/test_isa_twins.py).
 
-def _output_stage(instr: Instruction, acc: np.ndarray, arrays: dict, arithmetic: Arithmetic) -> np.ndarray:
-    """Requantize, Clamp, ClampPerChannel and Lookup of acc (rows, channels) with one channel's parameters per
-    column (a single set broadcast to every column)."""
-    stage = instr.stage
-    mult, shift = arrays[stage.requantize.mult].reshape(-1), arrays[stage.requantize.shift].reshape(-1)
-    scale = arrays[stage.requantize.scale_f32].reshape(-1)
-    bounds = arrays[stage.clamp_per_channel.array].reshape(-1) if stage.clamp_per_channel else None
-    rows, channels = acc.shape
-    y = np.zeros((rows, channels), np.int64)
+@dataclass(frozen=True)
+class _Plane:
+    """What the twins' output-stage evaluators act on: values (rows, channels), Python ints in an object array (one
+    channel's parameters per column; a single set broadcast to every column), and `layout`, which lays them out as
+    the instruction stores them, in the output's dtype."""
+
+    values: np.ndarray
+    layout: Callable[[np.ndarray], np.ndarray]
+
+
+def _per_column(array: np.ndarray, c: int):
+    array = array.reshape(-1)
+    return array[c if array.size > 1 else 0]
+
+
+def _each(plane: _Plane, f: Callable[[int, int], int]) -> _Plane:
+    """f(value, channel) of every value."""
+    rows, channels = plane.values.shape
+    out = np.zeros((rows, channels), dtype=object)
     for c in range(channels):
-        p = c if mult.size > 1 else 0
         for r in range(rows):
-            value = requantize(int(acc[r, c]), int(mult[p]), int(shift[p]), arithmetic.rounding, stage.clamp.lo,
-                               stage.clamp.hi, scale=scale[p])
-            y[r, c] = _looked_up(instr, min(value, int(bounds[c])) if bounds is not None else value, arrays)
-    return y
+            out[r, c] = f(int(plane.values[r, c]), c)
+    return _Plane(out, plane.layout)
 
 
-def _looked_up(instr: Instruction, code: int, arrays: dict) -> int:
-    """The Lookup step on one code: table[code - code_min] with code_min = -128 (int8 codes) or 0 (uint8)."""
-    lookup = instr.stage.lookup
-    if lookup is None:
-        return code
-    code_min = -128 if lookup.input_dtype == "int8" else 0
-    return int(arrays[lookup.table][code - code_min])
+def _bias(step: Bias, plane: _Plane, arrays: dict, arithmetic: Arithmetic) -> _Plane:
+    """(1) the bias as the accumulator's last term: accumulate([acc, bias[c]]) (wrap(wrap(s) + b) = wrap(s + b);
+    saturating, the last addition's clamp)."""
+    bias = arrays[step.array]
+    return _each(plane, lambda v, c: accumulate([v, int(_per_column(bias, c))], arithmetic.acc_bits,
+                                                arithmetic.overflow)[0])
 
 
-def _stored(instr: Instruction, y: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """The WindowMax step (if any) on the NCHW result, in the output tensor's dtype."""
-    window = instr.stage.window_max
-    y = y.astype(dtype)
-    if window is None:
-        return y
-    return window_max(y, window.kernel, window.strides, window.pads, window.dilations, window.ceil_mode)
+def _requantize(step: Requantize, plane: _Plane, arrays: dict, arithmetic: Arithmetic) -> _Plane:
+    """(3)-(7) round(acc * M[c]) in the target's rounding mode, unbounded (the Clamp step bounds it)."""
+    mult, shift, scale = arrays[step.mult], arrays[step.shift], arrays[step.scale_f32]
+    unbounded = 1 << 128
+    return _each(plane, lambda v, c: requantize(v, int(_per_column(mult, c)), int(_per_column(shift, c)),
+                                                arithmetic.rounding, -unbounded, unbounded,
+                                                scale=_per_column(scale, c)))
+
+
+def _clamp(step: Clamp, plane: _Plane, arrays: dict, arithmetic: Arithmetic) -> _Plane:
+    """(8) min(max(y, lo), hi)."""
+    return _each(plane, lambda v, c: min(max(v, step.lo), step.hi))
+
+
+def _clamp_hi(step: ClampHi, plane: _Plane, arrays: dict, arithmetic: Arithmetic) -> _Plane:
+    """min(y, hi[c])."""
+    bounds = arrays[step.hi]
+    return _each(plane, lambda v, c: min(v, int(_per_column(bounds, c))))
+
+
+def _lookup(step: Lookup, plane: _Plane, arrays: dict, arithmetic: Arithmetic) -> _Plane:
+    """table[code - code_min] with code_min = -128 (int8 codes) or 0 (uint8)."""
+    table, code_min = arrays[step.table], -128 if step.input_dtype == "int8" else 0
+    return _each(plane, lambda v, c: int(table[v - code_min]))
+
+
+def _window_max(step: WindowMax, plane: _Plane, arrays: dict, arithmetic: Arithmetic) -> _Plane:
+    """(10) on the stored NCHW tensor, in its dtype."""
+    stored = plane.layout(plane.values)
+    return _Plane(window_max(stored, step.kernel, step.strides, step.pads, step.dilations, step.ceil_mode),
+                  lambda y: y)
+
+
+# The twins' evaluator of each output-stage step (isa/output_stage.py), (step, plane, arrays, arithmetic) -> plane.
+STEP_EVALUATORS = {Bias: _bias, Requantize: _requantize, Clamp: _clamp, ClampHi: _clamp_hi, Lookup: _lookup,
+                   WindowMax: _window_max}
+
+
+def _output_stage(steps, acc: np.ndarray, layout: Callable[[np.ndarray], np.ndarray], arrays: dict,
+                  arithmetic: Arithmetic) -> np.ndarray:
+    """`steps` folded over acc (rows, channels) step by step (isa/output_stage.py fold), laid out as stored."""
+    plane = fold(steps, STEP_EVALUATORS, "the Python-int twins", _Plane(np.asarray(acc, dtype=object), layout),
+                 arrays, arithmetic)
+    return plane.layout(plane.values)
 
 
 def _conv_gemm(instr: Instruction, args: list[np.ndarray], arrays: dict, arithmetic: Arithmetic, dtype) -> np.ndarray:
@@ -340,40 +385,48 @@ def _conv_gemm(instr: Instruction, args: list[np.ndarray], arrays: dict, arithme
     groups = int(instr.group)
     x, pads = upsampled_read(x, instr.upsample, instr.upsample_fill, instr.pads, instr.pad_fill)
     cols = im2col(x, instr.kernel, instr.strides, pads, instr.dilations, groups)
-    weight, bias = arrays[instr.weight], arrays[instr.bias]
+    weight = arrays[instr.weight]
     per_group = weight.shape[0] // groups
     acc = np.concatenate([gemm(cols[g], weight[g * per_group:(g + 1) * per_group].T, arithmetic.acc_bits,
-                               arithmetic.overflow, bias[g * per_group:(g + 1) * per_group])[0]
-                          for g in range(groups)], axis=1)  # (N*OH*OW, M)
+                               arithmetic.overflow)[0] for g in range(groups)], axis=1)  # (N*OH*OW, M)
     n = x.shape[0]
     oh = conv_output_size(x.shape[2], instr.kernel[0], instr.strides[0], pads[0], pads[2], instr.dilations[0])
-    y = _output_stage(instr, acc, arrays, arithmetic).reshape(n, oh, -1, weight.shape[0]).transpose(0, 3, 1, 2)
-    return _stored(instr, y, dtype)
+    return _output_stage(instr.stage.steps, acc,
+                         lambda y: y.reshape(n, oh, -1, weight.shape[0]).transpose(0, 3, 1, 2).astype(dtype),
+                         arrays, arithmetic)
 
 
 def _dense_gemm(instr: Instruction, args: list[np.ndarray], arrays: dict, arithmetic: Arithmetic, dtype) -> np.ndarray:
-    """(1) x (N, K) . W^T with the bias, then the output stage."""
+    """(1) x (N, K) . W^T, then the output stage (the bias first)."""
     (x,) = args
-    acc, _ = gemm(x, arrays[instr.weight].T, arithmetic.acc_bits, arithmetic.overflow, arrays[instr.bias])
-    return _output_stage(instr, acc, arrays, arithmetic).astype(dtype)
+    acc, _ = gemm(x, arrays[instr.weight].T, arithmetic.acc_bits, arithmetic.overflow)
+    return _output_stage(instr.stage.steps, acc, lambda y: y.astype(dtype), arrays, arithmetic)
 
 
 def _add_gemm(instr: Instruction, args: list[np.ndarray], arrays: dict, arithmetic: Arithmetic, dtype) -> np.ndarray:
     """acc = accumulate([a * w_a, b * w_b]) per element and the output stage; in float32_rne the float32 add of
     qdeploy/quantize.py eq. (6)-(7): rne(f32(a * r_a + f32(b * r_b))), computed exactly with Fractions."""
     a, b = args
-    if str(arithmetic.rounding) == "float32_rne":
+    steps = instr.stage.steps
+
+    def layout(y: np.ndarray) -> np.ndarray:
+        return y.reshape(a.shape).astype(dtype)
+
+    if str(arithmetic.rounding) == "float32_rne":  # the float32 add is the Requantize and Clamp steps
+        if tuple(map(type, steps[:2])) != (Requantize, Clamp):
+            raise ValueError(f"instruction '{instr.name}': a float32 add needs an output stage that starts with "
+                             f"Requantize, Clamp")
         r_a, r_b = (Fraction(float(r)) for r in arrays[instr.add_ratio_f32])
         lo, hi = instr.stage.clamp.lo, instr.stage.clamp.hi
-        y = np.zeros(a.size, np.int64)
+        y = np.zeros((a.size, 1), dtype=object)
         for i, (p, q) in enumerate(zip(a.reshape(-1).tolist(), b.reshape(-1).tolist())):
             value = float32_round(p * r_a + float32_round(q * r_b))
-            y[i] = _looked_up(instr, min(max(round(value) if abs(value) < 2 ** 31 else -(2 ** 31), lo), hi), arrays)
-        return _stored(instr, y.reshape(a.shape), dtype)
+            y[i, 0] = min(max(round(value) if abs(value) < 2 ** 31 else -(2 ** 31), lo), hi)
+        return _output_stage(steps[2:], y, layout, arrays, arithmetic)
     w_a, w_b = instr.add_weights
     acc = np.array([accumulate([p * w_a, q * w_b], arithmetic.acc_bits, arithmetic.overflow)[0]
                     for p, q in zip(a.reshape(-1).tolist(), b.reshape(-1).tolist())], dtype=object).reshape(-1, 1)
-    return _stored(instr, _output_stage(instr, acc, arrays, arithmetic).reshape(a.shape), dtype)
+    return _output_stage(steps, acc, layout, arrays, arithmetic)
 
 
 def _mul_gemm(instr: Instruction, args: list[np.ndarray], arrays: dict, arithmetic: Arithmetic, dtype) -> np.ndarray:
@@ -382,7 +435,7 @@ def _mul_gemm(instr: Instruction, args: list[np.ndarray], arrays: dict, arithmet
     b = np.broadcast_to(b, a.shape)
     acc = np.array([accumulate([p * q], arithmetic.acc_bits, arithmetic.overflow)[0]
                     for p, q in zip(a.reshape(-1).tolist(), b.reshape(-1).tolist())], dtype=object).reshape(-1, 1)
-    return _output_stage(instr, acc, arrays, arithmetic).reshape(a.shape).astype(dtype)
+    return _output_stage(instr.stage.steps, acc, lambda y: y.reshape(a.shape).astype(dtype), arrays, arithmetic)
 
 
 def _matmul_gemm(instr: Instruction, args: list[np.ndarray], arrays: dict, arithmetic: Arithmetic, dtype) -> np.ndarray:
@@ -391,7 +444,7 @@ def _matmul_gemm(instr: Instruction, args: list[np.ndarray], arrays: dict, arith
     acc = np.concatenate([gemm(a2, b2, arithmetic.acc_bits, arithmetic.overflow)[0].reshape(-1)
                           for a2, b2 in zip(a, b)]).reshape(-1, 1)
     shape = args[0].shape[:-2] + (a.shape[1], b.shape[2])
-    return _output_stage(instr, acc, arrays, arithmetic).reshape(shape).astype(dtype)
+    return _output_stage(instr.stage.steps, acc, lambda y: y.reshape(shape).astype(dtype), arrays, arithmetic)
 
 
 def _concat(instr: Instruction, args: list[np.ndarray], arrays: dict, arithmetic: Arithmetic, dtype) -> np.ndarray:

@@ -125,7 +125,7 @@ def test_squeeze_excite_runs_entirely_on_the_array(tmp_path):
     assert kinds_of(lowering)["excite"] == Kind.MUL_GEMM
     (excite,) = [i for i in lowering.instructions if i.name == "excite"]
     assert (excite.groups, excite.m, excite.n, excite.k) == (6, 35, 1, 1)  # per sample: C groups of H*W x 1 . 1 x 1
-    assert excite.inputs == ["r1", "gate"] and excite.epilogue == {"bias": False}
+    assert excite.inputs == ["r1", "gate"] and excite.output_stage == {"bias": False}
 
 
 def test_gating_forms_lower_to_mul_gemm_with_the_broadcast_operand_second(tmp_path):
@@ -135,8 +135,10 @@ def test_gating_forms_lower_to_mul_gemm_with_the_broadcast_operand_second(tmp_pa
     assert {name: nodes[name].op for name in ("product", "channel_gate", "spatial_gate", "square")} == \
         dict.fromkeys(("product", "channel_gate", "spatial_gate", "square"), Kind.MUL_GEMM)
     assert nodes["channel_gate"].inputs == ["b", "g"]  # swapped: the (N, C, 1, 1) gate is read with repeats
-    assert nodes["product"].outputs == ["abr"] and nodes["product"].attrs["act_min"] == 0  # the ReLU fused
-    assert nodes["pool"].op == Kind.CONV_GEMM and nodes["pool"].attrs["pool_kernel_shape"] == [2, 2]  # no window
+    assert nodes["product"].outputs == ["abr"]
+    assert nodes["product"].attrs["output_stage"].clamp.lo == 0  # the ReLU fused
+    assert nodes["pool"].op == Kind.CONV_GEMM  # MulGemm has no window-max: the MaxPool runs in an identity GEMM
+    assert nodes["pool"].attrs["output_stage"].window_max.kernel == (2, 2)
 
 
 def test_attention_runs_both_matmuls_on_the_array_with_the_transpose_folded(tmp_path):
@@ -172,7 +174,7 @@ def test_a_mul_of_x_by_a_function_of_x_is_a_lookup_table_when_it_is_one_known_fu
     lowering = api.lower_model(save(model, tmp_path / "unary.onnx"))
     assert [h.op for h in lowering.host_ops] == ["Erf"]
     ops = {output: node for node in lowering.graph.nodes for output in node.outputs}
-    assert ops["silu"].op == Kind.CONV_GEMM and ops["silu"].attrs["lookup_function"] == "Swish"
+    assert ops["silu"].op == Kind.CONV_GEMM and ops["silu"].attrs["output_stage"].lookup.function == "Swish"
     assert ops["gelu2"].op == Kind.MUL_GEMM
 
 

@@ -54,7 +54,7 @@ def test_inspect_lowered_json_and_text(tmp_path):
     doc = json.loads(result.stdout)
     assert [i["kind"] for i in doc["instructions"]] == ["ConvGemm", "ConvGemm", "DenseGemm"]
     assert doc["gemm_mac_fraction"] == 1.0 and doc["host_ops"] == []
-    assert {"fold_constants", "lower_gemm_ops", "fuse_epilogues"} <= {p["name"] for p in doc["passes"]}
+    assert {"fold_constants", "lower_gemm_ops", "fuse_output_stages"} <= {p["name"] for p in doc["passes"]}
     text = runner.invoke(app, ["inspect", str(path), "--lowered"])
     assert text.exit_code == 0
     assert "ConvGemm" in text.stdout and "relu" in text.stdout and "GEMM-unit share of MACs: 100.00%" in text.stdout

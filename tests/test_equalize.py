@@ -68,10 +68,10 @@ def test_equalized_graph_equals_the_original_in_onnxruntime(tmp_path, activation
     np.testing.assert_allclose(r_a, r_b, rtol=1e-3)
     if activation == "relu6":  # the bound became per channel: 6 / s_i, s_i = old range / new range
         scale = np.abs(plain.constant_data(plain_nodes[a].inputs[1])).reshape(8, -1).max(axis=1) / r_a
-        np.testing.assert_allclose(nodes[a].attrs["act_max_channels"], 6 / scale, rtol=1e-6)
+        np.testing.assert_allclose(nodes[a].attrs["output_stage"].clamp_hi.hi, 6 / scale, rtol=1e-6)
         # and the bound is active on this input: some values of `a` sit at a channel's bound
         h = run_graph(equalized, {"x": x}, [nodes[a].outputs[0]])[nodes[a].outputs[0]]
-        bounds = np.float32(nodes[a].attrs["act_max_channels"]).reshape(1, -1, 1, 1)
+        bounds = np.float32(nodes[a].attrs["output_stage"].clamp_hi.hi).reshape(1, -1, 1, 1)
         assert np.any(h == np.broadcast_to(bounds, h.shape))
 
 

@@ -17,6 +17,7 @@ from onnx import helper
 from builders import make_model, rng_weights, save
 from calib.table import CalibrationTable, TensorRecord
 from isa.kinds import Kind
+from isa.output_stage import WindowMax
 from isa.target import Arithmetic, ArrayConfig, Target
 from qdeploy import api
 from qdeploy.errors import Unsupported
@@ -99,7 +100,7 @@ def test_every_function_and_spelling_lowers_into_its_producers_output_stage(tmp_
     path = conv_function_model(tmp_path, forms)
     lowering = api.lower_model(path)
     assert not lowering.host_ops
-    lookups = [i.epilogue.get("lookup", {}).get("function") for i in lowering.instructions]
+    lookups = [i.output_stage.get("lookup", {}).get("function") for i in lowering.instructions]
     assert lookups[:len(forms)] == [EXPECTED[f] for f in forms]  # one conv each, the function fused
     # The lowered float graph equals ONNX Runtime. Both run float32 with their own summation orders: each of
     # the 15 convolutions (K = 36) adds a few float32 ulps (2^-24 ~ 6e-8) of its largest partial sums, which the
@@ -120,7 +121,7 @@ def test_a_function_read_elsewhere_or_of_a_graph_input_runs_in_an_identity_gemm(
                            {"W": rng_weights(1, 3, 3, 1, 1), "B": rng_weights(2, 3)}), tmp_path / "m.onnx")
     lowering = api.lower_model(path)
     assert not lowering.host_ops
-    functions = {i.name: i.epilogue.get("lookup", {}).get("function") for i in lowering.instructions}
+    functions = {i.name: i.output_stage.get("lookup", {}).get("function") for i in lowering.instructions}
     assert functions == {"Mul": "Swish", "conv": None, "Tanh": "Tanh", "Add": None} or \
         sorted(f for f in functions.values() if f) == ["Swish", "Tanh"]
     x = np.random.default_rng(1).standard_normal((2, 3, 4, 4)).astype(np.float32)
@@ -136,7 +137,7 @@ def test_a_near_miss_is_not_recognised(tmp_path):
                            {"W": rng_weights(1, 3, 3, 1, 1), "B": rng_weights(2, 3), "two": np.float32(2)}),
                 tmp_path / "m.onnx")
     lowering = api.lower_model(path)
-    assert not any("lookup" in i.epilogue and i.epilogue["lookup"]["function"] == "Swish"
+    assert not any("lookup" in i.output_stage and i.output_stage["lookup"]["function"] == "Swish"
                    for i in lowering.instructions)
 
 
@@ -229,7 +230,7 @@ def run_twins(program, run, arithmetic):
 def test_a_max_pool_after_silu_is_right(tmp_path, unsigned):
     path = silu_pool_model(tmp_path)
     lowering = api.lower_model(path)
-    stages = {i.name: (i.epilogue.get("lookup", {}).get("function"), "window_max" in i.epilogue)
+    stages = {i.name: (i.output_stage.get("lookup", {}).get("function"), "window_max" in i.output_stage)
               for i in lowering.instructions}
     assert stages["conv1"] == ("Swish", True)  # table, then window: the float order
     assert stages["conv2"] == (None, True)  # the window stays; SiLU gets its own identity GEMM after it
@@ -253,7 +254,7 @@ def test_a_max_pool_after_silu_is_right(tmp_path, unsigned):
     identity = next(i for name, i in records.items() if name not in ("conv1", "conv2"))
     assert identity.stage.lookup.monotonic is False
     conv2 = records["conv2"]
-    unpooled = Machine(program).execute(replace(conv2, stage=replace(conv2.stage, window_max=None)),
+    unpooled = Machine(program).execute(replace(conv2, stage=conv2.stage.without(WindowMax)),
                                         [run.tensors["p1"]])[0]
     table = program.arrays[identity.stage.lookup.table]
     looked_up = table[unpooled.astype(np.int64) + identity.stage.lookup.offset]
@@ -270,7 +271,7 @@ def test_a_monotonic_table_fuses_behind_the_window_max(tmp_path):
     path = save(make_model(nodes, [("x", ["N", 3, 6, 6])], [("y", ["N", 4, 3, 3])],
                            {"W": rng_weights(1, 4, 3, 3, 3), "B": rng_weights(2, 4)}), tmp_path / "m.onnx")
     (instr,) = api.lower_model(path).instructions
-    assert instr.epilogue["lookup"]["function"] == "Sigmoid" and "window_max" in instr.epilogue
+    assert instr.output_stage["lookup"]["function"] == "Sigmoid" and "window_max" in instr.output_stage
     x = np.random.default_rng(11).standard_normal((4, 3, 6, 6)).astype(np.float32)
     for unsigned in (False, True):
         target = Target(arithmetic=Arithmetic(unsigned_activations=unsigned))

@@ -48,7 +48,7 @@ def kinds(result):
     return [(i.kind, i.name) for i in result.instructions]
 
 
-def test_conv_bn_relu_becomes_one_gemm_with_relu_epilogue(tmp_path):
+def test_conv_bn_relu_becomes_one_gemm_with_relu_output_stage(tmp_path):
     nodes = [helper.make_node("Conv", ["x", "W", "B"], ["c"], name="conv", pads=[1, 1, 1, 1]),
              bn("c", "n", "bn"), helper.make_node("Relu", ["n"], ["y"], name="relu")]
     model = make_model(nodes, [("x", ["N", 3, 8, 8])], [("y", ["N", 4, 8, 8])],
@@ -57,7 +57,7 @@ def test_conv_bn_relu_becomes_one_gemm_with_relu_epilogue(tmp_path):
     (instr,) = result.instructions
     assert (instr.kind, instr.name, instr.output) == ("ConvGemm", "conv", "y")  # writes the Relu's tensor
     assert (instr.m, instr.n, instr.k) == (64, 4, 27)
-    assert instr.epilogue == {"bias": True, "clamp": [0.0, float("inf")]}
+    assert instr.output_stage == {"bias": True, "clamp": [0.0, float("inf")]}
     assert [(p.name, p.nodes_before, p.nodes_after) for p in result.passes][:3] == [
         ("lower_channel_permutations", 3, 3), ("lower_gemm_ops", 3, 3), ("fold_batchnorm", 3, 2)]
     assert result.gemm_mac_fraction == 1.0
@@ -73,8 +73,8 @@ def test_depthwise_relu6_and_maxpool_fuse_into_one_store(tmp_path):
     result = lowered_and_checked(tmp_path, model)
     (instr,) = result.instructions
     assert instr.groups == 3 and (instr.m, instr.n, instr.k) == (64, 1, 9)  # GEMM before the window-max
-    assert instr.epilogue["clamp"] == [0.0, 6.0]
-    assert instr.epilogue["window_max"]["kernel"] == [3, 3]
+    assert instr.output_stage["clamp"] == [0.0, 6.0]
+    assert instr.output_stage["window_max"]["kernel"] == [3, 3]
     assert instr.output == "y"
 
 
@@ -94,7 +94,7 @@ def test_residual_add_relu_pool_flatten_gemm(tmp_path):
     assert kinds(result) == [("ConvGemm", "c1"), ("ConvGemm", "c2"), ("AddGemm", "add"), ("ConvGemm", "gap"),
                              ("DenseGemm", "fc")]
     add = result.instructions[2]
-    assert add.epilogue == {"bias": False, "clamp": [0.0, float("inf")]} and add.k == 2 and add.groups == 4
+    assert add.output_stage == {"bias": False, "clamp": [0.0, float("inf")]} and add.k == 2 and add.groups == 4
     gap = result.instructions[3]
     assert gap.groups == 4 and gap.k == 64  # the whole 8x8 window, weights 1/64
     assert [step["kind"] for step in result.layout] == ["Flatten"]
@@ -115,7 +115,7 @@ def test_standalone_bn_maxpool_and_constant_affines(tmp_path):
                         "shift": np.array([0.25, 1.0], np.float32).reshape(2, 1, 1)})
     result = lowered_and_checked(tmp_path, model)
     assert kinds(result) == [("ConvGemm", "bn0"), ("ConvGemm", "conv")]
-    assert result.instructions[0].epilogue["window_max"]["kernel"] == [2, 2]
+    assert result.instructions[0].output_stage["window_max"]["kernel"] == [2, 2]
     assert result.instructions[1].output == "y"
 
 
@@ -125,7 +125,7 @@ def test_maxpool_on_graph_input_gets_an_identity_gemm(tmp_path):
     model = make_model(nodes, [("x", ["N", 3, 8, 8])], [("y", ["N", 3, 4, 4])])
     result = lowered_and_checked(tmp_path, model)
     (instr,) = result.instructions
-    assert instr.kind == "ConvGemm" and instr.k == 1 and instr.epilogue["window_max"]["ceil_mode"] == 1
+    assert instr.kind == "ConvGemm" and instr.k == 1 and instr.output_stage["window_max"]["ceil_mode"] == 1
 
 
 def test_multi_edges_survive_lowering(tmp_path):
@@ -137,7 +137,7 @@ def test_multi_edges_survive_lowering(tmp_path):
     result = lowered_and_checked(tmp_path, model)
     assert kinds(result) == [("ConvGemm", "conv"), ("AddGemm", "double"), ("AddGemm", "join")]
     assert result.instructions[1].inputs == ["c", "c"]
-    assert result.instructions[1].epilogue["clamp"] == [0.0, float("inf")]
+    assert result.instructions[1].output_stage["clamp"] == [0.0, float("inf")]
 
 
 def test_unlowerable_ops_are_host_ops_named_in_the_error(tmp_path):

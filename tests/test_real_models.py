@@ -74,13 +74,13 @@ def test_small_cnns_reference_and_lowered_match_onnxruntime(fixture, request):
 def test_resnet_maxpool_fuses_into_the_stem(resnet_style_onnx):
     lowered = lower(import_onnx(resnet_style_onnx).graph)
     stem = lowered.instructions[0]
-    assert "window_max" in stem.epilogue and stem.epilogue["clamp"] == [0.0, float("inf")]
+    assert "window_max" in stem.output_stage and stem.output_stage["clamp"] == [0.0, float("inf")]
     assert "MaxPool" not in lowered.graph.op_counts()
     adds = [i for i in lowered.instructions if i.kind == "AddGemm"]
-    assert len(adds) == 3 and all(a.epilogue.get("clamp") == [0.0, float("inf")] for a in adds)
+    assert len(adds) == 3 and all(a.output_stage.get("clamp") == [0.0, float("inf")] for a in adds)
 
 
 def test_mobilenet_depthwise_is_grouped_gemm_with_relu6(mobilenetv2_style_onnx):
     lowered = lower(import_onnx(mobilenetv2_style_onnx).graph)
     depthwise = [i for i in lowered.instructions if i.kind == "ConvGemm" and i.groups > 1 and i.k == 9]
-    assert depthwise and all(i.n == 1 and i.epilogue["clamp"] == [0.0, 6.0] for i in depthwise)
+    assert depthwise and all(i.n == 1 and i.output_stage["clamp"] == [0.0, 6.0] for i in depthwise)

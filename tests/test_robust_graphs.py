@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from hypothesis import given
 from onnx import helper
 
+from isa.output_stage import Clamp, ClampHi
 from builders import make_model, run_onnxruntime, save
 from calib.table import CalibrationTable
 from qdeploy import api
@@ -270,8 +271,8 @@ def _isolated_bound_check(program, lowering, run, amax: dict[str, float]) -> flo
             largest = s_in * s_w / 2 + k * amax.get(source, 0.0) * s_w / 2 + 1e-9 * s_in * s_w
             assert np.all(bias_error <= largest), f"{instr['name']}: bias error {bias_error} beyond {largest}"
             unit = [np.abs(operands[0]), np.ones_like(operands[1]), np.zeros_like(operands[2])]
-            attrs = {k: v for k, v in node.attrs.items() if k != "act_max_channels"}
-            free = node.replace(attrs={**attrs, "act_min": -np.inf, "act_max": np.inf})
+            stage = node.attrs["output_stage"].without(ClampHi).with_step(Clamp(-np.inf, np.inf))
+            free = node.replace(attrs={**node.attrs, "output_stage": stage})
             magnitude = run_node(free, unit, graph.opset)[0].astype(np.float64)  # window-max of sum_k |x^_k|
             shape = (1, -1) + (1,) * (magnitude.ndim - 2)
             bound = 0.5 + (magnitude * s_w.reshape(shape) / 2 + bias_error.reshape(shape)) / s_out + 1e-3

@@ -1,7 +1,7 @@
 """Lowering: every operator becomes an instruction of the int8 GEMM unit (design.md section 4).
 
 `lower(graph)` runs the LOWER pass list and describes the result: one record per instruction with its
-GEMM geometry and fused epilogue, the layout-only steps, the host ops that could not be lowered (with the
+GEMM geometry and fused output stage, the layout-only steps, the host ops that could not be lowered (with the
 reason), and the fraction of multiply-accumulates that run on the GEMM unit."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from math import prod
 
 from qdeploy.errors import QdeployError, Unsupported
 from qdeploy.ir import Graph, Node
-from isa.geometry import conv_output_size, upsampled_size, zero_read_macs
-from isa.kinds import LAYOUT_KINDS, WEIGHTED_GEMM_KINDS, Kind, handler
-from qdeploy.lowering.instructions import INSTRUCTION_OPS, LAYOUT_OPS, has_window_max, is_channel_concat, node_kind
+from isa.instructions import RECORDS
+from isa.kinds import WEIGHTED_GEMM_KINDS, Kind, handler
+from qdeploy.lowering.instructions import INSTRUCTION_OPS, LAYOUT_OPS, is_channel_concat, node_kind, output_stage
 from qdeploy.lowering.rules import LOWERING
 from qdeploy.summary import node_elements, node_macs
 
@@ -32,7 +32,7 @@ class Instruction:
     groups: int
     macs: int
     geometry: dict = field(default_factory=dict)  # im2col: kernel, strides, pads, dilations, in/out shapes
-    epilogue: dict = field(default_factory=dict)  # bias, clamp, window-max
+    output_stage: dict = field(default_factory=dict)  # bias, clamp, clamp_hi, lookup, window-max
 
 
 @dataclass
@@ -71,96 +71,35 @@ def _shape(graph: Graph, name: str) -> list:
     return list(shape) if shape is not None else []
 
 
-def _epilogue(node: Node) -> dict:
-    attrs = node.attrs
+def _output_stage(node: Node) -> dict:
+    """The output stage as the description shows it: `bias` (a weighted GEMM's), `clamp` unless unbounded, a
+    product's constant `scale`, and the steps clamp_hi, lookup and window_max when present."""
+    stage = output_stage(node)
     result = {"bias": node.op in WEIGHTED_GEMM_KINDS}
-    if attrs["act_min"] != float("-inf") or attrs["act_max"] != float("inf"):
-        result["clamp"] = [attrs["act_min"], attrs["act_max"]]
-    if "product_scale" in attrs:  # a constant scale folded into a product of two activations
-        result["scale"] = attrs["product_scale"]
-    if "act_max_channels" in attrs:
-        result["clamp_max_channels"] = list(attrs["act_max_channels"])
-    if attrs.get("lookup_function") is not None:
-        result["lookup"] = {"function": attrs["lookup_function"], **attrs["lookup_params"]}
-    if has_window_max(attrs):
-        result["window_max"] = {"kernel": attrs["pool_kernel_shape"], "strides": attrs["pool_strides"],
-                                "pads": attrs["pool_pads"], "dilations": attrs["pool_dilations"],
-                                "ceil_mode": attrs["pool_ceil_mode"]}
+    if stage.clamp.lo != float("-inf") or stage.clamp.hi != float("inf"):
+        result["clamp"] = [stage.clamp.lo, stage.clamp.hi]
+    if "product_scale" in node.attrs:  # a constant scale folded into a product of two activations
+        result["scale"] = node.attrs["product_scale"]
+    if stage.clamp_hi is not None:
+        result["clamp_hi"] = list(stage.clamp_hi.hi)
+    if stage.lookup is not None:
+        result["lookup"] = {"function": stage.lookup.function, **dict(stage.lookup.params)}
+    if stage.window_max is not None:
+        result["window_max"] = stage.window_max.to_record()
     return result
 
 
-def _conv_geometry(graph: Graph, node: Node) -> tuple[int, int, int, int, dict]:
-    """ConvGemm: per group (OH*OW x C/g*kh*kw) . (C/g*kh*kw x M/g). The GEMM runs before the window-max, so M
-    counts the conv's outputs, not the pooled ones. An upsampled read (isa/geometry.py) adds its factor and
-    fills, and `zero_macs`: the MACs that read a zero of the read (inserted zeros, zero padding)."""
-    weight = graph.tensors[node.inputs[1]].data
-    groups = int(node.attrs["group"])
-    in_shape = _shape(graph, node.inputs[0])
-    kh, kw = weight.shape[2:]
-    (sh, sw), (dh, dw), pads = node.attrs["strides"], node.attrs["dilations"], node.attrs["pads"]
-    upsample, fill = node.attrs.get("upsample"), node.attrs.get("upsample_fill")
-    fh, fw = upsample or (1, 1)
-    oh = conv_output_size(upsampled_size(in_shape[2], fh, fill), kh, sh, pads[0], pads[2], dh)
-    ow = conv_output_size(upsampled_size(in_shape[3], fw, fill), kw, sw, pads[1], pads[3], dw)
-    geometry = {"input": in_shape[1:], "output": [weight.shape[0], oh, ow], "kernel": [kh, kw],
-                "strides": [sh, sw], "pads": pads, "dilations": [dh, dw]}
-    if upsample is not None or node.attrs.get("pad_fill") is not None:
-        geometry.update({"upsample": list(upsample or (1, 1)), "upsample_fill": fill,
-                         "pad_fill": node.attrs.get("pad_fill") or "zero",
-                         "zero_macs": zero_read_macs(in_shape[2], in_shape[3], (kh, kw), (sh, sw), pads, (dh, dw),
-                                                     upsample, fill, node.attrs.get("pad_fill"),
-                                                     weight.shape[0] * weight.shape[1])})
-    return oh * ow, weight.shape[0] // groups, int(prod(weight.shape[1:])), groups, geometry
-
-
-def _dense_geometry(graph: Graph, node: Node) -> tuple[int, int, int, int, dict]:
-    """DenseGemm: (rows x K) . (K x M) per sample (rows: 1, or the image's tokens, Tensor.rows)."""
-    weight = graph.tensors[node.inputs[1]].data
-    geometry = {"input": _shape(graph, node.inputs[0])[1:], "output": _shape(graph, node.outputs[0])[1:]}
-    return graph.tensors[node.outputs[0]].rows, weight.shape[0], weight.shape[1], 1, geometry
-
-
-def _add_geometry(graph: Graph, node: Node) -> tuple[int, int, int, int, dict]:
-    """AddGemm: per channel, each output is [a b] . [1 1]^T."""
-    in_shape = _shape(graph, node.inputs[0])
-    groups = int(in_shape[1]) if len(in_shape) > 1 else 1
-    m = int(prod(in_shape[2:])) if len(in_shape) > 2 else 1
-    return m, 1, 2, groups, {"input": in_shape[1:], "output": in_shape[1:]}
-
-
-def _mul_geometry(graph: Graph, node: Node) -> tuple[int, int, int, int, dict]:
-    """MulGemm: one group per element of b (per sample), each output [a] . [b]: m = the a elements one b element
-    multiplies, k = n = 1."""
-    a_shape, b_shape = _shape(graph, node.inputs[0]), _shape(graph, node.inputs[1])
-    groups = int(prod(b_shape[1:]))
-    return int(prod(a_shape[1:])) // groups, 1, 1, groups, {"input": a_shape[1:], "operand": b_shape[1:],
-                                                            "output": a_shape[1:]}
-
-
-def _matmul_geometry(graph: Graph, node: Node) -> tuple[int, int, int, int, dict]:
-    """MatMulGemm: one (M x K) . (K x P) GEMM per leading index (per sample)."""
-    a_shape, out_shape = _shape(graph, node.inputs[0]), _shape(graph, node.outputs[0])
-    geometry = {"input": a_shape[1:], "operand": _shape(graph, node.inputs[1])[1:], "output": out_shape[1:],
-                "transpose_a": int(node.attrs["transpose_a"]), "transpose_b": int(node.attrs["transpose_b"])}
-    m, k = (a_shape[-1], a_shape[-2]) if node.attrs["transpose_a"] else (a_shape[-2], a_shape[-1])
-    return int(m), int(out_shape[-1]), int(k), int(prod(a_shape[1:-2])), geometry
-
-
-def _not_an_instruction(graph: Graph, node: Node):
-    raise ValueError(f"node '{node.name}' ({node.op}) is not an array instruction")
-
-
-# The lowering description's handler table: the GEMM geometry (m, n, k, groups, geometry) of each kind.
-GEOMETRY = {Kind.CONV_GEMM: _conv_geometry, Kind.DENSE_GEMM: _dense_geometry, Kind.ADD_GEMM: _add_geometry,
-            Kind.MUL_GEMM: _mul_geometry, Kind.MATMUL_GEMM: _matmul_geometry,
-            **{kind: _not_an_instruction for kind in LAYOUT_KINDS | {Kind.HOST}}}
-
-
 def describe_instruction(graph: Graph, node: Node) -> Instruction:
-    m, n, k, groups, geometry = handler(GEOMETRY, node_kind(graph, node), "the lowering description",
-                                        f"node '{node.name}'")(graph, node)
+    """The node's GEMM as its kind's record class computes it (`lowered_gemm`, isa/instructions.py: inherited by a
+    kind that reuses a datapath)."""
+    record = handler(RECORDS, node_kind(graph, node), "the lowering description", f"node '{node.name}'")
+    weight = graph.tensors[node.inputs[1]].data if node.op in WEIGHTED_GEMM_KINDS else None
+    out = graph.tensors[node.outputs[0]]
+    m, n, k, groups, geometry = record.lowered_gemm([_shape(graph, name) for name in node.inputs],
+                                                    _shape(graph, node.outputs[0]), node.attrs,
+                                                    None if weight is None else weight.shape, out.rows)
     return Instruction(node.op, node.name, [i for i in node.inputs if not graph.tensors[i].is_constant],
-                       node.outputs[0], m, n, k, groups, groups * m * n * k, geometry, _epilogue(node))
+                       node.outputs[0], m, n, k, groups, groups * m * n * k, geometry, _output_stage(node))
 
 
 def host_reason(graph: Graph, node: Node) -> str:

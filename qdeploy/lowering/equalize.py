@@ -8,7 +8,7 @@ be rescaled without changing the function:
     W_A[i] <- W_A[i] / s_i,   b_A[i] <- b_A[i] / s_i,   c_i <- c_i / s_i,   W_B[:, i] <- W_B[:, i] * s_i,
 
 as clip(x / s, 0, c / s) = clip(x, 0, c) / s and max commutes with a positive scale. A ReLU6 so becomes a
-per-channel upper bound (the instruction's `act_max_channels`), which the output stage applies per channel.
+per-channel upper bound (the ClampHi step of the instruction's output stage), which it applies per channel.
 
 With r_A[i] = max|W_A[i]| and r_B[i] = max|W_B[:, i]| (over every output channel and tap of B that reads
 channel i), s_i = sqrt(r_A[i] / r_B[i]) makes both ranges sqrt(r_A[i] r_B[i]) (the paper's eq. 10 solution
@@ -25,6 +25,8 @@ import numpy as np
 
 from qdeploy.ir import Graph, Node, constant
 from isa.kinds import WEIGHTED_GEMM_KINDS
+from isa.output_stage import Clamp, ClampHi
+from qdeploy.lowering.instructions import output_stage
 
 EQUALIZE_SWEEPS = 20
 SETTLED = 1e-3  # stop when every |log s_i| of a sweep is below this (ranges equal to 0.1%)
@@ -34,9 +36,10 @@ GEMM_OPS = WEIGHTED_GEMM_KINDS
 def _rescalable(node: Node) -> bool:
     """The activation commutes with a per-channel positive scale once its upper bound is scaled too: none, ReLU,
     or a clamp [0, c]; never a lookup table (a function of the unscaled value)."""
-    if node.attrs.get("lookup_function") is not None:
+    stage = output_stage(node)
+    if stage.lookup is not None:
         return False
-    return node.attrs["act_min"] == -math.inf and node.attrs["act_max"] == math.inf or node.attrs["act_min"] == 0.0
+    return stage.clamp.lo == -math.inf and stage.clamp.hi == math.inf or stage.clamp.lo == 0.0
 
 
 def equalizable_pairs(graph: Graph) -> list[tuple[str, str]]:
@@ -113,8 +116,11 @@ def equalize_cross_layer(graph: Graph) -> Graph:
             b = constant(graph.unique_name(f"{name}_bias_equalized"), bias.astype(np.float32))
             inputs[2] = b.name
             tensors.append(b)
-        if name in total_scale and attrs["act_max"] != math.inf:
-            bounds = np.asarray(attrs.get("act_max_channels", attrs["act_max"]), np.float64) / total_scale[name]
-            attrs = {**attrs, "act_max": float(bounds.max()), "act_max_channels": tuple(float(v) for v in bounds)}
+        stage = output_stage(node)
+        if name in total_scale and stage.clamp.hi != math.inf:
+            bounds = np.asarray(stage.clamp_hi.hi if stage.clamp_hi else stage.clamp.hi, np.float64) / total_scale[name]
+            stage = stage.with_step(Clamp(stage.clamp.lo, float(bounds.max()))).with_step(
+                ClampHi(tuple(float(v) for v in bounds)))
+            attrs = {**attrs, "output_stage": stage}
         replaced[name] = node.replace(inputs=inputs, attrs=attrs)
     return graph.with_nodes([replaced.get(node.name, node) for node in graph.nodes], tensors)

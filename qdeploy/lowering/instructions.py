@@ -5,22 +5,25 @@ int32 result passes the output stage (bias, requantize, clamp, optional window-m
 In the *lowered float graph* the same nodes run in float (reference/ops/accelerator.py) so lowering can be
 checked against the original model before anything is quantized.
 
-Epilogue attributes shared by every instruction (design.md section 3, epilogue order):
-  act_min, act_max   clamp bounds in float (-inf/inf when no activation is fused; ReLU sets act_min = 0,
-                     ReLU6 act_max = 6)
-  act_max_channels   per output channel upper bounds, applied after [act_min, act_max] (absent unless cross-layer
-                     equalization rescaled a ReLU6's channels: lowering/equalize.py)
-  pool_kernel_shape, pool_strides, pool_pads, pool_dilations, pool_ceil_mode
-                     window-max on store (a fused MaxPool; absent when none)
-  lookup_function, lookup_params
-                     a unary function (an ONNX op and its attributes: Sigmoid, Swish, Gelu, ...) applied after
-                     the clamp and before the window-max, as a lookup table (lowering/lookup.py); such an
-                     instruction has a second output, the pre-activation tensor the table reads (calibrated)
+Every instruction node carries its output stage as one attribute, `output_stage`: an
+isa.output_stage.OutputStage with the steps' float parameters (design.md section 3, the output stage's order):
+  Clamp(lo, hi)      float bounds (-inf/inf when no activation is fused; ReLU sets lo = 0, ReLU6 hi = 6)
+  ClampHi(hi)        per output channel upper bounds, after the Clamp (only when cross-layer equalization
+                     rescaled a ReLU6's channels: lowering/equalize.py)
+  Lookup(function, monotonic, params)
+                     a unary function (an ONNX op and its attributes: Sigmoid, Swish, Gelu, ...) after the clamp,
+                     as a lookup table (lowering/lookup.py); such an instruction has a second output, the
+                     pre-activation tensor the table reads (calibrated)
+  WindowMax(kernel, strides, pads, dilations, ceil_mode)
+                     window-max on store (a fused MaxPool)
+The Bias is the node's third input and the Requantize step comes with calibration (qdeploy/quantize.py); a
+product's constant scale is its GEMM's `product_scale`.
 """
 
 from __future__ import annotations
 
 from isa.kinds import ARRAY_KINDS, LAYOUT_KINDS, Kind
+from isa.output_stage import OutputStage
 from qdeploy.ir import Graph, Node
 
 # A lowered graph's node is an instruction when its op is one of the array kinds (isa/kinds.py), and a layout
@@ -30,12 +33,9 @@ INSTRUCTION_OPS = ARRAY_KINDS
 LAYOUT_OPS = LAYOUT_KINDS
 
 
-def has_window_max(attrs: dict) -> bool:
-    return attrs.get("pool_kernel_shape") is not None
-
-
-def has_lookup(attrs: dict) -> bool:
-    return attrs.get("lookup_function") is not None
+def output_stage(node: Node) -> OutputStage:
+    """The output stage of an instruction node of the lowered graph (float parameters)."""
+    return node.attrs["output_stage"]
 
 
 def is_channel_concat(graph: Graph, node: Node) -> bool:

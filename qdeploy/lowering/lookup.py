@@ -17,12 +17,13 @@ precision, the set is that function (`recognise_functions` makes it one node of 
 written out, so every exporter's arrangement is covered.
 
 `fuse_lookups` then puts each function into the output stage of the instruction producing x (when x is read by
-nothing else; when that instruction ends in a window-max, only for a monotonic f, since the table then runs
-before the window-max that came first in the float graph: a non-monotonic f (SiLU, GELU, Mish, HardSwish) gets
-an identity GEMM after it), or, when there is no such producer, into an identity GEMM. The fused instruction gets the attributes `lookup_function` and
-`lookup_params` and a second output: the pre-activation tensor (x itself when fused into its producer), which
-calibration measures like any other tensor, so the table's input has its own threshold. A clamp after a
-table cannot join the output stage (it would run before the table), nor can a second table."""
+nothing else; when that instruction ends in a window-max, only for a monotonic f, since the table then runs before
+the window-max that came first in the float graph: a non-monotonic f (SiLU, GELU, Mish, HardSwish) gets an identity
+GEMM after it), or, when there is no such producer, into an identity GEMM. The fused instruction's output stage gets
+the step `Lookup(function, monotonic, params)` (isa/output_stage.py) and a second output: the pre-activation tensor
+(x itself when fused into its producer), which calibration measures like any other tensor, so the table's input has
+its own threshold. A clamp after a table cannot join the output stage (it would run before the table), nor can a
+second table."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ import numpy as np
 from qdeploy.errors import Unsupported
 from qdeploy.ir import Graph, Node, Tensor, topological_order
 from isa.kinds import LOOKUP_KINDS
-from qdeploy.lowering.instructions import has_window_max
+from isa.output_stage import Lookup
+from qdeploy.lowering.instructions import output_stage
 from qdeploy.lowering.rules import identity_gemm
 
 # Monotonic non-decreasing (over the reals), by function and parameters: such a table commutes with a window-max
@@ -205,20 +207,22 @@ def fuse_lookups(graph: Graph) -> Graph:
 def _fuse_one(graph: Graph, nodes: list[Node], x: str, y: str, function: str, params: dict) -> Graph:
     producers, consumers = graph.producers(), graph.consumers()
     names = {n.name for n in nodes}
-    lookup = {"lookup_function": function, "lookup_params": params}
+    lookup = Lookup(function, bool(FUNCTIONS[function](params)), params=tuple(sorted(params.items())))
     producer = producers.get(x)
     readers = consumers.get(x, [])
     if (producer is not None and producer.op in LOOKUP_KINDS and len(producer.outputs) == 1
             and x not in graph.outputs and all(r.name in names for r in readers)):
-        if not has_window_max(producer.attrs):  # the table reads x itself
-            fused = producer.replace(attrs={**producer.attrs, **lookup}, outputs=[y, x])
+        # Behind the producer's window-max, the output stage applies the table first: exact only for a monotonic
+        # f (OutputStage.joined asks the step, isa/output_stage.py commutes_with_window_max): max(f(a), f(b)) =
+        # f(max(a, b)), and rne and clamp keep the table monotonic.
+        stage = output_stage(producer)
+        merged = stage.joined(lookup)
+        if merged is not None and stage.window_max is None:  # the table reads x itself
+            fused = producer.replace(attrs={**producer.attrs, "output_stage": merged}, outputs=[y, x])
             return graph.with_nodes([fused if n is producer else n for n in graph.nodes if n.name not in names])
-        if FUNCTIONS[function](params):
-            # Behind the producer's window-max: the output stage applies the table first, exact only for a
-            # monotonic f (isa/output_stage.py commutes_with_window_max): max(f(a), f(b)) = f(max(a, b)), and
-            # rne and clamp keep the table monotonic. The table reads the unpooled values: a new tensor.
+        if merged is not None:  # the table reads the unpooled values: a new tensor
             pre = Tensor(graph.unique_name(f"{y}/lookup_input"), None, graph.tensors[x].dtype)
-            fused = producer.replace(attrs={**producer.attrs, **lookup}, outputs=[y, pre.name])
+            fused = producer.replace(attrs={**producer.attrs, "output_stage": merged}, outputs=[y, pre.name])
             return graph.with_nodes([fused if n is producer else n for n in graph.nodes if n.name not in names],
                                     [pre])
     try:
@@ -228,7 +232,8 @@ def _fuse_one(graph: Graph, nodes: list[Node], x: str, y: str, function: str, pa
     (instr,) = lowered.nodes
     source = graph.tensors[x]
     pre = Tensor(graph.unique_name(f"{y}/lookup_input"), source.shape, source.dtype)
-    instr = instr.replace(attrs={**instr.attrs, **lookup}, outputs=[y, pre.name])
+    instr = instr.replace(attrs={**instr.attrs, "output_stage": output_stage(instr).with_step(lookup)},
+                          outputs=[y, pre.name])
     kept = [n for n in graph.nodes if n.name not in names]
     at = min(i for i, n in enumerate(graph.nodes) if n.name in names)
     at = sum(1 for n in graph.nodes[:at] if n.name not in names)

@@ -17,10 +17,10 @@ from qdeploy.passes.eliminate_dead import eliminate_dead_nodes
 from qdeploy.passes.pipeline import Pass
 from isa.kinds import ACTIVATION_GEMM_KINDS, WEIGHTED_GEMM_KINDS, Kind
 from isa.instructions import RECORDS
-from isa.output_stage import Clamp, commutes_with_window_max
-from qdeploy.lowering.instructions import INSTRUCTION_OPS, has_lookup, has_window_max, is_channel_concat
+from isa.output_stage import NO_OUTPUT_STAGE, Clamp, Step, WindowMax
+from qdeploy.lowering.instructions import INSTRUCTION_OPS, is_channel_concat, output_stage
 from qdeploy.lowering.lookup import fuse_lookups, recognise_functions
-from qdeploy.lowering.rules import (EPILOGUE_OPS, LOWERING, affine_of, batchnorm_scale_shift,
+from qdeploy.lowering.rules import (LOWERING, OUTPUT_STAGE_OPS, affine_of, batchnorm_scale_shift,
                                     finite_weights, identity_gemm)
 
 GEMM_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
@@ -71,8 +71,7 @@ def _sole_producer(graph: Graph, node: Node, producers, consumers) -> Node | Non
 
 
 def _plain(producer: Node) -> bool:
-    return producer.attrs["act_min"] == -INF and producer.attrs["act_max"] == INF and \
-        not has_window_max(producer.attrs) and not has_lookup(producer.attrs)
+    return output_stage(producer) == NO_OUTPUT_STAGE
 
 
 def _fold_affine_into(graph: Graph, producer: Node, scale: np.ndarray, shift: np.ndarray,
@@ -158,11 +157,12 @@ def fold_constant_affine(graph: Graph) -> Graph:
     return _fold_into_producers(graph, affine)
 
 
-def epilogue_of(graph: Graph, node: Node) -> dict | None:
-    """The output-stage attributes equivalent to an activation or MaxPool node, or None if it has none.
-    Relu: act_min = 0; Clip(min, max): act_min/act_max; LeakyRelu with alpha 0 is Relu; MaxPool: window-max."""
+def step_of(graph: Graph, node: Node) -> Step | None:
+    """The output-stage step equivalent to an activation or MaxPool node (float parameters), or None if it has
+    none. Relu: Clamp(0, inf); Clip(min, max): Clamp(min, max); LeakyRelu with alpha 0 is Relu; MaxPool:
+    WindowMax."""
     if node.op == "Relu" or (node.op == "LeakyRelu" and node.attrs.get("alpha", 0.01) == 0.0):
-        return {"act_min": 0.0, "act_max": INF}
+        return Clamp(0.0, INF)
     if node.op == "Clip":
         bounds = []
         for index, default in ((1, -INF), (2, INF)):
@@ -171,67 +171,43 @@ def epilogue_of(graph: Graph, node: Node) -> dict | None:
             if value is None or np.asarray(value).size != 1:
                 return None
             bounds.append(float(np.asarray(value).reshape(-1)[0]))
-        return {"act_min": bounds[0], "act_max": bounds[1]}
+        return Clamp(bounds[0], bounds[1])
     if node.op == "MaxPool":
         kernel = node.attrs.get("kernel_shape")
         if len([o for o in node.outputs if o]) != 1 or kernel is None or len(kernel) != 2 or \
                 node.attrs.get("auto_pad", "NOTSET") != "NOTSET":
             return None
-        return {"pool_kernel_shape": list(kernel), "pool_strides": list(node.attrs.get("strides") or [1, 1]),
-                "pool_pads": list(node.attrs.get("pads") or [0, 0, 0, 0]),
-                "pool_dilations": list(node.attrs.get("dilations") or [1, 1]),
-                "pool_ceil_mode": int(node.attrs.get("ceil_mode", 0))}
+        return WindowMax(tuple(kernel), tuple(node.attrs.get("strides") or (1, 1)),
+                         tuple(node.attrs.get("pads") or (0, 0, 0, 0)), tuple(node.attrs.get("dilations") or (1, 1)),
+                         bool(node.attrs.get("ceil_mode", 0)))
     return None
 
 
-def merge_epilogue(attrs: dict, epilogue: dict) -> dict | None:
-    """attrs with `epilogue` applied after it, or None when they do not compose into one output stage.
-    Clamps compose by intersection, clamp(clamp(x, a, b), c, d) = clamp(x, max(a, c), min(b, d)) when that
-    interval is not empty. The output stage applies its window-max last (isa/output_stage.py), so a clamp that
-    follows a fused MaxPool moves before it: exact only for a step that commutes with a maximum (a monotonic
-    one, as a clamp is). Only one window-max fits the output stage."""
-    merged = dict(attrs)
-    if has_lookup(attrs) and "pool_kernel_shape" not in epilogue:
-        return None  # a clamp after a table would run before it (the output stage's order)
-    if "pool_kernel_shape" in epilogue:
-        if has_window_max(attrs):
-            return None
-        merged.update(epilogue)
-        return merged
-    if has_window_max(attrs) and not commutes_with_window_max(Clamp):
-        return None
-    low = max(attrs["act_min"], epilogue["act_min"])
-    high = min(attrs["act_max"], epilogue["act_max"])
-    if low > high:
-        return None
-    merged["act_min"], merged["act_max"] = low, high
-    return merged
-
-
-def fuse_epilogues(graph: Graph) -> Graph:
+def fuse_output_stages(graph: Graph) -> Graph:
     """Fuse Relu/Clip/LeakyRelu(0)/MaxPool into the output stage of the instruction producing their input
     (one store instead of two or three); the fused instruction writes the fused op's output tensor, so
     calibration sees the original model's tensor names."""
     changed = True
-    while changed:  # each round fuses one epilogue op per producer; chains (Conv-Relu-MaxPool) take two
+    while changed:  # each round fuses one op per producer; chains (Conv-Relu-MaxPool) take two
         changed = False
         producers, consumers = graph.producers(), graph.consumers()
         replaced: dict[str, Node] = {}
         removed: set[str] = set()
         for node in graph.nodes:
-            if node.op not in EPILOGUE_OPS:
+            if node.op not in OUTPUT_STAGE_OPS:
                 continue
-            epilogue = epilogue_of(graph, node)
+            step = step_of(graph, node)
             producer = _sole_producer(graph, node, producers, consumers)
-            if epilogue is None or producer is None or producer.name in replaced:
+            if step is None or producer is None or producer.name in replaced:
                 continue
-            if "pool_kernel_shape" in epilogue and not RECORDS[Kind(producer.op)].HAS_WINDOW_FIELD:
+            if isinstance(step, WindowMax) and not RECORDS[Kind(producer.op)].HAS_WINDOW_FIELD:
                 continue  # an instruction without a window-max on its store path (isa/instructions.py)
-            merged = merge_epilogue(producer.attrs, epilogue)
+            merged = output_stage(producer).joined(step)
             if merged is None:
                 continue
             # (a table's input, the producer's second output, stays)
-            replaced[producer.name] = producer.replace(attrs=merged, outputs=[node.outputs[0], *producer.outputs[1:]])
+            replaced[producer.name] = producer.replace(attrs={**producer.attrs, "output_stage": merged},
+                                                       outputs=[node.outputs[0], *producer.outputs[1:]])
             removed.add(node.name)
         if replaced:
             changed = True
@@ -242,8 +218,8 @@ def fuse_epilogues(graph: Graph) -> Graph:
 def _read_only(graph: Graph, node: Node) -> str | None:
     """What a ConvGemm that only moves data does with its read (a lowered Resize nearest or Pad): "upsample" (a
     `nearest` read, no padding), "pad" (a padded read, no upsampling), or None when it computes something: it
-    must be 1x1 depthwise with weight 1, bias 0, no epilogue."""
-    if node.op != Kind.CONV_GEMM or not _plain(node) or "act_max_channels" in node.attrs:
+    must be 1x1 depthwise with weight 1, bias 0, nothing in its output stage."""
+    if node.op != Kind.CONV_GEMM or not _plain(node):
         return None
     weight, bias = graph.constant_data(node.inputs[1]), graph.constant_data(node.inputs[2])
     if weight.shape[1:] != (1, 1, 1) or int(node.attrs["group"]) != weight.shape[0] or not np.all(weight == 1) \
@@ -284,14 +260,14 @@ def fold_read_into_conv(graph: Graph) -> Graph:
     return graph.with_nodes([replaced.get(n.name, n) for n in graph.nodes if n.name not in removed])
 
 
-def lower_standalone_epilogues(graph: Graph) -> Graph:
+def lower_standalone_output_stages(graph: Graph) -> Graph:
     """An activation or MaxPool that could not fuse (its input is a graph input, a layout op's output, or
     read elsewhere too) runs in the output stage of an identity GEMM (weight 1, K = 1 per channel)."""
     nodes: list[Node] = []
     tensors: list[Tensor] = []
     for node in graph.nodes:
-        epilogue = epilogue_of(graph, node) if node.op in EPILOGUE_OPS else None
-        if epilogue is None:
+        step = step_of(graph, node) if node.op in OUTPUT_STAGE_OPS else None
+        if step is None:
             nodes.append(node)
             continue
         try:
@@ -300,11 +276,11 @@ def lower_standalone_epilogues(graph: Graph) -> Graph:
             nodes.append(node)
             continue
         (instr,) = lowered.nodes
-        merged = merge_epilogue(instr.attrs, epilogue)
+        merged = output_stage(instr).joined(step)
         if merged is None:  # Clip with min > max: no clamp interval; stays a host op
             nodes.append(node)
             continue
-        nodes.append(instr.replace(attrs=merged))
+        nodes.append(instr.replace(attrs={**instr.attrs, "output_stage": merged}))
         tensors.extend(lowered.tensors)
         graph = graph.with_nodes(graph.nodes, lowered.tensors)
     return graph.with_nodes(nodes, tensors)
@@ -430,16 +406,16 @@ LOWER: list[Pass] = [
     fold_constant_affine,  # Mul/Div/Add/Sub by a per-channel constant after a GEMM -> weights and bias
     lower_remaining_ops,  # standalone BN/affine, residual Add, average pooling -> GEMMs
     split_to_slices,  # a Split left on the host -> one host Slice per output (a host step writes one tensor)
-    fuse_epilogues,  # Relu/Clip/MaxPool -> output stage of their producer
+    fuse_output_stages,  # Relu/Clip/MaxPool -> output stage of their producer
     fuse_lookups,  # Sigmoid, SiLU, GELU, ... -> a lookup table in their producer's (or an identity GEMM's) output stage
-    fuse_epilogues,  # a MaxPool after a table (the window-max follows the table in the output stage)
+    fuse_output_stages,  # a MaxPool after a table (the window-max follows the table in the output stage)
     fold_read_into_conv,  # Resize nearest / Pad -> Conv: the conv reads the input repeated or padded
-    lower_standalone_epilogues,  # the rest of them -> identity GEMM with that output stage
+    lower_standalone_output_stages,  # the rest of them -> identity GEMM with that output stage
     copy_shared_concat_inputs,  # a Concat input no exclusive instruction writes -> identity GEMM copy
     eliminate_dead_nodes,
 ]
 
 
-__all__ = ["LOWER", "copy_shared_concat_inputs", "fold_read_into_conv", "lower_channel_permutations", "split_to_slices", "fold_batchnorm", "fold_constant_affine", "fuse_epilogues",
-           "lower_gemm_ops",
-           "lower_remaining_ops", "lower_standalone_epilogues"]
+__all__ = ["LOWER", "copy_shared_concat_inputs", "fold_read_into_conv", "lower_channel_permutations", "split_to_slices",
+           "fold_batchnorm", "fold_constant_affine", "fuse_output_stages", "lower_gemm_ops", "lower_remaining_ops",
+           "lower_standalone_output_stages"]

@@ -17,8 +17,8 @@ import numpy as np
 from qdeploy.errors import BadInput, QdeployError, Unsupported
 from qdeploy.ir import Graph, Node, Tensor, constant
 from isa.kinds import Kind
+from isa.output_stage import NO_OUTPUT_STAGE
 
-INF = float("inf")
 
 
 @dataclass
@@ -30,8 +30,8 @@ class Lowered:
 LoweringRule = Callable[[Graph, Node], Lowered]
 
 
-def no_epilogue() -> dict:
-    return {"act_min": -INF, "act_max": INF}
+def no_output_stage() -> dict:
+    return {"output_stage": NO_OUTPUT_STAGE}
 
 
 def _weight(graph: Graph, node: Node, index: int, what: str) -> np.ndarray:
@@ -77,7 +77,7 @@ def conv_gemm(graph: Graph, node: Node, x: str, weight: np.ndarray, bias: np.nda
     instr = Node(name or node.name, Kind.CONV_GEMM, [x, consts["weight"].name, consts["bias"].name],
                  [output or node.outputs[0]],
                  dict(group=group, strides=list(strides), pads=list(pads), dilations=list(dilations),
-                      **(read or {}), **no_epilogue()))
+                      **(read or {}), **no_output_stage()))
     return Lowered([instr], list(consts.values()))
 
 
@@ -85,7 +85,7 @@ def dense_gemm(graph: Graph, node: Node, x: str, weight: np.ndarray, bias: np.nd
     """A DenseGemm instruction y = x @ weight^T + bias with weight (out, K)."""
     consts = _new_constants(graph, node, weight=weight, bias=bias)
     instr = Node(node.name, Kind.DENSE_GEMM, [x, consts["weight"].name, consts["bias"].name],
-                 [node.outputs[0]], no_epilogue())
+                 [node.outputs[0]], no_output_stage())
     return Lowered([instr], list(consts.values()))
 
 
@@ -338,7 +338,7 @@ def lower_activation_matmul(graph: Graph, node: Node) -> Lowered:
         raise Unsupported(f"node '{node.name}' (MatMul): activations of shapes {graph.tensors[node.inputs[0]].shape} "
                           f"and {graph.tensors[node.inputs[1]].shape}; the GEMM unit multiplies (N, ..., M, K) by "
                           f"(N, ..., K, P) with equal leading axes (no broadcasting)")
-    return Lowered([Node(node.name, Kind.MATMUL_GEMM, operands, [node.outputs[0]], {**no_epilogue(), **flags})])
+    return Lowered([Node(node.name, Kind.MATMUL_GEMM, operands, [node.outputs[0]], {**no_output_stage(), **flags})])
 
 
 def _channels(graph: Graph, node: Node) -> int:
@@ -446,7 +446,7 @@ def lower_activation_mul(graph: Graph, node: Node) -> Lowered:
         raise Unsupported(f"node '{node.name}' (Mul): broadcasting {graph.tensors[a].shape} with "
                           f"{graph.tensors[b].shape} is not one operand read with repeats (equal ranks, each of "
                           f"one operand's axes 1 or the other's)")
-    return Lowered([Node(node.name, Kind.MUL_GEMM, [a, b], [node.outputs[0]], no_epilogue())])
+    return Lowered([Node(node.name, Kind.MUL_GEMM, [a, b], [node.outputs[0]], no_output_stage())])
 
 
 def lower_binary(graph: Graph, node: Node) -> Lowered:
@@ -462,7 +462,7 @@ def lower_binary(graph: Graph, node: Node) -> Lowered:
         if graph.tensors[a].shape != graph.tensors[b].shape:
             raise Unsupported(f"node '{node.name}' (Add): broadcasting {graph.tensors[a].shape} with "
                               f"{graph.tensors[b].shape} is not supported on the GEMM unit")
-        return Lowered([Node(node.name, Kind.ADD_GEMM, [a, b], [node.outputs[0]], no_epilogue())])
+        return Lowered([Node(node.name, Kind.ADD_GEMM, [a, b], [node.outputs[0]], no_output_stage())])
     raise Unsupported(f"node '{node.name}' ({node.op}): only a per-channel constant operand"
                       f"{' or a residual Add of two activations' if node.op == 'Add' else ''} can be lowered")
 
@@ -572,14 +572,14 @@ def lower_channel_window(graph: Graph, node: Node) -> Lowered:
 
 def identity_gemm(graph: Graph, node: Node) -> Lowered:
     """y = x through the GEMM unit (1x1 depthwise, weight 1), so that a standalone activation or MaxPool
-    can run in the output stage (passes.py fuse_epilogues adds the epilogue)."""
+    can run in the output stage (passes.py fuse_output_stages adds the step)."""
     x = node.inputs[0]
     channels = _channels(graph, node)
     return channel_affine(graph, node, x, np.ones(channels), np.zeros(channels))
 
 
-# What lowers to what (design.md section 4). Relu/Clip/LeakyRelu/MaxPool are epilogues: passes.py
-# fuse_epilogues merges them into their producer; `identity_gemm` carries the ones that have no GEMM producer.
+# What lowers to what (design.md section 4). Relu/Clip/LeakyRelu/MaxPool are output-stage steps: passes.py
+# fuse_output_stages merges them into their producer; `identity_gemm` carries the ones that have no GEMM producer.
 LOWERING: dict[str, LoweringRule] = {
     "Conv": lower_conv,  # im2col + GEMM, grouped/depthwise as one GEMM per group
     "ConvTranspose": lower_conv_transpose,  # a Conv whose read inserts zeros (upsample_fill "zero")
@@ -599,4 +599,4 @@ LOWERING: dict[str, LoweringRule] = {
     "Split": lower_channel_window,  # along the channels: read windows of the producer's buffer
     "Slice": lower_channel_window,
 }
-EPILOGUE_OPS = {"Relu", "Clip", "LeakyRelu", "MaxPool"}
+OUTPUT_STAGE_OPS = {"Relu", "Clip", "LeakyRelu", "MaxPool"}

@@ -16,6 +16,7 @@ import numpy as np
 
 from isa.instructions import Instruction
 from isa.kinds import LAYOUT_KINDS, Kind, handler
+from isa.output_stage import Bias, Clamp, ClampHi, Lookup, Requantize, WindowMax, fold
 from isa.target import Target, acc_element_bytes, target_from_dict, target_to_dict
 from isa.tiling import GemmShape, Tiles, gemm_shape, tiles_of
 from simulator.kernels.im2col import im2col
@@ -149,24 +150,97 @@ OPERANDS: dict[Kind, Callable | str] = {
     **{kind: "layout only (no array work)" for kind in LAYOUT_KINDS}, Kind.HOST: "runs on the host"}
 
 
+@dataclass
+class _StageVectors:
+    """What the output stage's steps contribute to a layer's vectors (filled by the STEP_VECTORS evaluators):
+    per-channel parameters, the clamp, extra files, manifest entries, and the grid the output is read from."""
+
+    bias: np.ndarray
+    mult: np.ndarray
+    shift: np.ndarray
+    scale_f32: np.ndarray
+    clamp: tuple[int, int] = (0, 0)
+    extra: dict = field(default_factory=dict)
+    info: dict = field(default_factory=dict)
+    grid: np.ndarray | None = None  # the output stage's result before window-max (N, C, OH, OW) or as stored
+    stored: np.ndarray | None = None  # the stored tensor after a window-max
+
+
+@dataclass(frozen=True)
+class _LayerRun:
+    """The context of one layer's STEP_VECTORS evaluators: its arrays, instruction, operands, run and machine."""
+
+    arrays: dict
+    instr: Instruction
+    args: list
+    run: Any
+    machine: Any
+
+
+def _bias_vectors(step, v: _StageVectors, layer: _LayerRun) -> _StageVectors:
+    return replace(v, bias=layer.arrays[step.array])
+
+
+def _requantize_vectors(step, v: _StageVectors, layer: _LayerRun) -> _StageVectors:
+    arrays = layer.arrays
+    return replace(v, mult=arrays[step.mult], shift=arrays[step.shift], scale_f32=arrays[step.scale_f32])
+
+
+def _clamp_vectors(step, v: _StageVectors, layer: _LayerRun) -> _StageVectors:
+    return replace(v, clamp=(step.lo, step.hi))
+
+
+def _clamp_hi_vectors(step, v: _StageVectors, layer: _LayerRun) -> _StageVectors:
+    """An equalized ReLU6: out = min(clamp(requantize(acc), lo, hi), clamp_hi[c])."""
+    bound = layer.arrays[step.hi].astype(np.int32).reshape(-1)
+    return replace(v, extra={**v.extra, "clamp_hi": (bound, bound.reshape(1, -1), 16, True, "cols",
+                                                     "per-channel upper bound applied after the clamp (1 x channels)")})
+
+
+def _lookup_vectors(step, v: _StageVectors, layer: _LayerRun) -> _StageVectors:
+    """The table (1 x 256) and the codes it reads (the instruction run again without it and the window-max)."""
+    instr = layer.instr
+    table = layer.arrays[step.table]
+    bare = replace(instr, stage=instr.stage.without(Lookup, WindowMax))
+    codes = channels_last(layer.machine.execute(bare, layer.args)[0])
+    extra = {"lookup_table": (table, table.astype(np.int64).reshape(1, -1), 8, table.dtype != np.uint8, "cols",
+                              f"the output stage's lookup table ({step.function}): entry i is the output "
+                              f"code for input code i - {step.offset} ({step.input_dtype})"),
+             "lookup_input": (codes, codes, 8, step.input_dtype == "int8", "cols",
+                              "requantized, clamped codes the table reads (before the table and the "
+                              "window-max); row m, col c = g*Ng + j")}
+    return replace(v, extra={**v.extra, **extra}, info={**v.info, "lookup": step.to_record()})
+
+
+def _window_vectors(step, v: _StageVectors, layer: _LayerRun) -> _StageVectors:
+    """The grid the window-max reads (the instruction run again without it) and the stored tensor."""
+    instr = layer.instr
+    unpooled = replace(instr, stage=instr.stage.without(WindowMax))
+    return replace(v, info={**v.info, "window": step.to_record()},
+                   grid=layer.machine.execute(unpooled, layer.args)[0], stored=v.grid)
+
+
+# The golden vectors' evaluator of each output-stage step (isa/output_stage.py): what it adds to the layer.
+STEP_VECTORS = {Bias: _bias_vectors, Requantize: _requantize_vectors, Clamp: _clamp_vectors,
+                ClampHi: _clamp_hi_vectors, Lookup: _lookup_vectors, WindowMax: _window_vectors}
+
+
 def layer_vectors(program, target: Target, index: int, instr: Instruction, run, machine) -> LayerVectors:
     """The vectors of one array instruction from a dumped run (Machine.run(..., dump=True))."""
     arrays, tensors = program.arrays, program.tensors
-    window, requant = instr.stage.window_max, instr.stage.requantize
     args = [run.tensors[name] for name in instr.inputs]
     batch = int(args[0].shape[0])
     shape = gemm_shape(instr, tensors, batch)
     tiles = tiles_of(instr, shape, target)
     info: dict[str, Any] = {"batch": batch, "input_tensors": list(instr.inputs),
-                            "output_tensor": instr.output, "window": window and window.to_record()}
+                            "output_tensor": instr.output, "window": None,
+                            "output_stage": [type(step).__name__ for step in instr.stage.steps]}
     kind = instr.kind
     operands = handler(OPERANDS, kind, "the golden vectors", f"instruction '{instr.name}'")(
         instr, args, arrays, info)
     cols, weight = operands[:2]
     to_matrix = operands[2] if len(operands) > 2 else channels_last
     channels = weight.shape[0] * weight.shape[2]
-    bias = arrays[instr.stage.bias.array] if instr.stage.bias else np.zeros(channels, np.int64)
-    stored = run.tensors[instr.output]
     acc = run.accumulators.get(instr.name)
     extra = {}
     if acc is not None and acc.dtype.kind == "f":  # AddGemm in float32_rne: the float32 sum, not an acc
@@ -181,37 +255,20 @@ def layer_vectors(program, target: Target, index: int, instr: Instruction, run, 
         info["output_stage"] = "float32 add (qdeploy/quantize.py eq. 6-7)"
     elif acc is not None:
         acc = to_matrix(acc)
-    if instr.stage.clamp_per_channel:  # an equalized ReLU6: out = min(clamp(requantize(acc), lo, hi), clamp_hi[c])
-        bound = arrays[instr.stage.clamp_per_channel.array].astype(np.int32).reshape(-1)
-        extra["clamp_hi"] = (bound, bound.reshape(1, -1), 16, True, "cols",
-                             "per-channel upper bound applied after the clamp (1 x channels)")
-    if instr.stage.lookup is not None:  # the table (1 x 256) and the codes it reads (before it and the window)
-        lookup = instr.stage.lookup
-        table = arrays[lookup.table]
-        extra["lookup_table"] = (table, table.astype(np.int64).reshape(1, -1), 8, table.dtype != np.uint8, "cols",
-                                 f"the output stage's lookup table ({lookup.function}): entry i is the output "
-                                 f"code for input code i - {lookup.offset} ({lookup.input_dtype})")
-        bare = replace(instr, stage=replace(instr.stage, lookup=None, window_max=None))
-        codes = channels_last(machine.execute(bare, args)[0])
-        extra["lookup_input"] = (codes, codes, 8, lookup.input_dtype == "int8", "cols",
-                                 "requantized, clamped codes the table reads (before the table and the "
-                                 "window-max); row m, col c = g*Ng + j")
-        info["lookup"] = lookup.to_record()
-    if window is None:
-        grid, stored_matrix = stored, None
-    else:  # the same instruction without its window-max: the grid it reads
-        unpooled = replace(instr, stage=replace(instr.stage, window_max=None))
-        grid, stored_matrix = machine.execute(unpooled, args)[0], stored
+    unused = np.zeros(channels, np.int64)
+    stage = fold(instr.stage.steps, STEP_VECTORS, "the golden vectors",
+                 _StageVectors(unused, unused, unused, unused, extra=extra, info=info,
+                               grid=run.tensors[instr.output]),
+                 _LayerRun(arrays, instr, args, run, machine))
     # The output stage's result before window-max, as an RTL produces it: the grid the window-max reads
     # (N, C, OH, OW) needs no recomputation from the convolution's geometry.
-    info["output_grid"] = list(grid.shape)
-    out = to_matrix(grid)
+    info = {**stage.info, "output_grid": list(stage.grid.shape)}
+    out = to_matrix(stage.grid)
     return LayerVectors(
-        index, instr.name, kind, np.ascontiguousarray(cols), weight, _per_channel(bias, channels),
-        _per_channel(arrays[requant.mult], channels), _per_channel(arrays[requant.shift], channels),
-        _per_channel(arrays[requant.scale_f32], channels).astype(np.float32),
-        (instr.stage.clamp.lo, instr.stage.clamp.hi), tiles,
-        acc, out, stored_matrix, info, extra)
+        index, instr.name, kind, np.ascontiguousarray(cols), weight, _per_channel(stage.bias, channels),
+        _per_channel(stage.mult, channels), _per_channel(stage.shift, channels),
+        _per_channel(stage.scale_f32, channels).astype(np.float32), stage.clamp, tiles,
+        acc, out, stage.stored, info, stage.extra)
 
 
 # ---------------------------------------------------------------------------------------------------------

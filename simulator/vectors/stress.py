@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from isa.output_stage import Bias, Clamp, Requantize
 from isa.multiplier import quantize_multiplier
 from isa.target import Rounding, Target, target_to_dict
 from isa.tiling import GemmShape, choose_tiles
@@ -138,6 +139,10 @@ def stress_cases(target: Target) -> tuple[list[StressCase], list[dict]]:
     return cases, skipped
 
 
+# A stress case's output stage: a GEMM with its bias, requantized and clamped (the vectors manifest's step names).
+STRESS_STAGE = [step.__name__ for step in (Bias, Requantize, Clamp)]
+
+
 def stress_expected(case: StressCase, target: Target) -> tuple[np.ndarray, np.ndarray]:
     """(acc, out) of a stress case from the Python-int twins (simulator/reference.py eq. 1, 3-8)."""
     a = target.arithmetic
@@ -169,7 +174,7 @@ def export_stress(target: Target, output: str | os.PathLike) -> ExportResult:
             vectors = LayerVectors(
                 index, case.name, "StressGemm", case.x[None], case.w[None], case.bias, case.mult, case.shift,
                 np.array([_scale_f32(mm, s) for mm, s in zip(case.mult, case.shift)], np.float32), case.clamp,
-                tiles, acc, out, None, {"purpose": case.purpose})
+                tiles, acc, out, None, {"purpose": case.purpose, "output_stage": STRESS_STAGE})
             manifest["layers"].append(writer.layer(vectors, per_tile=False))
         write_manifest(root, manifest)
         return manifest

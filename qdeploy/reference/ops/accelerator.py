@@ -1,35 +1,57 @@
 """The float meaning of the accelerator's instructions (lowering/instructions.py), so the lowered graph
-runs in the reference executor before anything is quantized. Each is the ONNX ops it replaces, composed:
-GEMM -> bias -> clamp [act_min, act_max] -> lookup f -> window-max (design.md section 3, epilogue order).
-An instruction with a lookup (attributes lookup_function, lookup_params) returns two tensors: y and the
-pre-activation (the clamped value the table reads, before the window-max), which calibration measures."""
+runs in the reference executor before anything is quantized. Each is the ONNX ops it replaces, composed: the
+GEMM with its bias, then the node's output stage (design.md section 3), its steps folded in order by the float
+evaluators of STEP_EVALUATORS (isa/output_stage.py fold): Clamp, ClampHi, Lookup, WindowMax.
+An instruction with a lookup returns two tensors: y and the pre-activation (the clamped value the table reads,
+before the window-max), which calibration measures."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from isa.output_stage import NO_OUTPUT_STAGE, Clamp, ClampHi, Lookup, OutputStage, WindowMax, fold
 from qdeploy.reference.ops.conv import Conv
 from qdeploy.reference.ops.pool import MaxPool
 
+# y is the op's own fresh array (its GEMM's or sum's result), so the clamps work in place: one pass less.
 
-def _epilogue(y: np.ndarray, act_min: float, act_max: float, pool_kernel_shape=None, pool_strides=None,
-              pool_pads=None, pool_dilations=None, pool_ceil_mode=0, act_max_channels=None,
-              lookup_function=None, lookup_params=None):
-    # y is the op's own fresh array (its GEMM's or sum's result), so the clamps work in place: one pass less.
-    if act_min != -np.inf or act_max != np.inf:
-        y = np.clip(y, np.float32(act_min), np.float32(act_max), out=y if y.dtype == np.float32 else None)
-    if act_max_channels is not None:  # per output channel (axis 1) upper bounds, from cross-layer equalization
-        bounds = np.asarray(act_max_channels, np.float32).reshape((-1,) + (1,) * (y.ndim - 2))
-        y = np.minimum(y, bounds, out=y if y.dtype == np.float32 else None)
-    pre = None
-    if lookup_function is not None:
-        from qdeploy.lowering.lookup import evaluate
 
-        pre = y.astype(np.float32, copy=False)
-        y = evaluate(lookup_function, lookup_params or {}, pre)
-    if pool_kernel_shape is not None:
-        y = MaxPool(y, kernel_shape=pool_kernel_shape, strides=pool_strides, pads=pool_pads,
-                    dilations=pool_dilations, ceil_mode=pool_ceil_mode)
+def _clamp(step: Clamp, value: tuple) -> tuple:
+    y, pre = value
+    if step.lo != -np.inf or step.hi != np.inf:
+        y = np.clip(y, np.float32(step.lo), np.float32(step.hi), out=y if y.dtype == np.float32 else None)
+    return y, pre
+
+
+def _clamp_hi(step: ClampHi, value: tuple) -> tuple:
+    """Per output channel (axis 1) upper bounds, from cross-layer equalization."""
+    y, pre = value
+    bounds = np.asarray(step.hi, np.float32).reshape((-1,) + (1,) * (y.ndim - 2))
+    return np.minimum(y, bounds, out=y if y.dtype == np.float32 else None), pre
+
+
+def _lookup(step: Lookup, value: tuple) -> tuple:
+    """f(y) by the reference executor's own op; the clamped y it reads is the second output."""
+    from qdeploy.lowering.lookup import evaluate
+
+    y, _ = value
+    pre = y.astype(np.float32, copy=False)
+    return evaluate(step.function, dict(step.params), pre), pre
+
+
+def _window_max(step: WindowMax, value: tuple) -> tuple:
+    y, pre = value
+    return MaxPool(y, kernel_shape=list(step.kernel), strides=list(step.strides), pads=list(step.pads),
+                   dilations=list(step.dilations), ceil_mode=int(step.ceil_mode)), pre
+
+
+# The float reference's evaluator of each output-stage step that the lowered graph holds, (step, (y, pre)) ->
+# (y, pre). Bias and Requantize come with the compiler (the bias is the GEMM's operand here).
+STEP_EVALUATORS = {Clamp: _clamp, ClampHi: _clamp_hi, Lookup: _lookup, WindowMax: _window_max}
+
+
+def _output_stage(y: np.ndarray, stage: OutputStage):
+    y, pre = fold(stage.steps, STEP_EVALUATORS, "the float reference", (y, None))
     y = y.astype(np.float32, copy=False)
     return y if pre is None else (y, pre)
 
@@ -56,20 +78,20 @@ def upsampled_read(x: np.ndarray, upsample=None, upsample_fill=None, pads=(0, 0,
 
 
 def ConvGemm(x, w, b, *, group=1, strides=(1, 1), pads=(0, 0, 0, 0), dilations=(1, 1),
-             act_min=-np.inf, act_max=np.inf, upsample=None, upsample_fill=None, pad_fill=None, **window):
-    """y = window_max(clamp(Conv(read(x), w, b), act_min, act_max)): im2col + GEMM per group, the read upsampled
-    and edge-padded as `upsampled_read` says."""
+             upsample=None, upsample_fill=None, pad_fill=None, output_stage=NO_OUTPUT_STAGE):
+    """y = output_stage(Conv(read(x), w, b)): im2col + GEMM per group, the read upsampled and edge-padded as
+    `upsampled_read` says."""
     x, pads = upsampled_read(x, upsample, upsample_fill, pads, pad_fill)
     y = Conv(x, w, b, group=group, strides=list(strides), pads=list(pads), dilations=list(dilations))
-    return _epilogue(y, act_min, act_max, **window)
+    return _output_stage(y, output_stage)
 
 
-def DenseGemm(x, w, b, *, act_min=-np.inf, act_max=np.inf, act_max_channels=None, **lookup):
-    """y = clamp(x @ w^T + b, act_min, act_max) with w of shape (out, K). Row by row: BLAS sums a matrix
-    product in an order that depends on the number of rows, and a sample's result must not depend on the
-    batch it came in (calibration promises batch-size independence)."""
+def DenseGemm(x, w, b, *, output_stage=NO_OUTPUT_STAGE):
+    """y = output_stage(x @ w^T + b) with w of shape (out, K). Row by row: BLAS sums a matrix product in an order
+    that depends on the number of rows, and a sample's result must not depend on the batch it came in
+    (calibration promises batch-size independence)."""
     y = np.stack([w @ row for row in x]) + b if len(x) else np.matmul(x, w.T) + b
-    return _epilogue(y, act_min, act_max, act_max_channels=act_max_channels, **lookup)
+    return _output_stage(y, output_stage)
 
 
 def ChannelSlice(x, *, start: int, count: int):
@@ -82,9 +104,9 @@ def ChannelPermute(x, *, perm):
     return x[:, np.asarray(perm)]
 
 
-def AddGemm(a, b, *, act_min=-np.inf, act_max=np.inf, **window):
-    """y = window_max(clamp(a + b, act_min, act_max)): the GEMM with K = 2 per channel, [a b] . [1 1]^T."""
-    return _epilogue(a + b, act_min, act_max, **window)
+def AddGemm(a, b, *, output_stage=NO_OUTPUT_STAGE):
+    """y = output_stage(a + b): the GEMM with K = 2 per channel, [a b] . [1 1]^T."""
+    return _output_stage(a + b, output_stage)
 
 
 def _scaled(y: np.ndarray, product_scale: float | None) -> np.ndarray:
@@ -92,14 +114,14 @@ def _scaled(y: np.ndarray, product_scale: float | None) -> np.ndarray:
     return y if product_scale is None else y * np.float32(product_scale)
 
 
-def MulGemm(a, b, *, act_min=-np.inf, act_max=np.inf, product_scale=None):
-    """y = clamp(c * (a * b), act_min, act_max), b broadcast to a's shape: a K = 1 GEMM per element of b."""
-    return _epilogue(_scaled(a * b, product_scale), act_min, act_max)
+def MulGemm(a, b, *, product_scale=None, output_stage=NO_OUTPUT_STAGE):
+    """y = output_stage(c * (a * b)), b broadcast to a's shape: a K = 1 GEMM per element of b."""
+    return _output_stage(_scaled(a * b, product_scale), output_stage)
 
 
-def MatMulGemm(a, b, *, transpose_a=0, transpose_b=0, act_min=-np.inf, act_max=np.inf, product_scale=None):
-    """y = clamp(c * (a @ b), act_min, act_max), a or b transposed (last two axes) with transpose_a / transpose_b:
+def MatMulGemm(a, b, *, transpose_a=0, transpose_b=0, product_scale=None, output_stage=NO_OUTPUT_STAGE):
+    """y = output_stage(c * (a @ b)), a or b transposed (last two axes) with transpose_a / transpose_b:
     one GEMM per leading index. numpy.matmul runs one GEMM per leading index, so a sample's result does not depend
     on its batch."""
     y = np.matmul(np.swapaxes(a, -1, -2) if transpose_a else a, np.swapaxes(b, -1, -2) if transpose_b else b)
-    return _epilogue(_scaled(y, product_scale), act_min, act_max)
+    return _output_stage(_scaled(y, product_scale), output_stage)
