@@ -13,8 +13,8 @@ from calib.table import CalibrationTable
 from qdeploy.binding import bind_inputs, bind_program_inputs
 from qdeploy.errors import BadInput, QdeployError
 from qdeploy.execute import run_program_file  # noqa: F401 (part of the API)
-from qdeploy.lowering import LoweringResult, lower, require_lowered
-from qdeploy.onnx_import import import_onnx
+from qdeploy.lowering import LoweringResult, lower_graph, require_lowered
+from qdeploy.onnx_import import InputShapes, import_onnx
 from qdeploy.prequantized import ModelQuantization
 from qdeploy.program import Program, read_program, write_program
 from qdeploy.quantize import CompileOptions, LayerReport, compile_graph
@@ -23,9 +23,6 @@ from qdeploy.summary import ModelSummary, summarize
 from isa.target import Target, TargetError, load_target
 from simulator.machine import ProgramInputError
 from simulator.perf import PerfReport, estimate_program, trace_fused_ops
-
-InputShapes = dict[str, tuple[int | None, ...]]
-
 
 def inspect(model: str | os.PathLike, input_shapes: InputShapes | None = None) -> ModelSummary:
     """Summary of an ONNX model before and after import-time simplification."""
@@ -39,15 +36,6 @@ def lower_model(model: str | os.PathLike, input_shapes: InputShapes | None = Non
     equalization, lowering/equalize.py). A pre-quantized model lowers its float graph (prequantized.py)."""
     path = Path(model)
     return lower_graph(path, import_onnx(path, input_shapes).graph, equalize)  # import errors name the file already
-
-
-def lower_graph(path: Path, graph, equalize: bool, lookups: bool = True) -> LoweringResult:
-    """Lower an imported graph of the model at `path` (errors name the file); `lookups`: the target has lookup
-    tables (isa/target.py `lookup_tables`)."""
-    try:
-        return lower(graph, equalize, lookups)
-    except BadInput as error:
-        raise BadInput(f"{path}: {error}") from error
 
 
 @dataclass

@@ -34,14 +34,13 @@ from calib.kl import clipping_budget
 from calib.methods import THRESHOLD_METHODS, select_threshold
 from calib.table import (MIN_THRESHOLD, TENSORRT_METHOD, CalibrationTable, TensorRecord, read_tensorrt_cache,
                          threshold_from_tensorrt_scale)
-from qdeploy.api import InputShapes, lower_graph
-from qdeploy.onnx_import import import_onnx
+from qdeploy.onnx_import import InputShapes, import_onnx
 from qdeploy.binding import bind_inputs
 from qdeploy.errors import BadInput
 from qdeploy.ir import Graph, topological_order
 from qdeploy.lowering.equalize import equalizable_pairs
 from isa.kinds import LAYOUT_KINDS, VIEW_KINDS
-from qdeploy.lowering import LoweringResult
+from qdeploy.lowering import LoweringResult, lower_graph
 from qdeploy.reference.executor import run_node
 from simulator.threads import blas_threads_limitable, one_blas_thread, usable_cpus
 

@@ -22,6 +22,9 @@ from qdeploy.ir import Graph, Node, Tensor, constant, validate
 from qdeploy.prequantized import QUANTIZATION_OPS, ModelQuantization, strip_quantization
 from qdeploy.reference import supported_ops
 
+# --input-shape: input name -> its shape, None for a free (batch) dimension.
+InputShapes = dict[str, tuple[int | None, ...]]
+
 MIN_OPSET, MAX_OPSET = 11, 21
 DEFAULT_DOMAINS = ("", "ai.onnx")
 
@@ -298,14 +301,14 @@ def _free_resize_batch(nodes: list[Node], tensors: dict[str, Tensor], batch: int
     return rewritten
 
 
-def load_onnx(path: str | os.PathLike, input_shapes: dict[str, tuple[int | None, ...]] | None = None
+def load_onnx(path: str | os.PathLike, input_shapes: InputShapes | None = None
               ) -> Graph:
     """Read an ONNX file into the IR, as the file states it, with shapes inferred (shape_inference.py); a
     pre-quantized model's float graph (`load_quantized_onnx`)."""
     return load_quantized_onnx(path, input_shapes)[0]
 
 
-def load_quantized_onnx(path: str | os.PathLike, input_shapes: dict[str, tuple[int | None, ...]] | None = None,
+def load_quantized_onnx(path: str | os.PathLike, input_shapes: InputShapes | None = None,
                         widen_scales: bool = False) -> tuple[Graph, ModelQuantization | None]:
     """`load_onnx`, and the scales a pre-quantized model states (QuantizeLinear/DequantizeLinear, QLinearConv),
     which are taken out of the graph (qdeploy/prequantized.py); None for a float model."""
@@ -400,7 +403,7 @@ class ImportResult:
     quantization: ModelQuantization | None = None  # the scales of a pre-quantized model
 
 
-def import_onnx(path: str | os.PathLike, input_shapes: dict[str, tuple[int | None, ...]] | None = None,
+def import_onnx(path: str | os.PathLike, input_shapes: InputShapes | None = None,
                 widen_scales: bool = False) -> ImportResult:
     """Read and simplify an ONNX model (see passes.pipeline.SIMPLIFY)."""
     from qdeploy.passes.pipeline import SIMPLIFY, run_pipeline

@@ -118,7 +118,7 @@ class Machine:
         # A program made only of per-image kinds may run slices of the batch in parallel threads with the same
         # integers (isa/kinds.py PER_IMAGE_KINDS leaves Host out: the host executor may not be thread-safe).
         self.per_image = all(instr.kind in PER_IMAGE_KINDS for instr in self.records)
-        self._local = threading.local()  # per-thread scratch buffers (kernels.gemm._scratch)
+        self._local = threading.local()  # per-thread scratch buffers (kernels/scratch.py)
         self._pool: ThreadPoolExecutor | None = None
 
     def _fused_output_stage(self, instr: Instruction, plan: _GemmPlan) -> PlaneParameters | None:
@@ -211,7 +211,7 @@ class Machine:
         return self._pool
 
     def _scratch(self) -> dict:
-        """This thread's reusable buffers (kernels.gemm._scratch): big arrays are allocated once, not per call."""
+        """This thread's reusable buffers (kernels/scratch.py): big arrays are allocated once, not per call."""
         buffers = getattr(self._local, "buffers", None)
         if buffers is None:
             buffers = self._local.buffers = {}

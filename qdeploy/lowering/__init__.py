@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from math import prod
+from pathlib import Path
 
-from qdeploy.errors import QdeployError, Unsupported
+from qdeploy.errors import BadInput, QdeployError, Unsupported
 from qdeploy.ir import Graph, Node
 from isa.geometry import conv_output_size, upsampled_size, zero_read_macs
 from isa.kinds import LAYOUT_KINDS, WEIGHTED_GEMM_KINDS, Kind, handler
@@ -209,6 +210,15 @@ def lower(graph: Graph, equalize: bool = False, lookups: bool = True) -> Lowerin
     return LoweringResult(lowered, records, instructions, layout, host_ops, fraction)
 
 
+def lower_graph(path: Path, graph: Graph, equalize: bool, lookups: bool = True) -> LoweringResult:
+    """`lower` for an imported graph of the model at `path` (errors name the file); `lookups`: the target has
+    lookup tables (isa/target.py `lookup_tables`)."""
+    try:
+        return lower(graph, equalize, lookups)
+    except BadInput as error:
+        raise BadInput(f"{path}: {error}") from error
+
+
 def require_lowered(result: LoweringResult, allow_host_fallback: bool) -> None:
     """Refuse a graph with host ops unless the user allowed host fallback, and one with an output no instruction
     computes (a constant of the model: the program has nothing to run for it); the message names each."""
@@ -222,4 +232,4 @@ def require_lowered(result: LoweringResult, allow_host_fallback: bool) -> None:
                           f"(--allow-host-fallback runs them in float on the host)")
 
 
-__all__ = ["HostOp", "Instruction", "LoweringResult", "lower", "require_lowered", "Unsupported"]
+__all__ = ["HostOp", "Instruction", "LoweringResult", "lower", "lower_graph", "require_lowered", "Unsupported"]

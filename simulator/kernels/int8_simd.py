@@ -42,6 +42,7 @@ from numba.core.codegen import get_host_cpu_features
 from numba.extending import intrinsic
 
 from simulator.kernels.requantize import PlaneParameters, output_dtype, requantize_plane
+from simulator.kernels.scratch import scratch_array
 
 TILE_ROWS = 4  # rows m per register tile
 
@@ -346,9 +347,7 @@ def conv(packed: PackedWeights, x: np.ndarray, window: tuple, output_size: tuple
     (packed.groups), never written out: each image's rows are packed straight from x. Int32 (N, M, OH*OW; the
     caller has checked that every exact value fits int32), or, with requant, acc requantized and clamped to
     [lo, hi] (requantize's output_dtype: int8, uint8, or int32 for an output left wide), never stored as an
-    accumulator. scratch: the caller's reusable buffers (kernels.gemm._scratch)."""
-    from simulator.kernels.gemm import _scratch  # one scratch mechanism (gemm imports this module)
-
+    accumulator. scratch: the caller's reusable buffers (kernels/scratch.py)."""
     window = tuple(tuple(int(v) for v in part) for part in window)
     (kh, kw), (sh, sw), (pt, pl, _, _), (dh, dw) = window
     oh_dim, ow_dim = output_size
@@ -360,10 +359,10 @@ def conv(packed: PackedWeights, x: np.ndarray, window: tuple, output_size: tuple
     m_dim, kq_dim = packed.row_sums.shape[0], packed.words.shape[1]
     offset = _offset(x.dtype, isa)
     correction = (bias.astype(np.int64) - offset * packed.row_sums).astype(np.int32)  # modulo 2^32
-    x4 = _scratch(scratch, "int8_simd_x4", (kq_dim, padded_columns(s_dim, isa)), np.uint32)
-    tile = _scratch(scratch, "int8_simd_tile", (TILE_ROWS, block_columns(kq_dim, isa)), np.int32)
+    x4 = scratch_array(scratch, "int8_simd_x4", (kq_dim, padded_columns(s_dim, isa)), np.uint32)
+    tile = scratch_array(scratch, "int8_simd_tile", (TILE_ROWS, block_columns(kq_dim, isa)), np.int32)
     if requant is None:
-        out = _scratch(scratch, "int8_simd_acc", (n_dim, m_dim, s_dim), np.int32)
+        out = scratch_array(scratch, "int8_simd_acc", (n_dim, m_dim, s_dim), np.int32)
         params = _NO_REQUANT
     else:
         out = np.empty((n_dim, m_dim, s_dim), output_dtype(lo, hi))

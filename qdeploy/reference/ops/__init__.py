@@ -12,9 +12,8 @@ from typing import Callable, Union
 import numpy as np
 
 from isa.kinds import Kind
-from qdeploy.reference.ops.activation import (Clip, Clip_6, Elu, Erf, Gelu, HardSigmoid, HardSwish, LeakyRelu,
-                                              LogSoftmax, LogSoftmax_1, Mish, PRelu, Relu, Sigmoid, Softmax,
-                                              Softmax_1, Softplus, Swish, Tanh)
+from qdeploy.reference.ops.activation import (UNARY, Clip, Clip_6, LogSoftmax, LogSoftmax_1, PRelu, Softmax,
+                                              Softmax_1)
 from qdeploy.reference.ops.conv import Conv, ConvTranspose
 from qdeploy.reference.ops.elementwise import (Abs, Add, And, Cast, Ceil, Cos, Div, Equal, Exp, Floor, Greater,
                                                GreaterOrEqual, Less, LessOrEqual, Log, Max, Mean, Min, Mod, Mul,
@@ -44,9 +43,7 @@ OPS: dict[str, OpFunction | dict[int, OpFunction]] = {
     "LayerNormalization": LayerNormalization, "InstanceNormalization": InstanceNormalization,
     "GroupNormalization": {18: GroupNormalization_18, 21: GroupNormalization},  # 21: scale, bias per channel
     # activation.py
-    "Relu": Relu, "LeakyRelu": LeakyRelu, "Sigmoid": Sigmoid, "HardSigmoid": HardSigmoid,
-    "HardSwish": HardSwish, "Tanh": Tanh, "Elu": Elu, "Erf": Erf, "Gelu": Gelu, "Softplus": Softplus,
-    "Mish": Mish, "Swish": Swish, "PRelu": PRelu,
+    **UNARY, "PRelu": PRelu,
     "Clip": {6: Clip_6, 11: Clip},                      # 11: min/max attributes -> optional inputs
     "Softmax": {1: Softmax_1, 13: Softmax},             # 13: coerce-to-2D -> one axis, default -1
     "LogSoftmax": {1: LogSoftmax_1, 13: LogSoftmax},

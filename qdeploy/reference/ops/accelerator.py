@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from qdeploy.reference.ops.activation import evaluate
 from qdeploy.reference.ops.conv import Conv
 from qdeploy.reference.ops.pool import MaxPool
 
@@ -23,8 +24,6 @@ def _epilogue(y: np.ndarray, act_min: float, act_max: float, pool_kernel_shape=N
         y = np.minimum(y, bounds, out=y if y.dtype == np.float32 else None)
     pre = None
     if lookup_function is not None:
-        from qdeploy.lowering.lookup import evaluate
-
         pre = y.astype(np.float32, copy=False)
         y = evaluate(lookup_function, lookup_params or {}, pre)
     if pool_kernel_shape is not None:
