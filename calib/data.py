@@ -30,7 +30,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from calib import DEFAULT_CHANNELS, DEFAULT_LAYOUT, DEFAULT_MEAN, DEFAULT_STD
-from qdeploy.errors import BadInput
+from qdeploy_base.errors import BadInput
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
 LAYOUTS = ("NCHW", "NHWC")

@@ -40,8 +40,8 @@ from pathlib import Path
 
 import numpy as np
 
-from qdeploy.errors import BadInput
-from qdeploy.fileio import atomic_write
+from qdeploy_base.errors import BadInput
+from qdeploy_base.fileio import atomic_write
 
 FORMAT = "qdeploy-calibration"
 VERSION = 1

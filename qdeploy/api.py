@@ -11,7 +11,7 @@ import numpy as np
 
 from calib.table import CalibrationTable
 from qdeploy.binding import bind_inputs, bind_program_inputs
-from qdeploy.errors import BadInput, QdeployError
+from qdeploy_base.errors import BadInput, QdeployError
 from qdeploy.execute import run_program_file  # noqa: F401 (part of the API)
 from qdeploy.lowering import LoweringResult, lower_graph, require_lowered
 from qdeploy.onnx_import import InputShapes, import_onnx
@@ -129,7 +129,7 @@ def export_vectors(program: str | os.PathLike, input: str | os.PathLike, output:
                    per_tile: bool = False):
     """Run the program file on the arrays of `input` (.npy/.npz) and write its golden vectors to the directory
     `output` (simulator/vectors/export.py); returns its ExportResult."""
-    from qdeploy.fileio import load_arrays
+    from qdeploy_base.fileio import load_arrays
     from simulator.vectors import VectorError
     from simulator.vectors import export_vectors as write_vectors
 
@@ -163,7 +163,7 @@ def export_onnx(program: str | os.PathLike | Program, output: str | os.PathLike,
     QuantizeLinear/DequantizeLinear) with the program's integers and scales, written atomically to `output`.
     Outputs are int8 unless `float_outputs`; `tensor_outputs` adds every instruction's int8 output as a graph
     output. Returns the model, its warnings and the tensor-name map (qdeploy/export_onnx.py)."""
-    from qdeploy.errors import Unsupported
+    from qdeploy_base.errors import Unsupported
 
     source = str(program) if not isinstance(program, Program) else "program"
     program = program if isinstance(program, Program) else read_program(program)

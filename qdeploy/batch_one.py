@@ -32,7 +32,7 @@ from __future__ import annotations
 import numpy as np
 
 from isa.kinds import Kind
-from qdeploy.errors import Unsupported
+from qdeploy_base.errors import Unsupported
 from qdeploy.ir import Graph, Node, Tensor, constant, topological_order
 
 ROW, MAPPED = "row", "mapped"

@@ -36,7 +36,7 @@ from calib.table import (MIN_THRESHOLD, TENSORRT_METHOD, CalibrationTable, Tenso
                          threshold_from_tensorrt_scale)
 from qdeploy.onnx_import import InputShapes, import_onnx
 from qdeploy.binding import bind_inputs
-from qdeploy.errors import BadInput
+from qdeploy_base.errors import BadInput
 from qdeploy.ir import Graph, topological_order
 from qdeploy.lowering.equalize import equalizable_pairs
 from isa.kinds import LAYOUT_KINDS, VIEW_KINDS

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from qdeploy import __version__
-from qdeploy.errors import BadInput, QdeployError
+from qdeploy_base.errors import BadInput, QdeployError
 
 IN_FLIGHT_PER_WORKER = 2
 BATCHES_PER_SHARD = 4

@@ -93,8 +93,8 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from qdeploy import __version__
-from qdeploy.errors import Unsupported
-from qdeploy.fileio import atomic_write
+from qdeploy_base.errors import Unsupported
+from qdeploy_base.fileio import atomic_write
 from qdeploy.program import Program
 from isa.target import Rounding, target_from_dict
 from isa.instructions import Instruction

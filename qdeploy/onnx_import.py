@@ -17,7 +17,7 @@ from onnx import numpy_helper
 
 from isa.kinds import Kind  # the layout kinds are named after the ONNX ops they come from
 from qdeploy.batch_one import map_over_batch
-from qdeploy.errors import BadInput, QdeployError, Unsupported
+from qdeploy_base.errors import BadInput, QdeployError, Unsupported
 from qdeploy.ir import Graph, Node, Tensor, constant, validate
 from qdeploy.prequantized import QUANTIZATION_OPS, ModelQuantization, strip_quantization
 from qdeploy.reference import supported_ops

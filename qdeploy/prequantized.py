@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from isa.kinds import RESHAPE_KINDS, Kind
-from qdeploy.errors import BadInput, Unsupported
+from qdeploy_base.errors import BadInput, Unsupported
 from qdeploy.ir import Graph, Node, Tensor, constant, topological_order
 
 QUANTIZATION_OPS = ("QuantizeLinear", "DequantizeLinear", "QLinearConv")

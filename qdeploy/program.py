@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from qdeploy.errors import BadInput
-from qdeploy.fileio import atomic_write
+from qdeploy_base.errors import BadInput
+from qdeploy_base.fileio import atomic_write
 from isa.geometry import PAD_FILLS, UPSAMPLE_FILLS, pool_output_size, upsampled_size
 from isa.instructions import Instruction, from_manifest
 from isa.kinds import RESHAPE_KINDS, Kind, UnknownKind, handler
@@ -165,7 +165,7 @@ def _array(program: Program, record: dict, key: str, where: str, dtype: str, sha
 
 
 def _elements(shape, where: str) -> None:
-    from qdeploy.fileio import MAX_TENSOR_ELEMENTS
+    from qdeploy_base.fileio import MAX_TENSOR_ELEMENTS
 
     if math.prod(shape) > MAX_TENSOR_ELEMENTS:
         raise _Invalid(f"{where} has {math.prod(shape):,} elements per sample, more than the limit "

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from qdeploy.errors import BadInput, Unsupported
-from qdeploy.fileio import MAX_TENSOR_ELEMENTS
+from qdeploy_base.errors import BadInput, Unsupported
+from qdeploy_base.fileio import MAX_TENSOR_ELEMENTS
 from qdeploy.ir import Graph, Node, Tensor, topological_order
 from isa.kinds import Kind
 from qdeploy.reference import run_node

@@ -235,7 +235,7 @@ def test_a_damaged_matmul_record_is_refused(tmp_path):
     (qk,) = [i for i in manifest["instructions"] if i["name"] == "qk"]
     qk["transpose_b"] = False  # (5, 4) x (5, 4) no longer chains
     write_program(Program(manifest, program.arrays), tmp_path / "bad.qdp")
-    from qdeploy.errors import BadInput
+    from qdeploy_base.errors import BadInput
 
     with pytest.raises(BadInput, match=r"instruction 'qk' \(\"MatMulGemm\"\): multiplies \(2, 5, 4\) by "
                                        r"\(2, 5, 4\) as read \(transpose_a False, transpose_b False\)"):

@@ -15,7 +15,7 @@ from calib.data import Preprocess
 from calib.table import CalibrationTable, read_tensorrt_cache
 from qdeploy.api import lower_model
 from qdeploy.cli import app
-from qdeploy.errors import BadInput
+from qdeploy_base.errors import BadInput
 
 pytest.importorskip("skimage")
 from examples import images  # noqa: E402

@@ -14,7 +14,7 @@ from qdeploy.reference import run_host_op
 from qdeploy import api
 from qdeploy.calibration import calibrate
 from qdeploy.cli import app
-from qdeploy.errors import BadInput
+from qdeploy_base.errors import BadInput
 from qdeploy.program import read_program
 from simulator import reference
 from isa.target import Arithmetic, Target

@@ -18,7 +18,7 @@ from calib.table import CalibrationTable, TensorRecord
 from isa.geometry import zero_read_macs
 from isa.target import Arithmetic, Target
 from qdeploy import api
-from qdeploy.errors import QdeployError
+from qdeploy_base.errors import QdeployError
 from simulator import reference
 from simulator.machine import Machine
 from simulator.perf import estimate_program

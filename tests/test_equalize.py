@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from calib.table import CalibrationTable
 from qdeploy import api
 from qdeploy.cli import app
-from qdeploy.errors import BadInput
+from qdeploy_base.errors import BadInput
 from qdeploy.lowering.equalize import _input_channel_ranges, equalizable_pairs
 from qdeploy.reference.executor import run_graph
 from builders import make_model, one_line_error, read_hex, rng_weights, run_onnxruntime, save

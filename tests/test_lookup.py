@@ -19,7 +19,7 @@ from calib.table import CalibrationTable, TensorRecord
 from isa.kinds import Kind
 from isa.target import Arithmetic, ArrayConfig, Target
 from qdeploy import api
-from qdeploy.errors import Unsupported
+from qdeploy_base.errors import Unsupported
 from qdeploy.program import read_program, write_program
 from qdeploy.reference import run_graph
 from simulator import reference

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from math import prod
 from pathlib import Path
 
-from qdeploy.errors import BadInput, QdeployError, Unsupported
+from qdeploy_base.errors import BadInput, QdeployError, Unsupported
 from qdeploy.ir import Graph, Node
 from isa.geometry import conv_output_size, upsampled_size, zero_read_macs
 from isa.kinds import LAYOUT_KINDS, WEIGHTED_GEMM_KINDS, Kind, handler

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from qdeploy.errors import Unsupported
+from qdeploy_base.errors import Unsupported
 from qdeploy.ir import Graph, Node, Tensor, topological_order
 from isa.kinds import LOOKUP_KINDS
 from qdeploy.lowering.instructions import has_window_max

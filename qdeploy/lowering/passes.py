@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from qdeploy.errors import Unsupported
+from qdeploy_base.errors import Unsupported
 from qdeploy.ir import Graph, Node, Tensor, constant
 from qdeploy.passes.eliminate_dead import eliminate_dead_nodes
 from qdeploy.passes.pipeline import Pass

@@ -14,7 +14,7 @@ from typing import Callable
 
 import numpy as np
 
-from qdeploy.errors import BadInput, QdeployError, Unsupported
+from qdeploy_base.errors import BadInput, QdeployError, Unsupported
 from qdeploy.ir import Graph, Node, Tensor, constant
 from isa.kinds import Kind
 

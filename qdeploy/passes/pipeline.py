@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from qdeploy.errors import QdeployError
+from qdeploy_base.errors import QdeployError
 from qdeploy.ir import Graph, validate
 from qdeploy.passes.eliminate_dead import eliminate_dead_nodes
 from qdeploy.passes.explicit_conv_pads import explicit_conv_pads

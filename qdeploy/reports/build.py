@@ -44,12 +44,12 @@ from calib.kl import MAX_CLIPPED_FRACTION, clipping_budget, kl_threshold
 from calib.table import CalibrationTable
 from isa.kinds import Kind
 from qdeploy import __version__
-from qdeploy.errors import BadInput
+from qdeploy_base.errors import BadInput
 from qdeploy.calibration import consumer_fan_in
 from qdeploy.program import Program, read_program
 from qdeploy.reports import DEFAULT_BATCH_SIZE, metrics
 from qdeploy.reports.evaluate import Evaluator, check_original
-from qdeploy.fileio import atomic_write
+from qdeploy_base.fileio import atomic_write
 from qdeploy.reports.inputs import check_program_matches, load_labels, load_peer
 from qdeploy.summary import format_host_work
 

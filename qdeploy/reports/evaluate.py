@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from qdeploy.reference import run_host_op
-from qdeploy.errors import BadInput
+from qdeploy_base.errors import BadInput
 from qdeploy.ir import Graph
 from isa.instructions import Instruction
 from isa.kinds import LAYOUT_KINDS, WEIGHTED_GEMM_KINDS, Kind

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from isa.kinds import WEIGHTED_GEMM_KINDS
-from qdeploy.errors import BadInput
+from qdeploy_base.errors import BadInput
 from qdeploy.ir import Graph
 from qdeploy.program import Program
 

@@ -11,7 +11,7 @@ from typing import Callable
 
 import numpy as np
 
-from qdeploy.errors import BadInput
+from qdeploy_base.errors import BadInput
 
 # The largest tensor, in elements, that a model or program may declare or compute (8 GiB of float32): the ONNX
 # shape probe (shape_inference.py, at its probe batch sizes) and the program reader (program.py, per sample)
