@@ -1,12 +1,28 @@
-"""The project's module import graph, read statically with `ast`, has no cycle. Every import counts wherever it
-is written (a function-level import runs the module too, only later), and importing `a.b.c` also imports the
-packages `a` and `a.b` (their `__init__` runs first). A cycle fails here naming its modules in import order."""
+"""The project's module import graph, read statically with `ast`, has no cycle, and its layers
+(docs/architecture.md, "Layers") import only downwards. Every import counts wherever it is written (a
+function-level import runs the module too, only later), and importing `a.b.c` also imports the packages `a` and
+`a.b` (their `__init__` runs first). A cycle fails here naming its modules in import order; an upward import
+names both modules and their layers."""
 
 import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("isa", "calib", "simulator", "qdeploy", "hw")
+PACKAGES = ("qdeploy_base", "isa", "calib", "simulator", "qdeploy", "hw")
+
+# The layers, lowest first, each a set of module prefixes (a module belongs to the layer of its longest matching
+# prefix): a module imports modules of its own layer and the layers below it only. `qdeploy` alone is the
+# package's __init__, which imports nothing (its API functions load lazily, PEP 562), so the container
+# qdeploy.program can live in the qdeploy package and still sit below the simulator.
+LAYERS = [
+    ("floor", ("qdeploy_base",)),
+    ("hardware contract", ("isa",)),
+    ("calibration statistics", ("calib",)),
+    ("program container", ("qdeploy", "qdeploy.program")),
+    ("simulator", ("simulator",)),
+    ("compiler and tools", ("qdeploy.",)),
+    ("reference RTL runner", ("hw",)),
+]
 
 
 def module_files(root: Path = REPO, packages: tuple[str, ...] = PACKAGES) -> dict[str, Path]:
@@ -138,6 +154,43 @@ def describe(cycle: list[str]) -> str:
 
 def test_the_project_has_no_import_cycle():
     assert [describe(c) for c in cycles(import_graph())] == []
+
+
+def layer_of(module: str) -> tuple[int, str]:
+    """(rank, name) of the layer whose longest prefix matches `module` ("qdeploy." matches every submodule of
+    qdeploy; a prefix without a trailing dot matches that module and its submodules)."""
+    best = None
+    for rank, (name, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            matches = module.startswith(prefix) if prefix.endswith(".") else (
+                module == prefix or module.startswith(prefix + "."))
+            if matches and (best is None or len(prefix) > best[0]):
+                best = (len(prefix), rank, name)
+    if best is None:
+        raise AssertionError(f"module {module} is in no layer of LAYERS")
+    return best[1], best[2]
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    found = []
+    for module in sorted(graph):
+        rank, name = layer_of(module)
+        for imported in sorted(graph[module]):
+            imported_rank, imported_name = layer_of(imported)
+            if imported_rank > rank:
+                found.append(f"{module} ({name}) imports {imported} ({imported_name})")
+    return found
+
+
+def test_lower_layers_never_import_upper_ones():
+    assert upward_imports(import_graph()) == []
+
+
+def test_an_upward_import_is_named():
+    graph = {"calib.table": {"qdeploy_base.errors", "qdeploy.api"}, "qdeploy_base.errors": set(),
+             "qdeploy.api": set(), "simulator.machine": {"qdeploy", "qdeploy.program", "isa.kinds"},
+             "qdeploy": set(), "qdeploy.program": set(), "isa.kinds": set()}
+    assert upward_imports(graph) == ["calib.table (calibration statistics) imports qdeploy.api (compiler and tools)"]
 
 
 def _write(root: Path, files: dict[str, str]) -> None:
