@@ -15,7 +15,6 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from isa.kinds import Kind  # the layout kinds are named after the ONNX ops they come from
 from qdeploy.batch_one import map_over_batch
 from qdeploy_base.errors import BadInput, QdeployError, Unsupported
 from qdeploy.ir import Graph, Node, Tensor, constant, validate
@@ -261,7 +260,7 @@ def _free_reshape_batch(nodes: list[Node], tensors: dict[str, Tensor], batch: in
         return nodes
     rewritten = []
     for node in nodes:
-        target = tensors.get(node.inputs[1]) if node.op == Kind.RESHAPE and len(node.inputs) == 2 else None
+        target = tensors.get(node.inputs[1]) if node.op == "Reshape" and len(node.inputs) == 2 else None
         data = tensors.get(node.inputs[0]) if target is not None else None
         if (target is not None and target.is_constant and (data is None or not data.is_constant)
                 and target.data.ndim == 1 and target.data.size >= 2 and int(target.data[0]) == batch

@@ -102,7 +102,7 @@ def _output_bound(node: Node, inputs: list[np.ndarray | None]) -> list[int] | No
         return [max(present[0].shape, default=1), max(present[1].shape, default=1)]
     if op == "Gather" and len(present) == 2:
         return list(present[1].shape) + list(present[0].shape)
-    if op == Kind.CONCAT and present:
+    if op == "Concat" and present:
         return [sum(x.size for x in present)]
     return None
 

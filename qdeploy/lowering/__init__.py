@@ -12,7 +12,7 @@ from pathlib import Path
 
 from qdeploy_base.errors import BadInput, QdeployError, Unsupported
 from qdeploy.ir import Graph, Node
-from isa.geometry import conv_output_size, upsampled_size, zero_read_macs
+from isa.geometry import ReadFill, conv_output_size, upsampled_size, zero_read_macs
 from isa.kinds import LAYOUT_KINDS, WEIGHTED_GEMM_KINDS, Kind, handler
 from qdeploy.lowering.instructions import INSTRUCTION_OPS, LAYOUT_OPS, has_window_max, is_channel_concat, node_kind
 from qdeploy.lowering.rules import LOWERING
@@ -107,7 +107,7 @@ def _conv_geometry(graph: Graph, node: Node) -> tuple[int, int, int, int, dict]:
                 "strides": [sh, sw], "pads": pads, "dilations": [dh, dw]}
     if upsample is not None or node.attrs.get("pad_fill") is not None:
         geometry.update({"upsample": list(upsample or (1, 1)), "upsample_fill": fill,
-                         "pad_fill": node.attrs.get("pad_fill") or "zero",
+                         "pad_fill": node.attrs.get("pad_fill") or ReadFill.ZERO,
                          "zero_macs": zero_read_macs(in_shape[2], in_shape[3], (kh, kw), (sh, sw), pads, (dh, dw),
                                                      upsample, fill, node.attrs.get("pad_fill"),
                                                      weight.shape[0] * weight.shape[1])})

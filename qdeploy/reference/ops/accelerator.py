@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from isa.geometry import BORDER_FILLS, ReadFill
 from qdeploy.reference.ops.activation import evaluate
 from qdeploy.reference.ops.conv import Conv
 from qdeploy.reference.ops.pool import MaxPool
@@ -41,14 +42,14 @@ def upsampled_read(x: np.ndarray, upsample=None, upsample_fill=None, pads=(0, 0,
     and ONNX Pad's reflect)."""
     if upsample is not None and tuple(upsample) != (1, 1):
         fh, fw = upsample
-        if upsample_fill == "zero":
+        if upsample_fill == ReadFill.ZERO:
             n, c, h, w = x.shape
             up = np.zeros((n, c, (h - 1) * fh + 1, (w - 1) * fw + 1), x.dtype)
             up[:, :, ::fh, ::fw] = x
             x = up
         else:
             x = np.repeat(np.repeat(x, fh, axis=2), fw, axis=3)
-    if pad_fill in ("edge", "reflect"):
+    if pad_fill in BORDER_FILLS:
         top, left, bottom, right = pads
         return np.pad(x, ((0, 0), (0, 0), (top, bottom), (left, right)), mode=pad_fill), [0, 0, 0, 0]
     return x, list(pads)
