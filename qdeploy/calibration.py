@@ -265,7 +265,7 @@ def calibrate_shard(job: ShardJob, window: tuple[int, int]) -> ShardStats:
 def _collect_on_cluster(spec: str, job: ShardJob, collector: _Collector, warnings: list[str],
                         progress: Progress | None) -> int:
     """Calibrate shard by shard on the cluster `spec`, merging into `collector` in sample order."""
-    from qdeploy.cluster import connect, map_in_order, shard_windows
+    from qdeploy.cluster import run_sharded
 
     samples = 0
 
@@ -277,8 +277,7 @@ def _collect_on_cluster(spec: str, job: ShardJob, collector: _Collector, warning
         if progress is not None:
             progress(samples, job.data.samples)
 
-    with connect(spec) as client:
-        map_in_order(client, calibrate_shard, shard_windows(job.data.samples, job.data.batch_size), job, fold)
+    run_sharded(spec, calibrate_shard, job, fold)
     return samples
 
 

@@ -122,6 +122,13 @@ def shard_windows(samples: int, batch_size: int, batches_per_shard: int = BATCHE
     return [(start, min(start + step, samples)) for start in range(0, samples, step)]
 
 
+def run_sharded(spec: str, function: Callable, job: Any, fold: Callable[[Any], None]) -> None:
+    """On the cluster `spec`, run function(job, window) for every shard of whole batches of job.data (a
+    ShardData) and call fold(result) in sample order: the one walk that calibration and the report share."""
+    with connect(spec) as client:
+        map_in_order(client, function, shard_windows(job.data.samples, job.data.batch_size), job, fold)
+
+
 def map_in_order(client, function: Callable, windows: list[tuple[int, int]], job: Any,
                  fold: Callable[[Any], None]) -> None:
     """Run function(job, window) for every window on the cluster and call fold(result) in window order. At most

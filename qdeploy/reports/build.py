@@ -242,15 +242,14 @@ def walk_shard(job: WalkJob, window: tuple[int, int]) -> list[tuple[int, list]]:
 
 def _walk_on_cluster(spec: str, job: WalkJob, evaluator: Evaluator, added) -> None:
     """Walk shard by shard on the cluster `spec`, adding each batch's walks to `evaluator` in data order."""
-    from qdeploy.cluster import connect, map_in_order, shard_windows
+    from qdeploy.cluster import run_sharded
 
     def fold(batches: list[tuple[int, list]]) -> None:
         for start, walks in batches:
             float_logits, _ = evaluator.add_walks(walks, start)
             added(None, float_logits)
 
-    with connect(spec) as client:
-        map_in_order(client, walk_shard, shard_windows(job.data.samples, job.data.batch_size), job, fold)
+    run_sharded(spec, walk_shard, job, fold)
 
 
 def build_report(model: str | os.PathLike, program: str | os.PathLike | Program, data, output: str | os.PathLike,
