@@ -42,7 +42,7 @@ from qdeploy.lowering.equalize import equalizable_pairs
 from isa.kinds import LAYOUT_KINDS, VIEW_KINDS
 from qdeploy.lowering import LoweringResult, lower_graph
 from qdeploy.reference.executor import run_node
-from simulator.threads import blas_threads_limitable, one_blas_thread, usable_cpus
+from qdeploy_base.threads import blas_threads_limitable, one_blas_thread, usable_cpus
 
 Progress = Callable[[int, int], None]  # (samples done, samples in total)
 

@@ -32,7 +32,7 @@ from simulator.kernels.requantize import PlaneParameters, plane_parameters, requ
 from simulator.kernels.upsample import upsampled_read
 from simulator.kernels.window_max import window_max
 from isa.geometry import conv_output_size
-from simulator.threads import blas_threads_limitable, one_blas_thread, usable_cpus
+from qdeploy_base.threads import blas_threads_limitable, one_blas_thread, usable_cpus
 
 
 # Images per slice of a batch at most: a smaller slice keeps its thread's activations and scratch buffers in cache.

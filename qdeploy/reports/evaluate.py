@@ -44,7 +44,7 @@ from qdeploy.program import Program
 from qdeploy.reference.executor import run_node
 from qdeploy.reports.metrics import SqnrAccumulator, as_logits, cosine_per_sample, top_k
 from simulator.machine import Machine, dequantize, quantize_input
-from simulator.threads import blas_threads_limitable, one_blas_thread, usable_cpus
+from qdeploy_base.threads import blas_threads_limitable, one_blas_thread, usable_cpus
 
 
 @dataclass
