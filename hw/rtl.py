@@ -3,7 +3,7 @@
 
     python hw/rtl.py VECTORS_DIR DUMP_DIR [--rounding MODE]
 
-builds the testbench once for the vectors' target (its header from `simulator/header.py`), runs it on every
+builds the testbench once for the vectors' target (its header from `isa/header.py`), runs it on every
 layer whose output stage the RTL implements, and writes acc.hex and out.hex (and stored.hex after a fused
 window-max) under DUMP_DIR/layers/<dir>/.
 `--rounding` builds the RTL with another rounding mode than the vectors' target: a deliberately wrong design,
@@ -42,7 +42,7 @@ def icarus_available() -> bool:
 def build(target_table: dict, folder: Path, rounding: str | None = None) -> Path:
     """Write the target's header into `folder` and compile the testbench; returns the .vvp file."""
     from isa.target import Rounding, target_from_dict
-    from simulator.header import render_header
+    from isa.header import render_header
 
     if not icarus_available():
         raise RtlError("Icarus Verilog is not installed (iverilog, vvp; Debian: apt-get install iverilog)")

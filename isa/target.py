@@ -10,7 +10,7 @@ back from a manifest goes through the same validation as one read from a file. K
 release (`ADDED_KEYS`) are left out of that dict while they hold their default, so a default target's dict, and
 the manifest of every program compiled for it, are what they were before the keys existed.
 
-`qdeploy target header` (simulator/header.py) emits every key below as a C `#define` or a SystemVerilog
+`qdeploy target header` (isa/header.py) emits every key below as a C `#define` or a SystemVerilog
 `localparam`, so the RTL and this model read one file.
 """
 

@@ -688,7 +688,7 @@ def target_header(target: Path = typer.Argument(..., help="A target.toml."),
     """Emit every target parameter as C `#define`s (.h) or SystemVerilog `localparam`s (.svh), so the RTL and
     the simulator read the same target.toml."""
     from qdeploy_base.fileio import atomic_write, check_output
-    from simulator.header import HEADER_SUFFIXES, language_for, render_header
+    from isa.header import HEADER_SUFFIXES, language_for, render_header
 
     language = language_for(output.suffix)
     if language is None:
