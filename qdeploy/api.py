@@ -22,7 +22,7 @@ from qdeploy.reference import run_graph, run_host_op
 from qdeploy.summary import ModelSummary, summarize
 from isa.target import Target, TargetError, load_target
 from simulator.machine import ProgramInputError
-from simulator.perf import PerfReport, estimate_program, trace_fused_ops
+from qdeploy.perf import PerfReport, estimate_program, trace_fused_ops
 
 def inspect(model: str | os.PathLike, input_shapes: InputShapes | None = None) -> ModelSummary:
     """Summary of an ONNX model before and after import-time simplification."""
@@ -106,7 +106,7 @@ def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTabl
 
 
 def estimate_performance(model: str | os.PathLike, program: Program) -> PerfReport:
-    """The cycle ESTIMATE of a compiled program (simulator/perf.py), with the fused ops traced in the ONNX model
+    """The cycle ESTIMATE of a compiled program (qdeploy/perf.py), with the fused ops traced in the ONNX model
     `model` as loaded (so a BatchNormalization folded into the weights counts in the unfused graph)."""
     from types import SimpleNamespace
 

@@ -570,5 +570,5 @@ def compile_graph(lowered: LoweringResult, thresholds: dict[str, float], target:
                               f"store path, and the target has none (window_max_on_store = false)")
     compiler = _Compiler(lowered, thresholds, target, options, channel_means, stated)
     program = compiler.compile()
-    record_tiles(program.manifest, target)  # "tiles" per GEMM instruction (simulator/perf.py, docs/hardware.md)
+    record_tiles(program.manifest, target)  # "tiles" per GEMM instruction (qdeploy/perf.py, docs/hardware.md)
     return program, compiler.reports

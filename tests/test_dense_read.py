@@ -21,7 +21,7 @@ from qdeploy import api
 from qdeploy_base.errors import QdeployError
 from simulator import reference
 from simulator.machine import Machine
-from simulator.perf import estimate_program
+from qdeploy.perf import estimate_program
 
 ort = pytest.importorskip("onnxruntime")
 

@@ -77,7 +77,7 @@ def _string_literals(path: Path) -> list[tuple[str, int]]:
 # renaming a kind cannot change what the importer recognises. Everything else is ISA-facing and writes Kind.X.
 ONNX_FACING = ("qdeploy/onnx_import.py", "qdeploy/batch_one.py", "qdeploy/shape_inference.py", "qdeploy/passes/",
                "qdeploy/prequantized.py", "qdeploy/reference/ops/", "qdeploy/export_onnx.py",
-               "qdeploy/lowering/passes.py", "simulator/perf.py")
+               "qdeploy/lowering/passes.py", "qdeploy/perf.py")
 # ONNX-facing modules that never handle an instruction: they do not even import the kinds.
 ONNX_ONLY = ("qdeploy/onnx_import.py", "qdeploy/batch_one.py", "qdeploy/passes/", "qdeploy/prequantized.py")
 

@@ -461,7 +461,7 @@ def test_the_performance_model_reads_each_table_once(tmp_path):
     from dataclasses import replace
 
     from isa.tiling import estimate, gemm_shape, tiles_of
-    from simulator.perf import estimate_program
+    from qdeploy.perf import estimate_program
 
     path = conv_function_model(tmp_path, ["SiLU_mul", "Gelu"])
     x = np.random.default_rng(12).standard_normal((2, 3, 6, 6)).astype(np.float32)
