@@ -658,7 +658,7 @@ def vectors_stress(target: Optional[Path] = typer.Option(None, help="Accelerator
                    json_output: bool = JSON) -> None:
     """Write GEMM stress cases for unit-level RTL tests in the vectors format: rounding ties (positive and
     negative), clamp saturation, accumulator limits (wrap/saturate) and extreme multipliers and shifts, with the
-    expected accumulators and outputs from the Python-int twins (simulator/reference.py)."""
+    expected accumulators and outputs from the Python-int twins (simulator/twins.py)."""
     from simulator.vectors import VectorError, export_stress
 
     try:

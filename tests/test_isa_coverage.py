@@ -17,7 +17,7 @@ import qdeploy.program
 import qdeploy.quantize
 import qdeploy.reference.ops
 import simulator.machine
-import simulator.reference
+import simulator.twins
 import simulator.vectors.export
 from isa.kinds import Kind, UnknownKind, handler
 
@@ -36,7 +36,7 @@ def stage_tables() -> dict[str, tuple[dict, frozenset]]:
         "compiler": (qdeploy.quantize.COMPILERS, every),
         "program checks": (qdeploy.program.CHECKS, every),
         "simulator": (simulator.machine.KERNELS, every),
-        "Python-int twins": (simulator.reference.TWINS, every),
+        "Python-int twins": (simulator.twins.TWINS, every),
         "ONNX export": (qdeploy.export_onnx.EXPORTERS, every),
         "golden vectors": (simulator.vectors.export.OPERANDS, every),
         "performance model": (isa.tiling.GEMM_SHAPES, every),

@@ -22,7 +22,7 @@ from qdeploy import api
 from qdeploy_base.errors import Unsupported
 from qdeploy.program import read_program, write_program
 from qdeploy.reference import run_graph
-from simulator import reference
+from simulator import twins
 from simulator.machine import Machine
 from simulator.vectors import compare_vectors, export_vectors
 
@@ -221,7 +221,7 @@ def run_twins(program, run, arithmetic):
     for instr in program.instructions:
         args = [run.tensors[name] for name in instr["inputs"]]
         dtype = program.tensors[instr["output"]]["dtype"]
-        expected = reference.run_instruction(instr, args, program.arrays, arithmetic, dtype)
+        expected = twins.run_instruction(instr, args, program.arrays, arithmetic, dtype)
         np.testing.assert_array_equal(run.tensors[instr["output"]], expected, err_msg=instr["name"])
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from numpy.testing import assert_array_equal
 
-from simulator import reference as ref
+from simulator import twins as ref
 from isa.target import Arithmetic, Target
 from simulator.kernels import int8_simd
 from simulator.kernels.gemm import DESIGN_CHUNK, channels_in_range, gemm, gemm_planar

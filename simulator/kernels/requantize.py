@@ -7,7 +7,7 @@ Integer modes take mult[c] (0 <= mult < 2^31, the Q(mult_bits-1) mantissa) and s
 shift n: M[c] ~= mult[c] * 2^-n, see isa/multiplier.py); float32_rne takes scale[c], the float32
 multiplier. Widths: every step is int64 (numba widens to int64 anyway; see style.md section 4). The product
 p = acc * mult is exact in int64 while |acc| <= 2^31 (|p| < 2^62); a wider accumulator (acc_bits up to 64)
-takes an exact split path (_product_parts). Twins: simulator.reference (Python ints).
+takes an exact split path (_product_parts). Twins: simulator.twins (Python ints).
 
 Two kernels per integer mode, equal wherever both apply: `requantize_<mode>` handles every input (any
 int64 acc, any shift, left shifts included); `requantize_<mode>_fast` is branch-free straight-line int64
