@@ -405,7 +405,7 @@ class ImportResult:
 def import_onnx(path: str | os.PathLike, input_shapes: InputShapes | None = None,
                 widen_scales: bool = False) -> ImportResult:
     """Read and simplify an ONNX model (see passes.pipeline.SIMPLIFY)."""
-    from qdeploy.passes.pipeline import SIMPLIFY, run_pipeline
+    from qdeploy.simplify.pipeline import SIMPLIFY, run_pipeline
 
     original, quantization = load_quantized_onnx(path, input_shapes, widen_scales)
     try:

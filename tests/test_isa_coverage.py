@@ -75,11 +75,11 @@ def _string_literals(path: Path) -> list[tuple[str, int]]:
 # Code that reads or writes ONNX graphs (ONNX-facing) spells ONNX op names as strings; five of them also name layout
 # kinds (Concat, Reshape, Flatten, Squeeze, Unsqueeze, named after these ops), but there they mean the op, so that
 # renaming a kind cannot change what the importer recognises. Everything else is ISA-facing and writes Kind.X.
-ONNX_FACING = ("qdeploy/onnx_import.py", "qdeploy/batch_one.py", "qdeploy/shape_inference.py", "qdeploy/passes/",
+ONNX_FACING = ("qdeploy/onnx_import.py", "qdeploy/batch_one.py", "qdeploy/shape_inference.py", "qdeploy/simplify/",
                "qdeploy/prequantized.py", "qdeploy/reference/ops/", "qdeploy/export_onnx.py",
                "qdeploy/lowering/passes.py", "qdeploy/perf.py")
 # ONNX-facing modules that never handle an instruction: they do not even import the kinds.
-ONNX_ONLY = ("qdeploy/onnx_import.py", "qdeploy/batch_one.py", "qdeploy/passes/", "qdeploy/prequantized.py")
+ONNX_ONLY = ("qdeploy/onnx_import.py", "qdeploy/batch_one.py", "qdeploy/simplify/", "qdeploy/prequantized.py")
 
 
 def _sources() -> list[Path]:

@@ -190,7 +190,7 @@ def lower(graph: Graph, equalize: bool = False, lookups: bool = True) -> Lowerin
     from qdeploy.lowering.equalize import equalize_cross_layer
     from qdeploy.lowering.lookup import fuse_lookups
     from qdeploy.lowering.passes import LOWER
-    from qdeploy.passes.pipeline import run_pipeline
+    from qdeploy.simplify.pipeline import run_pipeline
 
     passes = [p for p in LOWER if lookups or p is not fuse_lookups]  # recognised functions: one host op each
     lowered, records = run_pipeline(graph, passes + ([equalize_cross_layer] if equalize else []))

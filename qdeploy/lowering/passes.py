@@ -13,8 +13,8 @@ import numpy as np
 
 from qdeploy_base.errors import Unsupported
 from qdeploy.ir import Graph, Node, Tensor, constant
-from qdeploy.passes.eliminate_dead import eliminate_dead_nodes
-from qdeploy.passes.pipeline import Pass
+from qdeploy.simplify.eliminate_dead import eliminate_dead_nodes
+from qdeploy.simplify.pipeline import Pass
 from isa.geometry import ReadFill
 from isa.kinds import ACTIVATION_GEMM_KINDS, WEIGHTED_GEMM_KINDS, Kind
 from isa.instructions import RECORDS
