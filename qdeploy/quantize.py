@@ -62,7 +62,7 @@ from qdeploy_base.errors import BadInput, Unsupported
 from qdeploy.ir import Graph, Node
 from qdeploy.lowering import LoweringResult
 from isa.kinds import RESHAPE_KINDS, VIEW_KINDS, WEIGHTED_GEMM_KINDS, Kind, handler
-from qdeploy.lowering.instructions import INSTRUCTION_OPS, has_lookup, has_window_max, is_channel_concat, node_kind
+from qdeploy.lowering.nodes import INSTRUCTION_OPS, has_lookup, has_window_max, is_channel_concat, node_kind
 from qdeploy.lowering.lookup import NON_NEGATIVE
 from qdeploy.reference.ops.activation import evaluate
 from qdeploy.prequantized import ModelQuantization, model_bias, model_weights

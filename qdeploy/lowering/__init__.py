@@ -14,7 +14,7 @@ from qdeploy_base.errors import BadInput, QdeployError, Unsupported
 from qdeploy.ir import Graph, Node
 from isa.geometry import ReadFill, conv_output_size, upsampled_size, zero_read_macs
 from isa.kinds import LAYOUT_KINDS, WEIGHTED_GEMM_KINDS, Kind, handler
-from qdeploy.lowering.instructions import INSTRUCTION_OPS, LAYOUT_OPS, has_window_max, is_channel_concat, node_kind
+from qdeploy.lowering.nodes import INSTRUCTION_OPS, LAYOUT_OPS, has_window_max, is_channel_concat, node_kind
 from qdeploy.lowering.rules import LOWERING
 from qdeploy.summary import node_elements, node_macs
 

@@ -31,7 +31,7 @@ import numpy as np
 from qdeploy_base.errors import Unsupported
 from qdeploy.ir import Graph, Node, Tensor, topological_order
 from isa.kinds import LOOKUP_KINDS
-from qdeploy.lowering.instructions import has_window_max
+from qdeploy.lowering.nodes import has_window_max
 from qdeploy.lowering.rules import identity_gemm
 from qdeploy.reference.ops.activation import evaluate
 

@@ -19,7 +19,7 @@ from isa.geometry import ReadFill
 from isa.kinds import ACTIVATION_GEMM_KINDS, WEIGHTED_GEMM_KINDS, Kind
 from isa.instructions import RECORDS
 from isa.output_stage import Clamp, commutes_with_window_max
-from qdeploy.lowering.instructions import INSTRUCTION_OPS, has_lookup, has_window_max, is_channel_concat
+from qdeploy.lowering.nodes import INSTRUCTION_OPS, has_lookup, has_window_max, is_channel_concat
 from qdeploy.lowering.lookup import fuse_lookups, recognise_functions
 from qdeploy.lowering.rules import (EPILOGUE_OPS, LOWERING, affine_of, batchnorm_scale_shift,
                                     finite_weights, identity_gemm)

@@ -1,4 +1,4 @@
-"""The float meaning of the accelerator's instructions (lowering/instructions.py), so the lowered graph
+"""The float meaning of the accelerator's instructions (lowering/nodes.py), so the lowered graph
 runs in the reference executor before anything is quantized. Each is the ONNX ops it replaces, composed:
 GEMM -> bias -> clamp [act_min, act_max] -> lookup f -> window-max (design.md section 3, epilogue order).
 An instruction with a lookup (attributes lookup_function, lookup_params) returns two tensors: y and the
