@@ -20,8 +20,9 @@ from qdeploy.summary import node_elements, node_macs
 
 
 @dataclass
-class Instruction:
-    """One GEMM-unit instruction, per sample: the GEMM is groups x (M x K) . (K x N)."""
+class InstructionDescription:
+    """One GEMM-unit instruction as the lowering describes it (`inspect --lowered`, MACs), per sample: the GEMM
+    is groups x (M x K) . (K x N). The program's instruction record is isa.instructions.Instruction."""
 
     kind: str
     name: str
@@ -52,7 +53,7 @@ class HostOp:
 class LoweringResult:
     graph: Graph
     passes: list  # list[PassRecord]
-    instructions: list[Instruction]
+    instructions: list[InstructionDescription]
     layout: list[dict]
     host_ops: list[HostOp]
     gemm_mac_fraction: float
@@ -157,11 +158,11 @@ GEOMETRY = {Kind.CONV_GEMM: _conv_geometry, Kind.DENSE_GEMM: _dense_geometry, Ki
             **{kind: _not_an_instruction for kind in LAYOUT_KINDS | {Kind.HOST}}}
 
 
-def describe_instruction(graph: Graph, node: Node) -> Instruction:
+def describe_instruction(graph: Graph, node: Node) -> InstructionDescription:
     m, n, k, groups, geometry = handler(GEOMETRY, node_kind(graph, node), "the lowering description",
                                         f"node '{node.name}'")(graph, node)
-    return Instruction(node.op, node.name, [i for i in node.inputs if not graph.tensors[i].is_constant],
-                       node.outputs[0], m, n, k, groups, groups * m * n * k, geometry, _epilogue(node))
+    return InstructionDescription(node.op, node.name, [i for i in node.inputs if not graph.tensors[i].is_constant],
+                                  node.outputs[0], m, n, k, groups, groups * m * n * k, geometry, _epilogue(node))
 
 
 def host_reason(graph: Graph, node: Node) -> str:
@@ -232,4 +233,5 @@ def require_lowered(result: LoweringResult, allow_host_fallback: bool) -> None:
                           f"(--allow-host-fallback runs them in float on the host)")
 
 
-__all__ = ["HostOp", "Instruction", "LoweringResult", "lower", "lower_graph", "require_lowered", "Unsupported"]
+__all__ = ["HostOp", "InstructionDescription", "LoweringResult", "lower", "lower_graph", "require_lowered",
+           "Unsupported"]
