@@ -461,7 +461,7 @@ def _plan(instr: Instruction, w: np.ndarray, tensors: dict) -> _GemmPlan:
     groups = getattr(instr, "group", 1)  # a DenseGemm is one group
     if w.dtype == np.int8 and groups == 1:
         w = np.ascontiguousarray(w)
-        packed = int8_simd.pack(w, int8_simd.ISA) if int8_simd.ISA else None
+        packed = int8_simd.pack(w, int8_simd.EXTENSION) if int8_simd.EXTENSION else None
         return _GemmPlan("planar", w, w.astype(np.float32), channel_max_abs(w), packed)
     if instr.kind == Kind.CONV_GEMM and w.dtype == np.int8:
         channels = tensors[instr.inputs[0]]["shape"][1]
@@ -470,8 +470,8 @@ def _plan(instr: Instruction, w: np.ndarray, tensors: dict) -> _GemmPlan:
             w = np.ascontiguousarray(w)
             return _GemmPlan("depthwise", w, None, channel_max_abs(w))
     grouped = np.ascontiguousarray(w.reshape(groups, w.shape[0] // groups, w.shape[1]).transpose(0, 2, 1))
-    if w.dtype == np.int8 and int8_simd.ISA:
-        return _GemmPlan("grouped", grouped, None, channel_max_abs(w), int8_simd.pack(w, int8_simd.ISA, groups))
+    if w.dtype == np.int8 and int8_simd.EXTENSION:
+        return _GemmPlan("grouped", grouped, None, channel_max_abs(w), int8_simd.pack(w, int8_simd.EXTENSION, groups))
     return _GemmPlan("grouped", grouped)
 
 
