@@ -130,7 +130,7 @@ def gemm_ordered_kernel(a, bt, bias, lo, hi, saturate, out):
 def add_gemm_kernel(a, b, w_a, w_b, lo, hi, saturate, out):
     """The AddGemm's K = 2 GEMM per element: out[i] = the acc_bits register after adding a[i] * w_a, then
     b[i] * w_b (a, b int8/uint8 1-D, w_a, w_b the pre-scale weights, |product| < 2^24). Events as the twin
-    (reference.accumulate): saturate counts clamping additions, wrap counts outputs whose exact sum is outside
+    (twins.accumulate): saturate counts clamping additions, wrap counts outputs whose exact sum is outside
     [lo, hi]. Returns the events."""
     width = hi - lo
     full64 = hi == 9223372036854775807
@@ -158,7 +158,7 @@ def add_gemm_kernel(a, b, w_a, w_b, lo, hi, saturate, out):
 def mul_gemm_kernel(a, b, lo, hi, saturate, out):
     """The MulGemm's K = 1 GEMM per element: out[i] = the acc_bits register after adding a[i] * b[i] to 0 (a, b
     int8/uint8 1-D, b already broadcast; |a[i] * b[i]| <= 255 * 255 < 2^16). Events as the twin
-    (reference.accumulate): saturate counts the clamped products, wrap the products outside [lo, hi]. Returns
+    (twins.accumulate): saturate counts the clamped products, wrap the products outside [lo, hi]. Returns
     the events."""
     width = hi - lo
     full64 = hi == 9223372036854775807

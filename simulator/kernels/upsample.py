@@ -11,7 +11,7 @@ p % f != 0 reads the zero register); the model materializes it, then im2col runs
 
 With edge or reflect padding the border rows are materialized and the convolution's pads become 0; with zero padding the
 read is U x U wide and the pads stay with im2col. int8/uint8 in, same dtype out: zero point 0, so an inserted
-zero is the value 0 in either. Twin: reference.upsampled_read (plain loops over isa.geometry.read_source).
+zero is the value 0 in either. Twin: twins.upsampled_read (plain loops over isa.geometry.read_source).
 """
 
 from __future__ import annotations
