@@ -31,7 +31,7 @@ import numpy
 mark("import numpy")
 import qdeploy.cli
 mark("import qdeploy.cli")
-import qdeploy.fileio, qdeploy.program
+import qdeploy_base.fileio, qdeploy.program
 
 def timestamped(module, name, before, after, first=None):
     original = getattr(module, name)
@@ -60,10 +60,10 @@ def hook_simulator():  # simulator.machine is imported by the time the program i
         return result
     Dispatcher._compile_for_args = timed
 
-timestamped(qdeploy.fileio, "load_arrays", "typer's parsing", "input read")
+timestamped(qdeploy_base.fileio, "load_arrays", "typer's parsing", "input read")
 timestamped(qdeploy.program, "read_program", "input check, import qdeploy.execute", "read_program",
             first=hook_simulator)
-timestamped(qdeploy.fileio, "save_arrays", "after the run", "output written")
+timestamped(qdeploy_base.fileio, "save_arrays", "after the run", "output written")
 sys.argv = ["qdeploy", *sys.argv[1:]]
 code = qdeploy.cli.main()
 mark("main returns")

@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{load_start[2]:.2f}, at end {load_end[0]:.2f} {load_end[1]:.2f} {load_end[2]:.2f}")
     print(f"python {info['python']}, numpy {info['numpy']}, numba {info['numba']}, onnxruntime "
           f"{info['onnxruntime']}; ours: Machine(threads={machine.threads}), int8 GEMM kernel "
-          f"{int8_simd.ISA.name if int8_simd.ISA else 'none (float32 BLAS)'}; ORT int8: quantize_static "
+          f"{int8_simd.EXTENSION.name if int8_simd.EXTENSION else 'none (float32 BLAS)'}; ORT int8: quantize_static "
           f"{args.ort_method}, QDQ, per-channel, symmetric")
     print(f"EfficientNet-Lite0: {macs / 1e6:.1f} M MACs per image in the program's GEMM instructions")
     print()

@@ -31,8 +31,8 @@ from typing import Callable, Iterable, Iterator, Sequence
 import numpy as np
 
 from calib import DEFAULT_CHANNELS, DEFAULT_LAYOUT, DEFAULT_MEAN, DEFAULT_STD
-from qdeploy.errors import BadInput
-from qdeploy.fileio import check_input, member_size, read_npy_header
+from qdeploy_base.errors import BadInput
+from qdeploy_base.fileio import check_input, member_size, read_npy_header
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
 LAYOUTS = ("NCHW", "NHWC")

@@ -47,8 +47,8 @@ from pathlib import Path
 import numpy as np
 
 from calib.data import Preprocess
-from qdeploy.errors import BadInput
-from qdeploy.fileio import atomic_write, check_input
+from qdeploy_base.errors import BadInput
+from qdeploy_base.fileio import atomic_write, check_input
 
 FORMAT = "qdeploy-calibration"
 VERSION = 1

@@ -1,5 +1,5 @@
 // qdeploy reference RTL: the arithmetic of the output stage and of the accumulator, as SystemVerilog functions
-// written from docs/design.md section 3 and the Python-int twins of simulator/reference.py. A reference for RTL
+// written from docs/design.md section 3 and the Python-int twins of simulator/twins.py. A reference for RTL
 // teams, not a product: every function is combinational and uses wide integers so that it can be read
 // against the equations. Include after accel_params.svh (from `qdeploy target header`).
 `ifndef QDEPLOY_ARITH_SVH

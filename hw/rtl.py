@@ -4,7 +4,7 @@
     qdeploy rtl run VECTORS_DIR -o DUMP_DIR [--rtl MY_TILE.sv ...] [--rounding MODE]
     python hw/rtl.py VECTORS_DIR DUMP_DIR [--rtl MY_TILE.sv ...] [--rounding MODE]
 
-builds the testbench once for the vectors' target (its header from `simulator/header.py`), runs it on every
+builds the testbench once for the vectors' target (its header from `isa/header.py`), runs it on every
 layer whose output stage the RTL implements, and writes acc.hex and out.hex (and stored.hex after a fused
 window-max) under DUMP_DIR/layers/<dir>/. `--rtl` (the `sources` of `run`) takes a team's own tile in place of
 qdeploy_gemm_tile.sv: their files must define a module `qdeploy_gemm_tile` with its parameters and ports (the
@@ -51,7 +51,7 @@ def build(target_table: dict, folder: Path, rounding: str | None = None,
     """Write the target's header into `folder` and compile the testbench with the tile `tile_sources` (default:
     ours, qdeploy_gemm_tile.sv); returns the .vvp file."""
     from isa.target import Rounding, target_from_dict
-    from simulator.header import render_header
+    from isa.header import render_header
 
     if not icarus_available():
         raise RtlError("Icarus Verilog is not installed (iverilog, vvp; Debian: apt-get install iverilog)")

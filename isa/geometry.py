@@ -4,6 +4,7 @@ the program checks, the tiler and the simulator."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 
 def conv_output_size(size: int, kernel: int, stride: int, pad_begin: int, pad_end: int, dilation: int) -> int:
@@ -33,8 +34,20 @@ def pool_output_size(size: int, kernel: int, stride: int, pad_begin: int, pad_en
 # input (`edge`, the clamped coordinates of a half-pixel bilinear Resize; Pad mode edge) or its mirror image
 # without the border row (`reflect`, Pad mode reflect: position -1 reads row 1).
 
-UPSAMPLE_FILLS = ("zero", "nearest")  # how the rows between two input rows are read
-PAD_FILLS = ("zero", "edge", "reflect")  # what the padding reads
+
+class ReadFill(StrEnum):
+    """What the read supplies where the input has no row of its own (a StrEnum: manifests keep the plain
+    strings `zero`, `nearest`, `edge`, `reflect`)."""
+
+    ZERO = "zero"  # an inserted zero (upsample) or zero padding
+    NEAREST = "nearest"  # upsample: every input row read f times
+    EDGE = "edge"  # padding: the nearest border row
+    REFLECT = "reflect"  # padding: the mirror image without the border row
+
+
+UPSAMPLE_FILLS = (ReadFill.ZERO, ReadFill.NEAREST)  # how the rows between two input rows are read
+PAD_FILLS = (ReadFill.ZERO, ReadFill.EDGE, ReadFill.REFLECT)  # what the padding reads
+BORDER_FILLS = (ReadFill.EDGE, ReadFill.REFLECT)  # padding read from the input's border, not zeros
 
 
 def upsampled_size(size: int, factor: int = 1, fill: str | None = None) -> int:
@@ -42,7 +55,7 @@ def upsampled_size(size: int, factor: int = 1, fill: str | None = None) -> int:
     size*f with every row repeated, size when f = 1."""
     if factor == 1:
         return size
-    return (size - 1) * factor + 1 if fill == "zero" else size * factor
+    return (size - 1) * factor + 1 if fill == ReadFill.ZERO else size * factor
 
 
 def read_source(position: int, size: int, factor: int, fill: str | None, pad_begin: int, pad_fill: str | None
@@ -53,15 +66,15 @@ def read_source(position: int, size: int, factor: int, fill: str | None, pad_beg
     up = upsampled_size(size, factor, fill)
     p = position - pad_begin
     if p < 0 or p >= up:
-        if pad_fill == "edge":
+        if pad_fill == ReadFill.EDGE:
             p = min(max(p, 0), up - 1)
-        elif pad_fill == "reflect" and up > 1:
+        elif pad_fill == ReadFill.REFLECT and up > 1:
             p = -p if p < 0 else 2 * (up - 1) - p
         else:
             return -1
     if factor == 1:
         return p
-    if fill == "zero":
+    if fill == ReadFill.ZERO:
         return p // factor if p % factor == 0 else -1
     return p // factor
 

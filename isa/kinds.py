@@ -4,7 +4,8 @@ Every stage that handles instructions (lowering description, float meaning, comp
 simulator and its Python-int twin, ONNX export, golden vectors, performance model, printers) keeps one handler
 table keyed by `Kind` and raises `UnknownKind` for a kind it has no entry for; tests/test_isa_coverage.py checks
 that every table covers every kind. A kind's name is spelled here and nowhere else: code compares with
-`Kind.X` (a `StrEnum`, so `Kind.CONV_GEMM == "ConvGemm"` and manifests stay plain JSON strings).
+`Kind.X` (a `StrEnum`, so `Kind.CONV_GEMM == "ConvGemm"` and manifests stay plain JSON strings). ONNX-facing
+code spells the ONNX ops that five layout kinds are named after as strings: there they mean the op.
 """
 
 from __future__ import annotations

@@ -284,5 +284,5 @@ class OutputStage:
 
 
 # The float output stage of a lowered instruction that fuses nothing (an unbounded clamp): what every lowering rule
-# starts from (qdeploy/lowering/instructions.py).
+# starts from (qdeploy/lowering/nodes.py).
 NO_OUTPUT_STAGE = OutputStage((Clamp(-float("inf"), float("inf")),))

@@ -10,7 +10,7 @@ back from a manifest goes through the same validation as one read from a file. K
 release (`ADDED_KEYS`) are left out of that dict while they hold their default, so a default target's dict, and
 the manifest of every program compiled for it, are what they were before the keys existed.
 
-`qdeploy target header` (simulator/header.py) emits every key below as a C `#define` or a SystemVerilog
+`qdeploy target header` (isa/header.py) emits every key below as a C `#define` or a SystemVerilog
 `localparam`, so the RTL and this model read one file.
 """
 
@@ -94,7 +94,7 @@ class Arithmetic:
 @dataclass(frozen=True)
 class ArrayConfig:
     """The `[array]` table: the systolic array and memory, used by the performance model and the tiler
-    (simulator/perf.py, docs/hardware.md).
+    (qdeploy/perf.py, docs/hardware.md).
 
     rows x cols is the PE grid (weight-stationary: array row r holds reduction index k, column c output channel
     n). The scratchpad (int8 input and weight tiles) and the accumulator (int32 output tiles) are SRAMs of
@@ -286,7 +286,7 @@ def _check_array_together(values: dict[str, Any], source: str) -> None:
 
 def _check_target_together(arithmetic: Arithmetic, array: ArrayConfig, source: str) -> None:
     """The smallest tile must fit one buffer: an R x C weight tile plus one input row of R bytes in the
-    scratchpad, one accumulator row of C words in the accumulator (simulator/perf.py)."""
+    scratchpad, one accumulator row of C words in the accumulator (qdeploy/perf.py)."""
     rows, cols = array.rows, array.cols
     need = rows * cols + rows
     if array.scratchpad_buffer_bytes < need:

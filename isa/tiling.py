@@ -1,5 +1,5 @@
 """The tiler: how one instruction's GEMM is cut into tiles that fit the target's buffers, and the estimated cost
-(equations P1-P4) by which it chooses. The equations and the machine model are in simulator/perf.py's docstring
+(equations P1-P4) by which it chooses. The equations and the machine model are in qdeploy/perf.py's docstring
 and docs/hardware.md; the compiler records the chosen tiles in the program, and the golden vectors and the
 performance report read them back, so this is part of the hardware contract.
 """

@@ -12,10 +12,10 @@ import numpy as np
 from calib.data import Preprocess, PreprocessFlags
 from calib.table import CalibrationTable
 from qdeploy.binding import bind_inputs, bind_program_inputs
-from qdeploy.errors import BadInput, QdeployError
+from qdeploy_base.errors import BadInput, QdeployError
 from qdeploy.execute import run_program_file  # noqa: F401 (part of the API)
-from qdeploy.lowering import LoweringResult, lower, require_lowered
-from qdeploy.onnx_import import import_onnx
+from qdeploy.lowering import LoweringResult, lower_graph, require_lowered
+from qdeploy.onnx_import import InputShapes, import_onnx
 from qdeploy.prequantized import ModelQuantization
 from qdeploy.program import Program, read_program, write_program
 from qdeploy.quantize import CompileOptions, LayerReport, compile_graph
@@ -24,10 +24,7 @@ from qdeploy.samples import load_program_samples, load_samples, preprocess_for
 from qdeploy.summary import ModelSummary, summarize
 from isa.target import Target, TargetError, load_target
 from simulator.machine import ProgramInputError
-from simulator.perf import PerfReport, estimate_program, trace_fused_ops
-
-InputShapes = dict[str, tuple[int | None, ...]]
-
+from qdeploy.perf import PerfReport, estimate_program, trace_fused_ops
 
 def inspect(model: str | os.PathLike, input_shapes: InputShapes | None = None) -> ModelSummary:
     """Summary of an ONNX model before and after import-time simplification."""
@@ -41,15 +38,6 @@ def lower_model(model: str | os.PathLike, input_shapes: InputShapes | None = Non
     equalization, lowering/equalize.py). A pre-quantized model lowers its float graph (prequantized.py)."""
     path = Path(model)
     return lower_graph(path, import_onnx(path, input_shapes).graph, equalize)  # import errors name the file already
-
-
-def lower_graph(path: Path, graph, equalize: bool, lookups: bool = True) -> LoweringResult:
-    """Lower an imported graph of the model at `path` (errors name the file); `lookups`: the target has lookup
-    tables (isa/target.py `lookup_tables`)."""
-    try:
-        return lower(graph, equalize, lookups)
-    except BadInput as error:
-        raise BadInput(f"{path}: {error}") from error
 
 
 @dataclass
@@ -122,7 +110,7 @@ def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTabl
 
 
 def estimate_performance(model: str | os.PathLike, program: Program) -> PerfReport:
-    """The cycle ESTIMATE of a compiled program (simulator/perf.py), with the fused ops traced in the ONNX model
+    """The cycle ESTIMATE of a compiled program (qdeploy/perf.py), with the fused ops traced in the ONNX model
     `model` as loaded (so a BatchNormalization folded into the weights counts in the unfused graph)."""
     from types import SimpleNamespace
 
@@ -193,7 +181,7 @@ def export_onnx(program: str | os.PathLike | Program, output: str | os.PathLike,
     QuantizeLinear/DequantizeLinear) with the program's integers and scales, written atomically to `output`.
     Outputs are int8 unless `float_outputs`; `tensor_outputs` adds every instruction's int8 output as a graph
     output. Returns the model, its warnings and the tensor-name map (qdeploy/export_onnx.py)."""
-    from qdeploy.errors import Unsupported
+    from qdeploy_base.errors import Unsupported
 
     source = str(program) if not isinstance(program, Program) else "program"
     program = program if isinstance(program, Program) else read_program(program)

@@ -31,8 +31,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from isa.kinds import Kind
-from qdeploy.errors import Unsupported
+from qdeploy_base.errors import Unsupported
 from qdeploy.ir import Graph, Node, Tensor, constant, topological_order
 
 ROW, MAPPED = "row", "mapped"
@@ -48,8 +47,8 @@ UNARY_OPS = {"Relu", "Sigmoid", "Tanh", "Gelu", "Erf", "Sqrt", "Exp", "Log", "Ne
 # Multidirectional (numpy) broadcasting over all inputs.
 BROADCAST_OPS = {"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Sum", "Mean", "Equal", "Less", "Greater",
                  "LessOrEqual", "GreaterOrEqual", "And", "Or", "Where", "Mod", "PRelu"}
-RESHAPE_OPS = {Kind.RESHAPE, Kind.FLATTEN, Kind.SQUEEZE, Kind.UNSQUEEZE}
-AXIS_OPS = {"Softmax", "LogSoftmax", "Hardmax", "LayerNormalization", "Gather", "Split", Kind.CONCAT}
+RESHAPE_OPS = {"Reshape", "Flatten", "Squeeze", "Unsqueeze"}
+AXIS_OPS = {"Softmax", "LogSoftmax", "Hardmax", "LayerNormalization", "Gather", "Split", "Concat"}
 REDUCE_OPS = {"ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL2", "ReduceL1",
               "ReduceLogSumExp", "ReduceSumSquare", "ArgMax", "ArgMin"}
 OTHER_OPS = {"Transpose", "MatMul", "Gemm", "Slice", "Expand", "Tile", "Pad", "Shape", "Size"}
@@ -102,7 +101,7 @@ class _Rewriter:
             target = [-1, *s] if form == MAPPED else [-1, *s[1:]]
             out = self.unique(f"{name}/{form}")
             shape = self.const(f"{out}_shape", np.array(target, np.int64))
-            self.emit(Node(self.unique(f"{name}/to_{form}"), Kind.RESHAPE, [name, shape], [out], {}), form)
+            self.emit(Node(self.unique(f"{name}/to_{form}"), "Reshape", [name, shape], [out], {}), form)
             self.converted[(name, form)] = out
             self.shapes[out] = self.shapes[name]
         return self.converted[(name, form)]
@@ -117,7 +116,7 @@ class _Rewriter:
         target = [-1, *([1] * (rank - len(s))), *s]
         out = self.unique(f"{name}/rank{rank}")
         shape = self.const(f"{out}_shape", np.array(target, np.int64))
-        self.emit(Node(self.unique(f"{name}/to_rank{rank}"), Kind.RESHAPE, [name, shape], [out], {}), MAPPED)
+        self.emit(Node(self.unique(f"{name}/to_rank{rank}"), "Reshape", [name, shape], [out], {}), MAPPED)
         self.shapes[out] = (1,) * (rank - len(s)) + tuple(s)
         return out
 
@@ -187,29 +186,29 @@ class _Rewriter:
         s = self.shape(x)
         axes = self._axes_of(node)
         keeps_rows = self.form[x] == ROW and s and out and s[0] == out[0] and (
-            node.op == Kind.RESHAPE or (node.op == Kind.FLATTEN and node.attrs.get("axis", 1) >= 1)
+            node.op == "Reshape" or (node.op == "Flatten" and node.attrs.get("axis", 1) >= 1)
             or (axes is not None and 0 not in axes))
-        if keeps_rows and node.op != Kind.RESHAPE:
+        if keeps_rows and node.op != "Reshape":
             self.emit(node, ROW)
             return
         target = [0, *out[1:]] if keeps_rows else [-1, *out]
         shape = self.const(f"{node.name}/per_image_shape", np.array(target, np.int64))
         source = x if keeps_rows else self.as_form(x, MAPPED)
-        self.emit(Node(node.name, Kind.RESHAPE, [source, shape], list(node.outputs[:1]), {}),
+        self.emit(Node(node.name, "Reshape", [source, shape], list(node.outputs[:1]), {}),
                   ROW if keeps_rows else MAPPED)
 
     def _axes_of(self, node: Node) -> list[int] | None:
         """Squeeze/Unsqueeze/Reduce axes, normalised (None when they are not known constants)."""
-        if node.op in (Kind.FLATTEN, Kind.RESHAPE):
+        if node.op in ("Flatten", "Reshape"):
             return None
         axes = node.attrs.get("axes")
         if axes is None and len(node.inputs) > 1 and node.inputs[1]:
             axes = self.values.get(node.inputs[1])
             if axes is None:
                 return None
-        rank = len(self._out(node)) if node.op == Kind.UNSQUEEZE else len(self.shape(node.inputs[0]))
+        rank = len(self._out(node)) if node.op == "Unsqueeze" else len(self.shape(node.inputs[0]))
         if axes is None:
-            return None if node.op == Kind.SQUEEZE else list(range(rank))
+            return None if node.op == "Squeeze" else list(range(rank))
         return [int(a) % max(rank, 1) for a in np.asarray(axes).reshape(-1)]
 
     def _reduce(self, node: Node) -> None:
@@ -250,13 +249,13 @@ class _Rewriter:
         default = -1 if op == "LayerNormalization" or self.graph.opset >= 13 else 1
         default = 0 if op in ("Gather", "Split") else default
         axis = node.attrs.get("axis", default) % max(rank, 1)
-        if op == Kind.CONCAT and self._concat_constants(node, axis):
+        if op == "Concat" and self._concat_constants(node, axis):
             return
         acts = [i for i in node.inputs if self.is_activation(i)]
         if op == "Gather" and self.is_activation(node.inputs[1]):
             raise Unsupported(f"node '{node.name}' (Gather): indices that depend on the image are not supported")
         if all(self.form[a] == ROW for a in acts) and axis != 0 and (
-                op != Kind.CONCAT or len({self.shape(a)[0] for a in acts}) == 1):
+                op != "Concat" or len({self.shape(a)[0] for a in acts}) == 1):
             self.emit(node, ROW)
             return
         inputs = [self.as_form(i, MAPPED) if self.is_activation(i) else i for i in node.inputs]
@@ -285,7 +284,7 @@ class _Rewriter:
         if len(middle) > 1:
             joined = self.unique(f"{stem}/activations")
             self.shapes[joined] = tuple(hole)
-            self._axis_op(Node(self.unique(f"{stem}/concat"), Kind.CONCAT, middle, [joined], {"axis": axis}))
+            self._axis_op(Node(self.unique(f"{stem}/concat"), "Concat", middle, [joined], {"axis": axis}))
         else:
             joined = middle[0]
         x = self.form[joined] == ROW and axis != 0 and out[0] == 1 and self.shape(joined)[0] == 1
@@ -389,12 +388,12 @@ class _Rewriter:
                            outputs=[renames.get(o, o) for o in n.outputs]) for n in self.nodes]
         for name, inner in renames.items():
             shape = self.const(f"{name}/row_shape", np.array([-1, *self.shape(name)[1:]], np.int64))
-            nodes.append(Node(self.unique(f"{name}/to_row"), Kind.RESHAPE, [inner, shape], [name], {}))
+            nodes.append(Node(self.unique(f"{name}/to_row"), "Reshape", [inner, shape], [name], {}))
         return nodes
 
 
 # The opset from which an op takes its axes as an input instead of an attribute.
-AXES_INPUT_SINCE = {Kind.SQUEEZE: 13, Kind.UNSQUEEZE: 13, "ReduceSum": 13, "ReduceMean": 18, "ReduceMax": 18,
+AXES_INPUT_SINCE = {"Squeeze": 13, "Unsqueeze": 13, "ReduceSum": 13, "ReduceMean": 18, "ReduceMax": 18,
                     "ReduceMin": 18, "ReduceProd": 18, "ReduceL1": 18, "ReduceL2": 18, "ReduceLogSumExp": 18,
                     "ReduceSumSquare": 18}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from qdeploy.errors import BadInput
+from qdeploy_base.errors import BadInput
 from qdeploy.ir import Graph
 from qdeploy.program import Program
 

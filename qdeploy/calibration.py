@@ -34,16 +34,15 @@ from calib.kl import clipping_budget
 from calib.methods import THRESHOLD_METHODS, select_threshold
 from calib.table import (MIN_THRESHOLD, TENSORRT_METHOD, CalibrationTable, TensorRecord, read_tensorrt_cache,
                          threshold_from_tensorrt_scale)
-from qdeploy.api import InputShapes, lower_graph
-from qdeploy.onnx_import import import_onnx
+from qdeploy.onnx_import import InputShapes, import_onnx
 from qdeploy.binding import bind_inputs
-from qdeploy.errors import BadInput
+from qdeploy_base.errors import BadInput
 from qdeploy.ir import Graph, topological_order
 from qdeploy.lowering.equalize import equalizable_pairs
 from isa.kinds import LAYOUT_KINDS, VIEW_KINDS
-from qdeploy.lowering import LoweringResult
+from qdeploy.lowering import LoweringResult, lower_graph
 from qdeploy.reference.executor import run_node
-from simulator.threads import blas_threads_limitable, one_blas_thread, usable_cpus
+from qdeploy_base.threads import blas_threads_limitable, one_blas_thread, usable_cpus
 
 Progress = Callable[[int, int], None]  # (samples done, samples in total)
 
@@ -267,7 +266,7 @@ def calibrate_shard(job: ShardJob, window: tuple[int, int]) -> ShardStats:
 def _collect_on_cluster(spec: str, job: ShardJob, collector: _Collector, warnings: list[str],
                         progress: Progress | None) -> int:
     """Calibrate shard by shard on the cluster `spec`, merging into `collector` in sample order."""
-    from qdeploy.cluster import connect, map_in_order, shard_windows
+    from qdeploy.cluster import run_sharded
 
     samples = 0
 
@@ -279,8 +278,7 @@ def _collect_on_cluster(spec: str, job: ShardJob, collector: _Collector, warning
         if progress is not None:
             progress(samples, job.data.samples)
 
-    with connect(spec) as client:
-        map_in_order(client, calibrate_shard, shard_windows(job.data.samples, job.data.batch_size), job, fold)
+    run_sharded(spec, calibrate_shard, job, fold)
     return samples
 
 

@@ -15,7 +15,7 @@ from typing import Callable, Optional
 import typer
 
 from isa.target import TargetError
-from qdeploy.errors import BadInput, QdeployError, one_line
+from qdeploy_base.errors import BadInput, QdeployError, one_line
 
 # Plain (click) help and usage errors: typer's rich formatting imports rich and markdown_it, about 80 ms of the
 # 0.3 s start-up budget (bench/startup.py, python -X importtime -m qdeploy --help).
@@ -273,7 +273,7 @@ def run(model: Path = typer.Argument(..., help="An .onnx model (float reference 
     """Run a model on images or arrays and write its outputs: a .qdp program on the bit-accurate simulator (int8
     out, or float with --dequantize; float inputs are quantized with the program's input scale), an .onnx model
     with the float reference executor (--lowered: the lowered float graph)."""
-    from qdeploy.fileio import check_output, save_arrays
+    from qdeploy_base.fileio import check_output, save_arrays
 
     check_output(output, model, input)
     program_file = model.suffix == ".qdp"
@@ -391,7 +391,7 @@ def calibrate(model: Path = typer.Argument(..., help="An .onnx model."),
     from calib.data import Preprocess, parse_floats, parse_size
     from calib.table import write_tensorrt_cache
     from qdeploy.calibration import calibrate as run_calibration
-    from qdeploy.fileio import check_output
+    from qdeploy_base.fileio import check_output
 
     _check_cluster(cluster)
     if output.is_dir():
@@ -452,7 +452,7 @@ def compile(model: Path = typer.Argument(..., help="An .onnx model."),
             json_output: bool = JSON, verbose: bool = VERBOSE, quiet: bool = QUIET) -> None:
     """Quantize the lowered graph with the calibration table and write the integer program (.qdp). A model
     that carries QuantizeLinear/DequantizeLinear (QAT, ONNX Runtime, NNCF) compiles with its own scales."""
-    from qdeploy.fileio import check_output
+    from qdeploy_base.fileio import check_output
 
     check_output(output, model, calib, target)
     result = _api().compile(model, calib, target, per_tensor=per_tensor, allow_host_fallback=allow_host_fallback,
@@ -618,7 +618,7 @@ def export_onnx(program: Path = typer.Argument(..., help="A compiled .qdp progra
     """Export a compiled program as a standard quantized ONNX model (opset 13: QuantizeLinear, QLinearConv,
     Clip, MaxPool, DequantizeLinear/Add/QuantizeLinear) with exactly the program's int8 weights, int32 biases
     and scales. With rounding float32_rne, ONNX Runtime runs it bit-exactly like the simulator."""
-    from qdeploy.fileio import check_output
+    from qdeploy_base.fileio import check_output
 
     check_output(output, program)
     result = _api().export_onnx(program, output, float_outputs=float_outputs, tensor_outputs=tensor_outputs)
@@ -767,7 +767,7 @@ def vectors_stress(target: Optional[Path] = typer.Option(None, help="Accelerator
                    json_output: bool = JSON) -> None:
     """Write GEMM stress cases for unit-level RTL tests in the vectors format: rounding ties (positive and
     negative), clamp saturation, accumulator limits (wrap/saturate) and extreme multipliers and shifts, with the
-    expected accumulators and outputs from the Python-int twins (simulator/reference.py)."""
+    expected accumulators and outputs from the Python-int twins (simulator/twins.py)."""
     from simulator.vectors import VectorError, export_stress
 
     try:
@@ -796,8 +796,8 @@ def target_header(target: Path = typer.Argument(..., help="A target.toml."),
                   json_output: bool = JSON) -> None:
     """Emit every target parameter as C `#define`s (.h) or SystemVerilog `localparam`s (.svh), so the RTL and
     the simulator read the same target.toml."""
-    from qdeploy.fileio import atomic_write, check_output
-    from simulator.header import HEADER_SUFFIXES, language_for, render_header
+    from qdeploy_base.fileio import atomic_write, check_output
+    from isa.header import HEADER_SUFFIXES, language_for, render_header
 
     language = language_for(output.suffix)
     if language is None:

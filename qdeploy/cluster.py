@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from qdeploy import __version__
-from qdeploy.errors import BadInput, QdeployError
+from qdeploy_base.errors import BadInput, QdeployError
 
 IN_FLIGHT_PER_WORKER = 2
 BATCHES_PER_SHARD = 4
@@ -63,7 +63,7 @@ def parse_spec(spec: str) -> ClusterSpec:
     """The cluster `spec` names (module docstring), or BadInput in one line: a malformed spec, or more local
     workers than this process may use CPUs (each worker is a process of some 60 MB that starts in ~2 s, so
     local:100000 would take the machine down). Imports nothing of Dask."""
-    from simulator.threads import usable_cpus
+    from qdeploy_base.threads import usable_cpus
 
     if spec == "local" or spec.startswith("local:"):
         count = spec.partition(":")[2]
@@ -190,6 +190,13 @@ def shard_windows(samples: int, batch_size: int, batches_per_shard: int = BATCHE
     """Sample windows [start, stop) of whole batches (the last may be short) covering 0..samples-1."""
     step = batch_size * batches_per_shard
     return [(start, min(start + step, samples)) for start in range(0, samples, step)]
+
+
+def run_sharded(spec: str, function: Callable, job: Any, fold: Callable[[Any], None]) -> None:
+    """On the cluster `spec`, run function(job, window) for every shard of whole batches of job.data (a
+    ShardData) and call fold(result) in sample order: the one walk that calibration and the report share."""
+    with connect(spec) as client:
+        map_in_order(client, function, shard_windows(job.data.samples, job.data.batch_size), job, fold)
 
 
 def map_in_order(client, function: Callable, windows: list[tuple[int, int]], job: Any,

@@ -10,7 +10,7 @@ import numpy as np
 
 from isa.kinds import Kind
 from qdeploy.binding import bind_program_inputs
-from qdeploy.errors import BadInput
+from qdeploy_base.errors import BadInput
 from qdeploy.program import Program, read_program
 from simulator.machine import Machine, ProgramInputError
 from simulator.machine import dequantize as dequantize_tensor

@@ -93,9 +93,10 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from qdeploy import __version__
-from qdeploy.errors import Unsupported
-from qdeploy.fileio import atomic_write
+from qdeploy_base.errors import Unsupported
+from qdeploy_base.fileio import atomic_write
 from qdeploy.program import Program
+from isa.geometry import BORDER_FILLS, ReadFill
 from isa.target import Rounding, target_from_dict
 from isa.instructions import Instruction
 from isa.output_stage import Bias, Clamp, ClampHi, Lookup, Requantize, WindowMax, fold
@@ -364,10 +365,10 @@ def _upsampled_read(b: _Builder, instr: Instruction, x: str) -> tuple[str, list[
     _, channels, height, width = b.program.tensors[instr.inputs[0]]["shape"]
     fh, fw = instr.upsample or (1, 1)
     if (fh, fw) != (1, 1):
-        blocks = b.node(Kind.RESHAPE, [x, b.constant(f"{name}/read_cells_shape", np.array([0, channels, height, 1, width, 1],
+        blocks = b.node("Reshape", [x, b.constant(f"{name}/read_cells_shape", np.array([0, channels, height, 1, width, 1],
                                                                                    np.int64))],
                         f"{name}/read_cells", f"{name}/read_Reshape_cells")
-        if instr.upsample_fill == "nearest":
+        if instr.upsample_fill == ReadFill.NEAREST:
             blocks = b.node("Expand", [blocks, b.constant(f"{name}/read_block_shape", np.array([1, 1, 1, fh, 1, fw],
                                                                                           np.int64))],
                             f"{name}/read_blocks", f"{name}/read_Expand")
@@ -376,15 +377,15 @@ def _upsampled_read(b: _Builder, instr: Instruction, x: str) -> tuple[str, list[
             blocks = b.node("Pad", [blocks, b.constant(f"{name}/read_zeros", np.array(
                 [0, 0, 0, 0, 0, 0, 0, 0, 0, fh - 1, 0, fw - 1], np.int64)), zero], f"{name}/read_blocks",
                 f"{name}/read_Pad_zeros", mode="constant")
-        x = b.node(Kind.RESHAPE, [blocks, b.constant(f"{name}/read_shape", np.array(
+        x = b.node("Reshape", [blocks, b.constant(f"{name}/read_shape", np.array(
             [0, channels, height * fh, width * fw], np.int64))], f"{name}/read_upsampled", f"{name}/read_Reshape")
-        if instr.upsample_fill == "zero":
+        if instr.upsample_fill == ReadFill.ZERO:
             ends = np.array([(height - 1) * fh + 1, (width - 1) * fw + 1], np.int64)
             x = b.node("Slice", [x, b.constant(f"{name}/read_starts", np.zeros(2, np.int64)),
                                  b.constant(f"{name}/read_ends", ends), b.constant(f"{name}/read_axes",
                                                                                     np.array([2, 3], np.int64))],
                        f"{name}/read_inserted", f"{name}/read_Slice")
-    if instr.pad_fill in ("edge", "reflect"):
+    if instr.pad_fill in BORDER_FILLS:
         top, left, bottom, right = pads
         x = b.node("Pad", [x, b.constant(f"{name}/read_edges", np.array([0, 0, top, left, 0, 0, bottom, right],
                                                                         np.int64))],
@@ -408,10 +409,10 @@ def _dense_gemm(b: _Builder, instr: Instruction) -> str:
         raise Unsupported(f"instruction '{name}' (DenseGemm): input '{x}' has shape {shape}; the ONNX export "
                           f"handles (N, K) inputs")
     k, m = shape[1], b.program.arrays[instr.weight].shape[0]
-    as_image = b.node(Kind.RESHAPE, [b.names[x], b.constant(f"{name}/shape_in", np.array([0, k, 1, 1], np.int64))],
+    as_image = b.node("Reshape", [b.names[x], b.constant(f"{name}/shape_in", np.array([0, k, 1, 1], np.int64))],
                       f"{name}/input_nchw", f"{name}/Reshape_in")
     y = _qlinear_conv(b, instr, as_image, [1, 1], {}, f"{name}/output_nchw")
-    y = b.node(Kind.RESHAPE, [y, b.constant(f"{name}/shape_out", np.array([0, m], np.int64))],
+    y = b.node("Reshape", [y, b.constant(f"{name}/shape_out", np.array([0, m], np.int64))],
                b.requantized_name(instr), f"{name}/Reshape_out")
     return b.output_stage(instr, y)
 
@@ -469,7 +470,7 @@ def _matmul_gemm(b: _Builder, instr: Instruction) -> str:
 
 def _layout(b: _Builder, instr: Instruction) -> str:
     shape = np.array([0, *instr.shape[1:]], np.int64)  # 0: copy the (free) batch dimension
-    return b.node(Kind.RESHAPE, [b.names[instr.inputs[0]], b.constant(f"{instr.name}/shape", shape)],
+    return b.node("Reshape", [b.names[instr.inputs[0]], b.constant(f"{instr.name}/shape", shape)],
                   b.names[instr.output], instr.name)
 
 
@@ -486,7 +487,7 @@ def _channel_permute(b: _Builder, instr: Instruction) -> str:
 
 
 def _concat(b: _Builder, instr: Instruction) -> str:
-    return b.node(Kind.CONCAT, [b.names[t] for t in instr.inputs], b.names[instr.output], instr.name,
+    return b.node("Concat", [b.names[t] for t in instr.inputs], b.names[instr.output], instr.name,
                   axis=1)
 
 

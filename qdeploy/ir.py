@@ -20,7 +20,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from qdeploy.errors import BadInput
+from qdeploy_base.errors import BadInput
 
 Shape = tuple[int | None, ...]
 

@@ -16,13 +16,15 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from isa.kinds import Kind  # the layout kinds are named after the ONNX ops they come from
 from qdeploy.batch_one import map_over_batch
-from qdeploy.errors import BadInput, QdeployError, Unsupported
-from qdeploy.fileio import check_input, check_tensor_bytes, what_is
+from qdeploy_base.errors import BadInput, QdeployError, Unsupported
+from qdeploy_base.fileio import check_input, check_tensor_bytes, what_is
 from qdeploy.ir import Graph, Node, Tensor, constant, validate
 from qdeploy.prequantized import QUANTIZATION_OPS, ModelQuantization, strip_quantization
 from qdeploy.reference import supported_ops
+
+# --input-shape: input name -> its shape, None for a free (batch) dimension.
+InputShapes = dict[str, tuple[int | None, ...]]
 
 MIN_OPSET, MAX_OPSET = 11, 21
 DEFAULT_DOMAINS = ("", "ai.onnx")
@@ -340,7 +342,7 @@ def _free_reshape_batch(nodes: list[Node], tensors: dict[str, Tensor], batch: in
         return nodes
     rewritten = []
     for node in nodes:
-        target = tensors.get(node.inputs[1]) if node.op == Kind.RESHAPE and len(node.inputs) == 2 else None
+        target = tensors.get(node.inputs[1]) if node.op == "Reshape" and len(node.inputs) == 2 else None
         data = tensors.get(node.inputs[0]) if target is not None else None
         if (target is not None and target.is_constant and (data is None or not data.is_constant)
                 and target.data.ndim == 1 and target.data.size >= 2 and int(target.data[0]) == batch
@@ -380,14 +382,14 @@ def _free_resize_batch(nodes: list[Node], tensors: dict[str, Tensor], batch: int
     return rewritten
 
 
-def load_onnx(path: str | os.PathLike, input_shapes: dict[str, tuple[int | None, ...]] | None = None
+def load_onnx(path: str | os.PathLike, input_shapes: InputShapes | None = None
               ) -> Graph:
     """Read an ONNX file into the IR, as the file states it, with shapes inferred (shape_inference.py); a
     pre-quantized model's float graph (`load_quantized_onnx`)."""
     return load_quantized_onnx(path, input_shapes)[0]
 
 
-def load_quantized_onnx(path: str | os.PathLike, input_shapes: dict[str, tuple[int | None, ...]] | None = None,
+def load_quantized_onnx(path: str | os.PathLike, input_shapes: InputShapes | None = None,
                         widen_scales: bool = False) -> tuple[Graph, ModelQuantization | None]:
     """`load_onnx`, and the scales a pre-quantized model states (QuantizeLinear/DequantizeLinear, QLinearConv),
     which are taken out of the graph (qdeploy/prequantized.py); None for a float model."""
@@ -486,10 +488,10 @@ class ImportResult:
     quantization: ModelQuantization | None = None  # the scales of a pre-quantized model
 
 
-def import_onnx(path: str | os.PathLike, input_shapes: dict[str, tuple[int | None, ...]] | None = None,
+def import_onnx(path: str | os.PathLike, input_shapes: InputShapes | None = None,
                 widen_scales: bool = False) -> ImportResult:
     """Read and simplify an ONNX model (see passes.pipeline.SIMPLIFY)."""
-    from qdeploy.passes.pipeline import SIMPLIFY, run_pipeline
+    from qdeploy.simplify.pipeline import SIMPLIFY, run_pipeline
 
     original, quantization = load_quantized_onnx(path, input_shapes, widen_scales)
     try:

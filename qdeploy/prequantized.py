@@ -38,15 +38,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from isa.kinds import RESHAPE_KINDS, Kind
-from qdeploy.errors import BadInput, Unsupported
+from qdeploy_base.errors import BadInput, Unsupported
 from qdeploy.ir import Graph, Node, Tensor, constant, topological_order
 
 QUANTIZATION_OPS = ("QuantizeLinear", "DequantizeLinear", "QLinearConv")
-# Ops that read an int8 tensor and write one with the same scale (QOperator models); the layout kinds are
-# named after the ONNX ops they come from.
-SCALE_KEEPING_OPS = ("Clip", "MaxPool", *sorted(RESHAPE_KINDS), Kind.CONCAT, "Transpose", "Identity", "Slice",
-                     "Split")
+# Ops that read an int8 tensor and write one with the same scale (QOperator models).
+SCALE_KEEPING_OPS = ("Clip", "MaxPool", "Flatten", "Reshape", "Squeeze", "Unsqueeze", "Concat", "Transpose",
+                     "Identity", "Slice", "Split")
 INT_RANGES = {np.dtype(np.int8): (-128, 127), np.dtype(np.uint8): (0, 255)}
 
 

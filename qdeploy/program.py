@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from qdeploy.errors import BadInput
-from qdeploy.fileio import MAX_DEFLATE_RATIO, atomic_write, check_input, read_npy
+from qdeploy_base.errors import BadInput
+from qdeploy_base.fileio import MAX_DEFLATE_RATIO, atomic_write, check_input, read_npy
 from isa.geometry import PAD_FILLS, UPSAMPLE_FILLS, pool_output_size, upsampled_size
 from isa.instructions import Instruction, from_manifest
 from isa.kinds import RESHAPE_KINDS, Kind, UnknownKind, handler
@@ -176,12 +176,12 @@ def _array(program: Program, record: dict, key: str, where: str, dtype: str, sha
 
 def _per_sample(elements: int, itemsize: int, where: str) -> None:
     """_Invalid when `elements` per sample of `itemsize` bytes take more than fileio.MAX_TENSOR_BYTES."""
-    from qdeploy import fileio
+    from qdeploy_base import fileio
 
     if elements * itemsize > fileio.MAX_TENSOR_BYTES:
         raise _Invalid(f"{where} needs {fileio.byte_size(elements * itemsize)} per sample ({elements:,} elements), "
                        f"more than the limit of {fileio.byte_size(fileio.MAX_TENSOR_BYTES)} "
-                       f"(qdeploy.fileio.MAX_TENSOR_BYTES)")
+                       f"(qdeploy_base.fileio.MAX_TENSOR_BYTES)")
 
 
 def _window_shape(spec, channels: int, height: int, width: int, where: str, conv: bool) -> tuple[int, ...]:

@@ -58,14 +58,15 @@ import numpy as np
 
 from calib.weights import quantize_weights
 from qdeploy import __version__
-from qdeploy.errors import BadInput, Unsupported
+from qdeploy_base.errors import BadInput, Unsupported
 from qdeploy.ir import Graph, Node
 from qdeploy.lowering import LoweringResult
 from isa.kinds import RESHAPE_KINDS, VIEW_KINDS, WEIGHTED_GEMM_KINDS, Kind, handler
 from isa.instructions import RECORDS
 from isa.output_stage import Bias, Clamp, ClampHi, Lookup, OutputStage, Requantize
-from qdeploy.lowering.instructions import INSTRUCTION_OPS, is_channel_concat, node_kind, output_stage
-from qdeploy.lowering.lookup import NON_NEGATIVE, evaluate
+from qdeploy.lowering.nodes import INSTRUCTION_OPS, is_channel_concat, node_kind, output_stage
+from qdeploy.lowering.lookup import NON_NEGATIVE
+from qdeploy.reference.ops.activation import evaluate
 from qdeploy.prequantized import ModelQuantization, model_bias, model_weights
 from qdeploy.program import Program
 from isa.target import Target, target_to_dict
@@ -571,5 +572,5 @@ def compile_graph(lowered: LoweringResult, thresholds: dict[str, float], target:
                               f"store path, and the target has none (window_max_on_store = false)")
     compiler = _Compiler(lowered, thresholds, target, options, channel_means, stated)
     program = compiler.compile()
-    record_tiles(program.manifest, target)  # "tiles" per GEMM instruction (simulator/perf.py, docs/hardware.md)
+    record_tiles(program.manifest, target)  # "tiles" per GEMM instruction (qdeploy/perf.py, docs/hardware.md)
     return program, compiler.reports

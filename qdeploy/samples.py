@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from calib.data import Preprocess, PreprocessFlags, is_image_source, open_data
-from qdeploy.errors import BadInput
+from qdeploy_base.errors import BadInput
 from qdeploy.program import Program
 
 ALL_SAMPLES = 1 << 62
@@ -47,7 +47,7 @@ def load_samples(data, input_names: list[str], input_shapes: list, preprocess: P
     if isinstance(data, (np.ndarray, dict)):
         return data  # checked where it is bound to the inputs, as before
     if isinstance(data, (str, os.PathLike)) and not is_image_source(data) and Path(data).suffix in (".npy", ".npz"):
-        from qdeploy.fileio import check_samples, load_arrays  # whole arrays, their dtype kept (int8: quantized)
+        from qdeploy_base.fileio import check_samples, load_arrays  # whole arrays, their dtype kept (int8: quantized)
 
         arrays = load_arrays(data)
         check_samples(arrays, str(data))

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from qdeploy.errors import BadInput, Unsupported
-from qdeploy import fileio
-from qdeploy.fileio import byte_size, check_tensor_bytes
+from qdeploy_base.errors import BadInput, Unsupported
+from qdeploy_base import fileio
+from qdeploy_base.fileio import byte_size, check_tensor_bytes
 from qdeploy.ir import Graph, Node, Tensor, topological_order
 from isa.kinds import Kind
 from qdeploy.reference import run_node
@@ -98,7 +98,7 @@ def _output_bound(node: Node, inputs: list[np.ndarray | None]) -> list[int] | No
         return [max(present[0].shape, default=1), max(present[1].shape, default=1)]
     if op == "Gather" and len(present) == 2:
         return list(present[1].shape) + list(present[0].shape)
-    if op == Kind.CONCAT and present:
+    if op == "Concat" and present:
         return [sum(x.size for x in present)]
     return None
 
@@ -218,7 +218,7 @@ def _check_held(held: int, node: Node, batch: int) -> None:
     if held > limit:
         raise BadInput(f"shape inference at batch {batch} would hold {byte_size(held)} with the output of node "
                        f"'{node.name}' ({node.op}), more than the limit of {byte_size(limit)} "
-                       f"({PROBE_HELD_TENSORS} x qdeploy.fileio.MAX_TENSOR_BYTES)")
+                       f"({PROBE_HELD_TENSORS} x qdeploy_base.fileio.MAX_TENSOR_BYTES)")
 
 
 def _evaluate(graph: Graph, node: Node, env: dict[str, np.ndarray], static: dict[str, list[np.ndarray]],

@@ -7,7 +7,7 @@ plus the residual add (a K = 2 GEMM with the add's pre-scale weights) and the la
 channel concat). Every array is an integer array; the only floats are the host-side quantization of the
 network input and the dequantization of outputs, both outside the accelerator.
 
-This module reads programs through qdeploy.program and takes its size limit from qdeploy.fileio (both numpy and
+This module reads programs through qdeploy.program and takes its size limit from qdeploy_base.fileio (both numpy and
 stdlib only), and nothing else of the compiler.
 """
 
@@ -25,8 +25,8 @@ import numpy as np
 from isa.kinds import PER_IMAGE_KINDS, RESHAPE_KINDS, WEIGHTED_GEMM_KINDS, Kind, handler
 from isa.instructions import Instruction, from_manifest
 from isa.output_stage import Bias, Clamp, ClampHi, Lookup, OutputStage, Requantize, Step, WindowMax, fused_fold
-from qdeploy import fileio
-from qdeploy.fileio import byte_size
+from qdeploy_base import fileio
+from qdeploy_base.fileio import byte_size
 from qdeploy.program import Program
 from isa.target import Arithmetic, Rounding, target_from_dict
 from simulator.kernels.depthwise import depthwise_conv
@@ -38,7 +38,7 @@ from simulator.kernels.requantize import PlaneParameters, output_dtype, plane_pa
 from simulator.kernels.upsample import upsampled_read
 from simulator.kernels.window_max import window_max
 from isa.geometry import conv_output_size
-from simulator.threads import blas_threads_limitable, one_blas_thread, usable_cpus
+from qdeploy_base.threads import blas_threads_limitable, one_blas_thread, usable_cpus
 
 
 # Images per slice of a batch at most: a smaller slice keeps its thread's activations and scratch buffers in cache.
@@ -152,7 +152,7 @@ class Machine:
         # integers (isa/kinds.py PER_IMAGE_KINDS leaves Host out: the host executor may not be thread-safe).
         self.per_image = all(instr.kind in PER_IMAGE_KINDS for instr in self.records)
         self.image_bytes, self.largest = largest_image_bytes(program)
-        self._local = threading.local()  # per-thread scratch buffers (kernels.gemm._scratch)
+        self._local = threading.local()  # per-thread scratch buffers (kernels/scratch.py)
         self._pool: ThreadPoolExecutor | None = None
 
     def _fused_output_stage(self, instr: Instruction, plan: _GemmPlan) -> PlaneParameters | None:
@@ -203,7 +203,7 @@ class Machine:
         if (dump or not self.per_image) and batch > most:  # one pass of the whole batch: it must fit
             raise ProgramInputError(f"{batch} images at once need {byte_size(batch * self.image_bytes)} in the "
                                     f"buffers of instruction '{self.largest}', more than the limit of "
-                                    f"{byte_size(fileio.MAX_TENSOR_BYTES)} (qdeploy.fileio.MAX_TENSOR_BYTES); "
+                                    f"{byte_size(fileio.MAX_TENSOR_BYTES)} (qdeploy_base.fileio.MAX_TENSOR_BYTES); "
                                     f"give at most {most} at a time")
         threaded = blas_threads_limitable()
         if dump or pieces < 2 or not self.per_image or (not threaded and batch <= most):
@@ -227,7 +227,7 @@ class Machine:
         if self.image_bytes > fileio.MAX_TENSOR_BYTES:
             raise ProgramInputError(f"instruction '{self.largest}' needs {byte_size(self.image_bytes)} of buffers "
                                     f"per image, more than the limit of {byte_size(fileio.MAX_TENSOR_BYTES)} "
-                                    f"(qdeploy.fileio.MAX_TENSOR_BYTES)")
+                                    f"(qdeploy_base.fileio.MAX_TENSOR_BYTES)")
         return max(1, fileio.MAX_TENSOR_BYTES // max(self.image_bytes, 1))
 
     def _run_images(self, env: dict[str, np.ndarray], dump: bool, profile: bool = False) -> RunResult:
@@ -266,7 +266,7 @@ class Machine:
         return self._pool
 
     def _scratch(self) -> dict:
-        """This thread's reusable buffers (kernels.gemm._scratch): big arrays are allocated once, not per call."""
+        """This thread's reusable buffers (kernels/scratch.py): big arrays are allocated once, not per call."""
         buffers = getattr(self._local, "buffers", None)
         if buffers is None:
             buffers = self._local.buffers = {}
@@ -600,7 +600,7 @@ def _plan(instr: Instruction, w: np.ndarray, tensors: dict) -> _GemmPlan:
     groups = getattr(instr, "group", 1)  # a DenseGemm is one group
     if w.dtype == np.int8 and groups == 1:
         w = np.ascontiguousarray(w)
-        packed = int8_simd.pack(w, int8_simd.ISA) if int8_simd.ISA else None
+        packed = int8_simd.pack(w, int8_simd.EXTENSION) if int8_simd.EXTENSION else None
         return _GemmPlan("planar", w, w.astype(np.float32), channel_max_abs(w), packed)
     if instr.kind == Kind.CONV_GEMM and w.dtype == np.int8:
         channels = tensors[instr.inputs[0]]["shape"][1]
@@ -609,8 +609,8 @@ def _plan(instr: Instruction, w: np.ndarray, tensors: dict) -> _GemmPlan:
             w = np.ascontiguousarray(w)
             return _GemmPlan("depthwise", w, None, channel_max_abs(w))
     grouped = np.ascontiguousarray(w.reshape(groups, w.shape[0] // groups, w.shape[1]).transpose(0, 2, 1))
-    if w.dtype == np.int8 and int8_simd.ISA:
-        return _GemmPlan("grouped", grouped, None, channel_max_abs(w), int8_simd.pack(w, int8_simd.ISA, groups))
+    if w.dtype == np.int8 and int8_simd.EXTENSION:
+        return _GemmPlan("grouped", grouped, None, channel_max_abs(w), int8_simd.pack(w, int8_simd.EXTENSION, groups))
     return _GemmPlan("grouped", grouped)
 
 

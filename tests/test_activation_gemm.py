@@ -21,7 +21,7 @@ from qdeploy import api
 from qdeploy.export_onnx import export_program
 from qdeploy.reference import run_graph
 from qdeploy.reference.executor import run_host_op
-from simulator import reference
+from simulator import twins
 from simulator.machine import Machine
 from simulator.vectors import export_vectors
 
@@ -237,7 +237,7 @@ def test_a_damaged_matmul_record_is_refused(tmp_path):
     (qk,) = [i for i in manifest["instructions"] if i["name"] == "qk"]
     qk["transpose_b"] = False  # (5, 4) x (5, 4) no longer chains
     write_program(Program(manifest, program.arrays), tmp_path / "bad.qdp")
-    from qdeploy.errors import BadInput
+    from qdeploy_base.errors import BadInput
 
     with pytest.raises(BadInput, match=r"instruction 'qk' \(\"MatMulGemm\"\): multiplies \(2, 5, 4\) by "
                                        r"\(2, 5, 4\) as read \(transpose_a False, transpose_b False\)"):
@@ -269,7 +269,7 @@ def test_every_kernel_equals_its_twin(tmp_path, rounding, unsigned, overflow, ac
                 continue
             args = [run.tensors[name] for name in instr["inputs"]]
             dtype = program.tensors[instr["output"]]["dtype"]
-            expected = reference.run_instruction(instr, args, program.arrays, target.arithmetic, dtype)
+            expected = twins.run_instruction(instr, args, program.arrays, target.arithmetic, dtype)
             np.testing.assert_array_equal(run.tensors[instr["output"]], expected,
                                           err_msg=f"{instr['name']} ({instr['kind']})")
             if instr["kind"] in (Kind.MUL_GEMM, Kind.MATMUL_GEMM):
@@ -285,7 +285,7 @@ def test_every_kernel_equals_its_twin(tmp_path, rounding, unsigned, overflow, ac
 
 def test_sixteen_bit_accumulators_overflow_as_the_twin_says():
     """acc = q_a * q_b in a 16-bit register: 255 * 255 = 65025 wraps to -511 or saturates to 32767, and the events
-    count it; the twin (reference.accumulate) agrees element by element."""
+    count it; the twin (twins.accumulate) agrees element by element."""
     from simulator.kernels.gemm import mul_gemm_kernel
 
     a = np.array([255, 255, 128, 1, 0, 200], np.uint8)
@@ -295,7 +295,7 @@ def test_sixteen_bit_accumulators_overflow_as_the_twin_says():
         out = np.empty(6, np.int64)
         assert mul_gemm_kernel(a, b, -(2 ** 15), 2 ** 15 - 1, saturate, out) == count
         assert out.tolist() == expected
-        twin = [reference.accumulate([int(p) * int(q)], 16, "saturate" if saturate else "wrap")
+        twin = [twins.accumulate([int(p) * int(q)], 16, "saturate" if saturate else "wrap")
                 for p, q in zip(a, b)]
         assert [t[0] for t in twin] == expected and sum(t[1] for t in twin) == count
 

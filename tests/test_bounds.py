@@ -16,7 +16,7 @@ from builders import make_model, rng_weights, save
 from calib.table import CalibrationTable, TensorRecord
 from isa.target import Arithmetic, Target
 from qdeploy import api
-from qdeploy.errors import BadInput
+from qdeploy_base.errors import BadInput
 from qdeploy.program import read_program, write_program
 from simulator.machine import Machine
 

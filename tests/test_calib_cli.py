@@ -15,6 +15,7 @@ from calib.data import Preprocess
 from calib.table import CalibrationTable, read_tensorrt_cache
 from qdeploy.api import lower_model
 from qdeploy.cli import app
+from qdeploy_base.errors import BadInput
 
 pytest.importorskip("skimage")
 from examples import images  # noqa: E402
@@ -190,7 +191,7 @@ def test_cli_errors_are_one_line(resnet_style_onnx, image_dir, tmp_path):
 def test_non_finite_activation_names_tensor_and_sample(resnet_style_onnx):
     x = np.zeros((3, 3, 64, 64), np.float32)
     x[1] = 3e38  # finite input, but the stem conv's sums overflow float32 for sample 1
-    with pytest.raises(qdeploy.errors.BadInput, match=r"tensor '/stem/stem.3/MaxPool_output_0' has (inf|nan) "
+    with pytest.raises(BadInput, match=r"tensor '/stem/stem.3/MaxPool_output_0' has (inf|nan) "
                                                       r"for sample 1"):
         qdeploy.calibrate(resnet_style_onnx, x, batch_size=2)
 

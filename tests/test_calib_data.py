@@ -8,7 +8,7 @@ import pytest
 from numpy.testing import assert_array_equal
 
 from calib.data import (Preprocess, image_folder, list_images, load_image, open_data, parse_floats, parse_size)
-from qdeploy.errors import BadInput
+from qdeploy_base.errors import BadInput
 
 pytest.importorskip("skimage")
 from examples import images  # noqa: E402

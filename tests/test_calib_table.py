@@ -8,7 +8,7 @@ import pytest
 
 from calib.table import (CalibrationTable, TensorRecord, float32_hex, read_tensorrt_cache,
                          table_from_tensorrt_cache, write_tensorrt_cache)
-from qdeploy.errors import BadInput
+from qdeploy_base.errors import BadInput
 
 
 def sample_table():

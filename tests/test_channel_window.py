@@ -99,11 +99,11 @@ def test_compiled_windows_are_bit_exact_with_onnxruntime(tmp_path):
     ours = Machine(program).run({"x": x}, dump=True).tensors
     for tensor, onnx_name in exported.tensor_names.items():
         np.testing.assert_array_equal(ours[tensor], theirs[onnx_name], err_msg=tensor)
-    from simulator import reference
+    from simulator import twins
 
     for instr in program.instructions:  # every instruction equals its Python-int twin
         args = [ours[name] for name in instr["inputs"]]
-        np.testing.assert_array_equal(ours[instr["output"]], reference.run_instruction(
+        np.testing.assert_array_equal(ours[instr["output"]], twins.run_instruction(
             instr, args, program.arrays, EXACT.arithmetic, program.tensors[instr["output"]]["dtype"]))
     batch7 = Machine(program).run({"x": images(7)}).outputs["y"]  # any batch, and each sample alone
     assert np.array_equal(batch7[:4], Machine(program).run({"x": images(7)[:4]}).outputs["y"])

@@ -14,9 +14,9 @@ from qdeploy.reference import run_host_op
 from qdeploy import api
 from qdeploy.calibration import calibrate
 from qdeploy.cli import app
-from qdeploy.errors import BadInput
+from qdeploy_base.errors import BadInput
 from qdeploy.program import read_program
-from simulator import reference
+from simulator import twins
 from isa.target import Arithmetic, Target
 from simulator.machine import SLICE_IMAGES, Machine, quantize_input
 
@@ -69,7 +69,7 @@ def test_conv_instruction_equals_the_python_int_twin(tmp_path, rounding, unsigne
     assert np.array_equal(qx, np.clip(np.round(x / np.float32(2.5 / 127)), -127, 127).astype(np.int8))  # float32, as QuantizeLinear
     w = program.arrays[instr["weight"]].astype(np.int64)
     bias = program.arrays[instr["bias"]].astype(np.int64)
-    cols = reference.im2col(qx, instr["kernel"], instr["strides"], instr["pads"], instr["dilations"], 2)
+    cols = twins.im2col(qx, instr["kernel"], instr["strides"], instr["pads"], instr["dilations"], 2)
     groups, per_group = 2, 3
     lo, hi = instr["clamp"]
     q_max = 255 if unsigned else 127
@@ -81,12 +81,12 @@ def test_conv_instruction_equals_the_python_int_twin(tmp_path, rounding, unsigne
     expected = np.empty(expected_acc.shape, np.int64)
     for (i, c), acc in np.ndenumerate(expected_acc):
         if rounding == "float32_rne":
-            expected[i, c] = reference.requantize(int(acc), mode=rounding, lo=lo, hi=hi, scale=scale[c])
+            expected[i, c] = twins.requantize(int(acc), mode=rounding, lo=lo, hi=hi, scale=scale[c])
         else:
-            expected[i, c] = reference.requantize(int(acc), int(mult[c]), int(shift[c]), rounding, lo, hi)
+            expected[i, c] = twins.requantize(int(acc), int(mult[c]), int(shift[c]), rounding, lo, hi)
     n, oh, ow = 3, 5, 7  # H: (9 + 1 + 2 - 3) // 2 + 1; W: (10 + 0 + 1 - 5) + 1 (dilation 2)
     stored = expected.reshape(n, oh, ow, 6).transpose(0, 3, 1, 2)
-    pooled = reference.window_max(stored.astype(np.uint8 if unsigned else np.int8), [2, 2], [1, 2], [0, 0, 0, 0],
+    pooled = twins.window_max(stored.astype(np.uint8 if unsigned else np.int8), [2, 2], [1, 2], [0, 0, 0, 0],
                                   [1, 1], True)
     np.testing.assert_array_equal(run.accumulators["conv"], expected_acc)
     np.testing.assert_array_equal(run.outputs["y"], pooled)

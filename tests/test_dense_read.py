@@ -18,10 +18,10 @@ from calib.table import CalibrationTable, TensorRecord
 from isa.geometry import zero_read_macs
 from isa.target import Arithmetic, Target
 from qdeploy import api
-from qdeploy.errors import QdeployError
-from simulator import reference
+from qdeploy_base.errors import QdeployError
+from simulator import twins
 from simulator.machine import Machine
-from simulator.perf import estimate_program
+from qdeploy.perf import estimate_program
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -89,7 +89,7 @@ def test_every_kernel_equals_its_twin_signed_and_unsigned(tmp_path, rounding, un
     run = Machine(program).run({"x": X}, dump=True)
     for instr in program.instructions:
         args = [run.tensors[name] for name in instr["inputs"]]
-        expected = reference.run_instruction(instr, args, program.arrays, target.arithmetic,
+        expected = twins.run_instruction(instr, args, program.arrays, target.arithmetic,
                                              program.tensors[instr["output"]]["dtype"])
         np.testing.assert_array_equal(run.tensors[instr["output"]], expected, err_msg=instr["name"])
     y = api.run(program, X, dequantize=True)
@@ -241,7 +241,7 @@ def test_an_edge_or_reflect_pad_folds_into_the_next_convs_read_and_stands_alone_
     program = api.compile(path, max_table(path, X), target).program
     run = Machine(program).run({"x": X}, dump=True)
     for instr in program.instructions:
-        expected = reference.run_instruction(instr, [run.tensors[n] for n in instr["inputs"]], program.arrays,
+        expected = twins.run_instruction(instr, [run.tensors[n] for n in instr["inputs"]], program.arrays,
                                              target.arithmetic, program.tensors[instr["output"]]["dtype"])
         np.testing.assert_array_equal(run.tensors[instr["output"]], expected, err_msg=instr["name"])
     exported = export_program(program, tensor_outputs=True)
@@ -269,5 +269,5 @@ def test_a_resize_nearest_before_a_conv_folds_into_its_read(tmp_path):
     program = api.compile(path, max_table(path, X)).program
     run = Machine(program).run({"x": X}, dump=True)
     (record,) = program.instructions
-    expected = reference.run_instruction(record, [run.tensors["x"]], program.arrays, Arithmetic(), "int8")
+    expected = twins.run_instruction(record, [run.tensors["x"]], program.arrays, Arithmetic(), "int8")
     np.testing.assert_array_equal(run.tensors["y"], expected)

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from calib.table import CalibrationTable
 from qdeploy import api
 from qdeploy.cli import app
-from qdeploy.errors import BadInput
+from qdeploy_base.errors import BadInput
 from qdeploy.lowering.equalize import _input_channel_ranges, equalizable_pairs
 from qdeploy.reference.executor import run_graph
 from builders import make_model, one_line_error, read_hex, rng_weights, run_onnxruntime, save
@@ -194,7 +194,7 @@ def test_table_equalization_field(tmp_path):
 def test_golden_vectors_carry_the_per_channel_bounds(tmp_path):
     """`vectors export` of an equalized ReLU6 pair writes clamp_hi, and the layer's `out` recomputes from its
     `acc` hex file with the twins plus min(., clamp_hi[c])."""
-    from simulator import reference
+    from simulator import twins
 
     path = _conv_pair_model(tmp_path / "m.onnx", "relu6")
     x = rng_weights(6, 16, 3, 12, 12, scale=1.0)
@@ -208,7 +208,7 @@ def test_golden_vectors_carry_the_per_channel_bounds(tmp_path):
     bounds = read["clamp_hi"].reshape(-1)
     lo, hi = layer["clamp"]
     mult, shift = read["mult"].reshape(-1), read["shift"].reshape(-1)
-    out = np.array([[min(reference.requantize(int(a), int(mult[c]), int(shift[c]), layer["rounding"], lo, hi),
+    out = np.array([[min(twins.requantize(int(a), int(mult[c]), int(shift[c]), layer["rounding"], lo, hi),
                          int(bounds[c])) for c, a in enumerate(row)] for row in read["acc"]])
     assert np.array_equal(out, read["out"])
     assert np.any((out == bounds[None, :]) & (bounds[None, :] < hi))  # a per-channel bound did bite

@@ -24,7 +24,7 @@ from qdeploy.export_onnx import export_program
 from qdeploy.program import write_program
 from isa.target import Arithmetic, Target
 from simulator.machine import Machine, add_float32_rne
-from simulator.reference import float32_round
+from simulator.twins import float32_round
 
 ort = pytest.importorskip("onnxruntime")
 ort.set_default_logger_severity(3)

@@ -243,7 +243,7 @@ def test_a_multiplier_too_small_for_the_shift_field_is_stored_as_zero_and_gives_
     """quantize_multiplier's flush: from shift 128 on, |acc * mult| < 2^94 < 2^(shift-1), so every rounding mode
     gives 0 for every accumulator, as M = 0 does (checked here with the Python-int twins at the extremes)."""
     from isa.multiplier import SHIFT_RANGE, quantize_multiplier
-    from simulator.reference import requantize
+    from simulator.twins import requantize
 
     assert quantize_multiplier(2.0 ** -97) == (1 << 30, SHIFT_RANGE[1])
     assert quantize_multiplier(2.0 ** -98) == (0, 0)

@@ -417,7 +417,7 @@ def test_memory_error_is_a_last_resort_one_line(work, tmp_path):
 def test_the_machine_cuts_a_batch_to_fit_its_buffers(work, monkeypatch):
     """With the limit set so that one image's buffers fit and two do not, a batch of 4 runs one image per pass
     with the same integers; a dump (one pass of the whole batch) is refused before it runs, saying how many fit."""
-    from qdeploy import fileio
+    from qdeploy_base import fileio
     from qdeploy.program import read_program
     from simulator.machine import Machine, ProgramInputError
 
@@ -442,8 +442,8 @@ def test_shape_inference_bounds_what_it_holds_at_once(tmp_path, monkeypatch):
     """Tensors each within the limit but together beyond what the probe may hold (2 x MAX_TENSOR_BYTES, here 2 x
     1 MiB): three 0.8 MiB ConstantOfShape values summed are refused at the third, before it is filled; the same
     graph on 0.2 MiB values loads (the static values of both probe batches, 1.5 MiB, are kept)."""
-    from qdeploy import fileio
-    from qdeploy.errors import BadInput
+    from qdeploy_base import fileio
+    from qdeploy_base.errors import BadInput
     from qdeploy.onnx_import import load_onnx
 
     monkeypatch.setattr(fileio, "MAX_TENSOR_BYTES", 1 << 20)

@@ -1,4 +1,4 @@
-"""Tiling and the cycle ESTIMATE (simulator/perf.py, docs/hardware.md): tiles fit the configured SRAMs for
+"""Tiling and the cycle ESTIMATE (qdeploy/perf.py, docs/hardware.md): tiles fit the configured SRAMs for
 random targets and GEMMs, a hand-worked instance of equations (P1)-(P4), totals that are sums of layers, and
 fusion counts (launches, DRAM bytes) equal to hand counts on a small graph."""
 
@@ -22,7 +22,7 @@ from isa.instructions import from_manifest
 from isa.kinds import ARRAY_KINDS
 from isa.target import ArrayConfig, Target, target_from_dict
 from isa.tiling import GemmShape, Tiles, choose_tiles, estimate, fits, gemm_shape
-from simulator.perf import estimate_program, fused_ops_of
+from qdeploy.perf import estimate_program, fused_ops_of
 
 runner = CliRunner()
 

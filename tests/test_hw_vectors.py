@@ -19,7 +19,7 @@ from builders import read_hex
 from qdeploy import api
 from qdeploy.calibration import calibrate
 from qdeploy.cli import app
-from simulator import reference
+from simulator import twins
 from isa.target import target_from_dict
 from simulator.kernels.gemm import gemm
 from simulator.kernels.requantize import requantize
@@ -91,7 +91,7 @@ def test_every_layer_recomputes_from_the_hex_files_alone(exported):
         # (2)-(8) requantize and clamp with the twins, from the hex multipliers and shifts
         lo, hi = layer["clamp"]
         mult, shift = read["mult"].reshape(-1), read["shift"].reshape(-1)
-        out = np.array([[reference.requantize(int(a), int(mult[c]), int(shift[c]), layer["rounding"], lo, hi)
+        out = np.array([[twins.requantize(int(a), int(mult[c]), int(shift[c]), layer["rounding"], lo, hi)
                          for c, a in enumerate(row)] for row in acc])
         assert np.array_equal(out, read["out"]), layer["name"]
         # float32 scales are the float32 of M = mult * 2^-shift to within the multiplier's precision
@@ -102,12 +102,12 @@ def test_every_layer_recomputes_from_the_hex_files_alone(exported):
             batch, _, height, width = layer["input_shape"]
             (kh, kw), (sh, sw), pads, (dh, dw) = (layer["conv"][key] for key in ("kernel", "strides", "pads",
                                                                                   "dilations"))
-            oh = reference.conv_output_size(height, kh, sh, pads[0], pads[2], dh)
-            ow = reference.conv_output_size(width, kw, sw, pads[1], pads[3], dw)
+            oh = twins.conv_output_size(height, kh, sh, pads[0], pads[2], dh)
+            ow = twins.conv_output_size(width, kw, sw, pads[1], pads[3], dw)
             window = layer["window"]
             nchw = out.reshape(batch, oh, ow, -1).transpose(0, 3, 1, 2).astype(
                 np.int8 if files["out"]["signed"] else np.uint8)  # uint8 below a ReLU on the default target
-            pooled = reference.window_max(nchw, window["kernel"], window["strides"], window["pads"],
+            pooled = twins.window_max(nchw, window["kernel"], window["strides"], window["pads"],
                                           window["dilations"], window["ceil_mode"])
             stored = pooled.transpose(0, 2, 3, 1).reshape(-1, pooled.shape[1])
             assert np.array_equal(stored, read["stored"]), layer["name"]

@@ -5,7 +5,7 @@ import pytest
 from onnx import helper, numpy_helper
 
 from builders import make_model, rng_weights, run_onnxruntime, save
-from qdeploy.errors import BadInput, Unsupported
+from qdeploy_base.errors import BadInput, Unsupported
 from qdeploy.onnx_import import import_onnx, load_onnx
 from qdeploy.reference import run_graph
 

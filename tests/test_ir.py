@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from qdeploy.errors import BadInput
+from qdeploy_base.errors import BadInput
 from qdeploy.ir import Graph, Node, Tensor, constant, topological_order, validate
 
 

@@ -5,6 +5,7 @@ as a string literal outside its definition."""
 import ast
 from pathlib import Path
 
+import onnx.defs
 import pytest
 
 import isa.instructions
@@ -14,7 +15,7 @@ import qdeploy.program
 import qdeploy.quantize
 import qdeploy.reference.ops
 import simulator.machine
-import simulator.reference
+import simulator.twins
 import simulator.vectors.export
 from isa.kinds import Kind, UnknownKind, handler
 
@@ -32,7 +33,7 @@ def stage_tables() -> dict[str, tuple[dict, frozenset]]:
         "compiler": (qdeploy.quantize.COMPILERS, every),
         "program checks": (qdeploy.program.CHECKS, every),
         "simulator": (simulator.machine.KERNELS, every),
-        "Python-int twins": (simulator.reference.TWINS, every),
+        "Python-int twins": (simulator.twins.TWINS, every),
         "ONNX export": (qdeploy.export_onnx.EXPORTERS, every),
         "golden vectors": (simulator.vectors.export.OPERANDS, every),
     }
@@ -87,12 +88,42 @@ def _string_literals(path: Path) -> list[tuple[str, int]]:
             if isinstance(node, ast.Constant) and isinstance(node.value, str)]
 
 
+# Code that reads or writes ONNX graphs (ONNX-facing) spells ONNX op names as strings; five of them also name layout
+# kinds (Concat, Reshape, Flatten, Squeeze, Unsqueeze, named after these ops), but there they mean the op, so that
+# renaming a kind cannot change what the importer recognises. Everything else is ISA-facing and writes Kind.X.
+ONNX_FACING = ("qdeploy/onnx_import.py", "qdeploy/batch_one.py", "qdeploy/shape_inference.py", "qdeploy/simplify/",
+               "qdeploy/prequantized.py", "qdeploy/reference/ops/", "qdeploy/export_onnx.py",
+               "qdeploy/lowering/passes.py", "qdeploy/perf.py")
+# ONNX-facing modules that never handle an instruction: they do not even import the kinds.
+ONNX_ONLY = ("qdeploy/onnx_import.py", "qdeploy/batch_one.py", "qdeploy/simplify/", "qdeploy/prequantized.py")
+
+
+def _sources() -> list[Path]:
+    return [p for folder in ("isa", "qdeploy_base", "qdeploy", "simulator", "calib", "bench", "examples", "hw")
+            for p in sorted((REPO / folder).rglob("*.py"))]
+
+
+def _under(path: Path, prefixes: tuple[str, ...]) -> bool:
+    relative = path.relative_to(REPO).as_posix()
+    return any(relative == prefix or (prefix.endswith("/") and relative.startswith(prefix)) for prefix in prefixes)
+
+
 def test_kind_names_are_spelled_in_one_place():
-    """Every kind's name is a string literal only in isa/kinds.py; everything else writes Kind.X (the layout
-    kinds are named after the ONNX ops they come from, so ONNX-facing code writes Kind.RESHAPE for that op too)."""
-    sources = [p for folder in ("isa", "qdeploy", "simulator", "calib", "bench", "examples", "hw")
-               for p in sorted((REPO / folder).rglob("*.py"))]
+    """Every kind's name is a string literal only in isa/kinds.py, but for the ONNX op names that ONNX-facing
+    code spells (a kind that is no ONNX op, such as ConvGemm, is spelled nowhere else at all)."""
+    onnx_ops = {k.value for k in Kind if onnx.defs.has(k.value)}
+    assert onnx_ops == {"Concat", "Reshape", "Flatten", "Squeeze", "Unsqueeze"}
     names = {k.value for k in Kind}
-    found = [f"{path.relative_to(REPO)}:{line} {value!r}" for path in sources if path != REPO / "isa" / "kinds.py"
-             for value, line in _string_literals(path) if value in names]
+    found = [f"{path.relative_to(REPO)}:{line} {value!r}" for path in _sources() if path != REPO / "isa" / "kinds.py"
+             for value, line in _string_literals(path)
+             if value in names and not (value in onnx_ops and _under(path, ONNX_FACING))]
+    assert found == []
+    assert all((REPO / prefix).exists() for prefix in ONNX_FACING + ONNX_ONLY)
+
+
+def test_onnx_only_code_does_not_import_the_kinds():
+    found = [f"{path.relative_to(REPO)}:{node.lineno}" for path in _sources() if _under(path, ONNX_ONLY)
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.ImportFrom) and node.module == "isa.kinds"
+             or isinstance(node, ast.Import) and any(a.name == "isa.kinds" for a in node.names)]
     assert found == []

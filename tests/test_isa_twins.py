@@ -1,5 +1,5 @@
 """Every instruction kind's simulator kernel (simulator/machine.py KERNELS) equals its Python-int twin
-(simulator/reference.py TWINS), instruction by instruction, on small compiled networks that use every array and
+(simulator/twins.py TWINS), instruction by instruction, on small compiled networks that use every array and
 layout kind, in every rounding mode, signed and unsigned, wrapping and saturating."""
 
 import numpy as np
@@ -11,7 +11,7 @@ from calib.table import CalibrationTable
 from isa.kinds import Kind
 from isa.target import Arithmetic, Target
 from qdeploy import api
-from simulator import reference
+from simulator import twins
 from simulator.machine import Machine
 from simulator.vectors import export_vectors
 
@@ -67,7 +67,7 @@ def test_every_kernel_equals_its_twin(tmp_path, rounding, unsigned, overflow, ac
     for instr in program.instructions:
         args = [run.tensors[name] for name in instr["inputs"]]
         dtype = program.tensors[instr["output"]]["dtype"]
-        expected = reference.run_instruction(instr, args, program.arrays, arithmetic, dtype)
+        expected = twins.run_instruction(instr, args, program.arrays, arithmetic, dtype)
         got = run.tensors[instr["output"]]
         assert got.dtype == expected.dtype, instr["name"]
         np.testing.assert_array_equal(got, expected, err_msg=f"{instr['name']} ({instr['kind']})")
@@ -77,9 +77,9 @@ def test_a_kind_without_a_twin_is_named():
     host = {"kind": "Host", "name": "h", "inputs": [], "output": "y", "op": "Erf", "opset": 17, "operands": [],
             "attrs": {}}
     with pytest.raises(ValueError, match="instruction 'h': a float op on the host: no integer twin"):
-        reference.run_instruction(host, [], {}, Arithmetic(), np.int8)
+        twins.run_instruction(host, [], {}, Arithmetic(), np.int8)
     with pytest.raises(ValueError, match="unknown instruction kind 'Lut'"):
-        reference.run_instruction({**host, "kind": "Lut"}, [], {}, Arithmetic(), np.int8)
+        twins.run_instruction({**host, "kind": "Lut"}, [], {}, Arithmetic(), np.int8)
 
 
 def test_dumped_accumulators_survive_later_instructions_at_batch_one(tmp_path):

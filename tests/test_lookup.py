@@ -20,10 +20,10 @@ from isa.kinds import Kind
 from isa.output_stage import WindowMax
 from isa.target import Arithmetic, ArrayConfig, Target
 from qdeploy import api
-from qdeploy.errors import Unsupported
+from qdeploy_base.errors import Unsupported
 from qdeploy.program import read_program, write_program
 from qdeploy.reference import run_graph
-from simulator import reference
+from simulator import twins
 from simulator.machine import Machine
 from simulator.vectors import compare_vectors, export_vectors
 
@@ -222,7 +222,7 @@ def run_twins(program, run, arithmetic):
     for instr in program.instructions:
         args = [run.tensors[name] for name in instr["inputs"]]
         dtype = program.tensors[instr["output"]]["dtype"]
-        expected = reference.run_instruction(instr, args, program.arrays, arithmetic, dtype)
+        expected = twins.run_instruction(instr, args, program.arrays, arithmetic, dtype)
         np.testing.assert_array_equal(run.tensors[instr["output"]], expected, err_msg=instr["name"])
 
 
@@ -462,7 +462,7 @@ def test_the_performance_model_reads_each_table_once(tmp_path):
     from dataclasses import replace
 
     from isa.tiling import estimate, gemm_shape, tiles_of
-    from simulator.perf import estimate_program
+    from qdeploy.perf import estimate_program
 
     path = conv_function_model(tmp_path, ["SiLU_mul", "Gelu"])
     x = np.random.default_rng(12).standard_normal((2, 3, 6, 6)).astype(np.float32)

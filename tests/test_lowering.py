@@ -6,7 +6,7 @@ import pytest
 from onnx import helper
 
 from builders import make_model, rng_weights, run_onnxruntime, save
-from qdeploy.errors import Unsupported
+from qdeploy_base.errors import Unsupported
 from qdeploy.ir import validate
 from qdeploy.lowering import lower, require_lowered
 from qdeploy.onnx_import import import_onnx

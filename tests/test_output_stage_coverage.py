@@ -16,7 +16,7 @@ import rtl  # noqa: E402  (hw/rtl.py)
 
 import qdeploy.export_onnx  # noqa: E402
 import simulator.machine  # noqa: E402
-import simulator.reference  # noqa: E402
+import simulator.twins  # noqa: E402
 import simulator.vectors.export  # noqa: E402
 from isa.instructions import AddGemm  # noqa: E402
 from isa.kinds import Kind  # noqa: E402
@@ -32,7 +32,7 @@ def backends() -> dict[str, dict]:
     """backend -> its evaluator table (step class -> evaluator)."""
     return {
         "the simulator": simulator.machine.STEP_EVALUATORS,
-        "the Python-int twins": simulator.reference.STEP_EVALUATORS,
+        "the Python-int twins": simulator.twins.STEP_EVALUATORS,
         "the ONNX export": qdeploy.export_onnx.STEP_EXPORTERS,
         "the golden vectors": simulator.vectors.export.STEP_VECTORS,
         "the reference RTL runner": rtl.STEP_ARGS,
@@ -101,7 +101,7 @@ def test_the_fused_paths_equal_the_folded_steps(tmp_path):
     for program, x in _programs(tmp_path):
         seen |= {type(step) for instr in program.records if hasattr(instr, "stage") for step in instr.stage.steps}
         fused, folded = Machine(program), Machine(program, fused=False)
-        assert any(plan.fused is not None for plan in fused.plans.values()) == bool(simulator.machine.int8_simd.ISA)
+        assert any(plan.fused is not None for plan in fused.plans.values()) == bool(simulator.machine.int8_simd.EXTENSION)
         assert all(plan.fused is None for plan in folded.plans.values())
         for name, y in fused.run({"x": x}).outputs.items():  # without dump: int8_simd's fused store
             np.testing.assert_array_equal(y, folded.run({"x": x}).outputs[name])
@@ -126,9 +126,9 @@ def _machine_clamp_lo(step, plane, machine, instr):  # simulator/machine.py
     return simulator.machine._Plane(y, plane.layout)
 
 
-def _twin_clamp_lo(step, plane, arrays, arithmetic):  # simulator/reference.py
+def _twin_clamp_lo(step, plane, arrays, arithmetic):  # simulator/twins.py
     bounds = arrays[step.array]
-    return simulator.reference._each(plane, lambda v, c: max(v, int(simulator.reference._per_column(bounds, c))))
+    return simulator.twins._each(plane, lambda v, c: max(v, int(simulator.twins._per_column(bounds, c))))
 
 
 def _export_clamp_lo(step, value, b, instr):  # qdeploy/export_onnx.py: Max with the bounds (int8 Max: opset 12)
@@ -177,7 +177,7 @@ def test_dry_run_a_new_step_is_accepted_with_its_evaluators_and_named_without_on
     got = fold(stage, tables["the simulator"], "the simulator", simulator.machine._Plane(acc, lambda y: y), machine,
                fc)
     twin = fold(stage, tables["the Python-int twins"], "the Python-int twins",
-                simulator.reference._Plane(acc.astype(object), lambda y: y.astype(np.int8)), program.arrays,
+                simulator.twins._Plane(acc.astype(object), lambda y: y.astype(np.int8)), program.arrays,
                 machine.arithmetic)
     np.testing.assert_array_equal(got.y, twin.layout(twin.values))
     before = fold(stage[:2], tables["the simulator"], "the simulator", simulator.machine._Plane(acc, lambda y: y),

@@ -21,7 +21,7 @@ from builders import make_model, one_line_error, rng_weights, save
 from calib.table import CalibrationTable, TensorRecord
 from qdeploy import api
 from qdeploy.cli import app
-from qdeploy.errors import Unsupported
+from qdeploy_base.errors import Unsupported
 from isa.target import Arithmetic, Target
 
 ort = pytest.importorskip("onnxruntime")

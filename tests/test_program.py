@@ -7,7 +7,7 @@ import zipfile
 import numpy as np
 import pytest
 
-from qdeploy.errors import BadInput
+from qdeploy_base.errors import BadInput
 from qdeploy.program import FORMAT_VERSION, Program, read_program, write_program
 
 

@@ -9,7 +9,7 @@ import pytest
 from numpy.testing import assert_allclose, assert_array_equal
 from onnx import TensorProto, helper
 
-from qdeploy.errors import BadInput
+from qdeploy_base.errors import BadInput
 from qdeploy.ir import Node
 from qdeploy.reference import run_node
 

@@ -32,7 +32,7 @@ from builders import make_model, run_onnxruntime, save
 from calib.table import CalibrationTable
 from qdeploy import api
 from qdeploy.calibration import calibrate
-from qdeploy.errors import QdeployError, Unsupported
+from qdeploy_base.errors import QdeployError, Unsupported
 from qdeploy.program import read_program, write_program
 from qdeploy.reference import run_graph, run_node
 from isa.target import Arithmetic, Target

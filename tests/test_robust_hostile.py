@@ -28,7 +28,7 @@ from typer.testing import CliRunner
 
 from builders import make_model, one_line_error, rng_weights, save
 from qdeploy.cli import app
-from qdeploy.errors import BadInput
+from qdeploy_base.errors import BadInput
 from qdeploy.program import read_program
 
 runner = CliRunner()

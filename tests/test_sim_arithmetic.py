@@ -1,5 +1,5 @@
 """Bit-exactness of the simulator's arithmetic (simulator/README.md eq. 1-8): every Numba kernel equals its
-Python-int twin in simulator/reference.py on hand-worked cases, edge values and seeded random values; the
+Python-int twin in simulator/twins.py on hand-worked cases, edge values and seeded random values; the
 fast float32 GEMM equals the K-ordered integer GEMM. Integers are compared exactly."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from numpy.testing import assert_array_equal
 
 from isa.multiplier import float32_multiplier, quantize_multiplier
-from simulator import reference as ref
+from simulator import twins as ref
 from simulator.kernels import requantize as rq
 from simulator.kernels.gemm import DESIGN_CHUNK, FLOAT32_EXACT_INT, gemm, max_exact_chunk
 from simulator.kernels.requantize import requantize
@@ -450,7 +450,7 @@ def test_readme_example_runs():
 @pytest.mark.parametrize("overflow", ["wrap", "saturate"])
 @pytest.mark.parametrize("acc_bits", [16, 20, 32, 64])
 def test_add_gemm_kernel_equals_twin(overflow, acc_bits):
-    """The residual add's K = 2 accumulation (a * w_a, then b * w_b) equals reference.accumulate element by
+    """The residual add's K = 2 accumulation (a * w_a, then b * w_b) equals twins.accumulate element by
     element, register value and events, including sums that leave a 16- or 20-bit register and come back."""
     from simulator.kernels.gemm import add_gemm_kernel
 

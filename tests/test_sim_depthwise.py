@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from numpy.testing import assert_array_equal
 
-from simulator import reference as ref
+from simulator import twins as ref
 from simulator.kernels.depthwise import depthwise_conv
 from simulator.kernels.gemm import channel_max_abs, gemm
 from simulator.kernels.im2col import im2col
@@ -64,7 +64,7 @@ def test_depthwise_equals_im2col_gemm_on_random_shapes(acc_bits, overflow):
 
 
 def test_depthwise_equals_python_int_twin():
-    """Against reference.accumulate over the im2col columns (Python ints), k = (i, j) ascending, bias last."""
+    """Against twins.accumulate over the im2col columns (Python ints), k = (i, j) ascending, bias last."""
     rng = np.random.default_rng(5)
     for acc_bits, overflow in [(12, "saturate"), (12, "wrap"), (32, "wrap")]:
         for _ in range(10):

@@ -15,9 +15,9 @@ from simulator.kernels.gemm import gemm, gemm_planar
 from simulator.kernels.im2col import im2col_planar
 from simulator.kernels.requantize import plane_parameters, requantize
 
-ISAS = [pytest.param(isa, id=isa.name, marks=pytest.mark.skipif(not int8_simd.compiles_for(isa),
-                                                                reason=f"this CPU has no {isa.name}"))
-        for isa in (int8_simd.AVX512_VNNI, int8_simd.AVX2)]
+EXTENSIONS = [pytest.param(extension, id=extension.name, marks=pytest.mark.skipif(not int8_simd.compiles_for(extension),
+                                                                reason=f"this CPU has no {extension.name}"))
+        for extension in (int8_simd.AVX512_VNNI, int8_simd.AVX2)]
 
 ROUNDINGS = ["half_up", "half_away", "half_even", "tflite", "float32_rne"]
 
@@ -29,21 +29,21 @@ def ordered(w, cols, bias):
     return acc.reshape(n, s, -1).transpose(0, 2, 1)
 
 
-@pytest.mark.parametrize("isa", ISAS)
-def test_hand_worked_dot_products(isa):
+@pytest.mark.parametrize("extension", EXTENSIONS)
+def test_hand_worked_dot_products(extension):
     """One output row: 1*255 + 2*0 + 3*1 + 4*2 + 5*3 + bias 7 = 288; int8 input -128..: the +128 offset cancels."""
     w = np.array([[1, 2, 3, 4, 5]], np.int8)
     x = np.array([255, 0, 1, 2, 3], np.uint8).reshape(1, 5, 1)
-    got = gemm_planar(w, x, bias=np.array([7]), packed=int8_simd.pack(w, isa))
+    got = gemm_planar(w, x, bias=np.array([7]), packed=int8_simd.pack(w, extension))
     assert got.method == "int8_simd" and got.acc.tolist() == [[[288]]]
     x8 = np.array([-128, 127, -1, 0, 1], np.int8).reshape(1, 5, 1)  # -128 + 254 - 3 + 0 + 5 - 2 = 126
-    got8 = gemm_planar(w, x8, bias=np.array([-2]), packed=int8_simd.pack(w, isa))
+    got8 = gemm_planar(w, x8, bias=np.array([-2]), packed=int8_simd.pack(w, extension))
     assert got8.acc.tolist() == [[[126]]]
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("extension", EXTENSIONS)
 @pytest.mark.parametrize("dtype", [np.uint8, np.int8])
-def test_equals_the_ordered_gemm_on_every_tile_edge(dtype, isa):
+def test_equals_the_ordered_gemm_on_every_tile_edge(dtype, extension):
     """M, K and S around the register tile (4 rows, 16-lane vectors, 64-column strips, 4-byte groups of k) and
     the column blocks, random and extreme operands (every product at its largest magnitude)."""
     rng = np.random.default_rng(3 if dtype == np.uint8 else 4)
@@ -59,7 +59,7 @@ def test_equals_the_ordered_gemm_on_every_tile_edge(dtype, isa):
             cols[...] = info.min if dtype == np.int8 else info.max
             w[...] = -128
         bias = rng.integers(-(1 << 20), 1 << 20, m)
-        got = gemm_planar(w, cols, bias=bias, packed=int8_simd.pack(w, isa), scratch=scratch)
+        got = gemm_planar(w, cols, bias=bias, packed=int8_simd.pack(w, extension), scratch=scratch)
         assert got.method == "int8_simd" and got.events == 0
         assert_array_equal(got.acc, ordered(w, cols, bias), err_msg=f"m={m} k={k} s={s}")
 
@@ -69,11 +69,11 @@ WINDOWS = [((3, 3), (1, 1), (1, 1, 1, 1), (1, 1)), ((3, 3), (2, 2), (0, 1, 1, 0)
            ((1, 7), (1, 3), (0, 3, 0, 3), (1, 1)), ((2, 2), (2, 2), (0, 0, 0, 0), (1, 1))]
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("extension", EXTENSIONS)
 @pytest.mark.parametrize("dtype", [np.uint8, np.int8])
 @pytest.mark.parametrize("window", WINDOWS,
                          ids=lambda w: "k{}x{}_s{}x{}_p{}{}{}{}_d{}x{}".format(*w[0], *w[1], *w[2], *w[3]))
-def test_conv_reads_the_im2col_rows_straight_from_the_image(window, dtype, isa):
+def test_conv_reads_the_im2col_rows_straight_from_the_image(window, dtype, extension):
     """conv packs each image's im2col rows (eq. 9) from x itself: equal to the ordered GEMM of im2col_planar's
     rows, padding included (the real 0, which a signed x carries as the offset byte 128)."""
     kernel, strides, pads, dilations = window
@@ -87,13 +87,13 @@ def test_conv_reads_the_im2col_rows_straight_from_the_image(window, dtype, isa):
     cols = im2col_planar(x, kernel, strides, pads, dilations)
     oh = conv_output_size(11, kernel[0], strides[0], pads[0], pads[2], dilations[0])
     ow = conv_output_size(13, kernel[1], strides[1], pads[1], pads[3], dilations[1])
-    got = int8_simd.conv(int8_simd.pack(w, isa), x, window, (oh, ow), bias, {})
+    got = int8_simd.conv(int8_simd.pack(w, extension), x, window, (oh, ow), bias, {})
     assert_array_equal(got, ordered(w, cols, bias))
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("extension", EXTENSIONS)
 @pytest.mark.parametrize("groups, m", [(3, 9), (2, 16), (6, 6)])
-def test_grouped_conv_reads_each_groups_channels_with_its_weights(groups, m, isa):
+def test_grouped_conv_reads_each_groups_channels_with_its_weights(groups, m, extension):
     """A grouped convolution: group g's output channels g M/G .. read input channels g C/G .. only (ONNX Conv
     `group`); 3 rows per group pad to a 4-row tile that must not reach the next group's weights."""
     rng = np.random.default_rng(groups + m)
@@ -105,26 +105,26 @@ def test_grouped_conv_reads_each_groups_channels_with_its_weights(groups, m, isa
     want = np.concatenate([ordered(w[g * m_group:(g + 1) * m_group],
                                    im2col_planar(x[:, g * c_group:(g + 1) * c_group], *window),
                                    bias[g * m_group:(g + 1) * m_group]) for g in range(groups)], axis=1)
-    got = int8_simd.conv(int8_simd.pack(w, isa, groups), x, window, (9, 9), bias, {})
+    got = int8_simd.conv(int8_simd.pack(w, extension, groups), x, window, (9, 9), bias, {})
     assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("isa", ISAS)
-def test_only_where_every_sum_fits_the_register(isa):
+@pytest.mark.parametrize("extension", EXTENSIONS)
+def test_only_where_every_sum_fits_the_register(extension):
     """A bias that could carry a sum past 2^31 - 1 (or a 16-bit register) keeps the checked float32 path."""
     rng = np.random.default_rng(5)
     w = rng.integers(-128, 128, (6, 40), dtype=np.int8)
     cols = rng.integers(0, 256, (1, 40, 9), dtype=np.uint8)
-    packed = int8_simd.pack(w, isa)
+    packed = int8_simd.pack(w, extension)
     near_limit = np.full(6, (1 << 31) - 100)
     assert gemm_planar(w, cols, bias=near_limit, packed=packed).method == "fast"
     assert gemm_planar(w, cols, 16, bias=np.zeros(6, np.int64), packed=packed).method == "fast"
     assert gemm_planar(w, cols, 32, "saturate", bias=np.zeros(6, np.int64), packed=packed).method == "int8_simd"
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("extension", EXTENSIONS)
 @pytest.mark.parametrize("mode", ROUNDINGS)
-def test_requantizing_store_equals_requantize(mode, isa):
+def test_requantizing_store_equals_requantize(mode, extension):
     """planar_gemm with the output stage in its store equals requantize() of its int32 result, for int8 and uint8
     outputs and an int32 one (an output the model leaves wide); channel multipliers span the fast and the general
     formulas (a zero multiplier has shift 0)."""
@@ -133,7 +133,7 @@ def test_requantizing_store_equals_requantize(mode, isa):
     w = rng.integers(-128, 128, (m, k), dtype=np.int8)
     cols = rng.integers(0, 256, (3, k, s), dtype=np.uint8)
     bias = rng.integers(-5000, 5000, m)
-    packed = int8_simd.pack(w, isa)
+    packed = int8_simd.pack(w, extension)
     acc = int8_simd.planar_gemm(packed, cols, bias, {}).copy()
     image = cols.reshape(3, k, 1, s)
     if mode == "float32_rne":

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from numpy.testing import assert_array_equal
 
 from isa.geometry import conv_output_size, pool_output_size
-from simulator import reference as ref
+from simulator import twins as ref
 from simulator.kernels.gemm import gemm
 from simulator.kernels.im2col import im2col
 from simulator.kernels.window_max import window_max

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from numpy.testing import assert_array_equal
 
-from simulator import reference as ref
+from simulator import twins as ref
 from isa.target import Arithmetic, Target
 from simulator.kernels import int8_simd
 from simulator.kernels.gemm import DESIGN_CHUNK, channels_in_range, gemm, gemm_planar
@@ -165,7 +165,7 @@ def test_machine_methods_and_threads_agree_bit_for_bit(mobilenetv2_style_onnx, m
     program = api.compile(mobilenetv2_style_onnx, mobilenet_table, Target(arithmetic=arithmetic)).program
     plans = Machine(program).plans.values()
     assert {plan.method for plan in plans} == {"planar", "depthwise"}  # the fast methods are really exercised
-    if int8_simd.ISA is not None and arithmetic.acc_bits == 32:  # and the int8 dot product with its fused store
+    if int8_simd.EXTENSION is not None and arithmetic.acc_bits == 32:  # and the int8 dot product with its fused store
         assert any(plan.fused is not None for plan in plans)
     x = small_images(5, 1, "eval")
     name = program.inputs[0]

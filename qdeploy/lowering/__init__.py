@@ -8,19 +8,21 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from math import prod
+from pathlib import Path
 
-from qdeploy.errors import QdeployError, Unsupported
+from qdeploy_base.errors import BadInput, QdeployError, Unsupported
 from qdeploy.ir import Graph, Node
 from isa.instructions import RECORDS
 from isa.kinds import WEIGHTED_GEMM_KINDS, Kind, handler
-from qdeploy.lowering.instructions import INSTRUCTION_OPS, LAYOUT_OPS, is_channel_concat, node_kind, output_stage
+from qdeploy.lowering.nodes import INSTRUCTION_OPS, LAYOUT_OPS, is_channel_concat, node_kind, output_stage
 from qdeploy.lowering.rules import LOWERING
 from qdeploy.summary import node_elements, node_macs
 
 
 @dataclass
-class Instruction:
-    """One GEMM-unit instruction, per sample: the GEMM is groups x (M x K) . (K x N)."""
+class InstructionDescription:
+    """One GEMM-unit instruction as the lowering describes it (`inspect --lowered`, MACs), per sample: the GEMM
+    is groups x (M x K) . (K x N). The program's instruction record is isa.instructions.Instruction."""
 
     kind: str
     name: str
@@ -51,7 +53,7 @@ class HostOp:
 class LoweringResult:
     graph: Graph
     passes: list  # list[PassRecord]
-    instructions: list[Instruction]
+    instructions: list[InstructionDescription]
     layout: list[dict]
     host_ops: list[HostOp]
     gemm_mac_fraction: float
@@ -89,7 +91,7 @@ def _output_stage(node: Node) -> dict:
     return result
 
 
-def describe_instruction(graph: Graph, node: Node) -> Instruction:
+def describe_instruction(graph: Graph, node: Node) -> InstructionDescription:
     """The node's GEMM as its kind's record class computes it (`lowered_gemm`, isa/instructions.py: inherited by a
     kind that reuses a datapath)."""
     record = handler(RECORDS, node_kind(graph, node), "the lowering description", f"node '{node.name}'")
@@ -98,7 +100,7 @@ def describe_instruction(graph: Graph, node: Node) -> Instruction:
     m, n, k, groups, geometry = record.lowered_gemm([_shape(graph, name) for name in node.inputs],
                                                     _shape(graph, node.outputs[0]), node.attrs,
                                                     None if weight is None else weight.shape, out.rows)
-    return Instruction(node.op, node.name, [i for i in node.inputs if not graph.tensors[i].is_constant],
+    return InstructionDescription(node.op, node.name, [i for i in node.inputs if not graph.tensors[i].is_constant],
                        node.outputs[0], m, n, k, groups, groups * m * n * k, geometry, _output_stage(node))
 
 
@@ -128,7 +130,7 @@ def lower(graph: Graph, equalize: bool = False, lookups: bool = True) -> Lowerin
     from qdeploy.lowering.equalize import equalize_cross_layer
     from qdeploy.lowering.lookup import fuse_lookups
     from qdeploy.lowering.passes import LOWER
-    from qdeploy.passes.pipeline import run_pipeline
+    from qdeploy.simplify.pipeline import run_pipeline
 
     passes = [p for p in LOWER if lookups or p is not fuse_lookups]  # recognised functions: one host op each
     lowered, records = run_pipeline(graph, passes + ([equalize_cross_layer] if equalize else []))
@@ -148,6 +150,15 @@ def lower(graph: Graph, equalize: bool = False, lookups: bool = True) -> Lowerin
     return LoweringResult(lowered, records, instructions, layout, host_ops, fraction)
 
 
+def lower_graph(path: Path, graph: Graph, equalize: bool, lookups: bool = True) -> LoweringResult:
+    """`lower` for an imported graph of the model at `path` (errors name the file); `lookups`: the target has
+    lookup tables (isa/target.py `lookup_tables`)."""
+    try:
+        return lower(graph, equalize, lookups)
+    except BadInput as error:
+        raise BadInput(f"{path}: {error}") from error
+
+
 def require_lowered(result: LoweringResult, allow_host_fallback: bool) -> None:
     """Refuse a graph with host ops unless the user allowed host fallback, and one with an output no instruction
     computes (a constant of the model: the program has nothing to run for it); the message names each."""
@@ -161,4 +172,5 @@ def require_lowered(result: LoweringResult, allow_host_fallback: bool) -> None:
                           f"(--allow-host-fallback runs them in float on the host)")
 
 
-__all__ = ["HostOp", "Instruction", "LoweringResult", "lower", "require_lowered", "Unsupported"]
+__all__ = ["HostOp", "InstructionDescription", "LoweringResult", "lower", "lower_graph", "require_lowered",
+           "Unsupported"]

@@ -26,7 +26,7 @@ import numpy as np
 from qdeploy.ir import Graph, Node, constant
 from isa.kinds import WEIGHTED_GEMM_KINDS
 from isa.output_stage import Clamp, ClampHi
-from qdeploy.lowering.instructions import output_stage
+from qdeploy.lowering.nodes import output_stage
 
 EQUALIZE_SWEEPS = 20
 SETTLED = 1e-3  # stop when every |log s_i| of a sweep is below this (ranges equal to 0.1%)

@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from qdeploy.errors import Unsupported
+from qdeploy_base.errors import Unsupported
 from qdeploy.ir import Graph, Node, Tensor, topological_order
 from isa.kinds import LOOKUP_KINDS
 from isa.output_stage import Lookup
-from qdeploy.lowering.instructions import output_stage
+from qdeploy.lowering.nodes import output_stage
 from qdeploy.lowering.rules import identity_gemm
+from qdeploy.reference.ops.activation import evaluate
 
 # Monotonic non-decreasing (over the reals), by function and parameters: such a table commutes with a window-max
 # (fuse_lookups may put it behind one). Its output is non-negative where `NON_NEGATIVE` says so (uint8 on
@@ -79,13 +80,6 @@ def function_of(node: Node) -> tuple[str, dict] | None:
                 "Gelu": {"approximate": "none"}}.get(node.op, {})
     params = {key: node.attrs.get(key, value) for key, value in defaults.items()}
     return node.op, {k: (float(v) if isinstance(v, (int, float)) else v) for k, v in params.items()}
-
-
-def evaluate(function: str, params: dict, x: np.ndarray) -> np.ndarray:
-    """f(x) by the reference executor (the ONNX op `function` with attributes `params`), in x's dtype."""
-    from qdeploy.reference import run_node
-
-    return run_node(Node("lookup", function, ["x"], ["y"], dict(params)), [x], 21)[0]
 
 
 def _scalar_constant(graph: Graph, name: str) -> bool:

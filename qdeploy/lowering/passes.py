@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from qdeploy.errors import Unsupported
+from qdeploy_base.errors import Unsupported
 from qdeploy.ir import Graph, Node, Tensor, constant
-from qdeploy.passes.eliminate_dead import eliminate_dead_nodes
-from qdeploy.passes.pipeline import Pass
+from qdeploy.simplify.eliminate_dead import eliminate_dead_nodes
+from qdeploy.simplify.pipeline import Pass
+from isa.geometry import ReadFill
 from isa.kinds import ACTIVATION_GEMM_KINDS, WEIGHTED_GEMM_KINDS, Kind
 from isa.instructions import RECORDS
 from isa.output_stage import NO_OUTPUT_STAGE, Clamp, Step, WindowMax
-from qdeploy.lowering.instructions import INSTRUCTION_OPS, is_channel_concat, output_stage
+from qdeploy.lowering.nodes import INSTRUCTION_OPS, is_channel_concat, output_stage
 from qdeploy.lowering.lookup import fuse_lookups, recognise_functions
 from qdeploy.lowering.rules import (LOWERING, OUTPUT_STAGE_OPS, affine_of, batchnorm_scale_shift,
                                     finite_weights, identity_gemm)
@@ -226,7 +227,7 @@ def _read_only(graph: Graph, node: Node) -> str | None:
             or np.any(bias) or list(node.attrs["strides"]) != [1, 1]:
         return None
     upsample, padded = node.attrs.get("upsample"), any(node.attrs["pads"])
-    if upsample and node.attrs.get("upsample_fill") == "nearest" and not padded and not node.attrs.get("pad_fill"):
+    if upsample and node.attrs.get("upsample_fill") == ReadFill.NEAREST and not padded and not node.attrs.get("pad_fill"):
         return "upsample"
     if padded and not upsample:
         return "pad"
@@ -247,7 +248,7 @@ def fold_read_into_conv(graph: Graph) -> Graph:
         producer = _sole_producer(graph, node, producers, consumers)
         what = None if producer is None or producer.name in removed else _read_only(graph, producer)
         if what == "upsample":
-            attrs = {**node.attrs, "upsample": list(producer.attrs["upsample"]), "upsample_fill": "nearest"}
+            attrs = {**node.attrs, "upsample": list(producer.attrs["upsample"]), "upsample_fill": ReadFill.NEAREST}
         elif what == "pad" and not any(node.attrs["pads"]):
             attrs = {**node.attrs, "pads": list(producer.attrs["pads"]),
                      **({"pad_fill": producer.attrs["pad_fill"]} if producer.attrs.get("pad_fill") else {})}
@@ -319,7 +320,7 @@ def lower_channel_permutations(graph: Graph) -> Graph:
     for node in graph.nodes:
         first = producers.get(node.inputs[0]) if node.op == "Transpose" else None
         after = consumers.get(node.outputs[0], []) if first is not None else []
-        if first is None or first.op != Kind.RESHAPE or len(after) != 1 or after[0].op != Kind.RESHAPE:
+        if first is None or first.op != "Reshape" or len(after) != 1 or after[0].op != "Reshape":
             continue
         last, x = after[0], first.inputs[0]
         shape = graph.tensors[x].shape

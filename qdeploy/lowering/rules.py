@@ -14,8 +14,9 @@ from typing import Callable
 
 import numpy as np
 
-from qdeploy.errors import BadInput, QdeployError, Unsupported
+from qdeploy_base.errors import BadInput, QdeployError, Unsupported
 from qdeploy.ir import Graph, Node, Tensor, constant
+from isa.geometry import ReadFill
 from isa.kinds import Kind
 from isa.output_stage import NO_OUTPUT_STAGE
 
@@ -146,7 +147,7 @@ def lower_conv_transpose(graph: Graph, node: Node) -> Lowered:
     conv_weight = flipped.transpose(0, 2, 1, 3, 4).reshape(group * per_group_out, channels // group, kh, kw)
     bias = _weight(graph, node, 2, "bias") if len(node.inputs) > 2 and node.inputs[2] else \
         np.zeros(group * per_group_out, np.float32)
-    read = {"upsample": strides, "upsample_fill": "zero"} if strides != [1, 1] else {}
+    read = {"upsample": strides, "upsample_fill": ReadFill.ZERO} if strides != [1, 1] else {}
     return conv_gemm(graph, node, node.inputs[0], conv_weight, bias, group=group, strides=[1, 1], pads=conv_pads,
                      dilations=dilations, read=read)
 
@@ -203,7 +204,7 @@ def lower_resize(graph: Graph, node: Node) -> Lowered:
     sizes = (height, width)
     taps = [np.ones(1) if mode == "nearest" or sizes[a] == 1 else linear_taps(factors[a]) for a in range(2)]
     half = [len(t) // 2 for t in taps]
-    read = {"upsample": factors, "upsample_fill": "nearest", **({"pad_fill": "edge"} if max(half) else {})}
+    read = {"upsample": factors, "upsample_fill": ReadFill.NEAREST, **({"pad_fill": ReadFill.EDGE} if max(half) else {})}
     pads = [half[0], half[1], half[0], half[1]]
     kernel = np.outer(taps[0], taps[1])
     got = ConvGemm(probe_c, np.tile(kernel, (channels, 1, 1, 1)).astype(np.float32), np.zeros(channels, np.float32),
@@ -221,11 +222,11 @@ def lower_resize(graph: Graph, node: Node) -> Lowered:
     first = conv_gemm(graph, node, node.inputs[0], np.tile(taps[1].reshape(1, 1, 1, -1), (channels, 1, 1, 1)),
                       zeros, group=channels, strides=[1, 1], pads=[0, half[1], 0, half[1]], dilations=[1, 1],
                       output=across.name, name=graph.unique_name(f"{node.name}/width"),
-                      read={"upsample": [1, factors[1]], "upsample_fill": "nearest", "pad_fill": "edge"})
+                      read={"upsample": [1, factors[1]], "upsample_fill": ReadFill.NEAREST, "pad_fill": ReadFill.EDGE})
     graph = graph.with_nodes([*graph.nodes, *first.nodes], [*first.tensors, across])  # unique names
     second = conv_gemm(graph, node, across.name, np.tile(taps[0].reshape(1, 1, -1, 1), (channels, 1, 1, 1)),
                        zeros, group=channels, strides=[1, 1], pads=[half[0], 0, half[0], 0], dilations=[1, 1],
-                       read={"upsample": [factors[0], 1], "upsample_fill": "nearest", "pad_fill": "edge"})
+                       read={"upsample": [factors[0], 1], "upsample_fill": ReadFill.NEAREST, "pad_fill": ReadFill.EDGE})
     return Lowered([*first.nodes, *second.nodes], [*first.tensors, across, *second.tensors])
 
 
@@ -249,7 +250,7 @@ def lower_pad(graph: Graph, node: Node) -> Lowered:
         raise Unsupported(f"node '{node.name}' (Pad): pads {pads} are not non-negative pads of H and W only")
     channels, height, width = shape[1:]
     read_pads = [pads[2], pads[3], pads[6], pads[7]]
-    read = {} if mode == "constant" else {"pad_fill": mode}
+    read = {} if mode == "constant" else {"pad_fill": ReadFill(mode)}  # ONNX Pad modes edge, reflect
     from qdeploy.reference import run_node  # the float meaning of the op, so every opset's form is covered
     from qdeploy.reference.ops.accelerator import ConvGemm
 

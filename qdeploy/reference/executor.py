@@ -7,7 +7,7 @@ from typing import Iterable
 
 import numpy as np
 
-from qdeploy.errors import BadInput, Unsupported
+from qdeploy_base.errors import BadInput, Unsupported
 from qdeploy.ir import Graph, Node, topological_order
 from qdeploy.reference.ops import OPS, OpFunction
 

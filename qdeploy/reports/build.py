@@ -50,12 +50,12 @@ from calib.kl import MAX_CLIPPED_FRACTION, clipping_budget, kl_threshold
 from calib.table import CalibrationTable
 from isa.kinds import Kind
 from qdeploy import __version__
-from qdeploy.errors import BadInput
+from qdeploy_base.errors import BadInput
 from qdeploy.calibration import consumer_fan_in
 from qdeploy.program import Program, read_program
 from qdeploy.reports import DEFAULT_BATCH_SIZE, metrics
 from qdeploy.reports.evaluate import Evaluator, check_original
-from qdeploy.fileio import atomic_write
+from qdeploy_base.fileio import atomic_write
 from qdeploy.reports.inputs import check_program_matches, load_labels, load_peer
 from qdeploy.reports.plots import short_name
 from qdeploy.samples import choose_preprocess, program_preprocess
@@ -341,15 +341,14 @@ def walk_shard(job: WalkJob, window: tuple[int, int]) -> list[tuple[int, list]]:
 
 def _walk_on_cluster(spec: str, job: WalkJob, evaluator: Evaluator, added) -> None:
     """Walk shard by shard on the cluster `spec`, adding each batch's walks to `evaluator` in data order."""
-    from qdeploy.cluster import connect, map_in_order, shard_windows
+    from qdeploy.cluster import run_sharded
 
     def fold(batches: list[tuple[int, list]]) -> None:
         for start, walks in batches:
             float_logits, _ = evaluator.add_walks(walks, start)
             added(None, float_logits)
 
-    with connect(spec) as client:
-        map_in_order(client, walk_shard, shard_windows(job.data.samples, job.data.batch_size), job, fold)
+    run_sharded(spec, walk_shard, job, fold)
 
 
 def build_report(model: str | os.PathLike, program: str | os.PathLike | Program, data, output: str | os.PathLike,

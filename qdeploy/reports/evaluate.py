@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from qdeploy.reference import run_host_op
-from qdeploy.errors import BadInput
+from qdeploy_base.errors import BadInput
 from qdeploy.ir import Graph
 from isa.instructions import Instruction
 from isa.kinds import LAYOUT_KINDS, WEIGHTED_GEMM_KINDS, Kind
@@ -44,7 +44,7 @@ from qdeploy.program import Program
 from qdeploy.reference.executor import run_node
 from qdeploy.reports.metrics import SqnrAccumulator, as_logits, cosine_per_sample, top_k
 from simulator.machine import Machine, dequantize, quantize_input
-from simulator.threads import blas_threads_limitable, one_blas_thread, usable_cpus
+from qdeploy_base.threads import blas_threads_limitable, one_blas_thread, usable_cpus
 
 
 @dataclass

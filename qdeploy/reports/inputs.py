@@ -25,8 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from isa.kinds import WEIGHTED_GEMM_KINDS
-from qdeploy.errors import BadInput
-from qdeploy.fileio import check_input, read_npy, read_npy_header
+from qdeploy_base.errors import BadInput
+from qdeploy_base.fileio import check_input, read_npy, read_npy_header
 from qdeploy.ir import Graph
 from qdeploy.program import Program
 

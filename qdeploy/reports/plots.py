@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from qdeploy.fileio import atomic_write
+from qdeploy_base.fileio import atomic_write
 
 PALETTE_COLORS = 64
 HISTOGRAM_COLUMNS = 6

@@ -7,7 +7,7 @@ public entry point of the same name:
     from simulator.kernels.requantize import requantize    # eq. 2-8 (rows x channels, or channel-planar views)
     from simulator.kernels.window_max import window_max    # eq. 10
 
-Each kernel has a Python-int twin in simulator/reference.py and equals it bit for bit (tests/test_sim_*.py); the
+Each kernel has a Python-int twin in simulator/twins.py and equals it bit for bit (tests/test_sim_*.py); the
 fast layouts (planar GEMM, depthwise, planar requantize) also equal the paths they replace
 (tests/test_sim_planar.py, tests/test_sim_depthwise.py).
 The functions are not re-exported here, so `simulator.kernels.gemm` stays the module."""

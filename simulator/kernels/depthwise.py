@@ -44,7 +44,7 @@ product is 0, and adding 0 to a register inside [lo, hi] neither wraps nor clamp
   events are the clamping additions, as the K-ordered GEMM counts them.
 
 Twins: the im2col + grouped-GEMM path (kernels.im2col.im2col + kernels.gemm.gemm, each equal to its Python-int
-twin in simulator/reference.py) and reference.accumulate on the im2col columns (tests/test_sim_depthwise.py).
+twin in simulator/twins.py) and twins.accumulate on the im2col columns (tests/test_sim_depthwise.py).
 """
 
 from __future__ import annotations

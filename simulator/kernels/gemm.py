@@ -22,7 +22,6 @@ uses the fast method where it is exact and the ordered one otherwise (tests/test
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +29,7 @@ from numba import njit, prange
 
 from isa.target import ACC_BITS_RANGE, Overflow
 from simulator.kernels import int8_simd
+from simulator.kernels.scratch import scratch_array
 
 # float32 has a 24-bit significand: every integer n with |n| <= 2^24 is exactly representable (2^24 + 1 is
 # the first that is not). A sum of integers stays exact while every partial sum stays within this bound.
@@ -130,7 +130,7 @@ def gemm_ordered_kernel(a, bt, bias, lo, hi, saturate, out):
 def add_gemm_kernel(a, b, w_a, w_b, lo, hi, saturate, out):
     """The AddGemm's K = 2 GEMM per element: out[i] = the acc_bits register after adding a[i] * w_a, then
     b[i] * w_b (a, b int8/uint8 1-D, w_a, w_b the pre-scale weights, |product| < 2^24). Events as the twin
-    (reference.accumulate): saturate counts clamping additions, wrap counts outputs whose exact sum is outside
+    (twins.accumulate): saturate counts clamping additions, wrap counts outputs whose exact sum is outside
     [lo, hi]. Returns the events."""
     width = hi - lo
     full64 = hi == 9223372036854775807
@@ -158,7 +158,7 @@ def add_gemm_kernel(a, b, w_a, w_b, lo, hi, saturate, out):
 def mul_gemm_kernel(a, b, lo, hi, saturate, out):
     """The MulGemm's K = 1 GEMM per element: out[i] = the acc_bits register after adding a[i] * b[i] to 0 (a, b
     int8/uint8 1-D, b already broadcast; |a[i] * b[i]| <= 255 * 255 < 2^16). Events as the twin
-    (reference.accumulate): saturate counts the clamped products, wrap the products outside [lo, hi]. Returns
+    (twins.accumulate): saturate counts the clamped products, wrap the products outside [lo, hi]. Returns
     the events."""
     width = hi - lo
     full64 = hi == 9223372036854775807
@@ -351,19 +351,6 @@ def finish_planar(product, bias, lo, hi, narrow, in_range, out):
     return events
 
 
-def _scratch(scratch: dict | None, key: str, shape: tuple, dtype) -> np.ndarray:
-    """An uninitialised array of `shape`: a view of scratch[key] when that buffer is large enough (reused across
-    calls: a fresh large array costs a page fault per 4 KiB on first touch), else a new one stored there."""
-    dtype = np.dtype(dtype)
-    size = math.prod(shape) * dtype.itemsize
-    if scratch is None:
-        return np.empty(shape, dtype)
-    buffer = scratch.get(key)
-    if buffer is None or buffer.nbytes < size:
-        buffer = scratch[key] = np.empty(size, np.uint8)
-    return buffer[:size].view(dtype).reshape(shape)
-
-
 def channel_max_abs(w: np.ndarray) -> np.ndarray:
     """max |w[m, :]| per row m of a 2-D weight (M, K), int64 (gemm_planar's and depthwise_conv's w_max_abs)."""
     return np.abs(w.astype(np.int64)).max(axis=1) if w.size else np.zeros(w.shape[0], np.int64)
@@ -412,7 +399,7 @@ def gemm_planar(w, cols, acc_bits: int = 32, overflow: str | Overflow = Overflow
     w (M, K) int8; cols (N, K, S) int8/uint8; bias (M,) integers. w_float: w as float32 (M, K), if the caller
     keeps it; w_max_abs: max|w[m, :]| per row (channel_max_abs), if known (else measured). |cols| is bounded
     by its dtype (128 or 255), so no pass over the data is needed to bound it. scratch: a dict of reusable
-    buffers (see _scratch); the returned acc may then be a view of one of them, valid until the next call
+    buffers (kernels/scratch.py); the returned acc may then be a view of one of them, valid until the next call
     with the same dict. packed: w packed for kernels.int8_simd (int8_simd.pack, with an instruction set this CPU has).
 
     Method: where packed is given, acc_bits <= 32 and every channel's worst-case bound fits the register (no
@@ -451,17 +438,17 @@ def gemm_planar(w, cols, acc_bits: int = 32, overflow: str | Overflow = Overflow
                           0, "int8_simd")
     chunk = max_exact_chunk(a_max, b_max)
     w_f = w.astype(np.float32) if w_float is None else w_float
-    cols_f = _scratch(scratch, "cols_f32", cols.shape, np.float32)
+    cols_f = scratch_array(scratch, "cols_f32", cols.shape, np.float32)
     int_to_float32(np.ascontiguousarray(cols).reshape(-1), cols_f.reshape(-1))
-    product = _scratch(scratch, "product", (n_dim, m_dim, s_dim), np.float32)
+    product = scratch_array(scratch, "product", (n_dim, m_dim, s_dim), np.float32)
     if k_dim <= chunk:
         np.matmul(w_f, cols_f, out=product)
         sums = product
     else:
-        sums = _scratch(scratch, "exact", (n_dim, m_dim, s_dim), np.int64)
+        sums = scratch_array(scratch, "exact", (n_dim, m_dim, s_dim), np.int64)
         for k0 in range(0, k_dim, chunk):  # each chunk: |partial sums| <= chunk * a_max * b_max <= 2^24
             np.matmul(w_f[:, k0:k0 + chunk], cols_f[:, k0:k0 + chunk, :], out=product)
             add_float32_planes(product, k0 == 0, sums)
-    acc = product.view(np.int32) if acc_bits <= 32 else _scratch(scratch, "acc64", product.shape, np.int64)
+    acc = product.view(np.int32) if acc_bits <= 32 else scratch_array(scratch, "acc64", product.shape, np.int64)
     events = finish_planar(sums, bias_m, np.int64(lo), np.int64(hi), sums.dtype == np.float32, in_range, acc)
     return GemmResult(acc, int(events), "fast")

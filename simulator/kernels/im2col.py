@@ -6,7 +6,7 @@ dilations (dh, dw) and group G on an NCHW input x (int8 or uint8, zero point 0):
 
 and 0 where that position is padding. Column order (c, i, j) is the row-major flattening of the ONNX weight
 (M, C/G, kh, kw), so conv = cols[g] @ W[g].reshape(M/G, -1).T per group. OH, OW as ONNX Conv:
-floor((H + top + bottom - dh*(kh-1) - 1) / sh) + 1. Twin: reference.im2col.
+floor((H + top + bottom - dh*(kh-1) - 1) / sh) + 1. Twin: twins.im2col.
 """
 
 from __future__ import annotations

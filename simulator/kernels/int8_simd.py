@@ -6,8 +6,8 @@ machine (im2col, GEMM and the Requantize step in one kernel), `planar_gemm` for 
 cols are the im2col rows of eq. 9 (simulator/README.md), never materialised: `pack_columns` packs each image's
 rows straight from x into the words below, the padding as the real 0.
 
-Two instruction sets (`Isa`), picked once per process from the features Numba compiles for (the CPU's own, or
-NUMBA_CPU_NAME / NUMBA_CPU_FEATURES):
+Two SIMD extensions of the CPU's instruction set (`SimdExtension`), picked once per process from the features
+Numba compiles for (the CPU's own, or NUMBA_CPU_NAME / NUMBA_CPU_FEATURES):
 - AVX-512 VNNI, VPDPBUSD: in each of 16 int32 lanes, adds four products of an unsigned byte and a signed byte
   to the lane, wrapping (Intel SDM, VPDPBUSD: "no saturation"; VPDPBUSDS is the saturating form): 64
   multiply-adds per instruction, four times the lanes of a float32 FMA. cols are packed as 4-byte groups along
@@ -23,9 +23,10 @@ and the machine use it only then.
 
 The tile is LLVM IR written here (Numba's @intrinsic) because no compiler pattern turns a Python loop into these
 instructions (measured: Numba's own vectorisation of the same loop ran at 6.7 GOP/s, the VNNI tile at ~10x
-that). An intrinsic whose instructions the compile target lacks compiles to nothing: it is never called (`ISA`
-picks), and Numba's cache is keyed by the target's CPU name and features. `ISA` is None on other targets (another
-CPU, or NUMBA_CPU_NAME=generic for a portable cache): gemm_planar keeps the float32 BLAS path.
+that). An intrinsic whose instructions the compile target lacks compiles to nothing: it is never called
+(`EXTENSION` picks), and Numba's cache is keyed by the target's CPU name and features. `EXTENSION` is None on
+other targets (another CPU, or NUMBA_CPU_NAME=generic for a portable cache): gemm_planar keeps the float32 BLAS
+path.
 QDEPLOY_INT8_SIMD=avx2 or =off in the environment picks the AVX2 kernel or none on a CPU that has more.
 """
 
@@ -42,13 +43,14 @@ from numba.core.codegen import get_host_cpu_features
 from numba.extending import intrinsic
 
 from simulator.kernels.requantize import PlaneParameters, output_dtype, requantize_plane
+from simulator.kernels.scratch import scratch_array
 
 TILE_ROWS = 4  # rows m per register tile
 
 
 @dataclass(frozen=True)
-class Isa:
-    """One instruction set's tile geometry: `code` is what the Numba driver dispatches on."""
+class SimdExtension:
+    """One SIMD extension's tile geometry: `code` is what the Numba driver dispatches on."""
 
     name: str
     code: int
@@ -63,8 +65,8 @@ class Isa:
         return self.lanes * self.vectors
 
 
-AVX512_VNNI = Isa("avx512vnni", 0, 16, 4, 4, ("avx512f", "avx512vnni"))  # 16 of 32 zmm accumulate
-AVX2 = Isa("avx2", 1, 8, 3, 2, ("avx2",))  # 12 of 16 ymm accumulate, 3 hold x, 1 the weights
+AVX512_VNNI = SimdExtension("avx512vnni", 0, 16, 4, 4, ("avx512f", "avx512vnni"))  # 16 of 32 zmm accumulate
+AVX2 = SimdExtension("avx2", 1, 8, 3, 2, ("avx2",))  # 12 of 16 ymm accumulate, 3 hold x, 1 the weights
 
 
 def _compile_features() -> dict[str, bool]:
@@ -83,18 +85,18 @@ def _compile_features() -> dict[str, bool]:
 _COMPILE_FEATURES = _compile_features()
 
 
-def compiles_for(isa: Isa) -> bool:
-    """Whether the code Numba compiles in this process may use `isa`'s instructions."""
-    return all(_COMPILE_FEATURES.get(feature, False) for feature in isa.features)
+def compiles_for(extension: SimdExtension) -> bool:
+    """Whether the code Numba compiles in this process may use `extension`'s instructions."""
+    return all(_COMPILE_FEATURES.get(feature, False) for feature in extension.features)
 
 
-def _pick_isa() -> Isa | None:
+def _pick_extension() -> SimdExtension | None:
     choice = os.environ.get("QDEPLOY_INT8_SIMD", "").lower()
     candidates = {"": (AVX512_VNNI, AVX2), "avx512vnni": (AVX512_VNNI,), "avx2": (AVX2,), "off": ()}.get(choice, ())
-    return next((isa for isa in candidates if compiles_for(isa)), None)
+    return next((extension for extension in candidates if compiles_for(extension)), None)
 
 
-ISA = _pick_isa()
+EXTENSION = _pick_extension()
 
 
 def _emit_vnni(builder, acc, x, w):
@@ -114,21 +116,21 @@ def _emit_avx2(builder, acc, x, w):
 _EMIT = {AVX512_VNNI.code: _emit_vnni, AVX2.code: _emit_avx2}
 
 
-def _make_tile(isa: Isa, vectors: int):
+def _make_tile(extension: SimdExtension, vectors: int):
     """An intrinsic tile(x4, w4, tile, kq_count, tile_col, col0, w_row): for r < TILE_ROWS and c < vectors,
     tile[r, tile_col + lanes c + l] = sum_{kq < kq_count} dot(x4[kq, col0 + lanes c + l], w4[w_row + r, kq]), the
-    dot product of the k values packed in the two words (isa.k_per_word of them); x4 a 2-D uint32 array
+    dot product of the k values packed in the two words (extension.k_per_word of them); x4 a 2-D uint32 array
     (KQ, S_pad), w4 a 2-D int32 array (M_pad, KQ), tile a 2-D int32 array (TILE_ROWS, >= tile_col + lanes
     vectors). On a CPU without the instruction set the body is empty (never called)."""
-    vec = ir.VectorType(ir.IntType(32), isa.lanes)
-    vector_bytes = 4 * isa.lanes
+    vec = ir.VectorType(ir.IntType(32), extension.lanes)
+    vector_bytes = 4 * extension.lanes
 
     @intrinsic
     def tile_kernel(typingctx, x4, w4, tile, kq_count, tile_col, col0, w_row):
         sig = types.void(x4, w4, tile, types.intp, types.intp, types.intp, types.intp)
 
         def codegen(context, builder, signature, args):
-            if not compiles_for(isa):
+            if not compiles_for(extension):
                 return context.get_dummy_value()
             x_arg, w_arg, tile_arg, kq_count_v, tile_col_v, col0_v, w_row_v = args
             x_array = context.make_array(signature.args[0])(context, builder, x_arg)
@@ -143,7 +145,7 @@ def _make_tile(isa: Isa, vectors: int):
             slots = [[cgutils.alloca_once_value(builder, ir.Constant(vec, None)) for _ in range(vectors)]
                      for _ in range(TILE_ROWS)]
             x_start = builder.mul(col0_v, ir.Constant(intp, 4))
-            splat_mask = ir.Constant(ir.VectorType(ir.IntType(32), isa.lanes), [0] * isa.lanes)
+            splat_mask = ir.Constant(ir.VectorType(ir.IntType(32), extension.lanes), [0] * extension.lanes)
             with cgutils.for_range(builder, kq_count_v) as loop:
                 kq = loop.index
                 x_row_ptr = builder.gep(x_base, [builder.add(x_start, builder.mul(kq, x_stride))])
@@ -158,7 +160,8 @@ def _make_tile(isa: Isa, vectors: int):
                         builder.insert_element(ir.Constant(vec, ir.Undefined), word, ir.Constant(ir.IntType(32), 0)),
                         ir.Constant(vec, ir.Undefined), splat_mask)
                     for c in range(vectors):
-                        builder.store(_EMIT[isa.code](builder, builder.load(slots[r][c]), xs[c], splat), slots[r][c])
+                        accumulated = _EMIT[extension.code](builder, builder.load(slots[r][c]), xs[c], splat)
+                        builder.store(accumulated, slots[r][c])
             t_base = builder.bitcast(tile_array.data, i8p)
             t_stride = cgutils.unpack_tuple(builder, tile_array.strides, 2)[0]
             for r in range(TILE_ROWS):
@@ -180,8 +183,8 @@ _avx2_full, _avx2_one = _make_tile(AVX2, AVX2.vectors), _make_tile(AVX2, 1)
 
 
 @njit(cache=True, nogil=True)
-def _tile(isa_code, full, x4, w4, tile, kq_count, tile_col, col0, w_row):
-    if isa_code == 0:
+def _tile(extension_code, full, x4, w4, tile, kq_count, tile_col, col0, w_row):
+    if extension_code == 0:
         if full:
             _vnni_full(x4, w4, tile, kq_count, tile_col, col0, w_row)
         else:
@@ -196,37 +199,37 @@ _NO_REQUANT = PlaneParameters(-1, np.zeros(1, np.bool_), np.zeros(1, np.int64), 
                               np.zeros(1, np.float32))
 
 
-def padded_columns(s: int, isa: Isa) -> int:
-    return -(-s // isa.lanes) * isa.lanes
+def padded_columns(s: int, extension: SimdExtension) -> int:
+    return -(-s // extension.lanes) * extension.lanes
 
 
-def _offset(dtype: np.dtype, isa: Isa) -> int:
+def _offset(dtype: np.dtype, extension: SimdExtension) -> int:
     """What pack_columns adds to x: 128 turns int8 into the unsigned bytes VPDPBUSD multiplies; 16-bit halves
     hold int8 and uint8 as they are."""
-    return 128 if dtype == np.int8 and isa.k_per_word == 4 else 0
+    return 128 if dtype == np.int8 and extension.k_per_word == 4 else 0
 
 
 @dataclass(frozen=True)
 class PackedWeights:
     """A convolution's weights as gemm_int8 reads them for one instruction set (pack)."""
 
-    isa: Isa
-    words: np.ndarray  # (G * Mg_pad, KQ) int32: isa.k_per_word consecutive k of a row per word (zeros beyond K)
+    extension: SimdExtension
+    words: np.ndarray  # (G * Mg_pad, KQ) int32: extension.k_per_word consecutive k of a row per word (zeros beyond K)
     row_sums: np.ndarray  # (M,) int64, sum_k w[m, k], for the offset of a signed x
     groups: int  # G: group g's Mg = M / G rows are words[g * Mg_pad : g * Mg_pad + Mg]
 
 
-def pack(w: np.ndarray, isa: Isa, groups: int = 1) -> PackedWeights:
-    """w (M, K) int8 (K = C / G * kh * kw) in words of isa.k_per_word consecutive k (bytes, or int16 halves); the
+def pack(w: np.ndarray, extension: SimdExtension, groups: int = 1) -> PackedWeights:
+    """w (M, K) int8 (K = C / G * kh * kw) in words of extension.k_per_word consecutive k (bytes, or int16 halves); the
     rows of each group padded to a multiple of TILE_ROWS, so a register tile never mixes groups."""
     m, k = w.shape
-    per_word, m_group = isa.k_per_word, m // groups
+    per_word, m_group = extension.k_per_word, m // groups
     kq = -(-k // per_word)
     m_group_pad = -(-m_group // TILE_ROWS) * TILE_ROWS
     packed = np.zeros((groups, m_group_pad, kq * per_word), np.int8 if per_word == 4 else np.int16)
     packed[:, :m_group, :k] = w.reshape(groups, m_group, k)
-    return PackedWeights(isa, packed.reshape(groups * m_group_pad, -1).view(np.int32), w.astype(np.int64).sum(axis=1),
-                         groups)
+    return PackedWeights(extension, packed.reshape(groups * m_group_pad, -1).view(np.int32),
+                         w.astype(np.int64).sum(axis=1), groups)
 
 
 @njit(cache=True, nogil=True)
@@ -293,19 +296,19 @@ BLOCK_BYTES = 1 << 17  # bytes of packed columns per block: a block of x4 stays 
 BLOCK_COLUMNS = 1024  # at most: the tile buffer (TILE_ROWS x BLOCK_COLUMNS int32, 16 KiB) stays in L1
 
 
-def block_columns(kq_dim: int, isa: Isa) -> int:
+def block_columns(kq_dim: int, extension: SimdExtension) -> int:
     """Columns per block: BLOCK_BYTES of x4 (KQ words per column), whole strips, at most about BLOCK_COLUMNS."""
-    strips = max(1, min(BLOCK_COLUMNS, BLOCK_BYTES // (4 * max(kq_dim, 1))) // isa.strip)
-    return strips * isa.strip
+    strips = max(1, min(BLOCK_COLUMNS, BLOCK_BYTES // (4 * max(kq_dim, 1))) // extension.strip)
+    return strips * extension.strip
 
 
 @njit(cache=True, nogil=True)
-def gemm_int8(isa_code, lanes, strip, k_per_word, w4, groups, x, kh, kw, sh, sw, pt, pl, dh, dw, oh_dim, ow_dim,
+def gemm_int8(extension_code, lanes, strip, k_per_word, w4, groups, x, kh, kw, sh, sw, pt, pl, dh, dw, oh_dim, ow_dim,
               offset, correction, x4, tile, out, mode, fast, mult, shift, scale, lo, hi):
     """out[n, m, s] = sum_k w[m, k] * cols[n, k, s] + correction[m], modulo 2^32, stored as int32 (mode -1) or
     requantized (requantize_plane: mode as requantize._MODE_CODES with fast, mult, shift, scale, lo, hi per
     channel, out of requantize.output_dtype(lo, hi)). The instruction set's code, lanes, strip and k_per_word as
-    Isa; cols the im2col rows of x (N, C, H, W) int8/uint8 for the window (kh, kw, strides, top and left pads,
+    SimdExtension; cols the im2col rows of x (N, C, H, W) int8/uint8 for the window (kh, kw, strides, top and left pads,
     dilations; output OH x OW), packed per image and group by pack_columns (group g: input channels
     g C/G .. (g+1) C/G - 1, output channels g M/G ..; offset as _offset; correction[m] then includes
     -offset * sum_k w[m, k]); correction (M,) int32;
@@ -329,9 +332,9 @@ def gemm_int8(isa_code, lanes, strip, k_per_word, w4, groups, x, kh, kw, sh, sw,
                 for m0 in range(0, m_group_pad, TILE_ROWS):
                     w_row = g * m_group_pad + m0
                     for col0 in range(block0, full_end, strip):
-                        _tile(isa_code, True, x4, w4, tile, kq_dim, col0 - block0, col0, w_row)
+                        _tile(extension_code, True, x4, w4, tile, kq_dim, col0 - block0, col0, w_row)
                     for col0 in range(full_end, block_end, lanes):
-                        _tile(isa_code, False, x4, w4, tile, kq_dim, col0 - block0, col0, w_row)
+                        _tile(extension_code, False, x4, w4, tile, kq_dim, col0 - block0, col0, w_row)
                     _store_rows(tile, min(TILE_ROWS, m_group - m0), block_end - block0, correction, dst,
                                 g * m_group + m0, block0, mode, fast, mult, shift, scale, lo, hi)
 
@@ -346,31 +349,29 @@ def conv(packed: PackedWeights, x: np.ndarray, window: tuple, output_size: tuple
     (packed.groups), never written out: each image's rows are packed straight from x. Int32 (N, M, OH*OW; the
     caller has checked that every exact value fits int32), or, with requant, acc requantized and clamped to
     [lo, hi] (requantize's output_dtype: int8, uint8, or int32 for an output left wide), never stored as an
-    accumulator. scratch: the caller's reusable buffers (kernels.gemm._scratch)."""
-    from simulator.kernels.gemm import _scratch  # one scratch mechanism (gemm imports this module)
-
+    accumulator. scratch: the caller's reusable buffers (kernels/scratch.py)."""
     window = tuple(tuple(int(v) for v in part) for part in window)
     (kh, kw), (sh, sw), (pt, pl, _, _), (dh, dw) = window
     oh_dim, ow_dim = output_size
     if window == ONE_BY_ONE:  # each im2col row is a whole plane: pack it as one run
         x = x.reshape(x.shape[0], x.shape[1], 1, -1)
         oh_dim, ow_dim = 1, oh_dim * ow_dim
-    isa = packed.isa
+    extension = packed.extension
     n_dim, s_dim = x.shape[0], oh_dim * ow_dim
     m_dim, kq_dim = packed.row_sums.shape[0], packed.words.shape[1]
-    offset = _offset(x.dtype, isa)
+    offset = _offset(x.dtype, extension)
     correction = (bias.astype(np.int64) - offset * packed.row_sums).astype(np.int32)  # modulo 2^32
-    x4 = _scratch(scratch, "int8_simd_x4", (kq_dim, padded_columns(s_dim, isa)), np.uint32)
-    tile = _scratch(scratch, "int8_simd_tile", (TILE_ROWS, block_columns(kq_dim, isa)), np.int32)
+    x4 = scratch_array(scratch, "int8_simd_x4", (kq_dim, padded_columns(s_dim, extension)), np.uint32)
+    tile = scratch_array(scratch, "int8_simd_tile", (TILE_ROWS, block_columns(kq_dim, extension)), np.int32)
     if requant is None:
-        out = _scratch(scratch, "int8_simd_acc", (n_dim, m_dim, s_dim), np.int32)
+        out = scratch_array(scratch, "int8_simd_acc", (n_dim, m_dim, s_dim), np.int32)
         params = _NO_REQUANT
     else:
         out = np.empty((n_dim, m_dim, s_dim), output_dtype(lo, hi))
         params = requant
-    gemm_int8(isa.code, isa.lanes, isa.strip, isa.k_per_word, packed.words, packed.groups, np.ascontiguousarray(x), kh,
-              kw, sh, sw, pt, pl, dh, dw, oh_dim, ow_dim, offset, correction, x4, tile, out, params.mode, params.fast,
-              params.mult, params.shift, params.scale, np.int64(lo), np.int64(hi))
+    gemm_int8(extension.code, extension.lanes, extension.strip, extension.k_per_word, packed.words, packed.groups,
+              np.ascontiguousarray(x), kh, kw, sh, sw, pt, pl, dh, dw, oh_dim, ow_dim, offset, correction, x4, tile,
+              out, params.mode, params.fast, params.mult, params.shift, params.scale, np.int64(lo), np.int64(hi))
     return out
 
 

@@ -7,7 +7,7 @@ Integer modes take mult[c] (0 <= mult < 2^31, the Q(mult_bits-1) mantissa) and s
 shift n: M[c] ~= mult[c] * 2^-n, see isa/multiplier.py); float32_rne takes scale[c], the float32
 multiplier. Widths: every step is int64 (numba widens to int64 anyway; see style.md section 4). The product
 p = acc * mult is exact in int64 while |acc| <= 2^31 (|p| < 2^62); a wider accumulator (acc_bits up to 64)
-takes an exact split path (_product_parts). Twins: simulator.reference (Python ints).
+takes an exact split path (_product_parts). Twins: simulator.twins (Python ints).
 
 Two kernels per integer mode, equal wherever both apply: `requantize_<mode>` handles every input (any
 int64 acc, any shift, left shifts included); `requantize_<mode>_fast` is branch-free straight-line int64
@@ -82,14 +82,14 @@ def _product_parts(acc, mult, n):
 
 @njit(cache=True, nogil=True)
 def round_half_up(acc, mult, n):
-    """(3) floor((acc*mult + 2^(n-1)) / 2^n): ties toward +inf. Twin: reference.round_half_up."""
+    """(3) floor((acc*mult + 2^(n-1)) / 2^n): ties toward +inf. Twin: twins.round_half_up."""
     q, g, s = _product_parts(acc, mult, n)
     return q + g
 
 
 @njit(cache=True, nogil=True)
 def round_half_away(acc, mult, n):
-    """(4) nearest to acc*mult / 2^n, ties away from zero. Twin: reference.round_half_away."""
+    """(4) nearest to acc*mult / 2^n, ties away from zero. Twin: twins.round_half_away."""
     q, g, s = _product_parts(acc, mult, n)
     if g == 1 and (s or acc >= 0):  # above half, or a tie of a non-negative p (q = floor is toward -inf)
         q += 1
@@ -98,7 +98,7 @@ def round_half_away(acc, mult, n):
 
 @njit(cache=True, nogil=True)
 def round_half_even(acc, mult, n):
-    """(5) nearest to acc*mult / 2^n, ties to even. Twin: reference.round_half_even."""
+    """(5) nearest to acc*mult / 2^n, ties to even. Twin: twins.round_half_even."""
     q, g, s = _product_parts(acc, mult, n)
     if g == 1 and (s or (q & 1) == 1):
         q += 1
@@ -109,7 +109,7 @@ def round_half_even(acc, mult, n):
 def saturating_rounding_doubling_high_mul(a, b):
     """gemmlowp SaturatingRoundingDoublingHighMul on int32 values (held in int64): (a*b + nudge) / 2^31,
     C division (truncating toward zero), nudge = 2^30 if a*b >= 0 else 1 - 2^30; INT32_MIN * INT32_MIN
-    saturates to INT32_MAX. |a*b + nudge| < 2^63. Twin: reference.saturating_rounding_doubling_high_mul."""
+    saturates to INT32_MAX. |a*b + nudge| < 2^63. Twin: twins.saturating_rounding_doubling_high_mul."""
     if a == b and a == INT32_MIN:
         return np.int64(INT32_MAX)
     ab = a * b
@@ -121,7 +121,7 @@ def saturating_rounding_doubling_high_mul(a, b):
 @njit(cache=True, nogil=True)
 def rounding_divide_by_pot(x, exponent):
     """gemmlowp RoundingDivideByPOT, int32 x (held in int64), 0 <= exponent <= 31: x >> exponent, plus 1 when
-    x & mask > (mask >> 1) + (x < 0): nearest, ties away from zero. Twin: reference.rounding_divide_by_pot."""
+    x & mask > (mask >> 1) + (x < 0): nearest, ties away from zero. Twin: twins.rounding_divide_by_pot."""
     mask = (np.int64(1) << exponent) - 1
     remainder = x & mask
     threshold = (mask >> 1) + (1 if x < 0 else 0)
@@ -133,7 +133,7 @@ def tflite_multiply(acc, mult, n):
     """(6) TFLite MultiplyByQuantizedMultiplier with exponent e = 31 - n: RDBPOT(SRDHM(wrap32(acc << max(e,0)),
     mult), max(-e,0)); int32 acc, n >= 0 (left shift <= 31, wrapping at 32 bits as TFLite's `x * (1 << l)`
     does on two's complement machines); n > 62 gives 0 (TFLite flushes those multipliers to zero).
-    Twin: reference.tflite_multiply."""
+    Twin: twins.tflite_multiply."""
     e = 31 - n
     if e < -31:
         return np.int64(0)
@@ -152,7 +152,7 @@ def tflite_multiply(acc, mult, n):
 def requantize_half_up(acc, mult, shift, lo, hi, out):
     """out[i, c] = clamp(floor((acc[i, c] * mult[c] + 2^(n-1)) / 2^n), lo, hi), n = shift[c].
     Ties toward +inf (the arithmetic shift floors). acc*mult exact (int64, or split when |acc| > 2^31).
-    Source: design.md section 3 `half_up`. Twin: reference.requantize(mode="half_up")."""
+    Source: design.md section 3 `half_up`. Twin: twins.requantize(mode="half_up")."""
     for i in range(acc.shape[0]):
         for c in range(acc.shape[1]):
             v = round_half_up(np.int64(acc[i, c]), mult[c], shift[c])
@@ -162,7 +162,7 @@ def requantize_half_up(acc, mult, shift, lo, hi, out):
 @njit(cache=True, nogil=True)
 def requantize_half_away(acc, mult, shift, lo, hi, out):
     """out[i, c] = clamp(sign(p) * floor((|p| + 2^(n-1)) / 2^n), lo, hi), p = acc[i, c] * mult[c],
-    n = shift[c]: nearest, ties away from zero. Twin: reference.requantize(mode="half_away")."""
+    n = shift[c]: nearest, ties away from zero. Twin: twins.requantize(mode="half_away")."""
     for i in range(acc.shape[0]):
         for c in range(acc.shape[1]):
             v = round_half_away(np.int64(acc[i, c]), mult[c], shift[c])
@@ -172,7 +172,7 @@ def requantize_half_away(acc, mult, shift, lo, hi, out):
 @njit(cache=True, nogil=True)
 def requantize_half_even(acc, mult, shift, lo, hi, out):
     """out[i, c] = clamp(nearest(acc[i, c] * mult[c] / 2^n), lo, hi), n = shift[c], ties to even.
-    Twin: reference.requantize(mode="half_even")."""
+    Twin: twins.requantize(mode="half_even")."""
     for i in range(acc.shape[0]):
         for c in range(acc.shape[1]):
             v = round_half_even(np.int64(acc[i, c]), mult[c], shift[c])
@@ -184,7 +184,7 @@ def requantize_tflite(acc, mult, shift, lo, hi, out):
     """out[i, c] = clamp(RDBPOT(SRDHM(acc << l, mult[c]), r), lo, hi) with l = max(31 - n, 0),
     r = max(n - 31, 0), n = shift[c]: gemmlowp's double rounding (the high multiply rounds half away from
     zero, then the divide rounds half away from zero again). int32 acc, n >= 0.
-    Source: TFLite MultiplyByQuantizedMultiplier. Twin: reference.requantize(mode="tflite")."""
+    Source: TFLite MultiplyByQuantizedMultiplier. Twin: twins.requantize(mode="tflite")."""
     for i in range(acc.shape[0]):
         for c in range(acc.shape[1]):
             v = tflite_multiply(np.int64(acc[i, c]), mult[c], shift[c])
@@ -197,7 +197,7 @@ def requantize_float32_rne(acc, scale, lo, hi, out):
     nearest even), one float32 multiply (rounded to float32), then to the nearest integer, ties to even.
     Clamping in float before rounding equals clamping after (lo, hi are integers, rne is monotonic), as MLAS
     does. Source: MLAS MlasRequantizeOutput (_mm_cvtepi32_ps, _mm_mul_ps, _mm_cvtps_epi32).
-    Twin: reference.requantize(mode="float32_rne")."""
+    Twin: twins.requantize(mode="float32_rne")."""
     f_lo, f_hi = np.float32(lo), np.float32(hi)
     for i in range(acc.shape[0]):
         for c in range(acc.shape[1]):

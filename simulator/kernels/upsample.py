@@ -11,7 +11,7 @@ p % f != 0 reads the zero register); the model materializes it, then im2col runs
 
 With edge or reflect padding the border rows are materialized and the convolution's pads become 0; with zero padding the
 read is U x U wide and the pads stay with im2col. int8/uint8 in, same dtype out: zero point 0, so an inserted
-zero is the value 0 in either. Twin: reference.upsampled_read (plain loops over isa.geometry.read_source).
+zero is the value 0 in either. Twin: twins.upsampled_read (plain loops over isa.geometry.read_source).
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from isa.geometry import upsampled_size
+from isa.geometry import UPSAMPLE_FILLS, ReadFill, upsampled_size
 
 
-PAD_MODES = {None: 0, "zero": 0, "edge": 1, "reflect": 2}  # pad_fill -> the kernels' pad_mode
+PAD_MODES = {None: 0, ReadFill.ZERO: 0, ReadFill.EDGE: 1, ReadFill.REFLECT: 2}  # pad_fill -> the kernels' pad_mode
 
 
 @njit(cache=True)
@@ -70,11 +70,11 @@ def upsampled_read(x: np.ndarray, upsample, upsample_fill: str | None, pads, pad
     edge = pad_mode != 0  # the padding is materialized
     if (fh, fw) == (1, 1) and not edge:
         return x, tuple(pads)
-    if upsample_fill not in ("zero", "nearest") and (fh, fw) != (1, 1):
+    if upsample_fill not in UPSAMPLE_FILLS and (fh, fw) != (1, 1):
         raise ValueError(f"upsample_fill {upsample_fill!r}: expected zero or nearest")
     pt, pl, pb, pr = (int(p) for p in pads) if edge else (0, 0, 0, 0)
     n, c, h, w = x.shape
     rows, cols = upsampled_size(h, fh, upsample_fill) + pt + pb, upsampled_size(w, fw, upsample_fill) + pl + pr
     out = np.empty((n, c, rows, cols), x.dtype)
-    upsampled_read_kernel(np.ascontiguousarray(x), int(fh), int(fw), upsample_fill == "zero", pt, pl, pad_mode, out)
+    upsampled_read_kernel(np.ascontiguousarray(x), int(fh), int(fw), upsample_fill == ReadFill.ZERO, pt, pl, pad_mode, out)
     return out, ((0, 0, 0, 0) if edge else tuple(pads))

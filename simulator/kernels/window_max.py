@@ -6,7 +6,7 @@ because requantization and the clamp are monotonic, so max commutes with them). 
 Padding never wins (ONNX pads MaxPool with -inf); a window with no position inside x (possible only when a
 pad is at least the dilated kernel) gives the dtype's minimum. OH, OW as ONNX MaxPool, including ceil_mode
 and its rule that the last window must start inside the input or its leading padding
-(reference.pool_output_size). Twin: reference.window_max.
+(twins.pool_output_size). Twin: twins.window_max.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from isa.geometry import ReadFill
 from isa.instructions import Instruction
 from isa.kinds import LAYOUT_KINDS, Kind, handler
 from isa.output_stage import Bias, Clamp, ClampHi, Lookup, Requantize, WindowMax, fold
@@ -82,7 +83,7 @@ def _conv_operands(instr: Instruction, args: list[np.ndarray], arrays: dict, inf
                     for k in ("kernel", "strides", "pads", "dilations", "group")}
     if instr.upsample is not None or instr.pad_fill is not None:
         info["conv"].update(upsample=list(instr.upsample or (1, 1)), upsample_fill=instr.upsample_fill,
-                            pad_fill=instr.pad_fill or "zero")
+                            pad_fill=instr.pad_fill or ReadFill.ZERO)
     info["input_shape"] = list(x.shape)
     return cols, weight
 

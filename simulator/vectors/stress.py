@@ -14,7 +14,7 @@ from isa.output_stage import Bias, Clamp, Requantize
 from isa.multiplier import quantize_multiplier
 from isa.target import Rounding, Target, target_to_dict
 from isa.tiling import GemmShape, choose_tiles
-from simulator import reference
+from simulator import twins
 from simulator.vectors.codec import FORMAT, FORMAT_VERSION
 from simulator.vectors.export import (
     ExportResult,
@@ -144,13 +144,13 @@ STRESS_STAGE = [step.__name__ for step in (Bias, Requantize, Clamp)]
 
 
 def stress_expected(case: StressCase, target: Target) -> tuple[np.ndarray, np.ndarray]:
-    """(acc, out) of a stress case from the Python-int twins (simulator/reference.py eq. 1, 3-8)."""
+    """(acc, out) of a stress case from the Python-int twins (simulator/twins.py eq. 1, 3-8)."""
     a = target.arithmetic
-    acc, _ = reference.gemm(case.x, case.w, a.acc_bits, str(a.overflow), case.bias)
+    acc, _ = twins.gemm(case.x, case.w, a.acc_bits, str(a.overflow), case.bias)
     out = np.empty(acc.shape, np.int64)
     lo, hi = case.clamp
     for (i, j), value in np.ndenumerate(acc):
-        out[i, j] = reference.requantize(int(value), int(case.mult[j]), int(case.shift[j]), str(a.rounding), lo, hi,
+        out[i, j] = twins.requantize(int(value), int(case.mult[j]), int(case.shift[j]), str(a.rounding), lo, hi,
                                          scale=_scale_f32(case.mult[j], case.shift[j]))
     dtype = np.int32 if a.acc_bits <= 32 else np.int64
     return acc.astype(dtype), out.astype(np.uint8 if lo >= 0 and hi > 127 else np.int8)
@@ -160,7 +160,7 @@ def export_stress(target: Target, output: str | os.PathLike) -> ExportResult:
     """Write the stress cases of `target` in the vectors format (kind "stress"), atomically."""
     cases, skipped = stress_cases(target)
     manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "kind": "stress",
-                "source": {"generator": "qdeploy vectors stress", "expected": "simulator/reference.py twins"},
+                "source": {"generator": "qdeploy vectors stress", "expected": "simulator/twins.py twins"},
                 "target": target_to_dict(target, every_key=True), "hex": hex_doc(target), "layers": [],
                 "skipped": skipped}
 

@@ -1,7 +1,7 @@
 """Mutation fuzzer for the two file loaders: ONNX models (import -> lower -> compile -> run) and compiled
 `.qdp` programs (read -> inspect -> run on the simulator).
 
-Oracle: every case ends in success or in a user error (qdeploy.errors.QdeployError: BadInput or Unsupported,
+Oracle: every case ends in success or in a user error (qdeploy_base.errors.QdeployError: BadInput or Unsupported,
 which the CLI prints as one line with exit code 2). Anything else (another exception, a case slower than
 --case-seconds, a MemoryError) is a finding: it is printed once per distinct (exception, code location) and
 the input that caused it is saved under --findings.
@@ -522,7 +522,7 @@ def run_fuzz(seconds: float | None = None, cases: int | None = None, seed: int =
     """Run until `seconds` have passed or `cases` cases ran (whichever is given; both: the first reached)."""
     import warnings
 
-    import qdeploy.fileio as fileio
+    import qdeploy_base.fileio as fileio
     from qdeploy.cli import USER_ERRORS
 
     rng = random.Random(seed)

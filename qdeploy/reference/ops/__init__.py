@@ -12,9 +12,8 @@ from typing import Callable, Union
 import numpy as np
 
 from isa.kinds import Kind
-from qdeploy.reference.ops.activation import (Clip, Clip_6, Elu, Erf, Gelu, HardSigmoid, HardSwish, LeakyRelu,
-                                              LogSoftmax, LogSoftmax_1, Mish, PRelu, Relu, Sigmoid, Softmax,
-                                              Softmax_1, Softplus, Swish, Tanh)
+from qdeploy.reference.ops.activation import (UNARY, Clip, Clip_6, LogSoftmax, LogSoftmax_1, PRelu, Softmax,
+                                              Softmax_1)
 from qdeploy.reference.ops.conv import Conv, ConvTranspose
 from qdeploy.reference.ops.elementwise import (Abs, Add, And, Cast, Ceil, Cos, Div, Equal, Exp, Floor, Greater,
                                                GreaterOrEqual, Less, LessOrEqual, Log, Max, Mean, Min, Mod, Mul,
@@ -44,9 +43,7 @@ OPS: dict[str, OpFunction | dict[int, OpFunction]] = {
     "LayerNormalization": LayerNormalization, "InstanceNormalization": InstanceNormalization,
     "GroupNormalization": {18: GroupNormalization_18, 21: GroupNormalization},  # 21: scale, bias per channel
     # activation.py
-    "Relu": Relu, "LeakyRelu": LeakyRelu, "Sigmoid": Sigmoid, "HardSigmoid": HardSigmoid,
-    "HardSwish": HardSwish, "Tanh": Tanh, "Elu": Elu, "Erf": Erf, "Gelu": Gelu, "Softplus": Softplus,
-    "Mish": Mish, "Swish": Swish, "PRelu": PRelu,
+    **UNARY, "PRelu": PRelu,
     "Clip": {6: Clip_6, 11: Clip},                      # 11: min/max attributes -> optional inputs
     "Softmax": {1: Softmax_1, 13: Softmax},             # 13: coerce-to-2D -> one axis, default -1
     "LogSoftmax": {1: LogSoftmax_1, 13: LogSoftmax},
@@ -58,15 +55,16 @@ OPS: dict[str, OpFunction | dict[int, OpFunction]] = {
     "Max": Max, "Min": Min, "Sum": Sum, "Mean": Mean,
     "Equal": Equal, "Less": Less, "Greater": Greater, "Not": Not, "Where": Where, "Cast": Cast,
     # tensor.py
-    # The layout kinds of isa/kinds.py are these ONNX ops (named after them): their float meaning is the op's.
-    "Shape": Shape, "Size": Size, "Gather": Gather, Kind.CONCAT: Concat, Kind.RESHAPE: Reshape,
-    Kind.FLATTEN: Flatten, "Transpose": Transpose, "Expand": Expand, "ConstantOfShape": ConstantOfShape,
+    # The layout kinds of isa/kinds.py named after these ONNX ops (Concat, Reshape, Flatten, Squeeze, Unsqueeze)
+    # keep the op's float meaning in the lowered graph.
+    "Shape": Shape, "Size": Size, "Gather": Gather, "Concat": Concat, "Reshape": Reshape,
+    "Flatten": Flatten, "Transpose": Transpose, "Expand": Expand, "ConstantOfShape": ConstantOfShape,
     "Constant": Constant, "Range": Range, "Identity": Identity, "Tile": Tile,
     "DepthToSpace": DepthToSpace, "SpaceToDepth": SpaceToDepth,
     "Resize": Resize,  # resize.py; 11: roi, sizes and the coordinate modes (opset 10's form is not supported)
     "Slice": {1: Slice_1, 10: Slice},                   # 10: starts/ends/axes attributes -> inputs, steps
-    Kind.SQUEEZE: {1: Squeeze_1, 13: Squeeze},             # 13: axes attribute -> input
-    Kind.UNSQUEEZE: {1: Unsqueeze_1, 13: Unsqueeze},
+    "Squeeze": {1: Squeeze_1, 13: Squeeze},             # 13: axes attribute -> input
+    "Unsqueeze": {1: Unsqueeze_1, 13: Unsqueeze},
     "Split": {2: Split_2, 13: Split_13, 18: Split},     # 13: split attribute -> input; 18: num_outputs
     "Pad": {2: Pad_2, 11: Pad},                         # 11: pads/value attributes -> inputs; 18: axes
     "Dropout": {7: Dropout_7, 10: Dropout_10, 12: Dropout},  # 10: bool mask; 12: ratio, training_mode inputs

@@ -1,4 +1,4 @@
-"""The float meaning of the accelerator's instructions (lowering/instructions.py), so the lowered graph
+"""The float meaning of the accelerator's instructions (lowering/nodes.py), so the lowered graph
 runs in the reference executor before anything is quantized. Each is the ONNX ops it replaces, composed: the
 GEMM with its bias, then the node's output stage (design.md section 3), its steps folded in order by the float
 evaluators of STEP_EVALUATORS (isa/output_stage.py fold): Clamp, ClampHi, Lookup, WindowMax.
@@ -10,6 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from isa.output_stage import NO_OUTPUT_STAGE, Clamp, ClampHi, Lookup, OutputStage, WindowMax, fold
+from isa.geometry import BORDER_FILLS, ReadFill
+from qdeploy.reference.ops.activation import evaluate
 from qdeploy.reference.ops.conv import Conv
 from qdeploy.reference.ops.pool import MaxPool
 
@@ -32,8 +34,6 @@ def _clamp_hi(step: ClampHi, value: tuple) -> tuple:
 
 def _lookup(step: Lookup, value: tuple) -> tuple:
     """f(y) by the reference executor's own op; the clamped y it reads is the second output."""
-    from qdeploy.lowering.lookup import evaluate
-
     y, _ = value
     pre = y.astype(np.float32, copy=False)
     return evaluate(step.function, dict(step.params), pre), pre
@@ -64,14 +64,14 @@ def upsampled_read(x: np.ndarray, upsample=None, upsample_fill=None, pads=(0, 0,
     and ONNX Pad's reflect)."""
     if upsample is not None and tuple(upsample) != (1, 1):
         fh, fw = upsample
-        if upsample_fill == "zero":
+        if upsample_fill == ReadFill.ZERO:
             n, c, h, w = x.shape
             up = np.zeros((n, c, (h - 1) * fh + 1, (w - 1) * fw + 1), x.dtype)
             up[:, :, ::fh, ::fw] = x
             x = up
         else:
             x = np.repeat(np.repeat(x, fh, axis=2), fw, axis=3)
-    if pad_fill in ("edge", "reflect"):
+    if pad_fill in BORDER_FILLS:
         top, left, bottom, right = pads
         return np.pad(x, ((0, 0), (0, 0), (top, bottom), (left, right)), mode=pad_fill), [0, 0, 0, 0]
     return x, list(pads)

@@ -160,3 +160,16 @@ def PRelu(X: np.ndarray, slope: np.ndarray) -> np.ndarray:
     if np.broadcast_shapes(X.shape, slope.shape) != X.shape:
         raise ValueError(f"slope of shape {slope.shape} does not broadcast to X of shape {X.shape}")
     return np.where(X < 0, slope * X, X).astype(X.dtype, copy=False)
+
+
+# The unary activations with one form at every opset, by ONNX op name (the executor's table, ops.OPS, takes them
+# from here). An output-stage lookup table tabulates one of them (qdeploy/lowering/lookup.py FUNCTIONS).
+UNARY = {"Relu": Relu, "LeakyRelu": LeakyRelu, "Sigmoid": Sigmoid, "HardSigmoid": HardSigmoid,
+         "HardSwish": HardSwish, "Tanh": Tanh, "Elu": Elu, "Erf": Erf, "Gelu": Gelu, "Softplus": Softplus,
+         "Mish": Mish, "Swish": Swish}
+
+
+def evaluate(function: str, params: dict, x: np.ndarray) -> np.ndarray:
+    """f(x) for the unary activation `function` (its ONNX op name) with attributes `params`, in x's dtype: the
+    float meaning of an output-stage lookup table."""
+    return np.asarray(UNARY[function](x, **params))

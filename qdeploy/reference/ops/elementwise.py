@@ -9,7 +9,7 @@ from functools import reduce
 
 import numpy as np
 
-from qdeploy.errors import Unsupported
+from qdeploy_base.errors import Unsupported
 
 
 def Add(A: np.ndarray, B: np.ndarray) -> np.ndarray:

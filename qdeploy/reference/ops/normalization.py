@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from qdeploy.errors import Unsupported
+from qdeploy_base.errors import Unsupported
 
 
 def _batch_norm(X, scale, B, mean, var, epsilon):

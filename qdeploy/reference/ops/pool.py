@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from qdeploy.errors import Unsupported
+from qdeploy_base.errors import Unsupported
 from qdeploy.reference.ops._windows import WindowGeometry, pad_spatial, window_geometry
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from qdeploy.errors import Unsupported
+from qdeploy_base.errors import Unsupported
 from qdeploy.reference.ops._common import normalize_axes
 
 COORDINATE_MODES = ("half_pixel", "half_pixel_symmetric", "pytorch_half_pixel", "align_corners", "asymmetric",

@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from qdeploy.errors import Unsupported
+from qdeploy_base.errors import Unsupported
 from qdeploy.reference.ops._common import int_list, normalize_axes, normalize_axis, scalar
 
 

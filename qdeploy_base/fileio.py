@@ -13,13 +13,13 @@ from typing import BinaryIO, Callable, Sequence
 
 import numpy as np
 
-from qdeploy.errors import BadInput
+from qdeploy_base.errors import BadInput
 
 # The largest tensor, in bytes, that a model or program may declare or compute (2**28 float32 elements): the ONNX
 # reader (initializers, attribute tensors, external data), the shape probe (shape_inference.py, at its probe
 # batch sizes) and the program reader and simulator (program.py, simulator/machine.py: each buffer of an
 # instruction, per call) refuse anything larger, naming the tensor and its size, before allocating it. Set it
-# (qdeploy.fileio.MAX_TENSOR_BYTES = ...) before reading a model whose tensors are larger.
+# (qdeploy_base.fileio.MAX_TENSOR_BYTES = ...) before reading a model whose tensors are larger.
 MAX_TENSOR_BYTES = 1 << 30
 
 # The most an array file's deflated member may expand: DEFLATE's largest ratio is 1032:1 (258-byte matches coded
@@ -151,7 +151,7 @@ def check_tensor_bytes(shape: Sequence[int], itemsize: int, what: str) -> None:
     if elements * itemsize > MAX_TENSOR_BYTES:
         dims = [int(d) for d in shape[:8]] + (["..."] if len(shape) > 8 else [])
         raise BadInput(f"{what} would have {elements:,} elements (shape {dims}, {byte_size(elements * itemsize)}), "
-                       f"more than the limit of {byte_size(MAX_TENSOR_BYTES)} (qdeploy.fileio.MAX_TENSOR_BYTES)")
+                       f"more than the limit of {byte_size(MAX_TENSOR_BYTES)} (qdeploy_base.fileio.MAX_TENSOR_BYTES)")
 
 
 def read_npy_header(stream: BinaryIO, present: int, source: str) -> tuple[tuple[int, ...], np.dtype, bool]:

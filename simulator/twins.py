@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from isa.geometry import conv_output_size, pool_output_size, read_source, upsampled_size
+from isa.geometry import BORDER_FILLS, conv_output_size, pool_output_size, read_source, upsampled_size
 from isa.kinds import RESHAPE_KINDS, Kind, handler
 from isa.instructions import Instruction, from_manifest
 from isa.output_stage import Bias, Clamp, ClampHi, Lookup, Requantize, WindowMax, fold
@@ -251,7 +251,7 @@ def upsampled_read(x: np.ndarray, upsample, upsample_fill, pads, pad_fill) -> tu
     x[n, c, read_source(r), read_source(s)], 0 where a source is -1; with pad_fill edge or reflect the padding is
     part of the result and the pads left for im2col are 0."""
     fh, fw = upsample or (1, 1)
-    edge = pad_fill in ("edge", "reflect")
+    edge = pad_fill in BORDER_FILLS
     if (fh, fw) == (1, 1) and not edge:
         return x, tuple(pads)
     n_, c_, h_, w_ = x.shape

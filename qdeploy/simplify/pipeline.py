@@ -9,15 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from qdeploy.errors import QdeployError
+from qdeploy_base.errors import QdeployError
 from qdeploy.ir import Graph, validate
-from qdeploy.passes.eliminate_dead import eliminate_dead_nodes
-from qdeploy.passes.explicit_conv_pads import explicit_conv_pads
-from qdeploy.passes.fold_constants import fold_constants
-from qdeploy.passes.fold_pad import fold_pad_into_conv
-from qdeploy.passes.matmul_rows import matmul_rows
-from qdeploy.passes.remove_identity import remove_identity
-from qdeploy.passes.resize_static_sizes import resize_static_sizes
+from qdeploy.simplify.eliminate_dead import eliminate_dead_nodes
+from qdeploy.simplify.explicit_conv_pads import explicit_conv_pads
+from qdeploy.simplify.fold_constants import fold_constants
+from qdeploy.simplify.fold_pad import fold_pad_into_conv
+from qdeploy.simplify.matmul_rows import matmul_rows
+from qdeploy.simplify.remove_identity import remove_identity
+from qdeploy.simplify.resize_static_sizes import resize_static_sizes
 
 Pass = Callable[[Graph], Graph]
 

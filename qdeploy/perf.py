@@ -59,7 +59,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
 from isa.instructions import Instruction, from_manifest
-from isa.kinds import ARRAY_KINDS, RESHAPE_KINDS, WEIGHTED_GEMM_KINDS, Kind
+from isa.kinds import ARRAY_KINDS, WEIGHTED_GEMM_KINDS, Kind
 from isa.target import target_from_dict
 from isa.tiling import estimate, gemm_shape, tiles_of
 
@@ -68,7 +68,7 @@ from isa.tiling import estimate, gemm_shape, tiles_of
 
 # Ops that move or relabel data and cost no kernel of their own in either graph (the simplification removes
 # them or folds them into the consumer, as Pad into the im2col padding).
-TRANSPARENT_OPS = frozenset({"Identity", "Dropout", "Pad", "Cast"}) | RESHAPE_KINDS  # (ONNX ops of the same names)
+TRANSPARENT_OPS = frozenset({"Identity", "Dropout", "Pad", "Cast", "Reshape", "Flatten", "Squeeze", "Unsqueeze"})
 
 
 def trace_fused_ops(nodes: Iterable[Any], constants: set[str], instructions: list[Instruction]

@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from isa.kinds import Kind  # the layout kinds are named after the ONNX ops they come from
 from qdeploy.ir import Graph, Node, constant
 from qdeploy.shape_inference import PROBE_BATCHES, Probe, probe
 
@@ -42,7 +41,7 @@ def fold_constants(graph: Graph) -> Graph:
         if outputs and all(name in result.static and result.is_batch_independent(name) for name in outputs):
             new_constants.extend(constant(name, result.static[name][0]) for name in outputs)
             continue
-        if node.op == Kind.RESHAPE and node.inputs[1] in result.static and \
+        if node.op == "Reshape" and node.inputs[1] in result.static and \
                 not result.is_batch_independent(node.inputs[1]):
             target = _batch_free_reshape_target(graph, node, result)
             if target is not None:

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import math
 
-from qdeploy.errors import BadInput, Unsupported
+from qdeploy_base.errors import BadInput, Unsupported
 from qdeploy.ir import Graph, Node
 
 WINDOW_OPS = ("Conv", "MaxPool", "AveragePool")

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from isa.kinds import Kind
 from qdeploy.ir import Graph, Node, Tensor, constant
 
 
@@ -71,7 +70,7 @@ def matmul_rows(graph: Graph) -> Graph:
                     constant(back, np.array([-1, *out_shape[1:]], np.int64)),
                     Tensor(rows, (None, k), graph.tensors[x].dtype, rows=per_image),
                     Tensor(product, (None, m), weight.dtype, rows=per_image)]
-        nodes += [Node(fresh(f"{node.name}/to_rows"), Kind.RESHAPE, [x, to_rows], [rows], {}),
+        nodes += [Node(fresh(f"{node.name}/to_rows"), "Reshape", [x, to_rows], [rows], {}),
                   node.replace(inputs=[rows, w], outputs=[product])]
         last = product
         if bias is not None:
@@ -80,5 +79,5 @@ def matmul_rows(graph: Graph) -> Graph:
             tensors += [constant(b, bias.astype(weight.dtype)), Tensor(biased, (None, m), weight.dtype, rows=per_image)]
             nodes.append(users[0].replace(inputs=[product, b], outputs=[biased]))
             last = biased
-        nodes.append(Node(fresh(f"{node.name}/from_rows"), Kind.RESHAPE, [last, back], [out], {}))
+        nodes.append(Node(fresh(f"{node.name}/from_rows"), "Reshape", [last, back], [out], {}))
     return graph.with_nodes(nodes, tensors) if tensors else graph
