@@ -272,11 +272,11 @@ def check_finite_constants(graph: Graph, path: Path) -> None:
 # Inputs that say how to shape a tensor rather than hold data (ONNX's "shape", "repeats", "axes", ...): qdeploy
 # compiles a program of fixed shapes, so each must be a constant; a graph input there is refused naming the node
 # (the probe's zeros would otherwise stand in for it and a later node take the blame).
-SHAPE_INPUTS = {Kind.RESHAPE: {1: "target shape"}, "Expand": {1: "shape"}, "Tile": {1: "repeats"},
+SHAPE_INPUTS = {"Reshape": {1: "target shape"}, "Expand": {1: "shape"}, "Tile": {1: "repeats"},
                 "ConstantOfShape": {0: "shape"}, "Range": {0: "start", 1: "limit", 2: "delta"},
                 "Slice": {1: "starts", 2: "ends", 3: "axes", 4: "steps"}, "Pad": {1: "pads", 3: "axes"},
-                "Resize": {1: "roi", 2: "scales", 3: "sizes"}, "Upsample": {1: "scales"}, Kind.SQUEEZE: {1: "axes"},
-                Kind.UNSQUEEZE: {1: "axes"}, "Split": {1: "split"}}
+                "Resize": {1: "roi", 2: "scales", 3: "sizes"}, "Upsample": {1: "scales"}, "Squeeze": {1: "axes"},
+                "Unsqueeze": {1: "axes"}, "Split": {1: "split"}}
 
 
 def _check_shape_inputs(nodes: list[Node], inputs: list[str]) -> None:

@@ -22,6 +22,7 @@ LAYERS = [
     ("simulator", ("simulator",)),
     ("compiler and tools", ("qdeploy.",)),
     ("reference RTL runner", ("hw",)),
+    ("command line", ("qdeploy.cli", "qdeploy.__main__")),  # the edge: may drive every layer, `rtl run` included
 ]
 
 
