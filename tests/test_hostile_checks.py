@@ -381,11 +381,22 @@ def test_a_golden_manifest_naming_files_outside_its_folder_is_one_line(work, tmp
     damaged = json.loads(json.dumps(manifest))
     del damaged["layers"][1]["files"]
     (folder / "damaged" / "manifest.json").write_text(json.dumps(damaged))
-    results, _ = invoke_bounded(folder, cases + [["vectors", "compare", "damaged", "dump"]])
+    # a golden .npy inside the folder whose header declares 4 TiB: refused from the header, nothing allocated
+    shutil.copytree(folder / "vec", folder / "bomb", symlinks=True)
+    header = {"descr": "<f4", "fortran_order": False, "shape": (1 << 40,)}
+    with open(folder / "bomb" / "bomb.npy", "wb") as handle:
+        np.lib.format.write_array_header_1_0(handle, header)
+        handle.write(bytes(16))
+    bombed = json.loads(json.dumps(manifest))
+    bombed["layers"][0]["files"]["mult"]["npy"] = "bomb.npy"
+    (folder / "bomb" / "manifest.json").write_text(json.dumps(bombed))
+    results, _ = invoke_bounded(folder, cases + [["vectors", "compare", "damaged", "dump"],
+                                                 ["vectors", "compare", "bomb", "dump"]])
     for name, result in zip(edits, results):
         line = refused(result, folder, f"{name}/manifest.json: names the file")
         assert "is not a path inside" in line or "a link to a file outside" in line
-    refused(results[-1], folder, "damaged/manifest.json: damaged manifest (KeyError: 'files')")
+    refused(results[-2], folder, "damaged/manifest.json: damaged manifest (KeyError: 'files')")
+    refused(results[-1], folder, "bomb/bomb.npy: the .npy header declares float32 (1099511627776,) (4.0 TiB)")
 
 
 # ---- item 7: closed pipes ------------------------------------------------------------------------------------------

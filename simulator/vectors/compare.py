@@ -13,6 +13,8 @@ from typing import Sequence
 import numpy as np
 
 from isa.target import Rounding
+from qdeploy_base.errors import BadInput
+from qdeploy_base.fileio import read_npy
 from simulator.vectors.codec import (
     COMPARED,
     FORMAT,
@@ -77,10 +79,13 @@ def _inside(folder: Path, relative, manifest: Path, resolve: bool = True) -> Pat
 def _expected(root: Path, record: dict) -> np.ndarray:
     if "npy" in record:
         path = _inside(root, record["npy"], root / MANIFEST)
-        try:
-            array = np.load(path, allow_pickle=False)
-        except (OSError, ValueError, EOFError) as error:
-            raise VectorError(f"{path}: not a readable .npy file ({error})") from None
+        try:  # the header's size against the bytes present before allocating (qdeploy_base/fileio.py)
+            with open(path, "rb") as handle:
+                array = read_npy(handle, os.fstat(handle.fileno()).st_size, str(path))
+        except OSError as error:
+            raise VectorError(f"{path}: not a readable .npy file ({error.strerror or error})") from None
+        except BadInput as error:
+            raise VectorError(str(error)) from None
         return channels_last(array) if array.ndim > 2 else array
     return read_hex_file(_inside(root, record["hex"], root / MANIFEST), record)[0]
 
