@@ -172,10 +172,10 @@ def _check_lookup(program: ProgramView, lookup, where: str, out_dtype: str) -> t
 
 
 def window_of(instr: dict, out: tuple[int, ...], where: str) -> tuple[int, ...]:
-    """The output shape after the output stage's optional window-max (field `window`)."""
-    window = instr.get("window")
+    """The output shape after the output stage's optional window-max (field `window_max`)."""
+    window = instr.get("window_max")
     if window is None:
         return out
     if not isinstance(window, dict) or len(out) != 3:
-        raise InvalidRecord(f"{where}: window must be an object on an NCHW output")
-    return window_shape(window, *out, f"{where}: window", conv=False)
+        raise InvalidRecord(f"{where}: window_max must be an object on an NCHW output")
+    return window_shape(window, *out, f"{where}: window_max", conv=False)

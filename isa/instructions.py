@@ -98,7 +98,7 @@ def _stage_fields(stage: OutputStage, instr: "ArrayInstruction") -> dict[str, An
     writes it as null when there is no window-max."""
     record = stage.to_manifest()
     if instr.HAS_WINDOW_FIELD:
-        record.setdefault("window", None)
+        record.setdefault("window_max", None)
     return record
 
 
@@ -111,7 +111,7 @@ class ArrayInstruction(Instruction):
     acc_bound_bits: int
     tiles: dict | None = None
 
-    HAS_WINDOW_FIELD: ClassVar[bool] = True  # the manifest holds "window" (null when none)
+    HAS_WINDOW_FIELD: ClassVar[bool] = True  # the manifest holds "window_max" (null when none)
 
     def describe(self, arrays: dict) -> str:
         stage = self.stage

@@ -42,6 +42,20 @@ MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 64 << 20
 MAX_ARRAY_BYTES = 2 << 30
 
+# Instruction fields that programs written before a rename spell the old way: old key -> the key read and written
+# now (the format version is the same: the field means the same). Reading renames them, so nothing past
+# read_program sees an old spelling.
+LEGACY_FIELDS = {"window": "window_max"}  # the output stage's WindowMax step (isa/output_stage.py)
+
+
+def upgraded(instr: dict) -> dict:
+    """A manifest instruction with its LEGACY_FIELDS keys renamed (in place of the old key; a record holding both
+    spellings keeps the new one's value)."""
+    if not isinstance(instr, dict) or not any(old in instr for old in LEGACY_FIELDS):
+        return instr
+    return {LEGACY_FIELDS.get(key, key): value for key, value in instr.items()
+            if not (key in LEGACY_FIELDS and LEGACY_FIELDS[key] in instr)}
+
 
 @dataclass
 class Program:
@@ -282,6 +296,8 @@ def read_program(path: str | os.PathLike) -> Program:
     except (zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError, NotImplementedError,
             RuntimeError) as error:  # zipfile: a damaged stream, an unsupported or encrypted member
         raise BadInput(f"{path}: damaged program ({type(error).__name__}: {error})") from error
+    if isinstance(manifest.get("instructions"), list):
+        manifest["instructions"] = [upgraded(instr) for instr in manifest["instructions"]]
     program = Program(manifest, arrays)
     try:
         validate_program(program)

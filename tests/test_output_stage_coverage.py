@@ -215,7 +215,7 @@ def test_dry_run_a_kind_on_a_datapath_inherits_its_record_methods():
     """What follows from the record alone is inherited: manifest fields, output stage, GEMM shapes, inspect line,
     the program checks (the same shape, the same one-line refusal)."""
     record = {"kind": Kind.ADD_GEMM, "name": "m", "inputs": ["a", "b"], "output": "y", "mult": "0_mult",
-              "shift": "0_shift", "scale_f32": "0_scale", "clamp": [0, 127], "window": None, "k": 2,
+              "shift": "0_shift", "scale_f32": "0_scale", "clamp": [0, 127], "window_max": None, "k": 2,
               "acc_bound_bits": 17, "add_weights": [16384, 9000], "add_scale": 0.5, "add_ratio_f32": "0_ratio"}
     add, low = AddGemm.from_manifest(record), MinGemm.from_manifest(record)
     assert low.to_manifest() == add.to_manifest() == record and low.stage == add.stage
