@@ -99,17 +99,17 @@ def lookup_args(step: type, args: list[str], layer: dict) -> list[str]:
     return [*args, f"+LOOKUP_OFFSET={128 if layer['lookup']['input_dtype'] == 'int8' else 0}"]
 
 
-def window_args(step: type, args: list[str], layer: dict) -> list[str]:
+def window_max_args(step: type, args: list[str], layer: dict) -> list[str]:
     """The plusargs of a fused window-max: output grid, window, pooled size (isa/geometry.py)."""
     from isa.geometry import pool_output_size
 
-    window = layer["window"]
+    window = layer["window_max"] if "window_max" in layer else layer["window"]  # "window": vectors before the rename
     batch, _, height, width = layer["output_grid"]
     (kh, kw), (sh, sw), (pt, pl, pb, pr), (dh, dw) = (window[key] for key in ("kernel", "strides", "pads",
                                                                                   "dilations"))
     pooled = [pool_output_size(height, kh, sh, pt, pb, dh, bool(window["ceil_mode"])),
               pool_output_size(width, kw, sw, pl, pr, dw, bool(window["ceil_mode"]))]
-    values = {"WINDOW": 1, "NB": batch, "OH": height, "OW": width, "KH": kh, "KW": kw, "SH": sh, "SW": sw,
+    values = {"WINDOW_MAX": 1, "NB": batch, "OH": height, "OW": width, "KH": kh, "KW": kw, "SH": sh, "SW": sw,
               "PT": pt, "PL": pl, "PB": pb, "PR": pr, "DH": dh, "DW": dw, "POH": pooled[0], "POW": pooled[1]}
     return [*args, *(f"+{key}={value}" for key, value in values.items())]
 
@@ -130,7 +130,7 @@ def output_stage_args(layer: dict, table: dict | None = None) -> list[str]:
 
 # The reference RTL runner's evaluator of each output-stage step (isa/output_stage.py): the plusargs it adds.
 STEP_ARGS = {Bias: _read_from_files, Requantize: _read_from_files, Clamp: clamp_args, ClampHi: clamp_hi_args,
-             Lookup: lookup_args, WindowMax: window_args}
+             Lookup: lookup_args, WindowMax: window_max_args}
 
 
 def run(vectors: str | Path, dump: str | Path, rounding: str | None = None, sources: list[Path] | None = None,

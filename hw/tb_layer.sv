@@ -7,7 +7,7 @@
 //   +LO=<clamp lo> +HI=<clamp hi> +SIGNED_OUT=<0|1>
 // and, for per-channel upper bounds (the ClampHi step, clamp_hi.hex), +CLAMP_HI=1
 // and, for an output-stage lookup table (lookup_table.hex, 256 entries), +LOOKUP_OFFSET=<128 for int8 codes|0>
-// and, for a fused MaxPool (the window-max on store, writing stored.hex), +WINDOW=1 with the output grid
+// and, for a fused MaxPool (the window-max on store, writing stored.hex), +WINDOW_MAX=1 with the output grid
 // +NB=<batch> +OH +OW, the window +KH +KW +SH +SW +PT +PL +PB +PR +DH +DW and the pooled size +POH +POW.
 // ROUNDING defaults to the target's; overriding it (iverilog -Ptb_layer.ROUNDING=n) simulates a wrong design.
 `include "accel_params.svh"
@@ -37,7 +37,7 @@ module tb_layer;
   string dir, dump;
   int G, M, N, K, WBITS, INBITS, UNSIGNED, LO, HI, HAS_CLAMP_HI, SIGNED_OUT;
   int LOOKUP_OFFSET;
-  int WINDOW, NB, OH, OW, KH, KW, SH, SW, PT, PL, PB, PR, DH, DW, POH, POW;
+  int WINDOW_MAX, NB, OH, OW, KH, KW, SH, SW, PT, PL, PB, PR, DH, DW, POH, POW;
 
   // one value of the `out` matrix (row, channel) as a signed integer
   function automatic int out_value(input int row, input int channel, input int row_words);
@@ -166,7 +166,7 @@ module tb_layer;
     end
     $writememh({dump, "/acc.hex"}, acc_mem, 0, M*gn_words - 1);
     $writememh({dump, "/out.hex"}, out_mem, 0, M*gn_words - 1);
-    if ($value$plusargs("WINDOW=%d", WINDOW) && WINDOW) begin
+    if ($value$plusargs("WINDOW_MAX=%d", WINDOW_MAX) && WINDOW_MAX) begin
       found = 1;
       found = found & $value$plusargs("NB=%d", NB); found = found & $value$plusargs("OH=%d", OH); found = found & $value$plusargs("OW=%d", OW);
       found = found & $value$plusargs("KH=%d", KH); found = found & $value$plusargs("KW=%d", KW);
@@ -175,7 +175,7 @@ module tb_layer;
       found = found & $value$plusargs("PB=%d", PB); found = found & $value$plusargs("PR=%d", PR);
       found = found & $value$plusargs("DH=%d", DH); found = found & $value$plusargs("DW=%d", DW);
       found = found & $value$plusargs("POH=%d", POH); found = found & $value$plusargs("POW=%d", POW);
-      if (!found) begin $display("tb_layer: +WINDOW=1 needs the grid and window plusargs"); $finish; end
+      if (!found) begin $display("tb_layer: +WINDOW_MAX=1 needs the grid and window plusargs"); $finish; end
       window_max(G*N, gn_words);
       $writememh({dump, "/stored.hex"}, stored_mem, 0, NB*POH*POW*gn_words - 1);
     end

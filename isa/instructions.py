@@ -2,17 +2,24 @@
 stores for it (docs/design.md section 7), with its (de)serialisation: `from_manifest` builds the record from a
 manifest dict, `to_manifest` gives the dict back, field for field (tests/test_isa_records.py checks the round
 trip on the golden programs). The program format (qdeploy/program.py) checks every field's type and range
-against the program's arrays before records are built; the simulator reads records, not dicts.
+against the program's arrays before records are built, through each record class's `check` (a classmethod on
+the manifest dict, written in isa/checks.py's vocabulary, inherited like every record method by a kind that
+reuses a datapath); the simulator reads records, not dicts.
 
 Arrays are named by their program array names (str); the output stage is `isa.output_stage.OutputStage`.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
+import numpy as np
+
+from isa.checks import (ADD_WEIGHT_MAX, InvalidRecord, ProgramView, array_of, check_output_stage, checked_read_size,
+                        field_of, ints, is_int, is_positive_number, window_of, window_shape)
 from isa.geometry import GemmShape, conv_output_size, upsampled_size, zero_read_macs
 from isa.kinds import RESHAPE_KINDS, Kind, handler
 from isa.output_stage import OutputStage
@@ -29,6 +36,16 @@ class Instruction:
 
     # Manifest keys of optional fields that are written only when set (not as null).
     OMITTED_WHEN_NONE: ClassVar[tuple[str, ...]] = ()
+    ARITY: ClassVar[int | None] = 1  # the inputs it reads; None: any number (the container checks the count)
+
+    @classmethod
+    def check(cls, instr: dict, where: str, in_shapes: list, out_dtype: str, program: ProgramView
+              ) -> tuple[int, ...]:
+        """The output's per-sample shape, after checking the kind's own fields of the manifest dict `instr`
+        (`where` names it; `in_shapes`: its inputs' per-sample shapes, already checked; `out_dtype`: its output
+        tensor's) against `program`; InvalidRecord with one line on the first problem (isa/checks.py). A kind
+        that reuses a datapath inherits its parent's."""
+        raise TypeError(f"{cls.__name__} has no program check")
 
     def gemm_shape(self, in_shapes: list, out_shape: list, batch: int, stored: int) -> GemmShape | None:
         """The GEMM this instruction puts on the array for `batch` images (in_shapes, out_shape: the program's
@@ -81,7 +98,7 @@ def _stage_fields(stage: OutputStage, instr: "ArrayInstruction") -> dict[str, An
     writes it as null when there is no window-max."""
     record = stage.to_manifest()
     if instr.HAS_WINDOW_FIELD:
-        record.setdefault("window", None)
+        record.setdefault("window_max", None)
     return record
 
 
@@ -94,7 +111,7 @@ class ArrayInstruction(Instruction):
     acc_bound_bits: int
     tiles: dict | None = None
 
-    HAS_WINDOW_FIELD: ClassVar[bool] = True  # the manifest holds "window" (null when none)
+    HAS_WINDOW_FIELD: ClassVar[bool] = True  # the manifest holds "window_max" (null when none)
 
     def describe(self, arrays: dict) -> str:
         stage = self.stage
@@ -129,6 +146,29 @@ class ConvGemm(ArrayInstruction):
     pad_fill: str | None = None
 
     OMITTED_WHEN_NONE: ClassVar[tuple[str, ...]] = ("upsample", "upsample_fill", "pad_fill")
+
+    @classmethod
+    def check(cls, instr: dict, where: str, in_shapes: list, out_dtype: str, program: ProgramView
+              ) -> tuple[int, ...]:
+        """The weighted GEMM's fields, the group, the read and the window; the simulator's buffers per sample."""
+        channels, k, x = _check_weighted_gemm(instr, where, in_shapes, out_dtype, program)
+        group = field_of(instr, "group", where)
+        if not is_int(group) or group < 1 or len(x) != 3 or x[0] % group or channels % group:
+            raise InvalidRecord(f"{where}: group {json.dumps(group)[:20]} does not divide input {x} and {channels} "
+                                f"output channels")
+        height, width = checked_read_size(instr, x[1], x[2], where)
+        out = window_shape(instr, channels, height, width, where, conv=True)
+        kernel, pads = instr["kernel"], instr["pads"]
+        if k != x[0] // group * kernel[0] * kernel[1]:
+            raise InvalidRecord(f"{where}: weight K = {k} is not C/group*kh*kw = "
+                                f"{x[0] // group * kernel[0] * kernel[1]}")
+        # The simulator's buffers, per sample (int8 codes, int64 accumulators at most): the padded, upsampled
+        # read, the im2col matrix, the accumulators.
+        program.per_sample(x[0] * (height + pads[0] + pads[2]) * (width + pads[1] + pads[3]), 1,
+                           f"{where}: its read")
+        program.per_sample(out[1] * out[2] * k * group, 1, f"{where}: its im2col matrix")
+        program.per_sample(out[1] * out[2] * channels, 8, f"{where}: its accumulators")
+        return window_of(instr, out, where)
 
     @classmethod
     def lowered_gemm(cls, in_shapes: list, out_shape: list, attrs: dict, weight_shape: tuple | None,
@@ -197,6 +237,14 @@ class DenseGemm(ArrayInstruction):
 
     HAS_WINDOW_FIELD: ClassVar[bool] = False
 
+    @classmethod
+    def check(cls, instr: dict, where: str, in_shapes: list, out_dtype: str, program: ProgramView
+              ) -> tuple[int, ...]:
+        channels, k, x = _check_weighted_gemm(instr, where, in_shapes, out_dtype, program)
+        if x != (k,):
+            raise InvalidRecord(f"{where}: input of shape {x} does not fit weight (M={channels}, K={k})")
+        return (channels,)
+
     def gemm_shape(self, in_shapes: list, out_shape: list, batch: int, stored: int) -> GemmShape:
         """m = batch, one group."""
         return GemmShape(1, batch, _prod(out_shape[1:]), int(self.k), stored)
@@ -216,6 +264,24 @@ class AddGemm(ArrayInstruction):
     add_weights: tuple[int, int]
     add_scale: float
     add_ratio_f32: str
+
+    ARITY: ClassVar[int | None] = 2
+
+    @classmethod
+    def check(cls, instr: dict, where: str, in_shapes: list, out_dtype: str, program: ProgramView
+              ) -> tuple[int, ...]:
+        """Two inputs of one shape, the pre-scale weights in the 16-bit operand, the scales, the stage."""
+        if in_shapes[0] != in_shapes[1]:
+            raise InvalidRecord(f"{where}: adds tensors of shapes {in_shapes[0]} and {in_shapes[1]}")
+        ints(field_of(instr, "add_weights", where), f"{where}: add_weights", 2, 0, ADD_WEIGHT_MAX)
+        add_scale = field_of(instr, "add_scale", where)
+        if not is_positive_number(add_scale):
+            raise InvalidRecord(f"{where}: add_scale must be a finite number > 0, got {json.dumps(add_scale)[:40]}")
+        ratio = array_of(program, instr, "add_ratio_f32", where, "float32", (2,))
+        if not np.all(np.isfinite(ratio)):
+            raise InvalidRecord(f"{where}: add_ratio_f32 must be finite")
+        check_output_stage(program, instr, 1, where, out_dtype)
+        return window_of(instr, in_shapes[0], where)
 
     def gemm_shape(self, in_shapes: list, out_shape: list, batch: int, stored: int) -> GemmShape:
         """One group per channel, m = batch*H*W, k = 2, n = 1."""
@@ -242,6 +308,17 @@ class MulGemm(ArrayInstruction):
     in an identity GEMM)."""
 
     HAS_WINDOW_FIELD: ClassVar[bool] = False
+    ARITY: ClassVar[int | None] = 2
+
+    @classmethod
+    def check(cls, instr: dict, where: str, in_shapes: list, out_dtype: str, program: ProgramView
+              ) -> tuple[int, ...]:
+        """b broadcasts to a; the stage (one channel: the product's scale is per tensor)."""
+        a, b = in_shapes
+        if len(a) != len(b) or any(q not in (1, p) for p, q in zip(a, b)):
+            raise InvalidRecord(f"{where}: multiplies {a} by {b}, which does not broadcast to it")
+        check_output_stage(program, instr, 1, where, out_dtype)
+        return a
 
     def gemm_shape(self, in_shapes: list, out_shape: list, batch: int, stored: int) -> GemmShape:
         """One group per element of b (its weight, per sample), m = the a elements it multiplies, k = n = 1."""
@@ -274,6 +351,26 @@ class MatMulGemm(ArrayInstruction):
     transpose_b: bool
 
     HAS_WINDOW_FIELD: ClassVar[bool] = False
+    ARITY: ClassVar[int | None] = 2
+
+    @classmethod
+    def check(cls, instr: dict, where: str, in_shapes: list, out_dtype: str, program: ProgramView
+              ) -> tuple[int, ...]:
+        """(..., M, K) by (..., K, P) as read (transposed where the flags say), k the contraction length."""
+        a, b = in_shapes
+        flags = [field_of(instr, key, where) for key in ("transpose_a", "transpose_b")]
+        if not all(isinstance(flag, bool) for flag in flags):
+            raise InvalidRecord(f"{where}: transpose_a and transpose_b must be true or false, got "
+                                f"{json.dumps(flags)[:40]}")
+        a, b = (shape[:-2] + shape[:-3:-1] if flag and len(shape) >= 2 else shape
+                for shape, flag in zip((a, b), flags))
+        if len(a) < 2 or len(a) != len(b) or a[:-2] != b[:-2] or a[-1] != b[-2]:
+            raise InvalidRecord(f"{where}: multiplies {a} by {b} as read (transpose_a {flags[0]}, transpose_b "
+                                f"{flags[1]}): not (..., M, K) by (..., K, P)")
+        check_output_stage(program, instr, 1, where, out_dtype)
+        if instr["k"] != a[-1]:
+            raise InvalidRecord(f"{where}: k = {instr['k']} is not the contraction length {a[-1]}")
+        return a[:-1] + b[-1:]
 
     def gemm_shape(self, in_shapes: list, out_shape: list, batch: int, stored: int) -> GemmShape:
         """One group per sample and leading index, (M x K) . (K x P); K is the instruction's k."""
@@ -311,12 +408,35 @@ class Concat(Instruction):
 
     axis: int
 
+    ARITY: ClassVar[int | None] = None
+
+    @classmethod
+    def check(cls, instr: dict, where: str, in_shapes: list, out_dtype: str, program: ProgramView
+              ) -> tuple[int, ...]:
+        if not in_shapes or any(len(s) != 3 or s[1:] != in_shapes[0][1:] for s in in_shapes):
+            raise InvalidRecord(f"{where}: concatenates tensors of shapes {in_shapes} along the channels")
+        return (sum(s[0] for s in in_shapes),) + in_shapes[0][1:]
+
 
 @dataclass(frozen=True, kw_only=True)
 class Reshape(Instruction):
     """Reshape, Flatten, Squeeze, Unsqueeze: a view with the static shape [None, ...] (batch free)."""
 
     shape: tuple
+
+    @classmethod
+    def check(cls, instr: dict, where: str, in_shapes: list, out_dtype: str, program: ProgramView
+              ) -> tuple[int, ...]:
+        shape = field_of(instr, "shape", where)
+        if not isinstance(shape, list) or not shape or shape[0] is not None:
+            raise InvalidRecord(f"{where}: shape must be [null, ...], got {json.dumps(shape)[:60]}")
+        dims = tuple(ints(shape[1:], f"{where}: shape", None, 1))
+        # Equal sizes per entry of the free first axis, or one a multiple of the other: the first axis then holds
+        # several rows per image on one side (a batch-1 graph mapped over the batch, a GEMM on tokens).
+        size, out = math.prod(in_shapes[0]), math.prod(dims)
+        if size % out and out % size:
+            raise InvalidRecord(f"{where}: reshapes {in_shapes[0]} to {dims}")
+        return dims
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -326,12 +446,31 @@ class ChannelSlice(Instruction):
     start: int
     count: int
 
+    @classmethod
+    def check(cls, instr: dict, where: str, in_shapes: list, out_dtype: str, program: ProgramView
+              ) -> tuple[int, ...]:
+        x = in_shapes[0]
+        if not x:
+            raise InvalidRecord(f"{where}: slices the channels of a tensor without a channel axis")
+        start = ints([field_of(instr, "start", where)], f"{where}: start", 1, 0, x[0] - 1)[0]
+        count = ints([field_of(instr, "count", where)], f"{where}: count", 1, 1, x[0] - start)[0]
+        return (count,) + tuple(x[1:])
+
 
 @dataclass(frozen=True, kw_only=True)
 class ChannelPermute(Instruction):
     """Output channel c is input channel perm[c]."""
 
     perm: tuple[int, ...]
+
+    @classmethod
+    def check(cls, instr: dict, where: str, in_shapes: list, out_dtype: str, program: ProgramView
+              ) -> tuple[int, ...]:
+        x = in_shapes[0]
+        perm = ints(field_of(instr, "perm", where), f"{where}: perm", None, 0)
+        if not x or sorted(perm) != list(range(x[0])):
+            raise InvalidRecord(f"{where}: perm is not a permutation of the input's {x[0] if x else 0} channels")
+        return tuple(x)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -344,9 +483,54 @@ class Host(Instruction):
     operands: tuple = field(default_factory=tuple)
     attrs: dict = field(default_factory=dict)
 
+    ARITY: ClassVar[int | None] = None
+
+    @classmethod
+    def check(cls, instr: dict, where: str, in_shapes: list, out_dtype: str, program: ProgramView
+              ) -> tuple[int, ...]:
+        """The op, its operands (its inputs in order, or arrays the program holds) and attributes; the output
+        shape is the tensor record's (the host op's own shape rules are ONNX's)."""
+        for key, kind_ in (("op", str), ("opset", int), ("operands", list), ("attrs", dict)):
+            if not isinstance(field_of(instr, key, where), kind_):
+                raise InvalidRecord(f"{where}: field '{key}' must be {kind_.__name__}")
+        tensors = []
+        for operand in instr["operands"]:
+            if operand is None:
+                continue
+            if not isinstance(operand, dict) or len(operand) != 1 or not isinstance(next(iter(operand.values())), str):
+                raise InvalidRecord(f"{where}: an operand must be null, {{\"tensor\": name}} or {{\"array\": name}}")
+            ((key, name),) = operand.items()
+            if key == "tensor":
+                tensors.append(name)
+            elif key != "array" or name not in program.arrays:
+                raise InvalidRecord(f"{where}: operand {json.dumps(operand)[:60]} names nothing the program holds")
+        if tensors != list(instr["inputs"]):
+            raise InvalidRecord(f"{where}: its tensor operands {tensors} are not its inputs {instr['inputs']}")
+        for value in instr["attrs"].values():
+            if isinstance(value, dict) and not (isinstance(value.get("array"), str)
+                                                and value["array"] in program.arrays):
+                raise InvalidRecord(f"{where}: attribute {json.dumps(value)[:60]} names no array of the program")
+        return tuple(program.tensors[instr["output"]]["shape"][1:])
+
 
 def _prod(values) -> int:
     return math.prod(int(v) for v in values)
+
+
+def _check_weighted_gemm(instr: dict, where: str, in_shapes: list, out_dtype: str, program: ProgramView
+                         ) -> tuple[int, int, tuple[int, ...]]:
+    """The checks a ConvGemm and a DenseGemm share: (channels, k, input shape)."""
+    weight_name = field_of(instr, "weight", where)
+    weight = program.arrays.get(weight_name) if isinstance(weight_name, str) else None
+    if weight is None or weight.dtype != np.int8 or weight.ndim != 2 or 0 in weight.shape:
+        raise InvalidRecord(f"{where}: field 'weight' must name an int8 (M, K) array")
+    channels, k = weight.shape
+    array_of(program, instr, "bias", where, "int32", (channels,))
+    weight_scale = array_of(program, instr, "weight_scale", where, "float32", (channels,))
+    if not np.all(np.isfinite(weight_scale)) or np.any(weight_scale < 0):  # export-onnx writes them as scales
+        raise InvalidRecord(f"{where}: weight_scale must hold finite numbers >= 0")
+    check_output_stage(program, instr, channels, where, out_dtype)
+    return channels, k, in_shapes[0]
 
 
 # The records' handler table: the dataclass of each kind.

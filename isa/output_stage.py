@@ -146,14 +146,14 @@ class WindowMax:
 
     @classmethod
     def from_manifest(cls, record: dict) -> "WindowMax | None":
-        window = record.get("window")
+        window = record.get("window_max")
         if window is None:
             return None
         return cls(tuple(window["kernel"]), tuple(window["strides"]), tuple(window["pads"]),
                    tuple(window["dilations"]), bool(window["ceil_mode"]))
 
     def to_manifest(self) -> dict:
-        return {"window": self.to_record()}
+        return {"window_max": self.to_record()}
 
 
 Step = Bias | Requantize | Clamp | ClampHi | Lookup | WindowMax
@@ -219,7 +219,7 @@ def missing_evaluators(steps: Iterable[type], tables: dict[str, dict]) -> list[s
 class OutputStage:
     """The output stage of one array instruction: its present steps in STEP_ORDER. In a program, read from and
     written to the manifest fields each step names (`bias`, `mult`/`shift`/`scale_f32`, `clamp`, `clamp_hi`,
-    `lookup`, `window`: each step's from_manifest / to_manifest); on a node of the lowered float graph, the node's
+    `lookup`, `window_max`: each step's from_manifest / to_manifest); on a node of the lowered float graph, the node's
     `output_stage` attribute with the steps' float parameters (Clamp, ClampHi, Lookup, WindowMax)."""
 
     steps: tuple[Step, ...] = ()

@@ -16,7 +16,7 @@ import programs  # noqa: E402  (tests/golden/programs.py)
 from qdeploy import api  # noqa: E402
 from qdeploy.program import read_program  # noqa: E402
 
-RECORDED = json.loads(programs.FINGERPRINTS.read_text())
+RECORDED = programs.recorded()
 
 
 def first_difference(expected, got, where: str = "") -> str | None:

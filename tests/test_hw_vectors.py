@@ -98,13 +98,13 @@ def test_every_layer_recomputes_from_the_hex_files_alone(exported):
         scale = read["scale_f32"].reshape(-1).astype(np.uint32).view(np.float32).astype(np.float64)
         assert np.allclose(scale, mult * np.exp2(-shift.astype(np.float64)), rtol=2 ** -22)
         stored = out
-        if layer["window"]:  # (10) window-max on store, over the NCHW view of the output
+        if layer["window_max"]:  # (10) window-max on store, over the NCHW view of the output
             batch, _, height, width = layer["input_shape"]
             (kh, kw), (sh, sw), pads, (dh, dw) = (layer["conv"][key] for key in ("kernel", "strides", "pads",
                                                                                   "dilations"))
             oh = twins.conv_output_size(height, kh, sh, pads[0], pads[2], dh)
             ow = twins.conv_output_size(width, kw, sw, pads[1], pads[3], dw)
-            window = layer["window"]
+            window = layer["window_max"]
             nchw = out.reshape(batch, oh, ow, -1).transpose(0, 3, 1, 2).astype(
                 np.int8 if files["out"]["signed"] else np.uint8)  # uint8 below a ReLU on the default target
             pooled = twins.window_max(nchw, window["kernel"], window["strides"], window["pads"],

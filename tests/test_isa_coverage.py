@@ -11,7 +11,6 @@ import pytest
 import isa.instructions
 import isa.tiling
 import qdeploy.export_onnx
-import qdeploy.program
 import qdeploy.quantize
 import qdeploy.reference.ops
 import simulator.machine
@@ -31,7 +30,6 @@ def stage_tables() -> dict[str, tuple[dict, frozenset]]:
         "instruction records": (isa.instructions.RECORDS, every),
         "float meaning": (qdeploy.reference.ops.OPS, every - {Kind.HOST}),
         "compiler": (qdeploy.quantize.COMPILERS, every),
-        "program checks": (qdeploy.program.CHECKS, every),
         "simulator": (simulator.machine.KERNELS, every),
         "Python-int twins": (simulator.twins.TWINS, every),
         "ONNX export": (qdeploy.export_onnx.EXPORTERS, every),
@@ -67,6 +65,18 @@ def test_every_array_kind_has_its_gemm():
     assert isa.tiling.gemm_shape(isa.instructions.from_manifest(
         {"kind": Kind.FLATTEN, "name": "f", "inputs": ["x"], "output": "y", "shape": [None, 6]}),
         {"x": {"shape": [None, 2, 3]}, "y": {"shape": [None, 6]}}) is None
+
+
+def test_every_kind_has_its_program_check():
+    """The program checks (reading a `.qdp`) are the records' `check` classmethods: every kind's record has its
+    own or its datapath's, not the base class's (which refuses)."""
+    from isa.checks import ProgramView
+    from isa.instructions import Instruction
+
+    assert sorted(kind.value for kind, record in isa.instructions.RECORDS.items()
+                  if next(cls for cls in record.__mro__ if "check" in cls.__dict__) is Instruction) == []
+    with pytest.raises(TypeError, match="Instruction has no program check"):
+        Instruction.check({}, "x", [], "int8", ProgramView({}, {}, 32, None, lambda *a: None))
 
 
 def test_a_removed_handler_is_named():

@@ -15,7 +15,7 @@ from isa.instructions import ChannelSlice, ConvGemm, from_manifest  # noqa: E402
 from isa.kinds import UnknownKind  # noqa: E402
 from qdeploy.program import read_program  # noqa: E402
 
-RECORDED = json.loads(programs.FINGERPRINTS.read_text())
+RECORDED = programs.recorded()
 
 
 @pytest.mark.parametrize("name", list(RECORDED))

@@ -61,7 +61,7 @@ def test_every_kernel_equals_its_twin(tmp_path, rounding, unsigned, overflow, ac
     program = api.compile(path, calibrated(path, x), target).program
     kinds = {instr["kind"] for instr in program.instructions}
     assert {Kind.CONV_GEMM, Kind.DENSE_GEMM, Kind.ADD_GEMM, Kind.CONCAT, Kind.FLATTEN, Kind.CHANNEL_SLICE} <= kinds
-    assert any(instr.get("window") for instr in program.instructions)
+    assert any(instr.get("window_max") for instr in program.instructions)
     run = Machine(program).run({"x": x}, dump=True)
     arithmetic = target.arithmetic
     for instr in program.instructions:

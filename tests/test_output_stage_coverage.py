@@ -18,6 +18,7 @@ import qdeploy.export_onnx  # noqa: E402
 import simulator.machine  # noqa: E402
 import simulator.twins  # noqa: E402
 import simulator.vectors.export  # noqa: E402
+from isa.checks import InvalidRecord, ProgramView  # noqa: E402
 from isa.instructions import AddGemm  # noqa: E402
 from isa.kinds import Kind  # noqa: E402
 from isa.output_stage import (STEP_ORDER, Clamp, ClampHi, Lookup, MissingEvaluator, OutputStage,  # noqa: E402
@@ -202,7 +203,7 @@ def test_dry_run_a_new_kind_on_an_existing_datapath():
         table, required = extended[stage]
         partial = {**extended, stage: ({k: v for k, v in table.items() if k != MIN_GEMM}, required)}
         assert missing_handlers_by_name(partial) == [f"{stage}: no handler for {MIN_GEMM}"]
-    assert len(tables) == 8  # the kind tables a new kind reaches (plus isa/kinds.py for its name)
+    assert len(tables) == 7  # the kind tables a new kind reaches (plus isa/kinds.py for its name)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -211,9 +212,10 @@ class MinGemm(AddGemm):
 
 
 def test_dry_run_a_kind_on_a_datapath_inherits_its_record_methods():
-    """What follows from the record alone is inherited: manifest fields, output stage, GEMM shapes, inspect line."""
+    """What follows from the record alone is inherited: manifest fields, output stage, GEMM shapes, inspect line,
+    the program checks (the same shape, the same one-line refusal)."""
     record = {"kind": Kind.ADD_GEMM, "name": "m", "inputs": ["a", "b"], "output": "y", "mult": "0_mult",
-              "shift": "0_shift", "scale_f32": "0_scale", "clamp": [0, 127], "window": None, "k": 2,
+              "shift": "0_shift", "scale_f32": "0_scale", "clamp": [0, 127], "window_max": None, "k": 2,
               "acc_bound_bits": 17, "add_weights": [16384, 9000], "add_scale": 0.5, "add_ratio_f32": "0_ratio"}
     add, low = AddGemm.from_manifest(record), MinGemm.from_manifest(record)
     assert low.to_manifest() == add.to_manifest() == record and low.stage == add.stage
@@ -221,6 +223,13 @@ def test_dry_run_a_kind_on_a_datapath_inherits_its_record_methods():
     assert MinGemm.lowered_gemm(*shapes, {}, None, 1) == AddGemm.lowered_gemm(*shapes, {}, None, 1)
     assert low.gemm_shape(*shapes, 2, 120) == add.gemm_shape(*shapes, 2, 120)
     assert low.describe({}) == add.describe({}) == "clamp [0, 127] k=2 acc bound 17 bits"
+    arrays = {"0_mult": np.full(1, 1 << 20, np.int64), "0_shift": np.full(1, 10, np.int64),
+              "0_scale": np.ones(1, np.float32), "0_ratio": np.ones(2, np.float32)}
+    view = ProgramView(arrays, {}, 32, "double", lambda *args: None)
+    assert MinGemm.ARITY == AddGemm.ARITY == 2
+    assert MinGemm.check(record, "m", [(4, 3, 5)] * 2, "int8", view) == (4, 3, 5)
+    with pytest.raises(InvalidRecord, match=r"^m: add_weights = \[16384, 40000\] is out of range \[0, 32767\]$"):
+        MinGemm.check({**record, "add_weights": [16384, 40000]}, "m", [(4, 3, 5)] * 2, "int8", view)
 
 
 def missing_handlers_by_name(tables) -> list[str]:

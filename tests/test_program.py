@@ -156,3 +156,36 @@ def test_failed_write_keeps_the_existing_file(tmp_path):
         write_program(bad, target)
     assert target.read_bytes() == b"previous program"
     assert [p.name for p in tmp_path.iterdir()] == ["p.qdp"]
+
+
+def test_a_program_spelling_the_window_max_field_window_reads_as_window_max(tmp_path):
+    """Programs written before the rename store the WindowMax step as `window` (ConvGemm, AddGemm: null when
+    none): read_program renames it (LEGACY_FIELDS), so the checks, the records and the simulator see one spelling;
+    the shape check then holds the old window to the output's shape as before."""
+    from isa.instructions import from_manifest
+    from qdeploy.program import upgraded
+
+    window = {"kernel": [2, 2], "strides": [2, 2], "pads": [0, 0, 0, 0], "dilations": [1, 1], "ceil_mode": 0}
+    record = {"kind": "AddGemm", "name": "a", "window": window, "k": 2}
+    assert upgraded(record) == {"kind": "AddGemm", "name": "a", "window_max": window, "k": 2}
+    assert list(upgraded(record)) == ["kind", "name", "window_max", "k"]  # in the old key's place
+    assert upgraded({**record, "window_max": None}) == {"kind": "AddGemm", "name": "a", "window_max": None, "k": 2}
+    arrays = {"m": np.full(1, 1 << 20, np.int64), "s": np.full(1, 10, np.int64), "f": np.ones(1, np.float32),
+              "r": np.ones(2, np.float32)}
+    add = {"kind": "AddGemm", "name": "add", "inputs": ["a", "b"], "output": "y", "mult": "m", "shift": "s",
+           "scale_f32": "f", "clamp": [0, 127], "k": 2, "acc_bound_bits": 17, "add_weights": [16384, 9000],
+           "add_scale": 0.5, "add_ratio_f32": "r", "window": window}
+    manifest = {"toolkit_version": "test", "target": {"arithmetic": {}}, "inputs": ["a", "b"], "outputs": ["y"],
+                "tensors": {"a": {"shape": [None, 3, 4, 4], "scale": 0.1, "dtype": "int8"},
+                            "b": {"shape": [None, 3, 4, 4], "scale": 0.1, "dtype": "int8"},
+                            "y": {"shape": [None, 3, 2, 2], "scale": 0.2, "dtype": "int8"}},
+                "instructions": [add]}
+    write_program(Program(manifest, arrays), tmp_path / "old.qdp")
+    (instr,) = read_program(tmp_path / "old.qdp").instructions
+    assert "window" not in instr and instr["window_max"] == window
+    assert from_manifest(instr).stage.window_max.kernel == (2, 2)
+    assert from_manifest(instr).to_manifest()["window_max"] == window
+    manifest["tensors"]["y"]["shape"] = [None, 3, 4, 4]  # the window is checked, whatever its spelling
+    write_program(Program(manifest, arrays), tmp_path / "bad.qdp")
+    with pytest.raises(BadInput, match=r"computes shape \[3, 2, 2\] per sample, but tensor 'y' records \[3, 4, 4\]"):
+        read_program(tmp_path / "bad.qdp")

@@ -257,7 +257,7 @@ def _isolated_bound_check(program, lowering, run, amax: dict[str, float]) -> flo
             s_a, s_b = (program.tensors[n]["scale"] for n in instr["inputs"])
             error = (np.abs(run.tensors[instr["inputs"][0]]) * abs(w_a * s_acc - s_a) +
                      np.abs(run.tensors[instr["inputs"][1]]) * abs(w_b * s_acc - s_b)).astype(np.float64)
-            if instr.get("window"):
+            if instr.get("window_max"):
                 error = np.full_like(y_float, error.max())
             bound = 0.5 + error / s_out + 1e-3
         else:

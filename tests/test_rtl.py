@@ -63,7 +63,7 @@ def test_the_rtl_reproduces_every_layer_and_stress_case(tmp_path, network_table,
     names = [layer["name"] for layer in json.loads((tmp_path / "vec" / "manifest.json").read_text())["layers"]
              if layer["dir"] in ran.layers]
     report = compare_vectors(tmp_path / "vec", tmp_path / "dump", names)
-    windowed = [layer for layer in program.instructions if layer.get("window")]
+    windowed = [layer for layer in program.instructions if layer.get("window_max")]
     assert len(windowed) == 1  # the conv's fused MaxPool: the RTL's window-max writes stored.hex
     assert report.ok and report.compared_files == 2 * len(ran.layers) + len(windowed), report.to_json()
 

@@ -372,14 +372,67 @@ def build_report(model: str | os.PathLike, program: str | os.PathLike | Program,
       and on); its rows form the report's "Ablation" section.
     num_samples: the first N samples (default: all). command: the command line, recorded in the report.
     cluster: walk the batches on a Dask cluster (qdeploy/cluster.py); the report is the same."""
-    from qdeploy.binding import bind_inputs
-    from qdeploy.lowering import lower
-    from qdeploy.onnx_import import import_onnx
-    from qdeploy.summary import summarize
-
     start_time = time.perf_counter()
     model = Path(model)
     output = Path(output)
+    _check_destination(output, batch_size, num_samples)
+    program_source = str(program) if not isinstance(program, Program) else "program"
+    program = program if isinstance(program, Program) else read_program(program)
+    imported, lowering = _lowered(model, program, program_source, input_shapes)
+    inputs = _read_inputs(data, program, program_source, lowering.graph, labels, calib, peer, ablation, num_samples,
+                          preprocess, output_name)
+    evaluator, lowering_error, walk_seconds = _walk(model, program, imported, lowering.graph, data, inputs,
+                                                    input_shapes, batch_size, progress, cluster)
+    if evaluator.samples == 0:
+        raise BadInput(f"{inputs.source.source}: no samples to evaluate")
+    warnings = list(inputs.source.warnings)
+    warnings += [input_range_message(row) for row in _input_range(evaluator, program) if row["mismatch"]]
+    if lowering_error is not None and lowering_error > 1e-3:
+        warnings.append(f"the lowered float graph differs from the original model by {lowering_error:.2e} "
+                        f"(relative) on the first samples: a lowering problem, not quantization")
+
+    used_labels = inputs.labels[:evaluator.samples] if inputs.labels is not None else None
+    layers = _layer_rows(evaluator, program)
+    tensors, histogram_plots, budget_moves = [], [], []
+    if inputs.table is not None:
+        tensors, histogram_plots, budget_moves, calib_warnings = _calibration_rows(inputs.table, program, lowering,
+                                                                                   layers)
+        warnings += calib_warnings
+    document = {
+        "format": REPORT_FORMAT, "version": REPORT_VERSION, "toolkit_version": __version__,
+        "model": str(model), "program": program_source, "data": inputs.source.source, "samples": evaluator.samples,
+        "labels": None if labels is None or isinstance(labels, np.ndarray) else str(labels),
+        "output": evaluator.output.name,
+        **_agreement(evaluator, used_labels),
+        **_dense_outputs(evaluator.output, layers, program),
+        "outputs": _every_output(evaluator),
+        "input_range": _input_range(evaluator, program),
+        "input_sqnr_db": {name: metrics.json_number(acc.db) for name, acc in evaluator.inputs.items()},
+        "layers": layers,
+        "worst_layers": _worst_layers(layers),
+        "tensors": tensors,
+        "clipping_budget": budget_moves,
+        "host_ops": _host_op_rows(lowering, program),
+        "nodes": _node_counts(imported, lowering),
+        "settings": _settings(program, inputs, calib, batch_size),
+        "lowering_check": {"samples": min(CHECK_ORIGINAL_SAMPLES, evaluator.samples),
+                           "max_relative_error": lowering_error},
+        "error_split": _error_split(evaluator),
+        "peer": None,
+        "ablation": None,
+        "plots": {},
+        "seconds": {"evaluate": walk_seconds},
+        "command": command,
+        "warnings": warnings,
+    }
+    document["peer"], document["ablation"] = _comparisons(inputs, evaluator, used_labels, document["top1_agreement"],
+                                                          metrics.db_from_json(document["logits_sqnr_db"]))
+    files = _write_files(output, document, layers, histogram_plots, budget_moves, program, start_time)
+    return ReportResult(document, output, files, warnings)
+
+
+def _check_destination(output: Path, batch_size: int, num_samples: int | None) -> None:
+    """The report folder can be written (or made), and the batch size and sample count are positive."""
     if output.exists() and not output.is_dir():
         raise BadInput(f"{output}: exists and is not a folder; give the report folder")
     writable = next(folder for folder in (output, *output.parents) if folder.exists())  # as typed: relative ends at .
@@ -389,8 +442,14 @@ def build_report(model: str | os.PathLike, program: str | os.PathLike | Program,
         raise BadInput(f"--batch-size {batch_size}: must be at least 1")
     if num_samples is not None and num_samples < 1:
         raise BadInput(f"--num-samples {num_samples}: must be at least 1")
-    program_source = str(program) if not isinstance(program, Program) else "program"
-    program = program if isinstance(program, Program) else read_program(program)
+
+
+def _lowered(model: Path, program: Program, program_source: str, input_shapes):
+    """(the imported model, its lowering) as the program was compiled from it (equalized, lookup tables as its
+    options and target say), checked to match the program."""
+    from qdeploy.lowering import lower
+    from qdeploy.onnx_import import import_onnx
+
     try:
         imported = import_onnx(model, input_shapes)
         lookups = target_from_dict(program.manifest["target"]).array.lookup_tables > 0
@@ -400,9 +459,30 @@ def build_report(model: str | os.PathLike, program: str | os.PathLike | Program,
         if str(error).startswith(str(model)):
             raise
         raise BadInput(f"{model}: {error}") from error
-    graph = lowering.graph
-    check_program_matches(program, graph, str(model), program_source)
+    check_program_matches(program, lowering.graph, str(model), program_source)
+    return imported, lowering
 
+
+@dataclass
+class _Inputs:
+    """What the report reads besides the model and the program, checked against each other: the data source
+    (its `samples` cut to num_samples), the images' preprocessing, the labels, the calibration table, the peer and
+    ablation files (`compared`: (path, file) of those given) and the output the figures measure."""
+
+    source: object
+    preprocess: Preprocess | None
+    labels: np.ndarray | None
+    table: CalibrationTable | None
+    peer: object | None
+    ablation: object | None
+    compared: list
+    output_name: str | None
+
+
+def _read_inputs(data, program: Program, program_source: str, graph, labels, calib, peer, ablation,
+                 num_samples: int | None, preprocess, output_name: str | None) -> _Inputs:
+    """Open the data and read the labels, the table, the peer and the ablation; BadInput when their sample counts
+    or classes disagree."""
     label_array = None
     labels_name = "labels" if isinstance(labels, np.ndarray) else str(labels)  # for messages
     if labels is not None:
@@ -442,9 +522,19 @@ def build_report(model: str | os.PathLike, program: str | os.PathLike | Program,
                 raise BadInput(f"{path}: entry '{entry.label}' has logits for {entry.logits.shape[0]} samples, "
                                f"the data {source.source} has {available}")
     source.samples = min(available, num_samples or available)
+    return _Inputs(source, preprocess, label_array, table, peer_file, ablation_file, compared, output_name)
 
-    evaluator = Evaluator(program, graph, [(e.label, e.logits) for _, f in compared for e in f.entries],
-                          output=output_name)
+
+def _walk(model: Path, program: Program, imported, graph, data, inputs: _Inputs, input_shapes, batch_size: int,
+          progress: Progress | None, cluster: str | None) -> tuple[Evaluator, float | None, float]:
+    """Stream the data through the float graph and the program (here, or shard by shard on `cluster`): (the
+    evaluator holding every sum, the lowered graph's error against the original model on the first samples,
+    seconds)."""
+    from qdeploy.binding import bind_inputs
+
+    source = inputs.source
+    evaluator = Evaluator(program, graph, [(e.label, e.logits) for _, f in inputs.compared for e in f.entries],
+                          output=inputs.output_name)
     lowering_error = None
     walk_start = time.perf_counter()
 
@@ -472,119 +562,126 @@ def build_report(model: str | os.PathLike, program: str | os.PathLike | Program,
             from qdeploy.cluster import ShardData
 
             shard_data = ShardData(data if isinstance(data, (np.ndarray, dict)) else str(data), source.samples,
-                                   preprocess, source_strict(label_array, compared), batch_size)
+                                   inputs.preprocess, source_strict(inputs.labels, inputs.compared), batch_size)
             job = WalkJob(str(model), program, input_shapes, shard_data, evaluator.threads, evaluator.output.name)
             _walk_on_cluster(cluster, job, evaluator, added)
-    walk_seconds = time.perf_counter() - walk_start
-    if evaluator.samples == 0:
-        raise BadInput(f"{source.source}: no samples to evaluate")
-    warnings = list(source.warnings)
-    warnings += [input_range_message(row) for row in _input_range(evaluator, program) if row["mismatch"]]
-    if lowering_error is not None and lowering_error > 1e-3:
-        warnings.append(f"the lowered float graph differs from the original model by {lowering_error:.2e} "
-                        f"(relative) on the first samples: a lowering problem, not quantization")
+    return evaluator, lowering_error, time.perf_counter() - walk_start
 
-    # ---- figures ---------------------------------------------------------------------------------------------
+
+def _agreement(evaluator: Evaluator, labels: np.ndarray | None) -> dict:
+    """The headline figures of the chosen output: top-1/top-5 agreement, logits SQNR, cosine (mean, min), and the
+    accuracies with `labels` (null without)."""
     logits = evaluator.output
     float_top, int8_top = logits.concatenated(logits.float_top), logits.concatenated(logits.int8_top)
     top1, top5 = metrics.agreement(float_top, int8_top)
     cosine = np.concatenate(logits.cosine)
-    used_labels = label_array[:evaluator.samples] if label_array is not None else None
     accuracy = {"accuracy_float": None, "accuracy_int8": None, "accuracy_drop_points": None,
                 "top5_accuracy_float": None, "top5_accuracy_int8": None}
-    if used_labels is not None:
-        acc_f, acc5_f = metrics.accuracy(float_top, used_labels)
-        acc_q, acc5_q = metrics.accuracy(int8_top, used_labels)
+    if labels is not None:
+        acc_f, acc5_f = metrics.accuracy(float_top, labels)
+        acc_q, acc5_q = metrics.accuracy(int8_top, labels)
         accuracy = {"accuracy_float": acc_f, "accuracy_int8": acc_q, "accuracy_drop_points": 100 * (acc_f - acc_q),
                     "top5_accuracy_float": acc5_f, "top5_accuracy_int8": acc5_q}
+    return {"top1_agreement": top1, "top5_agreement": top5, "logits_sqnr_db": metrics.json_number(logits.sqnr.db),
+            "cosine": float(np.mean(cosine)), "cosine_min": float(np.min(cosine)), **accuracy}
 
+
+def _layer_rows(evaluator: Evaluator, program: Program) -> list[dict]:
+    """One row per computing instruction, in execution order: SQNR cumulative and isolated, overflows, clipping."""
     tables = {instr.name: instr.stage.lookup.function for instr in program.records
               if getattr(instr, "stage", None) is not None and instr.stage.lookup is not None}
-    layers = []
-    for layer in evaluator.layers:
-        layers.append({"index": layer.index, "name": layer.name, "kind": layer.kind, "output": layer.output,
-                       "lookup": tables.get(layer.name),
-                       "sqnr_cumulative_db": metrics.json_number(layer.cumulative.db),
-                       "sqnr_isolated_db": metrics.json_number(layer.isolated.db),
-                       "overflow_events": layer.overflow_events, "clipped_fraction": layer.clipped_fraction,
-                       "scale": layer.scale})
+    return [{"index": layer.index, "name": layer.name, "kind": layer.kind, "output": layer.output,
+             "lookup": tables.get(layer.name),
+             "sqnr_cumulative_db": metrics.json_number(layer.cumulative.db),
+             "sqnr_isolated_db": metrics.json_number(layer.isolated.db),
+             "overflow_events": layer.overflow_events, "clipped_fraction": layer.clipped_fraction,
+             "scale": layer.scale} for layer in evaluator.layers]
+
+
+def _worst_layers(layers: list[dict]) -> dict:
+    """The WORST_LAYERS layers by isolated and by cumulative SQNR, worst first."""
     by_isolated = sorted(layers, key=lambda l: metrics.db_from_json(l["sqnr_isolated_db"]))[:WORST_LAYERS]
     by_cumulative = sorted(layers, key=lambda l: metrics.db_from_json(l["sqnr_cumulative_db"]))[:WORST_LAYERS]
+    return {"isolated": [{"name": l["name"], "sqnr_isolated_db": l["sqnr_isolated_db"]} for l in by_isolated],
+            "cumulative": [{"name": l["name"], "sqnr_cumulative_db": l["sqnr_cumulative_db"]} for l in by_cumulative]}
 
-    tensors, histogram_plots, budget_moves = [], [], []
-    if table is not None:
-        tensors, histogram_plots, calib_warnings = _calibration_summary(table, program)
-        warnings += calib_warnings
-        budget_moves = _clipping_budget_moves(table, consumer_fan_in(lowering))
-        writers = {layer["output"]: layer["name"] for layer in layers}
-        for row in tensors:  # the node writing each tensor: the per-layer table's name for it
-            row["writer"] = writers.get(row["name"])
-    arithmetic = program.manifest["target"]["arithmetic"]
-    summary = summarize(imported.original, imported.graph, imported.passes)
+
+def _calibration_rows(table: CalibrationTable, program: Program, lowering, layers: list[dict]
+                      ) -> tuple[list[dict], list[dict], list[dict], list[str]]:
+    """(tensor rows with the node writing each, histograms for the figure, the clipping budget's moves, warnings)
+    of the calibration table."""
+    tensors, histogram_plots, calib_warnings = _calibration_summary(table, program)
+    budget_moves = _clipping_budget_moves(table, consumer_fan_in(lowering))
+    writers = {layer["output"]: layer["name"] for layer in layers}
+    for row in tensors:  # the node writing each tensor: the per-layer table's name for it
+        row["writer"] = writers.get(row["name"])
+    return tensors, histogram_plots, budget_moves, calib_warnings
+
+
+def _host_op_rows(lowering, program: Program) -> list[dict]:
+    """The ops the lowering left to the host, then the program's host instructions it does not list."""
     host_ops = [{"node": h.node, "op": h.op, "reason": h.reason, "macs": h.macs, "elements": h.elements}
                 for h in lowering.host_ops]
     lowered_host = {h["node"] for h in host_ops}
-    host_ops += [{"node": i.name, "op": i.op, "reason": "runs on the host in float (program)",
-                  "macs": 0, "elements": 0}
-                 for i in program.records if i.kind == Kind.HOST and i.name not in lowered_host]
+    return host_ops + [{"node": i.name, "op": i.op, "reason": "runs on the host in float (program)",
+                        "macs": 0, "elements": 0}
+                       for i in program.records if i.kind == Kind.HOST and i.name not in lowered_host]
 
-    document = {
-        "format": REPORT_FORMAT, "version": REPORT_VERSION, "toolkit_version": __version__,
-        "model": str(model), "program": program_source, "data": source.source, "samples": evaluator.samples,
-        "labels": None if labels is None or isinstance(labels, np.ndarray) else str(labels),
-        "output": logits.name,
-        "top1_agreement": top1, "top5_agreement": top5,
-        "logits_sqnr_db": metrics.json_number(logits.sqnr.db),
-        "cosine": float(np.mean(cosine)), "cosine_min": float(np.min(cosine)),
-        **accuracy,
-        **_dense_outputs(logits, layers, program),
-        "outputs": _every_output(evaluator),
-        "input_range": _input_range(evaluator, program),
-        "input_sqnr_db": {name: metrics.json_number(acc.db) for name, acc in evaluator.inputs.items()},
-        "layers": layers,
-        "worst_layers": {"isolated": [{"name": l["name"], "sqnr_isolated_db": l["sqnr_isolated_db"]}
-                                      for l in by_isolated],
-                         "cumulative": [{"name": l["name"], "sqnr_cumulative_db": l["sqnr_cumulative_db"]}
-                                        for l in by_cumulative]},
-        "tensors": tensors,
-        "clipping_budget": budget_moves,
-        "host_ops": host_ops,
-        "nodes": {"as_exported": len(imported.original.nodes), "simplified": len(imported.graph.nodes),
-                  "lowered": len(graph.nodes), "ops_as_exported": summary.ops_before,
-                  "ops_simplified": summary.ops_after, "ops_lowered": _op_counts(graph),
-                  "passes": summary.passes + [{"name": p.name, "nodes_before": p.nodes_before,
-                                               "nodes_after": p.nodes_after} for p in lowering.passes],
-                  "gemm_mac_fraction": lowering.gemm_mac_fraction, "macs_per_sample": summary.macs},
-        "settings": {"calibration_method": table.method if table is not None else None,
-                     "calibration_samples": table.samples if table is not None else None,
-                     "calibration_table": None if calib is None or isinstance(calib, CalibrationTable) else str(calib),
-                     "per_channel_weights": bool(program.manifest.get("options", {}).get("per_channel_weights", True)),
-                     "compile_options": dict(program.manifest.get("options", {})),
-                     "arithmetic": arithmetic,
-                     "preprocess": None if preprocess is None else preprocess.to_json(),
-                     "batch_size": batch_size},
-        "lowering_check": {"samples": min(CHECK_ORIGINAL_SAMPLES, evaluator.samples),
-                           "max_relative_error": lowering_error},
-        "error_split": {name: {"logits_sqnr_db": metrics.json_number(stats.sqnr.db),
-                               "top1_agreement": metrics.agreement(float_top, np.concatenate(stats.top))[0]}
-                        for name, stats in evaluator.split.items()},
-        "peer": None,
-        "ablation": None,
-        "plots": {},
-        "seconds": {"evaluate": walk_seconds},
-        "command": command,
-        "warnings": warnings,
-    }
+
+def _node_counts(imported, lowering) -> dict:
+    """Node and op counts as exported, simplified and lowered, every pass, the GEMM unit's share of the MACs."""
+    from qdeploy.summary import summarize
+
+    summary = summarize(imported.original, imported.graph, imported.passes)
+    return {"as_exported": len(imported.original.nodes), "simplified": len(imported.graph.nodes),
+            "lowered": len(lowering.graph.nodes), "ops_as_exported": summary.ops_before,
+            "ops_simplified": summary.ops_after, "ops_lowered": _op_counts(lowering.graph),
+            "passes": summary.passes + [{"name": p.name, "nodes_before": p.nodes_before,
+                                         "nodes_after": p.nodes_after} for p in lowering.passes],
+            "gemm_mac_fraction": lowering.gemm_mac_fraction, "macs_per_sample": summary.macs}
+
+
+def _settings(program: Program, inputs: _Inputs, calib, batch_size: int) -> dict:
+    """The calibration, compile options, arithmetic, preprocessing and batch size the figures come from."""
+    table, options = inputs.table, program.manifest.get("options", {})
+    return {"calibration_method": table.method if table is not None else None,
+            "calibration_samples": table.samples if table is not None else None,
+            "calibration_table": None if calib is None or isinstance(calib, CalibrationTable) else str(calib),
+            "per_channel_weights": bool(options.get("per_channel_weights", True)),
+            "compile_options": dict(options),
+            "arithmetic": program.manifest["target"]["arithmetic"],
+            "preprocess": None if inputs.preprocess is None else inputs.preprocess.to_json(),
+            "batch_size": batch_size}
+
+
+def _error_split(evaluator: Evaluator) -> dict:
+    """Logits SQNR and top-1 agreement with only the weights, and with only the activations, quantized."""
+    logits = evaluator.output
+    float_top = logits.concatenated(logits.float_top)
+    return {name: {"logits_sqnr_db": metrics.json_number(stats.sqnr.db),
+                   "top1_agreement": metrics.agreement(float_top, np.concatenate(stats.top))[0]}
+            for name, stats in evaluator.split.items()}
+
+
+def _comparisons(inputs: _Inputs, evaluator: Evaluator, labels: np.ndarray | None, ours_top1: float,
+                 ours_sqnr: float) -> tuple[dict | None, dict | None]:
+    """(the peer section, the ablation section): each None when its file is not given."""
+    peer_file, ablation_file = inputs.peer, inputs.ablation
     peer_stats = evaluator.peers[:len(peer_file.entries) if peer_file else 0]
+    peer = ablation = None
     if peer_file is not None:
-        document["peer"] = _summarise_peer(peer_file, peer_stats, evaluator, used_labels, top1,
-                                           metrics.db_from_json(document["logits_sqnr_db"]))
+        peer = _summarise_peer(peer_file, peer_stats, evaluator, labels, ours_top1, ours_sqnr)
     if ablation_file is not None:
-        document["ablation"] = {"name": ablation_file.name, "description": ablation_file.description,
-                                "entries": _summarise_entries(ablation_file, evaluator.peers[len(peer_stats):],
-                                                              evaluator, used_labels)}
+        ablation = {"name": ablation_file.name, "description": ablation_file.description,
+                    "entries": _summarise_entries(ablation_file, evaluator.peers[len(peer_stats):], evaluator,
+                                                  labels)}
+    return peer, ablation
 
-    # ---- files -----------------------------------------------------------------------------------------------
+
+def _write_files(output: Path, document: dict, layers: list[dict], histogram_plots: list[dict],
+                 budget_moves: list[dict], program: Program, start_time: float) -> list[Path]:
+    """The figures, report.json and report.md, in that order, each atomically (report.md never links a figure
+    that is not there); `document` gets its plots and total seconds."""
     from qdeploy.reports import plots
     from qdeploy.reports.markdown import render_markdown
 
@@ -607,4 +704,4 @@ def build_report(model: str | os.PathLike, program: str | os.PathLike | Program,
     files.append(atomic_write(output / "report.json", lambda tmp: tmp.write_text(text)))
     markdown = render_markdown(document)
     files.append(atomic_write(output / "report.md", lambda tmp: tmp.write_text(markdown)))
-    return ReportResult(document, output, files, warnings)
+    return files

@@ -81,11 +81,19 @@ def ablation_recommendation(d: dict) -> list[str]:
 
 
 def render_markdown(d: dict) -> str:
+    """report.md from the report's document (report.json): its sections in order, each written by its own
+    function from the document alone."""
     model, program = Path(d["model"]).name, Path(d["program"]).name
     lines = [f"# Accuracy report: `{model}` as int8 (`{program}`)", "", READING_GUIDE, ""]
+    for section in (_headline, _preprocessing_mismatch, _every_output, _error_split_advice, _peer, _ablation, _layers,
+                    _calibration, _clipping_budget, _lowering, _settings, _warnings):
+        lines += section(d)
+    return "\n".join(lines)
 
-    # ---- headline ------------------------------------------------------------------------------------------
-    lines += ["## Headline", ""]
+
+def _headline(d: dict) -> list[str]:
+    """## Headline: the agreement, SQNR and accuracy table (with the error split's figures)."""
+    lines = ["## Headline", ""]
     rows = [["samples", f"{d['samples']} from `{d['data']}`"],
             ["top-1 agreement with float", format_percent(d["top1_agreement"])],
             ["top-5 agreement with float", format_percent(d["top5_agreement"])],
@@ -113,15 +121,30 @@ def render_markdown(d: dict) -> str:
                      f"{format_json_db(split['activations_only']['logits_sqnr_db'])} / "
                      f"{format_percent(split['activations_only']['top1_agreement'])}"])
     rows.append(["host-fallback ops", ", ".join(f"`{h['node']}` ({h['op']})" for h in d["host_ops"]) or "none"])
-    lines += _table(["", ""], rows) + [""]
-    mismatched = [row for row in d.get("input_range", []) if row["mismatch"]]
-    for row in mismatched:  # the diagnosis that comes before any advice on methods
+    return lines + _table(["", ""], rows) + [""]
+
+
+def _mismatched_inputs(d: dict) -> list[dict]:
+    return [row for row in d.get("input_range", []) if row["mismatch"]]
+
+
+def _preprocessing_mismatch(d: dict) -> list[str]:
+    """A paragraph per input whose data are not preprocessed as the calibration's: the diagnosis that comes before
+    any advice on methods."""
+    lines = []
+    for row in _mismatched_inputs(d):
         lines += [f"**Preprocessing mismatch.** Input `{row['name']}`: the data reach |x| = {row['data_amax']:.4g}, "
                   f"the calibration chose |T| = {row['calibrated_threshold']:.4g} for it. The data are not "
                   "preprocessed as the calibration data were (a forgotten `--mean`/`--std`, 0..1 against 0..255, "
                   "another size or channel order): the int8 input clips or uses a few of its 255 levels whatever the "
                   "threshold method. Preprocess the data as for calibration (images: leave the preprocessing "
                   "flags out, the table's record applies) before reading anything below.", ""]
+    return lines
+
+
+def _every_output(d: dict) -> list[str]:
+    """A table of every output when the model has several (the headline measures one)."""
+    lines = []
     outputs = d.get("outputs", [])
     if len(outputs) > 1:
         lines += [f"The model has {len(outputs)} outputs; the figures above, the peer, the ablation and the error "
@@ -133,7 +156,15 @@ def render_markdown(d: dict) -> str:
                  format_percent(o["pixel_agreement"] if o["dense"] else o["top1_agreement"])] for o in outputs]
         lines += _table(["output", "shape", "kind", "SQNR", "cosine", "agreement (argmax map / top-1)"], rows,
                         "lllrrr") + [""]
-    if split and not mismatched:
+    return lines
+
+
+def _error_split_advice(d: dict) -> list[str]:
+    """Which of the weights and the activations costs more, when one does by SPLIT_MARGIN_DB and the data are
+    preprocessed as the calibration's."""
+    lines = []
+    split = d.get("error_split")
+    if split and not _mismatched_inputs(d):
         weights, activations = (db_from_json(split[k]["logits_sqnr_db"]) for k in ("weights_only", "activations_only"))
         if activations + SPLIT_MARGIN_DB < weights:
             lines += [f"The activations cost more than the weights ({activations:.1f} dB against {weights:.1f} dB "
@@ -143,8 +174,12 @@ def render_markdown(d: dict) -> str:
             lines += [f"The weights cost more than the activations ({weights:.1f} dB against {activations:.1f} dB "
                       "with each alone): per-channel weights (the default target) and bias correction (compile's "
                       "default) are the levers; with per-tensor weights, `qdeploy calibrate --equalize`.", ""]
+    return lines
 
-    # ---- peer ----------------------------------------------------------------------------------------------
+
+def _peer(d: dict) -> list[str]:
+    """## Peer: ours against another toolkit's int8 logits on the same samples (none without --peer)."""
+    lines = []
     peer = d.get("peer")
     if peer:
         lines += ["## Peer", "", f"{peer['name']}: {peer['description']}".rstrip(": "), "",
@@ -171,8 +206,13 @@ def render_markdown(d: dict) -> str:
         if settings:
             lines += ["Peer settings: " + "; ".join(
                 f"{e['label']}: " + ", ".join(f"{k}={v}" for k, v in e["settings"].items()) for e in settings), ""]
+    return lines
 
-    # ---- ablation ------------------------------------------------------------------------------------------
+
+def _ablation(d: dict) -> list[str]:
+    """## Ablation: qdeploy programs compiled with other settings, and the recommendation (none without
+    --ablation)."""
+    lines = []
     ablation = d.get("ablation")
     if ablation:
         lines += ["## Ablation", "", f"{ablation['name']}: {ablation['description']}".rstrip(": "), "",
@@ -183,8 +223,12 @@ def render_markdown(d: dict) -> str:
                  "; ".join(f"{k} `{v}`" for k, v in entry["settings"].items())] for entry in ablation["entries"]]
         lines += _table(header, rows, "l" + "r" * (len(header) - 2) + "l") + [""]
         lines += ablation_recommendation(d)
+    return lines
 
-    # ---- layers --------------------------------------------------------------------------------------------
+
+def _layers(d: dict) -> list[str]:
+    """## Per-layer SQNR: every computing instruction, cumulative and isolated, and accumulator overflows."""
+    lines = []
     lines += ["## Per-layer SQNR", "",
               f"Every instruction of the program that computes, in execution order ({len(d['layers'])} layers; "
               "layout steps move data and add no error). *clipped* is the share of the layer's float outputs beyond "
@@ -206,8 +250,12 @@ def render_markdown(d: dict) -> str:
                   "`qdeploy compile` warns about these layers (worst-case accumulator bound, int32 bias "
                   "saturation: a channel whose weights are almost zero gets a tiny weight scale, so its bias "
                   "does not fit in int32).", ""]
+    return lines
 
-    # ---- calibration ---------------------------------------------------------------------------------------
+
+def _calibration(d: dict) -> list[str]:
+    """## Calibration histograms: the figure and the tensors it shows, every tensor's threshold."""
+    lines = []
     lines += ["## Calibration histograms", ""]
     if "histograms" in d["plots"]:
         samples = d["settings"]["calibration_samples"]
@@ -233,7 +281,12 @@ def render_markdown(d: dict) -> str:
                 for i, t in enumerate(d["tensors"])]
         lines += _table(["#", "tensor", "written by (node)", "method", "amax", "abs T", "T/amax", "scale",
                          "clipped"], rows, "llllrrrrr") + [""]
+    return lines
 
+
+def _clipping_budget(d: dict) -> list[str]:
+    """### What the clipping budget moved (a KL table): the thresholds rule (7) moved from rule (6)'s."""
+    lines = []
     moves = d.get("clipping_budget") or []
     if d["settings"]["calibration_method"] == "kl" and d["tensors"]:
         lines += ["### What the clipping budget moved", "",
@@ -254,8 +307,12 @@ def render_markdown(d: dict) -> str:
         else:
             lines += ["It moved no threshold of this table: KL's own choice clipped less than the budget everywhere.",
                       ""]
+    return lines
 
-    # ---- lowering ------------------------------------------------------------------------------------------
+
+def _lowering(d: dict) -> list[str]:
+    """## Lowering: the GEMM unit's share of the MACs, node counts per stage, the host-fallback ops."""
+    lines = []
     nodes = d["nodes"]
     lines += ["## Lowering", "",
               f"{100 * nodes['gemm_mac_fraction']:.2f}% of the {nodes['macs_per_sample']:,} multiply-accumulates per "
@@ -271,8 +328,13 @@ def render_markdown(d: dict) -> str:
                   f"sample): {h['reason']}" for h in d["host_ops"]] + [""]
     else:
         lines += ["Host-fallback ops: none; every operator runs on the accelerator.", ""]
+    return lines
 
-    # ---- settings ------------------------------------------------------------------------------------------
+
+def _settings(d: dict) -> list[str]:
+    """## Settings: inputs, calibration, weights, compile options, arithmetic, the float reference's check,
+    preprocessing, the command that regenerates the report."""
+    lines = []
     s = d["settings"]
     a = s["arithmetic"]
     calibration = ("not given (`--calib`)" if s["calibration_method"] is None else
@@ -299,6 +361,9 @@ def render_markdown(d: dict) -> str:
     if d["command"]:
         lines += ["", "Regenerate with:", "", "```", d["command"], "```"]
     lines.append("")
-    if d["warnings"]:
-        lines += ["## Warnings", ""] + [f"- {w}" for w in d["warnings"]] + [""]
-    return "\n".join(lines)
+    return lines
+
+
+def _warnings(d: dict) -> list[str]:
+    """## Warnings, when there are any."""
+    return ["## Warnings", ""] + [f"- {w}" for w in d["warnings"]] + [""] if d["warnings"] else []

@@ -217,7 +217,7 @@ def _window_vectors(step, v: _StageVectors, layer: _LayerRun) -> _StageVectors:
     """The grid the window-max reads (the instruction run again without it) and the stored tensor."""
     instr = layer.instr
     unpooled = replace(instr, stage=instr.stage.without(WindowMax))
-    return replace(v, info={**v.info, "window": step.to_record()},
+    return replace(v, info={**v.info, "window_max": step.to_record()},
                    grid=layer.machine.execute(unpooled, layer.args)[0], stored=v.grid)
 
 
@@ -234,7 +234,7 @@ def layer_vectors(program, target: Target, index: int, instr: Instruction, run, 
     shape = gemm_shape(instr, tensors, batch)
     tiles = tiles_of(instr, shape, target)
     info: dict[str, Any] = {"batch": batch, "input_tensors": list(instr.inputs),
-                            "output_tensor": instr.output, "window": None,
+                            "output_tensor": instr.output, "window_max": None,
                             "output_stage": [type(step).__name__ for step in instr.stage.steps]}
     kind = instr.kind
     operands = handler(OPERANDS, kind, "the golden vectors", f"instruction '{instr.name}'")(

@@ -209,6 +209,18 @@ def fingerprint(program_path: Path, shape: tuple[int, ...]) -> dict:
             "outputs": {name: _sha(np.ascontiguousarray(y).tobytes()) for name, y in sorted(outputs.items())}}
 
 
+def recorded() -> dict:
+    """The fingerprints as a reader sees them: recorded before the manifest field `window` was renamed
+    `window_max` (qdeploy/program.py LEGACY_FIELDS, renamed on read), so their instructions are renamed the same
+    way; every value stays the recorded one."""
+    from qdeploy.program import upgraded
+
+    prints = json.loads(FINGERPRINTS.read_text())
+    for case in prints.values():
+        case["manifest"]["instructions"] = [upgraded(instr) for instr in case["manifest"]["instructions"]]
+    return prints
+
+
 def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         prints = {}
