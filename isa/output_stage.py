@@ -44,19 +44,29 @@ class Bias:
 class Requantize:
     """y = round(acc * M[c]) in the target's rounding mode: (mult[c], shift[c]) integers, or the float32 scale
     scale_f32[c] in `float32_rne` (isa/multiplier.py). M >= 0, so the step is monotonic. The compiler adds it
-    (in the lowered float graph a product's constant scale is its GEMM's `product_scale`)."""
+    (in the lowered float graph a product's constant scale is its GEMM's `product_scale`).
+
+    `row_scale`, when set, names the instruction's row-scale operand: one word per output row (isa/row_scale.py,
+    s_i = m_i * 2^-e_i) that scales every channel's multiplier of that row, M[i, c] = M[c] * s_i, as
+    mult' = (mult * m_i + 2^15) >> 16, shift' = shift + e_i - 16 (float32_rne: float32(scale_f32 * s_i)). A row
+    is an index over every axis of the stored tensor but the last (a token; a (head, query) pair). s_i >= 0, so
+    the step stays monotonic."""
 
     mult: str
     shift: str
     scale_f32: str
+    row_scale: str = ""
     monotonic: ClassVar[bool] = True
 
     @classmethod
     def from_manifest(cls, record: dict) -> "Requantize | None":
-        return cls(record["mult"], record["shift"], record["scale_f32"]) if "mult" in record else None
+        if "mult" not in record:
+            return None
+        return cls(record["mult"], record["shift"], record["scale_f32"], record.get("row_scale", ""))
 
     def to_manifest(self) -> dict:
-        return {"mult": self.mult, "shift": self.shift, "scale_f32": self.scale_f32}
+        record = {"mult": self.mult, "shift": self.shift, "scale_f32": self.scale_f32}
+        return {**record, "row_scale": self.row_scale} if self.row_scale else record
 
 
 @dataclass(frozen=True)

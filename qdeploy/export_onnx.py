@@ -246,6 +246,9 @@ def _in_the_requantizing_op(step, value: str, b: _Builder, instr: Instruction) -
     """Bias and Requantize: computed by the kind's requantizing op (QLinearConv's bias and output scale,
     QLinearAdd's QuantizeLinear, Cast-Mul-QuantizeLinear of int32 accumulators), which saturates to the dtype;
     nothing more to write."""
+    if isinstance(step, Requantize) and step.row_scale:
+        raise Unsupported(f"instruction '{instr.name}' ({instr.kind}): a per-row scale (operand "
+                          f"'{step.row_scale}') has no ONNX Runtime int8 op")
     return value
 
 

@@ -38,6 +38,7 @@ from simulator.kernels.requantize import PlaneParameters, output_dtype, plane_pa
 from simulator.kernels.upsample import upsampled_read
 from simulator.kernels.window_max import window_max
 from isa.geometry import conv_output_size
+from isa.row_scale import row_scaled_float32, row_scaled_multipliers
 from qdeploy_base.threads import blas_threads_limitable, one_blas_thread, usable_cpus
 
 
@@ -338,13 +339,34 @@ class Machine:
                            _Plane(acc, layout), self, instr)
         return plane.layout(plane.y)
 
-    def _requantized(self, requant: Requantize, acc: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    def _requantized(self, requant: Requantize, acc: np.ndarray, lo: int, hi: int,
+                     rows: np.ndarray | None = None) -> np.ndarray:
         """acc (..., C) requantized per channel in the target's rounding mode and saturated to [lo, hi]
-        (kernels.requantize: one pass, stored in requantize.output_dtype(lo, hi))."""
+        (kernels.requantize: one pass, stored in requantize.output_dtype(lo, hi)). With a row scale, `rows` holds
+        the row-scale words broadcastable to acc: each element's multiplier is its channel's scaled by its row's
+        word (isa/row_scale.py), every element requantized as a channel of its own."""
+        if requant.row_scale:
+            return self._row_requantized(requant, acc, lo, hi, rows)
         if self.arithmetic.rounding == Rounding.FLOAT32_RNE:
             return requantize(acc, mode=Rounding.FLOAT32_RNE, lo=lo, hi=hi, scale=self.arrays[requant.scale_f32])
         return requantize(acc, self.arrays[requant.mult], self.arrays[requant.shift], self.arithmetic.rounding,
                           lo, hi)
+
+    def _row_requantized(self, requant: Requantize, acc: np.ndarray, lo: int, hi: int,
+                         rows: np.ndarray | None) -> np.ndarray:
+        if rows is None:
+            raise ValueError(f"Requantize with the row scale '{requant.row_scale}': no row-scale words given")
+        words = np.broadcast_to(np.asarray(rows, np.int64), acc.shape).reshape(-1)
+        flat = np.ascontiguousarray(acc).reshape(1, -1)
+        if self.arithmetic.rounding == Rounding.FLOAT32_RNE:
+            scale = np.broadcast_to(self.arrays[requant.scale_f32], acc.shape).reshape(-1)
+            out = requantize(flat, mode=Rounding.FLOAT32_RNE, lo=lo, hi=hi, scale=row_scaled_float32(scale, words))
+        else:
+            mult, shift = row_scaled_multipliers(np.broadcast_to(self.arrays[requant.mult], acc.shape).reshape(-1),
+                                                 np.broadcast_to(self.arrays[requant.shift], acc.shape).reshape(-1),
+                                                 words)
+            out = requantize(flat, mult, shift, self.arithmetic.rounding, lo, hi)
+        return out.reshape(acc.shape)
 
     def conv_gemm(self, instr: Instruction, args: list[np.ndarray]):
         """(y NCHW, acc (N*OH*OW, M) before requantization, events)."""
@@ -464,6 +486,8 @@ class _Plane:
 
     y: np.ndarray
     layout: Callable[[np.ndarray], np.ndarray]
+    rows: np.ndarray | None = None  # the row-scale words (isa/row_scale.py) of a Requantize with a row scale,
+    #                                 broadcastable to y: one per row of the stored tensor
 
 
 def _as_is(y: np.ndarray) -> np.ndarray:
@@ -496,14 +520,14 @@ def _bias(step: Bias, plane: _Plane, machine: Machine, instr: Instruction) -> _P
     else:
         half = np.int64(1) << (arithmetic.acc_bits - 1)
         acc = (acc + half) % (2 * half) - half
-    return _Plane(acc, plane.layout)
+    return replace(plane, y=acc)
 
 
 def _requantize(step: Requantize, plane: _Plane, machine: Machine, instr: Instruction) -> _Plane:
     """round(acc * M[c]) saturated to the register of the stored dtype (int8, uint8 or int32: the dtype the Clamp
     step stores, requantize.output_dtype), in one kernel pass."""
     lo, hi = _register_bounds(output_dtype(instr.stage.clamp.lo, instr.stage.clamp.hi))
-    return _Plane(machine._requantized(step, plane.y, lo, hi), plane.layout)
+    return _Plane(machine._requantized(step, plane.y, lo, hi, plane.rows), plane.layout)
 
 
 def _clamp(step: Clamp, plane: _Plane, machine: Machine, instr: Instruction) -> _Plane:
@@ -514,7 +538,7 @@ def _requantize_clamp(steps: tuple[Requantize, Clamp], plane: _Plane, machine: M
     """Requantize then Clamp in one kernel pass: clamp(v, lo, hi) = clamp(clamp(v, register), lo, hi), the clamp
     range lying within the register's."""
     requant, clamp = steps
-    return _Plane(machine._requantized(requant, plane.y, clamp.lo, clamp.hi), plane.layout)
+    return _Plane(machine._requantized(requant, plane.y, clamp.lo, clamp.hi, plane.rows), plane.layout)
 
 
 def _clamp_hi(step: ClampHi, plane: _Plane, machine: Machine, instr: Instruction) -> _Plane:

@@ -1,0 +1,121 @@
+"""The per-row scale of the Requantize step and the row-reciprocal store (isa/row_scale.py): the simulator's
+vectorised arithmetic against the Python-int twins (simulator/twins.py), exactly, on random data with the
+extremes, in every rounding mode; the store on 2^20 sampled sums and every power of two +-1; the backends that
+cannot run a row scale refuse it in one line."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import simulator.machine
+import simulator.twins
+from isa.multiplier import float32_multiplier, quantize_multiplier
+from isa.output_stage import Clamp, OutputStage, Requantize, fold, fused_fold
+from isa.row_scale import (RECIPROCAL, RSQRT, pack, row_reciprocal_words, row_scaled_multipliers, scale_word,
+                           word_value)
+from isa.target import Arithmetic
+from simulator.machine import Machine
+
+INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1
+ROUNDINGS = ("half_up", "half_away", "half_even", "tflite", "float32_rne")
+
+
+def _machine(arithmetic: Arithmetic, arrays: dict, fused: bool) -> Machine:
+    """A machine with no program: only what the output-stage evaluators read (arithmetic, arrays, fused)."""
+    machine = object.__new__(Machine)
+    machine.arithmetic, machine.arrays, machine.fused = arithmetic, arrays, fused
+    return machine
+
+
+def _case(rng: np.random.Generator, rows: int, channels: int):
+    """acc (rows, channels) with the int32 extremes, per-channel multipliers over many magnitudes, and one word per
+    row: reciprocal and rsqrt words of random sums and of the extreme sums, and the extreme mantissas."""
+    acc = rng.integers(INT32_MIN, INT32_MAX, (rows, channels), endpoint=True, dtype=np.int64)
+    acc[rng.random(acc.shape) < 0.5] //= 1 << 16  # many small accumulators too
+    acc[0, :4] = [INT32_MIN, INT32_MAX, 0, -1]
+    multipliers = 2.0 ** rng.uniform(-20, 0.9, channels)
+    mult, shift = (np.array(v, np.int64) for v in zip(*(quantize_multiplier(m) for m in multipliers)))
+    scale = np.array([float32_multiplier(m, 1.0, 1.0) for m in multipliers], np.float32)
+    sums = np.exp(rng.uniform(0, np.log(INT32_MAX), rows)).astype(np.int64)
+    sums[:4] = [1, 2, INT32_MAX, 1 << 30]
+    words = np.where(rng.random(rows) < 0.5, row_reciprocal_words(sums, "reciprocal"), row_reciprocal_words(sums, "rsqrt"))
+    words[4:6] = [pack(1 << 15, 15), pack((1 << 16) - 1, 40)]  # s = 1 and the largest mantissa
+    return acc, {"row/mult": mult, "row/shift": shift, "row/scale": scale}, words.reshape(-1, 1)
+
+
+@pytest.mark.parametrize("rounding", ROUNDINGS)
+@pytest.mark.parametrize("clamp", [(-128, 127), (0, 255), (INT32_MIN, INT32_MAX)])
+def test_a_row_scaled_requantize_is_the_twins(rounding, clamp):
+    rng = np.random.default_rng(len(rounding) * 7 + clamp[1] % 97)
+    acc, arrays, words = _case(rng, 40, 9)
+    if rounding == "tflite":
+        acc = acc.astype(np.int32)
+    step = Requantize("row/mult", "row/shift", "row/scale", row_scale="row/words")
+    stage = OutputStage((step, Clamp(*clamp)))
+    instr = SimpleNamespace(name="pv", stage=stage)
+    arithmetic = Arithmetic(rounding=rounding)
+    twin = fold(stage.steps, simulator.twins.STEP_EVALUATORS, "the Python-int twins",
+                simulator.twins._Plane(acc.astype(object), lambda y: y, words.astype(object)), arrays, arithmetic)
+    expected = twin.values.astype(np.int64)
+    for fused in (True, False):
+        machine = _machine(arithmetic, arrays, fused)
+        got = fused_fold(stage.steps, simulator.machine.STEP_EVALUATORS,
+                         simulator.machine.FUSED_STEPS if fused else {}, "the simulator",
+                         simulator.machine._Plane(acc.copy(), lambda y: y, words), machine, instr)
+        np.testing.assert_array_equal(got.y.astype(np.int64), expected, err_msg=f"fused={fused}")
+    assert len(np.unique(expected)) > 10  # not all saturated or zero
+
+
+def test_the_row_scale_scales_the_multiplier():
+    """mult' * 2^-shift' = M * s to the mantissa's precision: the row scale is what it says."""
+    rng = np.random.default_rng(0)
+    mult, shift = (np.array(v) for v in zip(*(quantize_multiplier(m) for m in 2.0 ** rng.uniform(-12, 0, 50))))
+    words = np.array([scale_word(s) for s in 2.0 ** rng.uniform(-40, 0.99, 50)])
+    scaled_mult, scaled_shift = row_scaled_multipliers(mult, shift, words)
+    real = scaled_mult * 2.0 ** -scaled_shift
+    wanted = mult * 2.0 ** -shift * np.array([word_value(w) for w in words])
+    np.testing.assert_allclose(real, wanted, rtol=2 ** -29)
+    assert (scaled_mult < 1 << 31).all()
+
+
+def test_the_row_reciprocal_store_is_the_twins():
+    """2^20 log-uniform sums in [1, 2^31), every power of two +-1, and the values below 1 (read as 1)."""
+    rng = np.random.default_rng(30)
+    sampled = np.exp(rng.uniform(0, np.log(INT32_MAX), 1 << 20)).astype(np.int64)
+    powers = np.array([(1 << k) + d for k in range(32) for d in (-1, 0, 1)], np.int64)
+    edges = np.array([INT32_MIN, -5, 0, 1, 2, 255, 256, 257, INT32_MAX], np.int64)
+    sums = np.unique(np.concatenate([sampled, np.clip(powers, INT32_MIN, INT32_MAX), edges]))
+    for function in ("reciprocal", "rsqrt"):
+        got = row_reciprocal_words(sums, function)
+        twin = np.fromiter((simulator.twins.row_reciprocal_word(s, function) for s in sums.tolist()), np.int64,
+                           len(sums))
+        np.testing.assert_array_equal(got, twin, err_msg=function)
+
+
+def test_the_row_reciprocal_store_is_accurate():
+    """|s - 1/S| / (1/S) <= 2.1e-3 and |s - 1/sqrt(S)| / (1/sqrt(S)) <= 1.1e-3 (the 8-bit index)."""
+    sums = np.unique(np.exp(np.linspace(0, np.log(INT32_MAX), 200_000)).astype(np.int64))
+    for function, exact, bound in (("reciprocal", 1 / sums, 2.1e-3), ("rsqrt", sums ** -0.5, 1.1e-3)):
+        m, e = row_reciprocal_words(sums, function) & 0xFFFF, row_reciprocal_words(sums, function) >> 16
+        error = np.abs(np.ldexp(m.astype(np.float64), -e) / exact - 1)
+        assert error.max() <= bound, function
+        assert error.max() > bound / 4  # the table's resolution, not an exact reciprocal
+    assert RECIPROCAL.min() >= 1 << 15 and RECIPROCAL.max() < 1 << 16
+    assert RSQRT.min() >= 1 << 15 and RSQRT.max() < 1 << 16
+
+
+def test_the_backends_without_a_row_scale_format_refuse_it():
+    from qdeploy.export_onnx import STEP_EXPORTERS
+    from qdeploy_base.errors import Unsupported
+    from simulator.vectors.codec import VectorError
+    from simulator.vectors.export import STEP_VECTORS
+
+    step = Requantize("m", "s", "f", row_scale="pv/rows")
+    instr = SimpleNamespace(name="pv", kind="MatMulGemm")
+    with pytest.raises(Unsupported, match="instruction 'pv' .*per-row scale .*'pv/rows'"):
+        STEP_EXPORTERS[Requantize](step, "y", None, instr)
+    with pytest.raises(VectorError, match="instruction 'pv': a per-row scale .*'pv/rows'"):
+        STEP_VECTORS[Requantize](step, None, SimpleNamespace(instr=instr, arrays={}))
+    assert OutputStage.of({**step.to_manifest(), "clamp": [-128, 127]}).requantize == step
+    assert "row_scale" not in Requantize("m", "s", "f").to_manifest()
