@@ -3,6 +3,7 @@
 doc/output.md), it is an ordered tuple of typed steps; this module is the one place that orders them:
 
     Bias -> Requantize -> Clamp -> ClampHi -> Lookup -> WindowMax -> (store)
+    Bias -> RowReciprocal (store)             the row-reciprocal store of a row sum (isa/row_scale.py)
 
 Every step is present or absent per instruction (`OutputStage.steps` lists the present ones in that order).
 Every backend evaluates a stage the same way, by folding its per-step evaluator table over `stage.steps`
@@ -38,6 +39,24 @@ class Bias:
 
     def to_manifest(self) -> dict:
         return {}  # the weighted GEMM's own field `bias` (isa/instructions.py) names the same array
+
+
+@dataclass(frozen=True)
+class RowReciprocal:
+    """The row-reciprocal store: the int32 accumulator S of an N = 1 GEMM (a row sum) becomes the row-scale word of
+    1/S (`function` "reciprocal") or 1/sqrt(S) ("rsqrt"): the CLZ of S and a 256-entry table of 16-bit mantissas
+    (isa/row_scale.py row_reciprocal_words), stored as int32 for a later Requantize's row scale. It ends the stage:
+    no step follows it. Monotonic non-increasing, so it never moves before a window-max (`monotonic` False)."""
+
+    function: str
+    monotonic: ClassVar[bool] = False
+
+    @classmethod
+    def from_manifest(cls, record: dict) -> "RowReciprocal | None":
+        return cls(record["row_reciprocal"]) if "row_reciprocal" in record else None
+
+    def to_manifest(self) -> dict:
+        return {"row_reciprocal": self.function}
 
 
 @dataclass(frozen=True)
@@ -166,8 +185,8 @@ class WindowMax:
         return {"window": self.to_record()}
 
 
-Step = Bias | Requantize | Clamp | ClampHi | Lookup | WindowMax
-STEP_ORDER: tuple[type, ...] = (Bias, Requantize, Clamp, ClampHi, Lookup, WindowMax)
+Step = Bias | RowReciprocal | Requantize | Clamp | ClampHi | Lookup | WindowMax
+STEP_ORDER: tuple[type, ...] = (Bias, RowReciprocal, Requantize, Clamp, ClampHi, Lookup, WindowMax)
 
 
 def commutes_with_window_max(step: Step) -> bool:
@@ -239,6 +258,9 @@ class OutputStage:
         if ranks != sorted(set(ranks)):
             raise ValueError(f"output stage {[type(s).__name__ for s in self.steps]}: steps out of order or "
                              f"repeated (the order is {[t.__name__ for t in STEP_ORDER]})")
+        if any(isinstance(step, RowReciprocal) for step in self.steps[:-1]):
+            raise ValueError(f"output stage {[type(s).__name__ for s in self.steps]}: the row-reciprocal store "
+                             f"ends the stage")
 
     def step(self, cls: type) -> Step | None:
         """The step of class `cls`, or None."""

@@ -99,7 +99,7 @@ from qdeploy.program import Program
 from isa.geometry import BORDER_FILLS, ReadFill
 from isa.target import Rounding, target_from_dict
 from isa.instructions import Instruction
-from isa.output_stage import Bias, Clamp, ClampHi, Lookup, Requantize, WindowMax, fold
+from isa.output_stage import Bias, Clamp, ClampHi, Lookup, Requantize, RowReciprocal, WindowMax, fold
 from isa.kinds import RESHAPE_KINDS, Kind, handler
 
 OPSET = 13  # per-axis QuantizeLinear/DequantizeLinear; int8 Clip and MaxPool need 12
@@ -265,6 +265,10 @@ def _clamp_hi(step: ClampHi, value: str, b: _Builder, instr: Instruction) -> str
                       f"have no ONNX Runtime int8 op (calibrate without --equalize to export)")
 
 
+def _row_reciprocal(step: RowReciprocal, value: str, b: _Builder, instr: Instruction) -> str:
+    raise Unsupported(f"instruction '{instr.name}' ({instr.kind}): the row-reciprocal store has no ONNX Runtime op")
+
+
 def _gather(step: Lookup, value: str, b: _Builder, instr: Instruction) -> str:
     """The table read: Cast to int32, Add the code's offset, Gather from the 256-entry table."""
     index = b.node("Cast", [value], f"{instr.output}/lookup_code", f"{instr.name}/lookup_Cast",
@@ -288,8 +292,8 @@ def _max_pool(step: WindowMax, value: str, b: _Builder, instr: Instruction) -> s
 
 # The ONNX export's evaluator of each output-stage step (isa/output_stage.py): (step, tensor, builder, instr) ->
 # the tensor after it.
-STEP_EXPORTERS = {Bias: _in_the_requantizing_op, Requantize: _in_the_requantizing_op, Clamp: _clip,
-                  ClampHi: _clamp_hi, Lookup: _gather, WindowMax: _max_pool}
+STEP_EXPORTERS = {Bias: _in_the_requantizing_op, RowReciprocal: _row_reciprocal, Requantize: _in_the_requantizing_op,
+                  Clamp: _clip, ClampHi: _clamp_hi, Lookup: _gather, WindowMax: _max_pool}
 
 
 def _floor_mode_pads(window: dict, in_size: list[int], out_size: list[int]) -> tuple[list[int], int]:

@@ -24,7 +24,8 @@ import numpy as np
 
 from isa.kinds import PER_IMAGE_KINDS, RESHAPE_KINDS, WEIGHTED_GEMM_KINDS, Kind, handler
 from isa.instructions import Instruction, from_manifest
-from isa.output_stage import Bias, Clamp, ClampHi, Lookup, OutputStage, Requantize, Step, WindowMax, fused_fold
+from isa.output_stage import (Bias, Clamp, ClampHi, Lookup, OutputStage, Requantize, RowReciprocal, Step, WindowMax,
+                              fused_fold)
 from qdeploy_base import fileio
 from qdeploy_base.fileio import byte_size
 from qdeploy.program import Program
@@ -38,7 +39,7 @@ from simulator.kernels.requantize import PlaneParameters, output_dtype, plane_pa
 from simulator.kernels.upsample import upsampled_read
 from simulator.kernels.window_max import window_max
 from isa.geometry import conv_output_size
-from isa.row_scale import row_scaled_float32, row_scaled_multipliers
+from isa.row_scale import row_reciprocal_words, row_scaled_float32, row_scaled_multipliers
 from qdeploy_base.threads import blas_threads_limitable, one_blas_thread, usable_cpus
 
 
@@ -523,6 +524,11 @@ def _bias(step: Bias, plane: _Plane, machine: Machine, instr: Instruction) -> _P
     return replace(plane, y=acc)
 
 
+def _row_reciprocal(step: RowReciprocal, plane: _Plane, machine: Machine, instr: Instruction) -> _Plane:
+    """The row-reciprocal store: each row sum's word of 1/S or 1/sqrt(S) (isa/row_scale.py), int32."""
+    return _Plane(row_reciprocal_words(plane.y, step.function).astype(np.int32), plane.layout)
+
+
 def _requantize(step: Requantize, plane: _Plane, machine: Machine, instr: Instruction) -> _Plane:
     """round(acc * M[c]) saturated to the register of the stored dtype (int8, uint8 or int32: the dtype the Clamp
     step stores, requantize.output_dtype), in one kernel pass."""
@@ -559,8 +565,8 @@ def _window_max(step: WindowMax, plane: _Plane, machine: Machine, instr: Instruc
 
 
 # The simulator's evaluator of each output-stage step (isa/output_stage.py), (step, plane, machine, instr) -> plane.
-STEP_EVALUATORS = {Bias: _bias, Requantize: _requantize, Clamp: _clamp, ClampHi: _clamp_hi, Lookup: _lookup,
-                   WindowMax: _window_max}
+STEP_EVALUATORS = {Bias: _bias, RowReciprocal: _row_reciprocal, Requantize: _requantize, Clamp: _clamp,
+                   ClampHi: _clamp_hi, Lookup: _lookup, WindowMax: _window_max}
 # Fast paths, selected from the stage's steps, equal to folding those steps one by one (Machine(fused=False)):
 FUSED_STEPS = {(Requantize, Clamp): _requantize_clamp}  # one requantize kernel pass with the clamp bounds
 INT8_SIMD_STEPS = (Bias, Requantize, Clamp)  # kernels.int8_simd.conv's requantizing store (_fused_output_stage)

@@ -19,7 +19,7 @@ import numpy as np
 from isa.geometry import BORDER_FILLS, conv_output_size, pool_output_size, read_source, upsampled_size
 from isa.kinds import RESHAPE_KINDS, Kind, handler
 from isa.instructions import Instruction, from_manifest
-from isa.output_stage import Bias, Clamp, ClampHi, Lookup, Requantize, WindowMax, fold
+from isa.output_stage import Bias, Clamp, ClampHi, Lookup, Requantize, RowReciprocal, WindowMax, fold
 from isa.row_scale import RECIPROCAL, RSQRT
 from isa.target import Arithmetic
 
@@ -218,7 +218,7 @@ def requantize(acc: int, mult: int | None = None, shift: int | None = None, mode
 
 
 # ---------------------------------------------------------------------------------------------------------
-# (11) the per-row scale and the row-reciprocal store (isa/row_scale.py: the word format and the tables)
+# (11) the per-row scale and (12) the row-reciprocal store (isa/row_scale.py: the word format and the tables)
 
 def row_scaled(mult: int, shift: int, word: int) -> tuple[int, int]:
     """(mult', shift') = ((mult * m + 2^15) >> 16, shift + e - 16) for the word e << 16 | m."""
@@ -364,6 +364,11 @@ def _bias(step: Bias, plane: _Plane, arrays: dict, arithmetic: Arithmetic) -> _P
                                                 arithmetic.overflow)[0])
 
 
+def _row_reciprocal(step: RowReciprocal, plane: _Plane, arrays: dict, arithmetic: Arithmetic) -> _Plane:
+    """(12) the row-reciprocal store: row_reciprocal_word of each row sum."""
+    return _each(plane, lambda v, c: row_reciprocal_word(v, step.function))
+
+
 def _requantize(step: Requantize, plane: _Plane, arrays: dict, arithmetic: Arithmetic) -> _Plane:
     """(3)-(7) round(acc * M[c]) in the target's rounding mode, unbounded (the Clamp step bounds it); with a row
     scale, round(acc * M[c] * s_r) with the row's word (row_scaled, row_scaled_float32)."""
@@ -411,8 +416,8 @@ def _window_max(step: WindowMax, plane: _Plane, arrays: dict, arithmetic: Arithm
 
 
 # The twins' evaluator of each output-stage step (isa/output_stage.py), (step, plane, arrays, arithmetic) -> plane.
-STEP_EVALUATORS = {Bias: _bias, Requantize: _requantize, Clamp: _clamp, ClampHi: _clamp_hi, Lookup: _lookup,
-                   WindowMax: _window_max}
+STEP_EVALUATORS = {Bias: _bias, RowReciprocal: _row_reciprocal, Requantize: _requantize, Clamp: _clamp,
+                   ClampHi: _clamp_hi, Lookup: _lookup, WindowMax: _window_max}
 
 
 def _output_stage(steps, acc: np.ndarray, layout: Callable[[np.ndarray], np.ndarray], arrays: dict,

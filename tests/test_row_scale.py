@@ -3,6 +3,8 @@ vectorised arithmetic against the Python-int twins (simulator/twins.py), exactly
 extremes, in every rounding mode; the store on 2^20 sampled sums and every power of two +-1; the backends that
 cannot run a row scale refuse it in one line."""
 
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -11,11 +13,13 @@ import pytest
 import simulator.machine
 import simulator.twins
 from isa.multiplier import float32_multiplier, quantize_multiplier
-from isa.output_stage import Clamp, OutputStage, Requantize, fold, fused_fold
+from isa.output_stage import Bias, Clamp, OutputStage, Requantize, RowReciprocal, fold, fused_fold
 from isa.row_scale import (RECIPROCAL, RSQRT, pack, row_reciprocal_words, row_scaled_multipliers, scale_word,
                            word_value)
 from isa.target import Arithmetic
 from simulator.machine import Machine
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "hw"))  # hw/rtl.py, as tests/test_rtl.py imports it
 
 INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1
 ROUNDINGS = ("half_up", "half_away", "half_even", "tflite", "float32_rne")
@@ -119,3 +123,47 @@ def test_the_backends_without_a_row_scale_format_refuse_it():
         STEP_VECTORS[Requantize](step, None, SimpleNamespace(instr=instr, arrays={}))
     assert OutputStage.of({**step.to_manifest(), "clamp": [-128, 127]}).requantize == step
     assert "row_scale" not in Requantize("m", "s", "f").to_manifest()
+
+
+@pytest.mark.parametrize("function", ["reciprocal", "rsqrt"])
+def test_the_row_reciprocal_step_is_the_twins(function):
+    """Bias then the row-reciprocal store, folded by the machine (the Bias fused into the GEMM or not) and by the
+    twins: the same int32 words, those of the biased sums (the bias is added in the accumulator first)."""
+    rng = np.random.default_rng(12)
+    acc = np.concatenate([rng.integers(-1000, INT32_MAX - 5000, (60, 1)), [[0], [1], [INT32_MAX - 4096]]])
+    arrays = {"sum/bias": np.array([4096], np.int32)}
+    stage = OutputStage((Bias("sum/bias"), RowReciprocal(function)))
+    arithmetic = Arithmetic(overflow="saturate")
+    twin = fold(stage.steps, simulator.twins.STEP_EVALUATORS, "the Python-int twins",
+                simulator.twins._Plane(acc.astype(object), lambda y: y.astype(np.int32)), arrays, arithmetic)
+    expected = twin.layout(twin.values)
+    np.testing.assert_array_equal(expected, row_reciprocal_words(np.minimum(acc + 4096, INT32_MAX), function))
+    instr = SimpleNamespace(name="sum", stage=stage)
+    for fused in (True, False):
+        machine = _machine(arithmetic, arrays, fused)
+        bias, steps = machine._accumulated(stage)
+        plane = acc + (bias if bias is not None else 0)
+        got = fused_fold(steps, simulator.machine.STEP_EVALUATORS, {}, "the simulator",
+                         simulator.machine._Plane(plane, lambda y: y), machine, instr)
+        assert got.y.dtype == np.int32
+        np.testing.assert_array_equal(got.y, expected, err_msg=f"fused={fused}")
+
+
+def test_the_row_reciprocal_store_ends_the_stage_and_is_refused_where_it_has_no_format():
+    import rtl
+    from qdeploy.export_onnx import STEP_EXPORTERS
+    from qdeploy_base.errors import Unsupported
+    from simulator.vectors.codec import VectorError
+    from simulator.vectors.export import STEP_VECTORS
+
+    with pytest.raises(ValueError, match="the row-reciprocal store ends the stage"):
+        OutputStage((RowReciprocal("rsqrt"), Clamp(0, 1)))
+    step = RowReciprocal("reciprocal")
+    assert OutputStage.of(step.to_manifest()).steps == (step,)
+    instr = SimpleNamespace(name="sum", kind="DenseGemm")
+    with pytest.raises(Unsupported, match="instruction 'sum' .*row-reciprocal store"):
+        STEP_EXPORTERS[RowReciprocal](step, "y", None, instr)
+    with pytest.raises(VectorError, match="instruction 'sum': the row-reciprocal store"):
+        STEP_VECTORS[RowReciprocal](step, None, SimpleNamespace(instr=instr, arrays={}))
+    with pytest.raises(rtl.RtlError, match="layer 003_sum: the reference RTL has no row-reciprocal store"):
+        rtl.output_stage_args({"dir": "003_sum", "output_stage": ["Bias", "RowReciprocal"]})
