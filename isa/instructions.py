@@ -296,6 +296,18 @@ class MatMulGemm(ArrayInstruction):
                          for name, flag in zip(self.inputs, (self.transpose_a, self.transpose_b)))
         return f"{super().describe(arrays)}, operands {first} by {second}"
 
+    def row_scale_words(self, args: list, out_shape: tuple):
+        """The row-scale operand (a third input, when the Requantize step names one: isa/row_scale.py) as one word
+        per output row, (rows, 1) for rows = prod(out_shape[:-1]); None without one. ValueError when the operand
+        does not hold one word per row."""
+        requant = self.stage.requantize
+        if requant is None or not requant.row_scale:
+            return None
+        if len(args) != 3 or args[2].size != math.prod(out_shape[:-1]):
+            raise ValueError(f"instruction '{self.name}': the row scale '{requant.row_scale}' needs one word per "
+                             f"output row ({math.prod(out_shape[:-1])}), as the third input")
+        return args[2].reshape(-1, 1)
+
     def grouped_operands(self, a, b) -> tuple:
         """(a, b) as the array reads them, (G, M, K) and (G, K, P) with one group per sample and leading index:
         each operand (a numpy array, (N, ..., rows, cols) as stored) transposed on its last two axes when its flag

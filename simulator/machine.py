@@ -331,13 +331,14 @@ class Machine:
         return None, steps
 
     def _output_stage(self, instr: Instruction, acc: np.ndarray, layout: Callable[[np.ndarray], np.ndarray],
-                      steps: tuple[Step, ...]) -> np.ndarray:
+                      steps: tuple[Step, ...], rows: np.ndarray | None = None) -> np.ndarray:
         """`steps` of the instruction's output stage folded over acc (..., C), channels last (isa/output_stage.py
         fold, the evaluators of STEP_EVALUATORS), the result laid out as stored by `layout` (or by the WindowMax
         step on the way to memory). A run of steps with a FUSED_STEPS entry (Requantize and Clamp: one kernel
-        pass) is evaluated by it, unless fused=False."""
+        pass) is evaluated by it, unless fused=False. `rows`: the row-scale words of a Requantize with a row
+        scale, broadcastable to acc."""
         plane = fused_fold(steps, STEP_EVALUATORS, FUSED_STEPS if self.fused else {}, "the simulator",
-                           _Plane(acc, layout), self, instr)
+                           _Plane(acc, layout, rows), self, instr)
         return plane.layout(plane.y)
 
     def _requantized(self, requant: Requantize, acc: np.ndarray, lo: int, hi: int,
@@ -470,11 +471,13 @@ class Machine:
         """acc = a @ b (a, b read transposed with transpose_a, transpose_b): one GEMM per sample and leading index,
         (M x K) . (K x P) into the acc_bits register (kernels.gemm), then the output stage. acc has the output's
         shape."""
-        a, b = instr.grouped_operands(*args)
+        a, b = instr.grouped_operands(*args[:2])
         result = gemm(np.ascontiguousarray(a), np.ascontiguousarray(b), self.arithmetic.acc_bits,
                       self.arithmetic.overflow)
         shape = args[0].shape[:-2] + (a.shape[1], b.shape[2])
-        y = self._output_stage(instr, result.acc.reshape(-1, 1), _reshaped(shape), instr.stage.steps)
+        words = instr.row_scale_words(args, shape)  # (rows, 1); element r * P + p of acc reads word r
+        y = self._output_stage(instr, result.acc.reshape(-1, 1), _reshaped(shape), instr.stage.steps,
+                               None if words is None else np.repeat(words, shape[-1], axis=0))
         return y, result.acc.reshape(shape), result.events
 
 

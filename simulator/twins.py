@@ -489,11 +489,16 @@ def _mul_gemm(instr: Instruction, args: list[np.ndarray], arrays: dict, arithmet
 
 def _matmul_gemm(instr: Instruction, args: list[np.ndarray], arrays: dict, arithmetic: Arithmetic, dtype) -> np.ndarray:
     """(8) (1) acc = a @ b per leading index (a^T, b^T with transpose_a, transpose_b), then the output stage."""
-    a, b = instr.grouped_operands(*args)
+    a, b = instr.grouped_operands(*args[:2])
     acc = np.concatenate([gemm(a2, b2, arithmetic.acc_bits, arithmetic.overflow)[0].reshape(-1)
                           for a2, b2 in zip(a, b)]).reshape(-1, 1)
     shape = args[0].shape[:-2] + (a.shape[1], b.shape[2])
-    return _output_stage(instr.stage.steps, acc, lambda y: y.reshape(shape).astype(dtype), arrays, arithmetic)
+    words = instr.row_scale_words(args, shape)  # (rows, 1): element r * P + p reads word r
+    rows = None if words is None else np.array([[int(words[i // shape[-1], 0])] for i in range(acc.shape[0])],
+                                               dtype=object)
+    plane = fold(instr.stage.steps, STEP_EVALUATORS, "the Python-int twins",
+                 _Plane(acc, lambda y: y.reshape(shape).astype(dtype), rows), arrays, arithmetic)
+    return plane.layout(plane.values)
 
 
 def _concat(instr: Instruction, args: list[np.ndarray], arrays: dict, arithmetic: Arithmetic, dtype) -> np.ndarray:

@@ -167,3 +167,33 @@ def test_the_row_reciprocal_store_ends_the_stage_and_is_refused_where_it_has_no_
         STEP_VECTORS[RowReciprocal](step, None, SimpleNamespace(instr=instr, arrays={}))
     with pytest.raises(rtl.RtlError, match="layer 003_sum: the reference RTL has no row-reciprocal store"):
         rtl.output_stage_args({"dir": "003_sum", "output_stage": ["Bias", "RowReciprocal"]})
+
+
+@pytest.mark.parametrize("rounding", ROUNDINGS)
+def test_attention_p_v_with_the_row_scale_is_the_twins(rounding):
+    """The P.V MatMulGemm of an integer softmax: exp codes E (uint8, (N, H, L, L)) by V (int8), each (sample, head,
+    query) row requantized with the 1/S word of its row sum: the machine's kernel equals the twin, and the output
+    is E V / S to the multiplier's precision."""
+    from isa.instructions import MatMulGemm
+    from isa.kinds import Kind
+    from simulator import twins
+
+    rng = np.random.default_rng(34)
+    e = rng.integers(0, 256, (2, 3, 7, 7)).astype(np.uint8)
+    v = rng.integers(-128, 128, (2, 3, 7, 5)).astype(np.int8)
+    words = row_reciprocal_words(e.astype(np.int64).sum(axis=-1), "reciprocal").astype(np.int32)  # (2, 3, 7)
+    mult, shift = quantize_multiplier(0.9)
+    arrays = {"pv/mult": np.array([mult], np.int64), "pv/shift": np.array([shift], np.int64),
+              "pv/scale": np.array([0.9], np.float32)}
+    stage = OutputStage((Requantize("pv/mult", "pv/shift", "pv/scale", row_scale="sums/words"), Clamp(-128, 127)))
+    instr = MatMulGemm(kind=Kind.MATMUL_GEMM, name="pv", inputs=("e", "v", "sums/words"), output="out", stage=stage,
+                       k=7, acc_bound_bits=18, transpose_a=False, transpose_b=False)
+    arithmetic = Arithmetic(rounding=rounding, unsigned_activations=True)
+    expected = twins.run_instruction(instr, [e, v, words], arrays, arithmetic, np.int8)
+    for fused in (True, False):
+        got = _machine(arithmetic, arrays, fused).execute(instr, [e, v, words])[0]
+        np.testing.assert_array_equal(got, expected, err_msg=f"fused={fused}")
+    exact = 0.9 * (e.astype(np.float64) @ v) / e.astype(np.float64).sum(axis=-1, keepdims=True)
+    assert np.abs(expected - exact).max() <= 0.5 + np.abs(exact).max() * 2.2e-3
+    with pytest.raises(ValueError, match="instruction 'pv': the row scale 'sums/words' needs one word per output row"):
+        twins.run_instruction(instr, [e, v, words[:, :2]], arrays, arithmetic, np.int8)
