@@ -1,8 +1,9 @@
-"""Integer attention against float softmax on synthetic 197-token rows (ViT-B/16's sequence): the softmax that the
-integer unit computes (issue 30; docs/design.md section 3, "Per-row scale"), step by step with the simulator's
-arithmetic, against softmax(scores) @ V in float64, and against the int8 program with a float host softmax.
+"""Integer softmax and LayerNorm against float on synthetic rows: what the integer unit computes (issue 30;
+docs/design.md section 3, (11)-(12)), step by step with the simulator's arithmetic (isa/row_scale.py and
+simulator.kernels.requantize, the kernels the machine runs, equal to the Python-int twins by
+tests/test_row_scale.py), against float64, and against today's int8 program with the op on the float host.
 
-Per row i of int8 score codes q (per-tensor scale s_q, max-abs):
+Softmax, on 197-token rows (ViT-B/16's sequence). Per row i of int8 score codes q (per-tensor scale s_q, max-abs):
   1. m_i = max_j q_ij                               the row's window-max (WindowMax over the whole row)
   2. d_ij = requant(q_ij - m_i, s_q / s_d) <= 0     an AddGemm with the per-row operand, to the table's scale s_d
   3. e_ij = table[d_ij + 128] = rne(255 exp(d s_d))  the Lookup step, uint8 codes (scale 1/255)
@@ -12,10 +13,19 @@ Per row i of int8 score codes q (per-tensor scale s_q, max-abs):
 "float host" is today's program: softmax in float on the dequantized scores, P stored as uint8 (its max scale), then
 the int8 P.V GEMM; "exact 1/S" replaces step 5's word by the float reciprocal (the table's share of the error).
 
-    python bench/integer_softmax.py [--rows 256] [--seed 0]
+LayerNorm, on 197 tokens of C = 64 or 768 channels with outlier channels, gamma with some negative entries; beta
+goes into the next Linear's bias (added in float here, after the int8 output, as that bias would be):
+  centred stream (each row's mean 0 in float: the producer's weights centred at compile time):
+  1. S_i = sum_c q_ic^2 + round(C eps / s_x^2)      the sum of squares as a GEMM with the stream, eps as its bias
+  2. w_i = row-reciprocal store (1/sqrt) of S_i
+  3. y_ic = requant(q_ic * sign(gamma_c), |gamma_c| sqrt(C) / s_out, row scale w_i)   (s_x cancels)
+  non-centred: first d_ic = C q_ic - sum_c q_ic (an AddGemm with the per-row operand of the row-sum GEMM),
+  requantized to int8 codes with its calibrated scale, then 1-3 on d.
+"float host" is today's: LayerNorm in float on the dequantized stream, its output quantized to int8.
 
-Prints one markdown row per kind of row (flat, mixed, peaked): SQNR of the attention output and of the
-probabilities against float, in dB."""
+    python bench/integer_transformer.py [--rows 256] [--seed 0]
+
+Prints markdown tables: SQNR against float64 in dB."""
 
 from __future__ import annotations
 
@@ -113,20 +123,73 @@ def measure(kind: str, rows: int, rng: np.random.Generator) -> dict:
     return result
 
 
+def layernorm_rows(rows: int, channels: int, centred: bool, rng: np.random.Generator) -> np.ndarray:
+    """(rows, channels) activations with 4 outlier channels (x 8), centred per row or with row offsets."""
+    x = rng.normal(0, 1.0, (rows, channels))
+    x[:, rng.choice(channels, 4, replace=False)] *= 8.0
+    if centred:
+        return x - x.mean(axis=1, keepdims=True)
+    return x + rng.normal(0, 2.0, (rows, 1))
+
+
+def integer_layernorm(q: np.ndarray, s_x: float, gamma: np.ndarray, s_out: float, eps: float) -> np.ndarray:
+    """Steps 1-3 on a centred stream of int8 codes q (rows, C): the int8 output codes (beta left to the next
+    Linear)."""
+    channels = q.shape[1]
+    sums = (q * q).sum(axis=1) + int(round(channels * eps / s_x ** 2))  # int32: <= C * 128^2
+    words = row_reciprocal_words(sums, "rsqrt")[:, None]
+    acc = q * np.sign(gamma).astype(np.int64)  # the +-1 weight of each channel
+    pairs = [quantize_multiplier(abs(g) * np.sqrt(channels) / s_out) for g in gamma]
+    mult, shift = (np.broadcast_to(np.array(v, np.int64), acc.shape) for v in zip(*pairs))
+    scaled_mult, scaled_shift = row_scaled_multipliers(mult, shift, np.broadcast_to(words, acc.shape))
+    return requantize(acc.reshape(1, -1), scaled_mult.reshape(-1), scaled_shift.reshape(-1), "half_up"
+                      ).reshape(acc.shape).astype(np.int64)
+
+
+def measure_layernorm(channels: int, centred: bool, rows: int, rng: np.random.Generator) -> dict:
+    eps = 1e-6
+    x = layernorm_rows(rows, channels, centred, rng)
+    gamma, beta = rng.normal(1.0, 0.5, channels), rng.normal(0, 0.1, channels)
+    mean, var = x.mean(axis=1, keepdims=True), x.var(axis=1, keepdims=True)
+    normal = gamma * (x - mean) / np.sqrt(var + eps)
+    reference = normal + beta
+    s_x, s_out = np.abs(x).max() / 127, np.abs(normal).max() / 127
+    q = quantize(x, s_x)
+    if centred:
+        stream, s_stream = q, s_x
+    else:  # d = C q - sum q, requantized to int8 codes of its own (calibrated) scale
+        acc = channels * q - q.sum(axis=1, keepdims=True)
+        s_stream = np.abs(x - mean).max() / 127
+        stream = requantize(acc, *multiplier(s_x / channels / s_stream, 1), "half_up").astype(np.int64)
+    y = integer_layernorm(stream, s_stream, gamma, s_out, eps)
+    x_hat = q * s_x
+    host = gamma * (x_hat - x_hat.mean(axis=1, keepdims=True)) / np.sqrt(x_hat.var(axis=1, keepdims=True) + eps)
+    return {"integer": sqnr(reference, y * s_out + beta),
+            "float host": sqnr(reference, quantize(host, s_out) * s_out + beta)}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     rng = np.random.default_rng(args.seed)
-    print(f"{args.rows} rows of {TOKENS} tokens each, V {TOKENS} x {DIM}; SQNR against float64 softmax(x) @ V, "
-          f"output / probabilities, dB")
+    print(f"Softmax: {args.rows} rows of {TOKENS} tokens each, V {TOKENS} x {DIM}; SQNR against float64 "
+          f"softmax(x) @ V, output / probabilities, dB")
     print("| rows | integer (1/S table) | integer, exact 1/S | float host softmax, int8 P.V |")
     print("|---|---:|---:|---:|")
     for kind in ("flat", "mixed", "peaked"):
         r = measure(kind, args.rows, rng)
         cells = " | ".join(f"{r[name][0]:.2f} / {r[name][1]:.2f}" for name in ("integer", "exact 1/S", "float host"))
         print(f"| {kind} | {cells} |")
+    print(f"\nLayerNorm: {TOKENS} tokens; SQNR of the output against float64, dB")
+    print("| stream | C | integer | float host LayerNorm |")
+    print("|---|---:|---:|---:|")
+    for centred in (True, False):
+        for channels in (64, 768):
+            r = measure_layernorm(channels, centred, TOKENS, rng)
+            print(f"| {'centred' if centred else 'non-centred'} | {channels} | {r['integer']:.2f} | "
+                  f"{r['float host']:.2f} |")
 
 
 if __name__ == "__main__":
