@@ -139,4 +139,32 @@ function automatic wide_t output_stage(input wide_t acc, input wide_t mult, inpu
   return y;
 endfunction
 
+// (11) the per-row scale (isa/row_scale.py): the channel's multiplier scaled by the row's word e << 16 | m,
+// mult' = (mult * m + 2^15) >> 16 and shift' = shift + e - 16 (integer modes; float32_rne has no RTL form yet).
+function automatic wide_t row_scaled_mult(input wide_t mult, input logic [31:0] word);
+  wide_t m;
+  m = {112'b0, word[15:0]};
+  return (mult * m + pow2(15)) >>> 16;
+endfunction
+
+function automatic int row_scaled_shift(input int shift, input logic [31:0] word);
+  int e;
+  e = {26'b0, word[21:16]};
+  return shift + e - 16;
+endfunction
+
+// (12) floor(log2 s) = 31 - CLZ(s) of a positive 32-bit s, and the 8 bits after its leading one (the table index).
+function automatic int leading_one(input logic [31:0] s);
+  int n;
+  n = 31;
+  while (n > 0 && !s[n]) n = n - 1;
+  return n;
+endfunction
+
+function automatic int reciprocal_index(input logic [31:0] s, input int n);
+  logic [31:0] shifted;
+  shifted = n >= 8 ? s >> (n - 8) : s << (8 - n);
+  return {24'b0, shifted[7:0]};
+endfunction
+
 `endif

@@ -197,3 +197,57 @@ def test_attention_p_v_with_the_row_scale_is_the_twins(rounding):
     assert np.abs(expected - exact).max() <= 0.5 + np.abs(exact).max() * 2.2e-3
     with pytest.raises(ValueError, match="instruction 'pv': the row scale 'sums/words' needs one word per output row"):
         twins.run_instruction(instr, [e, v, words[:, :2]], arrays, arithmetic, np.int8)
+
+
+def _hex(path: Path, values) -> None:
+    path.write_text("".join(f"{int(v) & 0xFFFFFFFF:08x}\n" for v in values))
+
+
+def _read_hex(path: Path) -> np.ndarray:
+    lines = (line.strip() for line in path.read_text().splitlines())
+    words = np.array([int(line, 16) for line in lines if line and not line.startswith("//")], np.int64)
+    return np.where(words >= 1 << 31, words - (1 << 32), words)
+
+
+@pytest.mark.parametrize("rounding", ["half_up", "half_away", "half_even", "tflite"])
+def test_the_reference_rtl_computes_the_row_scale_and_the_store_as_the_twins(tmp_path, rounding):
+    """hw/tb_row_scale.sv (the SystemVerilog functions of hw/qdeploy_arith.svh and the tables as a memory) on the
+    store's edge sums and on row-scaled requantizations, against the twins: equal integers."""
+    import subprocess
+
+    import rtl
+    from isa.header import render_header
+    from isa.target import Target
+
+    if not rtl.icarus_available():
+        pytest.skip("Icarus Verilog is not installed")
+    rng = np.random.default_rng(len(rounding))
+    acc, arrays, words = _case(rng, 64, 8)
+    acc = acc.astype(np.int32).reshape(-1)
+    mult, shift = np.tile(arrays["row/mult"], 64), np.tile(arrays["row/shift"], 64)
+    words = np.repeat(words.reshape(-1), 8)
+    powers = [(1 << k) + d for k in range(31) for d in (-1, 0, 1)]
+    sums = np.array([-7, 0, *powers, INT32_MAX, *rng.integers(1, INT32_MAX, 400)], np.int64)
+    count = max(len(sums), len(acc))
+    sums = np.resize(sums, count)
+    (tmp_path / "tables.hex").write_text("".join(f"{v:04x}\n" for v in (*RECIPROCAL, *RSQRT[0], *RSQRT[1])))
+    for name, values in {"sums": sums, "acc": np.resize(acc, count), "mult": np.resize(mult, count),
+                         "shift": np.resize(shift, count), "word": np.resize(words, count)}.items():
+        _hex(tmp_path / f"{name}.hex", values)
+    (tmp_path / "accel_params.svh").write_text(render_header(Target(arithmetic=Arithmetic(rounding=rounding)), "sv"))
+    vvp = tmp_path / "tb_row_scale.vvp"
+    build = subprocess.run(["iverilog", "-g2012", f"-I{tmp_path}", f"-I{rtl.HW}", "-o", str(vvp),
+                            str(rtl.HW / "tb_row_scale.sv")], capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr
+    run = subprocess.run(["vvp", "-n", str(vvp), f"+dir={tmp_path}", f"+N={count}"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    for function, name in (("reciprocal", "recip"), ("rsqrt", "rsqrt")):
+        np.testing.assert_array_equal(_read_hex(tmp_path / f"{name}.hex") & 0xFFFFFFFF,
+                                      [simulator.twins.row_reciprocal_word(s, function) for s in sums.tolist()])
+    expected, scaled = [], []
+    for a, m, n, w in zip(*(np.resize(v, count).tolist() for v in (acc, mult, shift, words))):
+        m2, n2 = simulator.twins.row_scaled(m, n, w)
+        scaled.append(m2)
+        expected.append(simulator.twins.requantize(a, m2, n2, rounding, INT32_MIN, INT32_MAX))
+    np.testing.assert_array_equal(_read_hex(tmp_path / "scaled.hex"), scaled)
+    np.testing.assert_array_equal(_read_hex(tmp_path / "out.hex"), expected)
