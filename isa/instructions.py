@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 from isa.geometry import GemmShape, conv_output_size, upsampled_size, zero_read_macs
 from isa.kinds import RESHAPE_KINDS, Kind, handler
-from isa.output_stage import OutputStage
+from isa.output_stage import OutputStage, RowReciprocal
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,7 +98,12 @@ class ArrayInstruction(Instruction):
 
     def describe(self, arrays: dict) -> str:
         stage = self.stage
+        if stage.step(RowReciprocal) is not None:
+            return (f"row-reciprocal store ({stage.step(RowReciprocal).function}) k={self.k} acc bound "
+                    f"{self.acc_bound_bits} bits")
         text = f"clamp {[stage.clamp.lo, stage.clamp.hi]} k={self.k} acc bound {self.acc_bound_bits} bits"
+        if stage.requantize is not None and stage.requantize.row_scale:
+            text += f" row scale {stage.requantize.row_scale}"
         if stage.clamp_hi is not None:
             bounds = arrays[stage.clamp_hi.hi]
             text += f" per-channel upper bounds {int(bounds.min())}..{int(bounds.max())}"

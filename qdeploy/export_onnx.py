@@ -543,7 +543,8 @@ def export_program(program: Program, *, float_outputs: bool = False,
     names.update({t: f"{t}_quantized" for t in program.inputs})
     if float_outputs:
         names.update({t: f"{t}_quantized" for t in program.outputs})
-    wide = [name for name, record in program.tensors.items() if record["dtype"] == "int32"]
+    words = {r.output for r in program.records if getattr(r, "stage", None) and r.stage.step(RowReciprocal)}
+    wide = [name for name, record in program.tensors.items() if record["dtype"] == "int32" and name not in words]
     if wide:
         raise Unsupported(f"tensor '{wide[0]}' is an int32 output (a pre-quantized model left it in float); the "
                           f"export writes int8 QLinear ops only (compile with --calib to give it an int8 scale)")

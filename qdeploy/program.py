@@ -33,6 +33,7 @@ from isa.geometry import PAD_FILLS, UPSAMPLE_FILLS, pool_output_size, upsampled_
 from isa.instructions import Instruction, from_manifest
 from isa.kinds import RESHAPE_KINDS, Kind, UnknownKind, handler
 from isa.multiplier import SHIFT_RANGE
+from isa.row_scale import ROW_FUNCTIONS
 from isa.target import Arithmetic, TargetError, target_from_dict
 
 FORMAT = "qdeploy-program"
@@ -138,7 +139,7 @@ def _read_member(archive: zipfile.ZipFile, member: str, limit: int, path: Path) 
 ADD_WEIGHT_MAX = (1 << 15) - 1  # an AddGemm's pre-scale weights sit in the array's 16-bit weight operand
 
 TENSOR_DTYPES = {"int8": (-128, 127), "uint8": (0, 255),
-                 "int32": (-(2 ** 31 - 1), 2 ** 31 - 1)}  # int32: a weighted GEMM's output that no instruction reads
+                 "int32": (-(2 ** 31 - 1), 2 ** 31 - 1)}  # int32: a GEMM's output that only a row scale reads
 
 
 class _Invalid(Exception):
@@ -205,6 +206,11 @@ def _check_output_stage(program: Program, instr: dict, channels: int, where: str
     """clamp within the output's integer range (the table input's, with a lookup); per-channel mult, shift,
     scale_f32 (design.md section 3), clamp_hi (optional) within the clamp, and the lookup (optional): a
     256-entry table of the output's dtype, read by int8 or uint8 codes."""
+    if "row_scale" in instr and instr["kind"] != Kind.MATMUL_GEMM:
+        raise _Invalid(f"{where}: a row scale is read by a MatMulGemm only")
+    if "row_reciprocal" in instr:
+        _check_row_reciprocal(instr, where, out_dtype)
+        return
     lo, hi = TENSOR_DTYPES[out_dtype]
     if "lookup" in instr:
         lo, hi = _check_lookup(program, instr["lookup"], where, out_dtype)
@@ -228,6 +234,33 @@ def _check_output_stage(program: Program, instr: dict, channels: int, where: str
         bounds = _array(program, instr, "clamp_hi", where, "int32", (channels,))
         if bounds.size and (bounds.min() < clamp[0] or bounds.max() > clamp[1]):
             raise _Invalid(f"{where}: clamp_hi must lie within the clamp range {clamp}")
+
+
+def _check_row_reciprocal(instr: dict, where: str, out_dtype: str) -> None:
+    """The row-reciprocal store (isa/output_stage.py RowReciprocal): a function of ROW_FUNCTIONS, int32 words out,
+    and no step after the accumulator but the Bias."""
+    if instr["row_reciprocal"] not in ROW_FUNCTIONS:
+        raise _Invalid(f"{where}: row_reciprocal is {json.dumps(instr['row_reciprocal'])[:30]}, expected one of "
+                       f"{list(ROW_FUNCTIONS)}")
+    if out_dtype != "int32":
+        raise _Invalid(f"{where}: a row-reciprocal store writes int32 words, not {out_dtype}")
+    others = [key for key in ("mult", "clamp", "clamp_hi", "lookup", "row_scale") if key in instr]
+    if others or instr.get("window") is not None:
+        raise _Invalid(f"{where}: a row-reciprocal store ends the output stage, but the instruction also has "
+                       f"'{(others or ['window'])[0]}'")
+    for key in ("k", "acc_bound_bits"):
+        _ints([_field(instr, key, where)], f"{where}: {key}", 1, 0)
+
+
+def _check_row_scale(program: Program, instr: dict, where: str, words: tuple, out: tuple) -> None:
+    """A MatMulGemm's row-scale operand: its third input, int32 words, one per output row."""
+    name = instr["inputs"][2]
+    if instr["row_scale"] != name:
+        raise _Invalid(f"{where}: row_scale names {json.dumps(instr['row_scale'])[:40]}, not its third input "
+                       f"'{name}'")
+    if program.tensors[name]["dtype"] != "int32" or math.prod(words) != math.prod(out[:-1]):
+        raise _Invalid(f"{where}: the row scale '{name}' must hold one int32 word per output row "
+                       f"({math.prod(out[:-1])} per sample), not {program.tensors[name]['dtype']} {list(words)}")
 
 
 def _within(values: np.ndarray, key: str, low: int, high: int, where: str, field_name: str) -> None:
@@ -354,7 +387,11 @@ def _mul_gemm(program: Program, instr: dict, where: str, in_shapes: list, out_dt
 
 def _matmul_gemm(program: Program, instr: dict, where: str, in_shapes: list, out_dtype: str, rounding: str
                  ) -> tuple[int, ...]:
-    a, b = in_shapes
+    arity = 3 if "row_scale" in instr else 2
+    if len(in_shapes) != arity:
+        raise _Invalid(f"{where} has {len(in_shapes)} inputs, expected {arity}"
+                       f"{' (the operands and the row scale)' if arity == 3 else ''}")
+    a, b = in_shapes[:2]
     flags = [_field(instr, key, where) for key in ("transpose_a", "transpose_b")]
     if not all(isinstance(flag, bool) for flag in flags):
         raise _Invalid(f"{where}: transpose_a and transpose_b must be true or false, got {json.dumps(flags)[:40]}")
@@ -365,6 +402,8 @@ def _matmul_gemm(program: Program, instr: dict, where: str, in_shapes: list, out
     _check_output_stage(program, instr, 1, where, out_dtype, rounding)
     if instr["k"] != a[-1]:
         raise _Invalid(f"{where}: k = {instr['k']} is not the contraction length {a[-1]}")
+    if "row_scale" in instr:
+        _check_row_scale(program, instr, where, in_shapes[2], a[:-1] + b[-1:])
     return a[:-1] + b[-1:]
 
 
@@ -435,7 +474,7 @@ def _host(program: Program, instr: dict, where: str, in_shapes: list, out_dtype:
 # The program checks' handler table: (number of inputs or None for any, check returning the output's
 # per-sample shape).
 CHECKS = {Kind.CONV_GEMM: (1, _conv_gemm), Kind.DENSE_GEMM: (1, _dense_gemm), Kind.ADD_GEMM: (2, _add_gemm),
-          Kind.MUL_GEMM: (2, _mul_gemm), Kind.MATMUL_GEMM: (2, _matmul_gemm),
+          Kind.MUL_GEMM: (2, _mul_gemm), Kind.MATMUL_GEMM: (None, _matmul_gemm),
           Kind.CONCAT: (None, _concat), **{kind: (1, _reshape) for kind in RESHAPE_KINDS},
           Kind.CHANNEL_SLICE: (1, _channel_slice), Kind.CHANNEL_PERMUTE: (1, _channel_permute),
           Kind.HOST: (None, _host)}
@@ -520,9 +559,11 @@ def validate_program(program: Program) -> None:
         inputs, output = _field(instr, "inputs", where), _field(instr, "output", where)
         if not isinstance(inputs, list) or not all(isinstance(i, str) and i in defined for i in inputs):
             raise _Invalid(f"{where} reads {json.dumps(inputs)[:60]}: not all of them are defined before it")
-        wide = [i for i in inputs if manifest["tensors"][i]["dtype"] == "int32"]
+        wide = [i for i in inputs if manifest["tensors"][i]["dtype"] == "int32"
+                and not (instr.get("kind") == Kind.MATMUL_GEMM and i == instr.get("row_scale"))]
         if wide:
-            raise _Invalid(f"{where} reads the int32 tensor '{wide[0]}': int32 tensors are outputs only")
+            raise _Invalid(f"{where} reads the int32 tensor '{wide[0]}': int32 tensors are outputs only (and "
+                           f"row-scale words)")
         if not isinstance(output, str) or output in defined or output not in manifest["tensors"]:
             raise _Invalid(f"{where} writes {json.dumps(output)[:60]}: not a new tensor with a record")
         shape = _instruction_shape(program, instr, where, defined, rounding)

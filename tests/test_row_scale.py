@@ -251,3 +251,93 @@ def test_the_reference_rtl_computes_the_row_scale_and_the_store_as_the_twins(tmp
         expected.append(simulator.twins.requantize(a, m2, n2, rounding, INT32_MIN, INT32_MAX))
     np.testing.assert_array_equal(_read_hex(tmp_path / "scaled.hex"), scaled)
     np.testing.assert_array_equal(_read_hex(tmp_path / "out.hex"), expected)
+
+
+def softmax_tail_program(rounding: str = "half_up"):
+    """A program of an integer softmax's last two passes, one row of L = 7 exp codes per sample: the row sum as a
+    DenseGemm with ones whose stage is the row-reciprocal store (int32 words), then P.V as a MatMulGemm that reads
+    the words as its row scale."""
+    from qdeploy.program import Program
+
+    mult, shift = quantize_multiplier(0.8)
+    arrays = {"sum_weight": np.ones((1, 7), np.int8), "sum_bias": np.zeros(1, np.int32),
+              "sum_weight_scale": np.ones(1, np.float32), "pv_mult": np.array([mult], np.int64),
+              "pv_shift": np.array([shift], np.int64), "pv_scale_f32": np.array([0.8], np.float32)}
+    manifest = {
+        "toolkit_version": "test", "target": {"arithmetic": {"rounding": rounding}}, "inputs": ["e", "v"],
+        "outputs": ["out"],
+        "tensors": {"e": {"shape": [None, 7], "scale": 1 / 255, "dtype": "uint8"},
+                    "v": {"shape": [None, 7, 5], "scale": 0.01, "dtype": "int8"},
+                    "words": {"shape": [None, 1], "scale": 1.0, "dtype": "int32"},
+                    "e_row": {"shape": [None, 1, 7], "scale": 1 / 255, "dtype": "uint8"},
+                    "out": {"shape": [None, 1, 5], "scale": 0.01, "dtype": "int8"}},
+        "instructions": [
+            {"kind": "DenseGemm", "name": "sum", "inputs": ["e"], "output": "words", "weight": "sum_weight",
+             "bias": "sum_bias", "weight_scale": "sum_weight_scale", "row_reciprocal": "reciprocal", "k": 7,
+             "acc_bound_bits": 12},
+            {"kind": "Reshape", "name": "row", "inputs": ["e"], "output": "e_row", "shape": [None, 1, 7]},
+            {"kind": "MatMulGemm", "name": "pv", "inputs": ["e_row", "v", "words"], "output": "out",
+             "mult": "pv_mult", "shift": "pv_shift", "scale_f32": "pv_scale_f32", "row_scale": "words",
+             "clamp": [-127, 127], "k": 7, "acc_bound_bits": 19, "transpose_a": False, "transpose_b": False}]}
+    return Program(manifest, arrays)
+
+
+@pytest.mark.parametrize("rounding", ["half_up", "tflite", "float32_rne"])
+def test_a_program_with_the_store_and_the_row_scale_runs_as_its_twins(tmp_path, rounding):
+    """The program file round trip (its checks accept the store and the row scale), then the machine's run: every
+    tensor equals the twins' instruction by instruction, and out = 0.8 E V / S to the table's precision."""
+    from qdeploy.program import read_program, write_program
+    from simulator import twins
+
+    write_program(softmax_tail_program(rounding), tmp_path / "tail.qdp")
+    program = read_program(tmp_path / "tail.qdp")
+    rng = np.random.default_rng(7)
+    e, v = rng.integers(1, 256, (6, 7)) / 255, rng.integers(-127, 128, (6, 7, 5)) * 0.01
+    run = Machine(program).run({"e": e.astype(np.float32), "v": v.astype(np.float32)}, dump=True)
+    arithmetic = Arithmetic(rounding=rounding)
+    for instr in program.instructions:
+        args = [run.tensors[name] for name in instr["inputs"]]
+        expected = twins.run_instruction(instr, args, program.arrays, arithmetic, program.tensors[instr["output"]]["dtype"])
+        np.testing.assert_array_equal(run.tensors[instr["output"]], expected, err_msg=instr["name"])
+    lines = [record.describe(program.arrays) for record in program.records]  # `qdeploy inspect`'s lines
+    assert lines[0].startswith("row-reciprocal store (reciprocal) k=7") and "row scale words" in lines[2]
+    codes_e, codes_v = np.rint(e * 255), np.rint(v * 100)
+    exact = 0.8 * np.einsum("nk,nkd->nd", codes_e, codes_v) / codes_e.sum(axis=1, keepdims=True)
+    assert np.abs(run.tensors["out"][:, 0] - exact).max() <= 0.5 + 127 * 2.2e-3
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda m: m["instructions"][2].update(row_scale="e_row"), "reads the int32 tensor 'words': int32 tensors are"),
+    (lambda m: m["instructions"][2].update(inputs=["e_row", "v", "e_row"], row_scale="e_row"),
+     "the row scale 'e_row' must hold one int32 word per output row"),
+    (lambda m: m["instructions"][2]["inputs"].pop(), "has 2 inputs, expected 3 \\(the operands and the row scale\\)"),
+    (lambda m: m["tensors"]["words"].update(dtype="int8"), "'sum' .*a row-reciprocal store writes int32 words"),
+    (lambda m: m["instructions"][0].update(row_reciprocal="log"), "row_reciprocal is \"log\", expected one of"),
+    (lambda m: m["instructions"][0].update(clamp=[0, 1]), "ends the output stage, but the instruction also has 'clamp'"),
+    (lambda m: m["instructions"][0].update(row_scale="words"), "a row scale is read by a MatMulGemm only"),
+])
+def test_the_program_checks_refuse_a_wrong_row_scale_in_one_line(tmp_path, change, message):
+    from qdeploy_base.errors import BadInput
+    from qdeploy.program import read_program, write_program
+
+    program = softmax_tail_program()
+    change(program.manifest)
+    with pytest.raises(BadInput, match=message):
+        write_program(program, tmp_path / "bad.qdp")
+        read_program(tmp_path / "bad.qdp")
+
+
+def test_the_vectors_of_a_program_with_the_store_are_refused_in_one_line(tmp_path):
+    """`qdeploy vectors export` names the instruction and the missing format (exit 2), writing nothing."""
+    from typer.testing import CliRunner
+
+    from qdeploy.cli import app
+    from qdeploy.program import write_program
+
+    write_program(softmax_tail_program(), tmp_path / "tail.qdp")
+    np.savez(tmp_path / "in.npz", e=np.full((1, 7), 0.5, np.float32), v=np.zeros((1, 7, 5), np.float32))
+    result = CliRunner().invoke(app, ["vectors", "export", str(tmp_path / "tail.qdp"), "-i", str(tmp_path / "in.npz"),
+                                      "-o", str(tmp_path / "vectors")])
+    assert result.exit_code == 2
+    assert "instruction 'sum': the row-reciprocal store has no golden-vector format yet" in result.output
+    assert not (tmp_path / "vectors").exists()

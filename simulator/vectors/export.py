@@ -505,7 +505,8 @@ def export_vectors(program, inputs: dict[str, np.ndarray], output: str | os.Path
                                   f"`qdeploy inspect PROGRAM.qdp` lists them)")
             selected.add(index)
 
-    wide = [name for name, record in program.tensors.items() if record["dtype"] == "int32"]
+    words = {r.output for r in program.records if getattr(r, "stage", None) and r.stage.step(RowReciprocal)}
+    wide = [name for name, record in program.tensors.items() if record["dtype"] == "int32" and name not in words]
     if wide:  # the vector files hold 8-bit elements (module docstring)
         raise VectorError(f"tensor '{wide[0]}' is an int32 output (a pre-quantized model left it in float); "
                           f"golden vectors carry int8 and uint8 tensors only")
