@@ -43,7 +43,8 @@ def _case(rng: np.random.Generator, rows: int, channels: int):
     scale = np.array([float32_multiplier(m, 1.0, 1.0) for m in multipliers], np.float32)
     sums = np.exp(rng.uniform(0, np.log(INT32_MAX), rows)).astype(np.int64)
     sums[:4] = [1, 2, INT32_MAX, 1 << 30]
-    words = np.where(rng.random(rows) < 0.5, row_reciprocal_words(sums, "reciprocal"), row_reciprocal_words(sums, "rsqrt"))
+    words = np.where(rng.random(rows) < 0.5, row_reciprocal_words(sums, "reciprocal"),
+                     row_reciprocal_words(sums, "rsqrt"))
     words[4:6] = [pack(1 << 15, 15), pack((1 << 16) - 1, 40)]  # s = 1 and the largest mantissa
     return acc, {"row/mult": mult, "row/shift": shift, "row/scale": scale}, words.reshape(-1, 1)
 
@@ -297,7 +298,8 @@ def test_a_program_with_the_store_and_the_row_scale_runs_as_its_twins(tmp_path, 
     arithmetic = Arithmetic(rounding=rounding)
     for instr in program.instructions:
         args = [run.tensors[name] for name in instr["inputs"]]
-        expected = twins.run_instruction(instr, args, program.arrays, arithmetic, program.tensors[instr["output"]]["dtype"])
+        dtype = program.tensors[instr["output"]]["dtype"]
+        expected = twins.run_instruction(instr, args, program.arrays, arithmetic, dtype)
         np.testing.assert_array_equal(run.tensors[instr["output"]], expected, err_msg=instr["name"])
     lines = [record.describe(program.arrays) for record in program.records]  # `qdeploy inspect`'s lines
     assert lines[0].startswith("row-reciprocal store (reciprocal) k=7") and "row scale words" in lines[2]
@@ -313,7 +315,8 @@ def test_a_program_with_the_store_and_the_row_scale_runs_as_its_twins(tmp_path, 
     (lambda m: m["instructions"][2]["inputs"].pop(), "has 2 inputs, expected 3 \\(the operands and the row scale\\)"),
     (lambda m: m["tensors"]["words"].update(dtype="int8"), "'sum' .*a row-reciprocal store writes int32 words"),
     (lambda m: m["instructions"][0].update(row_reciprocal="log"), "row_reciprocal is \"log\", expected one of"),
-    (lambda m: m["instructions"][0].update(clamp=[0, 1]), "ends the output stage, but the instruction also has 'clamp'"),
+    (lambda m: m["instructions"][0].update(clamp=[0, 1]),
+     "ends the output stage, but the instruction also has 'clamp'"),
     (lambda m: m["instructions"][0].update(row_scale="words"), "a row scale is read by a MatMulGemm only"),
 ])
 def test_the_program_checks_refuse_a_wrong_row_scale_in_one_line(tmp_path, change, message):
