@@ -3,8 +3,9 @@
 // Python test (tests/test_row_scale.py) to compare with the Python-int twins. Plusargs: +dir=<folder> +N=<count>.
 //   tables.hex      768 16-bit entries: RECIPROCAL, then RSQRT[0], RSQRT[1]
 //   sums.hex        N 32-bit row sums          -> recip.hex, rsqrt.hex: the 1/S and 1/sqrt(S) words
-//   acc.hex, mult.hex, shift.hex, word.hex     -> out.hex: requantize(acc, row-scaled mult and shift), int32 range,
-//                                                 and scaled.hex: the row-scaled mult
+//   acc.hex, mult.hex, shift.hex, scale.hex (float32 bits), word.hex
+//                    -> out.hex: requantize(acc, the row-scaled mult and shift, or scale), int32 range, and
+//                       scaled.hex: the row-scaled mult (float32_rne: the row-scaled scale's bits)
 `include "accel_params.svh"
 `include "qdeploy_arith.svh"
 
@@ -14,6 +15,7 @@ module tb_row_scale;
   logic [15:0] table_mem [0:767];
   logic [31:0] sums [0:MAX_CASES-1], acc_mem [0:MAX_CASES-1], mult_mem [0:MAX_CASES-1], shift_mem [0:MAX_CASES-1];
   logic [31:0] word_mem [0:MAX_CASES-1], recip_mem [0:MAX_CASES-1], rsqrt_mem [0:MAX_CASES-1];
+  logic [31:0] scale_mem [0:MAX_CASES-1];
   logic [31:0] out_mem [0:MAX_CASES-1], scaled_mem [0:MAX_CASES-1];
   string dir;
   int count;
@@ -41,14 +43,15 @@ module tb_row_scale;
     $readmemh({dir, "/mult.hex"}, mult_mem);
     $readmemh({dir, "/shift.hex"}, shift_mem);
     $readmemh({dir, "/word.hex"}, word_mem);
+    $readmemh({dir, "/scale.hex"}, scale_mem);
     for (int c = 0; c < count; c++) begin
       recip_mem[c] = row_reciprocal(sums[c], 0);
       rsqrt_mem[c] = row_reciprocal(sums[c], 1);
       acc = $signed(acc_mem[c]);
       scaled = row_scaled_mult($signed(mult_mem[c]), word_mem[c]);
-      scaled_mem[c] = scaled[31:0];
-      y = output_stage(acc, scaled,
-                       row_scaled_shift($signed(shift_mem[c]), word_mem[c]), 32'b0, ROUNDING,
+      scaled_mem[c] = ROUNDING == ACCEL_ROUNDING_FLOAT32_RNE ? row_scaled_scale(scale_mem[c], word_mem[c])
+                                                            : scaled[31:0];
+      y = output_stage(acc, scaled, row_scaled_shift($signed(shift_mem[c]), word_mem[c]), scaled_mem[c], ROUNDING,
                        -2147483647 - 1, 2147483647, 2147483647);
       out_mem[c] = y[31:0];
     end

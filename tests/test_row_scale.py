@@ -210,7 +210,7 @@ def _read_hex(path: Path) -> np.ndarray:
     return np.where(words >= 1 << 31, words - (1 << 32), words)
 
 
-@pytest.mark.parametrize("rounding", ["half_up", "half_away", "half_even", "tflite"])
+@pytest.mark.parametrize("rounding", ROUNDINGS)
 def test_the_reference_rtl_computes_the_row_scale_and_the_store_as_the_twins(tmp_path, rounding):
     """hw/tb_row_scale.sv (the SystemVerilog functions of hw/qdeploy_arith.svh and the tables as a memory) on the
     store's edge sums and on row-scaled requantizations, against the twins: equal integers."""
@@ -226,6 +226,8 @@ def test_the_reference_rtl_computes_the_row_scale_and_the_store_as_the_twins(tmp
     acc, arrays, words = _case(rng, 64, 8)
     acc = acc.astype(np.int32).reshape(-1)
     mult, shift = np.tile(arrays["row/mult"], 64), np.tile(arrays["row/shift"], 64)
+    scale = np.tile(arrays["row/scale"], 64)
+    scale[:3] = [np.float32(2.0 ** -120), np.float32(1e-45), np.float32(0)]  # subnormal products, zero
     words = np.repeat(words.reshape(-1), 8)
     powers = [(1 << k) + d for k in range(31) for d in (-1, 0, 1)]
     sums = np.array([-7, 0, *powers, INT32_MAX, *rng.integers(1, INT32_MAX, 400)], np.int64)
@@ -233,7 +235,8 @@ def test_the_reference_rtl_computes_the_row_scale_and_the_store_as_the_twins(tmp
     sums = np.resize(sums, count)
     (tmp_path / "tables.hex").write_text("".join(f"{v:04x}\n" for v in (*RECIPROCAL, *RSQRT[0], *RSQRT[1])))
     for name, values in {"sums": sums, "acc": np.resize(acc, count), "mult": np.resize(mult, count),
-                         "shift": np.resize(shift, count), "word": np.resize(words, count)}.items():
+                         "shift": np.resize(shift, count), "word": np.resize(words, count),
+                         "scale": np.resize(scale, count).view(np.int32)}.items():
         _hex(tmp_path / f"{name}.hex", values)
     (tmp_path / "accel_params.svh").write_text(render_header(Target(arithmetic=Arithmetic(rounding=rounding)), "sv"))
     vvp = tmp_path / "tb_row_scale.vvp"
@@ -246,10 +249,11 @@ def test_the_reference_rtl_computes_the_row_scale_and_the_store_as_the_twins(tmp
         np.testing.assert_array_equal(_read_hex(tmp_path / f"{name}.hex") & 0xFFFFFFFF,
                                       [simulator.twins.row_reciprocal_word(s, function) for s in sums.tolist()])
     expected, scaled = [], []
-    for a, m, n, w in zip(*(np.resize(v, count).tolist() for v in (acc, mult, shift, words))):
+    for a, m, n, f, w in zip(*(np.resize(v, count).tolist() for v in (acc, mult, shift, scale, words))):
         m2, n2 = simulator.twins.row_scaled(m, n, w)
-        scaled.append(m2)
-        expected.append(simulator.twins.requantize(a, m2, n2, rounding, INT32_MIN, INT32_MAX))
+        f2 = np.float32(simulator.twins.row_scaled_float32(f, w))
+        scaled.append(int(f2.view(np.int32)) if rounding == "float32_rne" else m2)
+        expected.append(simulator.twins.requantize(a, m2, n2, rounding, INT32_MIN, INT32_MAX, scale=f2))
     np.testing.assert_array_equal(_read_hex(tmp_path / "scaled.hex"), scaled)
     np.testing.assert_array_equal(_read_hex(tmp_path / "out.hex"), expected)
 
