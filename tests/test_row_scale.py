@@ -348,3 +348,18 @@ def test_the_vectors_of_a_program_with_the_store_are_refused_in_one_line(tmp_pat
     assert result.exit_code == 2
     assert "instruction 'sum': the row-reciprocal store has no golden-vector format yet" in result.output
     assert not (tmp_path / "vectors").exists()
+
+
+def test_integer_softmax_and_layernorm_keep_the_float_host_programs_fidelity():
+    """bench/integer_transformer.py on fewer rows: the integer attention output within 1 dB of today's float-host
+    softmax program on flat, mixed and peaked 197-token rows, the 1/S table within 0.3 dB of an exact reciprocal,
+    and the integer LayerNorm of a centred stream within 0.1 dB of the float-host LayerNorm."""
+    from bench import integer_transformer
+
+    rng = np.random.default_rng(0)
+    for kind in ("flat", "mixed", "peaked"):
+        result = integer_transformer.measure(kind, 64, rng)
+        assert result["integer"][0] >= result["float host"][0] - 1.0, (kind, result)
+        assert result["integer"][0] >= result["exact 1/S"][0] - 0.3, (kind, result)
+    result = integer_transformer.measure_layernorm(64, True, 197, rng)
+    assert result["integer"] >= result["float host"] - 0.1, result
