@@ -139,4 +139,57 @@ function automatic wide_t output_stage(input wide_t acc, input wide_t mult, inpu
   return y;
 endfunction
 
+// (11) the per-row scale (isa/row_scale.py): the channel's multiplier scaled by the row's word e << 16 | m,
+// mult' = (mult * m + 2^15) >> 16 and shift' = shift + e - 16 (float32_rne: row_scaled_scale below).
+function automatic wide_t row_scaled_mult(input wide_t mult, input logic [31:0] word);
+  wide_t m;
+  m = {112'b0, word[15:0]};
+  return (mult * m + pow2(15)) >>> 16;
+endfunction
+
+function automatic int row_scaled_shift(input int shift, input logic [31:0] word);
+  int e;
+  e = {26'b0, word[21:16]};
+  return shift + e - 16;
+endfunction
+
+// (11) float32_rne: the float32 bits of f32(scale * m * 2^-e), one rounding to nearest, ties to even
+// (subnormal results included): the row-scaled float32 multiplier.
+function automatic logic [31:0] row_scaled_scale(input logic [31:0] scale_bits, input logic [31:0] word);
+  wide_t s, p, kept;
+  int es, e, msb, exponent;
+  logic [7:0] field;
+  if (scale_bits[30:23] == 0) begin s = {105'b0, scale_bits[22:0]}; es = -149; end
+  else begin s = {104'b0, 1'b1, scale_bits[22:0]}; es = scale_bits[30:23]; es = es - 150; end
+  p = s * {112'b0, word[15:0]};
+  e = word[21:16];
+  es = es - e;  // value = p * 2^es
+  if (p == 0) return 32'b0;
+  msb = 0;
+  for (int i = 0; i < 64; i++) if (p[i]) msb = i;
+  exponent = msb + es;
+  if (exponent >= -126) begin
+    kept = round_shift(p, msb - 23, ACCEL_ROUNDING_HALF_EVEN);
+    if (kept == pow2(24)) begin kept = pow2(23); exponent = exponent + 1; end
+    field = exponent + 127;
+    return {1'b0, field, kept[22:0]};
+  end
+  kept = round_shift(p, -(es + 149), ACCEL_ROUNDING_HALF_EVEN);  // a multiple of 2^-149
+  return kept == pow2(23) ? 32'h00800000 : {9'b0, kept[22:0]};
+endfunction
+
+// (12) floor(log2 s) = 31 - CLZ(s) of a positive 32-bit s, and the 8 bits after its leading one (the table index).
+function automatic int leading_one(input logic [31:0] s);
+  int n;
+  n = 31;
+  while (n > 0 && !s[n]) n = n - 1;
+  return n;
+endfunction
+
+function automatic int reciprocal_index(input logic [31:0] s, input int n);
+  logic [31:0] shifted;
+  shifted = n >= 8 ? s >> (n - 8) : s << (8 - n);
+  return {24'b0, shifted[7:0]};
+endfunction
+
 `endif

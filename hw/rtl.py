@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from isa.output_stage import STEP_ORDER, Bias, Clamp, ClampHi, Lookup, Requantize, WindowMax, fold
+from isa.output_stage import (STEP_ORDER, Bias, Clamp, ClampHi, Lookup, Requantize, RowReciprocal, WindowMax,
+                              fold)
 
 HW = Path(__file__).resolve().parent
 TILE, TESTBENCH = HW / "qdeploy_gemm_tile.sv", HW / "tb_layer.sv"
@@ -84,6 +85,11 @@ def _read_from_files(step: type, args: list[str], layer: dict) -> list[str]:
     return args
 
 
+def row_reciprocal_args(step: type, args: list[str], layer: dict) -> list[str]:
+    """The testbench has no row-reciprocal store (the vectors refuse to write one; issue 30)."""
+    raise RtlError(f"layer {layer['dir']}: the reference RTL has no row-reciprocal store")
+
+
 def clamp_args(step: type, args: list[str], layer: dict) -> list[str]:
     low, high = layer["clamp"]
     return [*args, f"+LO={low}", f"+HI={high}"]
@@ -129,8 +135,8 @@ def output_stage_args(layer: dict, table: dict | None = None) -> list[str]:
 
 
 # The reference RTL runner's evaluator of each output-stage step (isa/output_stage.py): the plusargs it adds.
-STEP_ARGS = {Bias: _read_from_files, Requantize: _read_from_files, Clamp: clamp_args, ClampHi: clamp_hi_args,
-             Lookup: lookup_args, WindowMax: window_max_args}
+STEP_ARGS = {Bias: _read_from_files, RowReciprocal: row_reciprocal_args, Requantize: _read_from_files,
+             Clamp: clamp_args, ClampHi: clamp_hi_args, Lookup: lookup_args, WindowMax: window_max_args}
 
 
 def run(vectors: str | Path, dump: str | Path, rounding: str | None = None, sources: list[Path] | None = None,

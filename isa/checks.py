@@ -20,12 +20,14 @@ from typing import Callable
 import numpy as np
 
 from isa.geometry import PAD_FILLS, UPSAMPLE_FILLS, pool_output_size, upsampled_size
+from isa.kinds import Kind
 from isa.multiplier import SHIFT_RANGE
+from isa.row_scale import ROW_FUNCTIONS
 
 ADD_WEIGHT_MAX = (1 << 15) - 1  # an AddGemm's pre-scale weights sit in the array's 16-bit weight operand
 
 TENSOR_DTYPES = {"int8": (-128, 127), "uint8": (0, 255),
-                 "int32": (-(2 ** 31 - 1), 2 ** 31 - 1)}  # int32: a weighted GEMM's output that no instruction reads
+                 "int32": (-(2 ** 31 - 1), 2 ** 31 - 1)}  # int32: a GEMM's output that only a row scale reads
 
 
 class InvalidRecord(Exception):
@@ -116,7 +118,14 @@ def checked_read_size(instr: dict, height: int, width: int, where: str) -> tuple
 def check_output_stage(program: ProgramView, instr: dict, channels: int, where: str, out_dtype: str) -> None:
     """clamp within the output's integer range (the table input's, with a lookup); per-channel mult, shift,
     scale_f32 (design.md section 3), clamp_hi (optional) within the clamp, and the lookup (optional): a
-    256-entry table of the output's dtype, read by int8 or uint8 codes. The window-max is `window_of`'s."""
+    256-entry table of the output's dtype, read by int8 or uint8 codes. The window-max is `window_of`'s. A row
+    scale (isa/row_scale.py) is a MatMulGemm's (its record checks the operand); a row-reciprocal store ends the
+    stage (`_check_row_reciprocal`)."""
+    if "row_scale" in instr and instr.get("kind") != Kind.MATMUL_GEMM:
+        raise InvalidRecord(f"{where}: a row scale is read by a MatMulGemm only")
+    if "row_reciprocal" in instr:
+        _check_row_reciprocal(instr, where, out_dtype)
+        return
     lo, hi = TENSOR_DTYPES[out_dtype]
     if "lookup" in instr:
         lo, hi = _check_lookup(program, instr["lookup"], where, out_dtype)
@@ -140,6 +149,34 @@ def check_output_stage(program: ProgramView, instr: dict, channels: int, where: 
         bounds = array_of(program, instr, "clamp_hi", where, "int32", (channels,))
         if bounds.size and (bounds.min() < clamp[0] or bounds.max() > clamp[1]):
             raise InvalidRecord(f"{where}: clamp_hi must lie within the clamp range {clamp}")
+
+
+def _check_row_reciprocal(instr: dict, where: str, out_dtype: str) -> None:
+    """The row-reciprocal store (isa/output_stage.py RowReciprocal): a function of ROW_FUNCTIONS, int32 words out,
+    and no step after the accumulator but the Bias."""
+    if instr["row_reciprocal"] not in ROW_FUNCTIONS:
+        raise InvalidRecord(f"{where}: row_reciprocal is {json.dumps(instr['row_reciprocal'])[:30]}, expected one "
+                            f"of {list(ROW_FUNCTIONS)}")
+    if out_dtype != "int32":
+        raise InvalidRecord(f"{where}: a row-reciprocal store writes int32 words, not {out_dtype}")
+    others = [key for key in ("mult", "clamp", "clamp_hi", "lookup", "row_scale") if key in instr]
+    if others or instr.get("window_max") is not None:
+        raise InvalidRecord(f"{where}: a row-reciprocal store ends the output stage, but the instruction also has "
+                            f"'{(others or ['window_max'])[0]}'")
+    for key in ("k", "acc_bound_bits"):
+        ints([field_of(instr, key, where)], f"{where}: {key}", 1, 0)
+
+
+def check_row_scale(program: ProgramView, instr: dict, where: str, words: tuple, out: tuple) -> None:
+    """A MatMulGemm's row-scale operand: its third input, int32 words, one per output row."""
+    name = instr["inputs"][2]
+    if instr["row_scale"] != name:
+        raise InvalidRecord(f"{where}: row_scale names {json.dumps(instr['row_scale'])[:40]}, not its third input "
+                            f"'{name}'")
+    if program.tensors[name]["dtype"] != "int32" or math.prod(words) != math.prod(out[:-1]):
+        raise InvalidRecord(f"{where}: the row scale '{name}' must hold one int32 word per output row "
+                            f"({math.prod(out[:-1])} per sample), not {program.tensors[name]['dtype']} "
+                            f"{list(words)}")
 
 
 def _within(values: np.ndarray, key: str, low: int, high: int, where: str, field_name: str) -> None:

@@ -18,11 +18,11 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from isa.checks import (ADD_WEIGHT_MAX, InvalidRecord, ProgramView, array_of, check_output_stage, checked_read_size,
-                        field_of, ints, is_int, is_positive_number, window_of, window_shape)
+from isa.checks import (ADD_WEIGHT_MAX, InvalidRecord, ProgramView, array_of, check_output_stage, check_row_scale,
+                        checked_read_size, field_of, ints, is_int, is_positive_number, window_of, window_shape)
 from isa.geometry import GemmShape, conv_output_size, upsampled_size, zero_read_macs
 from isa.kinds import RESHAPE_KINDS, Kind, handler
-from isa.output_stage import OutputStage
+from isa.output_stage import OutputStage, RowReciprocal
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,7 +115,12 @@ class ArrayInstruction(Instruction):
 
     def describe(self, arrays: dict) -> str:
         stage = self.stage
+        if stage.step(RowReciprocal) is not None:
+            return (f"row-reciprocal store ({stage.step(RowReciprocal).function}) k={self.k} acc bound "
+                    f"{self.acc_bound_bits} bits")
         text = f"clamp {[stage.clamp.lo, stage.clamp.hi]} k={self.k} acc bound {self.acc_bound_bits} bits"
+        if stage.requantize is not None and stage.requantize.row_scale:
+            text += f" row scale {stage.requantize.row_scale}"
         if stage.clamp_hi is not None:
             bounds = arrays[stage.clamp_hi.hi]
             text += f" per-channel upper bounds {int(bounds.min())}..{int(bounds.max())}"
@@ -351,13 +356,18 @@ class MatMulGemm(ArrayInstruction):
     transpose_b: bool
 
     HAS_WINDOW_FIELD: ClassVar[bool] = False
-    ARITY: ClassVar[int | None] = 2
+    ARITY: ClassVar[int | None] = None  # the operands, and a row scale's words as a third input (checked below)
 
     @classmethod
     def check(cls, instr: dict, where: str, in_shapes: list, out_dtype: str, program: ProgramView
               ) -> tuple[int, ...]:
-        """(..., M, K) by (..., K, P) as read (transposed where the flags say), k the contraction length."""
-        a, b = in_shapes
+        """(..., M, K) by (..., K, P) as read (transposed where the flags say), k the contraction length; with a
+        row scale, its words as the third input (isa/checks.py check_row_scale)."""
+        arity = 3 if "row_scale" in instr else 2
+        if len(in_shapes) != arity:
+            raise InvalidRecord(f"{where} has {len(in_shapes)} inputs, expected {arity}"
+                                f"{' (the operands and the row scale)' if arity == 3 else ''}")
+        a, b = in_shapes[:2]
         flags = [field_of(instr, key, where) for key in ("transpose_a", "transpose_b")]
         if not all(isinstance(flag, bool) for flag in flags):
             raise InvalidRecord(f"{where}: transpose_a and transpose_b must be true or false, got "
@@ -370,6 +380,8 @@ class MatMulGemm(ArrayInstruction):
         check_output_stage(program, instr, 1, where, out_dtype)
         if instr["k"] != a[-1]:
             raise InvalidRecord(f"{where}: k = {instr['k']} is not the contraction length {a[-1]}")
+        if "row_scale" in instr:
+            check_row_scale(program, instr, where, in_shapes[2], a[:-1] + b[-1:])
         return a[:-1] + b[-1:]
 
     def gemm_shape(self, in_shapes: list, out_shape: list, batch: int, stored: int) -> GemmShape:
@@ -392,6 +404,18 @@ class MatMulGemm(ArrayInstruction):
         first, second = (f"{name}^T" if flag else name
                          for name, flag in zip(self.inputs, (self.transpose_a, self.transpose_b)))
         return f"{super().describe(arrays)}, operands {first} by {second}"
+
+    def row_scale_words(self, args: list, out_shape: tuple):
+        """The row-scale operand (a third input, when the Requantize step names one: isa/row_scale.py) as one word
+        per output row, (rows, 1) for rows = prod(out_shape[:-1]); None without one. ValueError when the operand
+        does not hold one word per row."""
+        requant = self.stage.requantize
+        if requant is None or not requant.row_scale:
+            return None
+        if len(args) != 3 or args[2].size != math.prod(out_shape[:-1]):
+            raise ValueError(f"instruction '{self.name}': the row scale '{requant.row_scale}' needs one word per "
+                             f"output row ({math.prod(out_shape[:-1])}), as the third input")
+        return args[2].reshape(-1, 1)
 
     def grouped_operands(self, a, b) -> tuple:
         """(a, b) as the array reads them, (G, M, K) and (G, K, P) with one group per sample and leading index:

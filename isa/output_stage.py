@@ -3,6 +3,7 @@
 doc/output.md), it is an ordered tuple of typed steps; this module is the one place that orders them:
 
     Bias -> Requantize -> Clamp -> ClampHi -> Lookup -> WindowMax -> (store)
+    Bias -> RowReciprocal (store)             the row-reciprocal store of a row sum (isa/row_scale.py)
 
 Every step is present or absent per instruction (`OutputStage.steps` lists the present ones in that order).
 Every backend evaluates a stage the same way, by folding its per-step evaluator table over `stage.steps`
@@ -41,22 +42,50 @@ class Bias:
 
 
 @dataclass(frozen=True)
+class RowReciprocal:
+    """The row-reciprocal store: the int32 accumulator S of an N = 1 GEMM (a row sum) becomes the row-scale word of
+    1/S (`function` "reciprocal") or 1/sqrt(S) ("rsqrt"): the CLZ of S and a 256-entry table of 16-bit mantissas
+    (isa/row_scale.py row_reciprocal_words), stored as int32 for a later Requantize's row scale. It ends the stage:
+    no step follows it. Monotonic non-increasing, so it never moves before a window-max (`monotonic` False)."""
+
+    function: str
+    monotonic: ClassVar[bool] = False
+
+    @classmethod
+    def from_manifest(cls, record: dict) -> "RowReciprocal | None":
+        return cls(record["row_reciprocal"]) if "row_reciprocal" in record else None
+
+    def to_manifest(self) -> dict:
+        return {"row_reciprocal": self.function}
+
+
+@dataclass(frozen=True)
 class Requantize:
     """y = round(acc * M[c]) in the target's rounding mode: (mult[c], shift[c]) integers, or the float32 scale
     scale_f32[c] in `float32_rne` (isa/multiplier.py). M >= 0, so the step is monotonic. The compiler adds it
-    (in the lowered float graph a product's constant scale is its GEMM's `product_scale`)."""
+    (in the lowered float graph a product's constant scale is its GEMM's `product_scale`).
+
+    `row_scale`, when set, names the instruction's row-scale operand: one word per output row (isa/row_scale.py,
+    s_i = m_i * 2^-e_i) that scales every channel's multiplier of that row, M[i, c] = M[c] * s_i, as
+    mult' = (mult * m_i + 2^15) >> 16, shift' = shift + e_i - 16 (float32_rne: float32(scale_f32 * s_i)). A row
+    is an index over every axis of the stored tensor but the last (a token; a (head, query) pair). s_i >= 0, so
+    the step stays monotonic."""
 
     mult: str
     shift: str
     scale_f32: str
+    row_scale: str = ""
     monotonic: ClassVar[bool] = True
 
     @classmethod
     def from_manifest(cls, record: dict) -> "Requantize | None":
-        return cls(record["mult"], record["shift"], record["scale_f32"]) if "mult" in record else None
+        if "mult" not in record:
+            return None
+        return cls(record["mult"], record["shift"], record["scale_f32"], record.get("row_scale", ""))
 
     def to_manifest(self) -> dict:
-        return {"mult": self.mult, "shift": self.shift, "scale_f32": self.scale_f32}
+        record = {"mult": self.mult, "shift": self.shift, "scale_f32": self.scale_f32}
+        return {**record, "row_scale": self.row_scale} if self.row_scale else record
 
 
 @dataclass(frozen=True)
@@ -156,8 +185,8 @@ class WindowMax:
         return {"window_max": self.to_record()}
 
 
-Step = Bias | Requantize | Clamp | ClampHi | Lookup | WindowMax
-STEP_ORDER: tuple[type, ...] = (Bias, Requantize, Clamp, ClampHi, Lookup, WindowMax)
+Step = Bias | RowReciprocal | Requantize | Clamp | ClampHi | Lookup | WindowMax
+STEP_ORDER: tuple[type, ...] = (Bias, RowReciprocal, Requantize, Clamp, ClampHi, Lookup, WindowMax)
 
 
 def commutes_with_window_max(step: Step) -> bool:
@@ -229,6 +258,9 @@ class OutputStage:
         if ranks != sorted(set(ranks)):
             raise ValueError(f"output stage {[type(s).__name__ for s in self.steps]}: steps out of order or "
                              f"repeated (the order is {[t.__name__ for t in STEP_ORDER]})")
+        if any(isinstance(step, RowReciprocal) for step in self.steps[:-1]):
+            raise ValueError(f"output stage {[type(s).__name__ for s in self.steps]}: the row-reciprocal store "
+                             f"ends the stage")
 
     def step(self, cls: type) -> Step | None:
         """The step of class `cls`, or None."""

@@ -99,7 +99,7 @@ from qdeploy.program import Program
 from isa.geometry import BORDER_FILLS, ReadFill
 from isa.target import Rounding, target_from_dict
 from isa.instructions import Instruction
-from isa.output_stage import Bias, Clamp, ClampHi, Lookup, Requantize, WindowMax, fold
+from isa.output_stage import Bias, Clamp, ClampHi, Lookup, Requantize, RowReciprocal, WindowMax, fold
 from isa.kinds import RESHAPE_KINDS, Kind, handler
 
 OPSET = 13  # per-axis QuantizeLinear/DequantizeLinear; int8 Clip and MaxPool need 12
@@ -246,6 +246,9 @@ def _in_the_requantizing_op(step, value: str, b: _Builder, instr: Instruction) -
     """Bias and Requantize: computed by the kind's requantizing op (QLinearConv's bias and output scale,
     QLinearAdd's QuantizeLinear, Cast-Mul-QuantizeLinear of int32 accumulators), which saturates to the dtype;
     nothing more to write."""
+    if isinstance(step, Requantize) and step.row_scale:
+        raise Unsupported(f"instruction '{instr.name}' ({instr.kind}): a per-row scale (operand "
+                          f"'{step.row_scale}') has no ONNX Runtime int8 op")
     return value
 
 
@@ -260,6 +263,10 @@ def _clip(step: Clamp, value: str, b: _Builder, instr: Instruction) -> str:
 def _clamp_hi(step: ClampHi, value: str, b: _Builder, instr: Instruction) -> str:
     raise Unsupported(f"instruction '{instr.name}' ({instr.kind}): per-channel clamp bounds (an equalized ReLU6) "
                       f"have no ONNX Runtime int8 op (calibrate without --equalize to export)")
+
+
+def _row_reciprocal(step: RowReciprocal, value: str, b: _Builder, instr: Instruction) -> str:
+    raise Unsupported(f"instruction '{instr.name}' ({instr.kind}): the row-reciprocal store has no ONNX Runtime op")
 
 
 def _gather(step: Lookup, value: str, b: _Builder, instr: Instruction) -> str:
@@ -285,8 +292,8 @@ def _max_pool(step: WindowMax, value: str, b: _Builder, instr: Instruction) -> s
 
 # The ONNX export's evaluator of each output-stage step (isa/output_stage.py): (step, tensor, builder, instr) ->
 # the tensor after it.
-STEP_EXPORTERS = {Bias: _in_the_requantizing_op, Requantize: _in_the_requantizing_op, Clamp: _clip,
-                  ClampHi: _clamp_hi, Lookup: _gather, WindowMax: _max_pool}
+STEP_EXPORTERS = {Bias: _in_the_requantizing_op, RowReciprocal: _row_reciprocal, Requantize: _in_the_requantizing_op,
+                  Clamp: _clip, ClampHi: _clamp_hi, Lookup: _gather, WindowMax: _max_pool}
 
 
 def _floor_mode_pads(window: dict, in_size: list[int], out_size: list[int]) -> tuple[list[int], int]:
@@ -536,7 +543,8 @@ def export_program(program: Program, *, float_outputs: bool = False,
     names.update({t: f"{t}_quantized" for t in program.inputs})
     if float_outputs:
         names.update({t: f"{t}_quantized" for t in program.outputs})
-    wide = [name for name, record in program.tensors.items() if record["dtype"] == "int32"]
+    words = {r.output for r in program.records if getattr(r, "stage", None) and r.stage.step(RowReciprocal)}
+    wide = [name for name, record in program.tensors.items() if record["dtype"] == "int32" and name not in words]
     if wide:
         raise Unsupported(f"tensor '{wide[0]}' is an int32 output (a pre-quantized model left it in float); the "
                           f"export writes int8 QLinear ops only (compile with --calib to give it an int8 scale)")

@@ -33,7 +33,7 @@ from qdeploy_base.errors import BadInput
 from qdeploy_base.fileio import MAX_DEFLATE_RATIO, atomic_write, check_input, read_npy
 from isa.checks import TENSOR_DTYPES, InvalidRecord, ProgramView, field_of, ints, is_positive_number
 from isa.instructions import RECORDS, Instruction, from_manifest
-from isa.kinds import RESHAPE_KINDS, UnknownKind, handler
+from isa.kinds import RESHAPE_KINDS, Kind, UnknownKind, handler
 from isa.target import Arithmetic, TargetError, target_from_dict
 
 FORMAT = "qdeploy-program"
@@ -239,9 +239,11 @@ def validate_program(program: Program) -> None:
         inputs, output = field_of(instr, "inputs", where), field_of(instr, "output", where)
         if not isinstance(inputs, list) or not all(isinstance(i, str) and i in defined for i in inputs):
             raise InvalidRecord(f"{where} reads {json.dumps(inputs)[:60]}: not all of them are defined before it")
-        wide = [i for i in inputs if manifest["tensors"][i]["dtype"] == "int32"]
+        wide = [i for i in inputs if manifest["tensors"][i]["dtype"] == "int32"
+                and not (instr.get("kind") == Kind.MATMUL_GEMM and i == instr.get("row_scale"))]
         if wide:
-            raise InvalidRecord(f"{where} reads the int32 tensor '{wide[0]}': int32 tensors are outputs only")
+            raise InvalidRecord(f"{where} reads the int32 tensor '{wide[0]}': int32 tensors are outputs only (and "
+                                f"row-scale words)")
         if not isinstance(output, str) or output in defined or output not in manifest["tensors"]:
             raise InvalidRecord(f"{where} writes {json.dumps(output)[:60]}: not a new tensor with a record")
         shape = _instruction_shape(instr, where, defined, view)

@@ -24,7 +24,8 @@ import numpy as np
 
 from isa.kinds import PER_IMAGE_KINDS, RESHAPE_KINDS, WEIGHTED_GEMM_KINDS, Kind, handler
 from isa.instructions import Instruction, from_manifest
-from isa.output_stage import Bias, Clamp, ClampHi, Lookup, OutputStage, Requantize, Step, WindowMax, fused_fold
+from isa.output_stage import (Bias, Clamp, ClampHi, Lookup, OutputStage, Requantize, RowReciprocal, Step, WindowMax,
+                              fused_fold)
 from qdeploy_base import fileio
 from qdeploy_base.fileio import byte_size
 from qdeploy.program import Program
@@ -38,6 +39,7 @@ from simulator.kernels.requantize import PlaneParameters, output_dtype, plane_pa
 from simulator.kernels.upsample import upsampled_read
 from simulator.kernels.window_max import window_max
 from isa.geometry import conv_output_size
+from isa.row_scale import row_reciprocal_words, row_scaled_float32, row_scaled_multipliers
 from qdeploy_base.threads import blas_threads_limitable, one_blas_thread, usable_cpus
 
 
@@ -329,22 +331,44 @@ class Machine:
         return None, steps
 
     def _output_stage(self, instr: Instruction, acc: np.ndarray, layout: Callable[[np.ndarray], np.ndarray],
-                      steps: tuple[Step, ...]) -> np.ndarray:
+                      steps: tuple[Step, ...], rows: np.ndarray | None = None) -> np.ndarray:
         """`steps` of the instruction's output stage folded over acc (..., C), channels last (isa/output_stage.py
         fold, the evaluators of STEP_EVALUATORS), the result laid out as stored by `layout` (or by the WindowMax
         step on the way to memory). A run of steps with a FUSED_STEPS entry (Requantize and Clamp: one kernel
-        pass) is evaluated by it, unless fused=False."""
+        pass) is evaluated by it, unless fused=False. `rows`: the row-scale words of a Requantize with a row
+        scale, broadcastable to acc."""
         plane = fused_fold(steps, STEP_EVALUATORS, FUSED_STEPS if self.fused else {}, "the simulator",
-                           _Plane(acc, layout), self, instr)
+                           _Plane(acc, layout, rows), self, instr)
         return plane.layout(plane.y)
 
-    def _requantized(self, requant: Requantize, acc: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    def _requantized(self, requant: Requantize, acc: np.ndarray, lo: int, hi: int,
+                     rows: np.ndarray | None = None) -> np.ndarray:
         """acc (..., C) requantized per channel in the target's rounding mode and saturated to [lo, hi]
-        (kernels.requantize: one pass, stored in requantize.output_dtype(lo, hi))."""
+        (kernels.requantize: one pass, stored in requantize.output_dtype(lo, hi)). With a row scale, `rows` holds
+        the row-scale words broadcastable to acc: each element's multiplier is its channel's scaled by its row's
+        word (isa/row_scale.py), every element requantized as a channel of its own."""
+        if requant.row_scale:
+            return self._row_requantized(requant, acc, lo, hi, rows)
         if self.arithmetic.rounding == Rounding.FLOAT32_RNE:
             return requantize(acc, mode=Rounding.FLOAT32_RNE, lo=lo, hi=hi, scale=self.arrays[requant.scale_f32])
         return requantize(acc, self.arrays[requant.mult], self.arrays[requant.shift], self.arithmetic.rounding,
                           lo, hi)
+
+    def _row_requantized(self, requant: Requantize, acc: np.ndarray, lo: int, hi: int,
+                         rows: np.ndarray | None) -> np.ndarray:
+        if rows is None:
+            raise ValueError(f"Requantize with the row scale '{requant.row_scale}': no row-scale words given")
+        words = np.broadcast_to(np.asarray(rows, np.int64), acc.shape).reshape(-1)
+        flat = np.ascontiguousarray(acc).reshape(1, -1)
+        if self.arithmetic.rounding == Rounding.FLOAT32_RNE:
+            scale = np.broadcast_to(self.arrays[requant.scale_f32], acc.shape).reshape(-1)
+            out = requantize(flat, mode=Rounding.FLOAT32_RNE, lo=lo, hi=hi, scale=row_scaled_float32(scale, words))
+        else:
+            mult, shift = row_scaled_multipliers(np.broadcast_to(self.arrays[requant.mult], acc.shape).reshape(-1),
+                                                 np.broadcast_to(self.arrays[requant.shift], acc.shape).reshape(-1),
+                                                 words)
+            out = requantize(flat, mult, shift, self.arithmetic.rounding, lo, hi)
+        return out.reshape(acc.shape)
 
     def conv_gemm(self, instr: Instruction, args: list[np.ndarray]):
         """(y NCHW, acc (N*OH*OW, M) before requantization, events)."""
@@ -447,11 +471,13 @@ class Machine:
         """acc = a @ b (a, b read transposed with transpose_a, transpose_b): one GEMM per sample and leading index,
         (M x K) . (K x P) into the acc_bits register (kernels.gemm), then the output stage. acc has the output's
         shape."""
-        a, b = instr.grouped_operands(*args)
+        a, b = instr.grouped_operands(*args[:2])
         result = gemm(np.ascontiguousarray(a), np.ascontiguousarray(b), self.arithmetic.acc_bits,
                       self.arithmetic.overflow)
         shape = args[0].shape[:-2] + (a.shape[1], b.shape[2])
-        y = self._output_stage(instr, result.acc.reshape(-1, 1), _reshaped(shape), instr.stage.steps)
+        words = instr.row_scale_words(args, shape)  # (rows, 1); element r * P + p of acc reads word r
+        y = self._output_stage(instr, result.acc.reshape(-1, 1), _reshaped(shape), instr.stage.steps,
+                               None if words is None else np.repeat(words, shape[-1], axis=0))
         return y, result.acc.reshape(shape), result.events
 
 
@@ -464,6 +490,8 @@ class _Plane:
 
     y: np.ndarray
     layout: Callable[[np.ndarray], np.ndarray]
+    rows: np.ndarray | None = None  # the row-scale words (isa/row_scale.py) of a Requantize with a row scale,
+    #                                 broadcastable to y: one per row of the stored tensor
 
 
 def _as_is(y: np.ndarray) -> np.ndarray:
@@ -496,14 +524,19 @@ def _bias(step: Bias, plane: _Plane, machine: Machine, instr: Instruction) -> _P
     else:
         half = np.int64(1) << (arithmetic.acc_bits - 1)
         acc = (acc + half) % (2 * half) - half
-    return _Plane(acc, plane.layout)
+    return replace(plane, y=acc)
+
+
+def _row_reciprocal(step: RowReciprocal, plane: _Plane, machine: Machine, instr: Instruction) -> _Plane:
+    """The row-reciprocal store: each row sum's word of 1/S or 1/sqrt(S) (isa/row_scale.py), int32."""
+    return _Plane(row_reciprocal_words(plane.y, step.function).astype(np.int32), plane.layout)
 
 
 def _requantize(step: Requantize, plane: _Plane, machine: Machine, instr: Instruction) -> _Plane:
     """round(acc * M[c]) saturated to the register of the stored dtype (int8, uint8 or int32: the dtype the Clamp
     step stores, requantize.output_dtype), in one kernel pass."""
     lo, hi = _register_bounds(output_dtype(instr.stage.clamp.lo, instr.stage.clamp.hi))
-    return _Plane(machine._requantized(step, plane.y, lo, hi), plane.layout)
+    return _Plane(machine._requantized(step, plane.y, lo, hi, plane.rows), plane.layout)
 
 
 def _clamp(step: Clamp, plane: _Plane, machine: Machine, instr: Instruction) -> _Plane:
@@ -514,7 +547,7 @@ def _requantize_clamp(steps: tuple[Requantize, Clamp], plane: _Plane, machine: M
     """Requantize then Clamp in one kernel pass: clamp(v, lo, hi) = clamp(clamp(v, register), lo, hi), the clamp
     range lying within the register's."""
     requant, clamp = steps
-    return _Plane(machine._requantized(requant, plane.y, clamp.lo, clamp.hi), plane.layout)
+    return _Plane(machine._requantized(requant, plane.y, clamp.lo, clamp.hi, plane.rows), plane.layout)
 
 
 def _clamp_hi(step: ClampHi, plane: _Plane, machine: Machine, instr: Instruction) -> _Plane:
@@ -535,8 +568,8 @@ def _window_max(step: WindowMax, plane: _Plane, machine: Machine, instr: Instruc
 
 
 # The simulator's evaluator of each output-stage step (isa/output_stage.py), (step, plane, machine, instr) -> plane.
-STEP_EVALUATORS = {Bias: _bias, Requantize: _requantize, Clamp: _clamp, ClampHi: _clamp_hi, Lookup: _lookup,
-                   WindowMax: _window_max}
+STEP_EVALUATORS = {Bias: _bias, RowReciprocal: _row_reciprocal, Requantize: _requantize, Clamp: _clamp,
+                   ClampHi: _clamp_hi, Lookup: _lookup, WindowMax: _window_max}
 # Fast paths, selected from the stage's steps, equal to folding those steps one by one (Machine(fused=False)):
 FUSED_STEPS = {(Requantize, Clamp): _requantize_clamp}  # one requantize kernel pass with the clamp bounds
 INT8_SIMD_STEPS = (Bias, Requantize, Clamp)  # kernels.int8_simd.conv's requantizing store (_fused_output_stage)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from fractions import Fraction
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 import numpy as np
@@ -19,7 +19,8 @@ import numpy as np
 from isa.geometry import BORDER_FILLS, conv_output_size, pool_output_size, read_source, upsampled_size
 from isa.kinds import RESHAPE_KINDS, Kind, handler
 from isa.instructions import Instruction, from_manifest
-from isa.output_stage import Bias, Clamp, ClampHi, Lookup, Requantize, WindowMax, fold
+from isa.output_stage import Bias, Clamp, ClampHi, Lookup, Requantize, RowReciprocal, WindowMax, fold
+from isa.row_scale import RECIPROCAL, RSQRT
 from isa.target import Arithmetic
 
 INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1
@@ -217,6 +218,35 @@ def requantize(acc: int, mult: int | None = None, shift: int | None = None, mode
 
 
 # ---------------------------------------------------------------------------------------------------------
+# (11) the per-row scale and (12) the row-reciprocal store (isa/row_scale.py: the word format and the tables)
+
+def row_scaled(mult: int, shift: int, word: int) -> tuple[int, int]:
+    """(mult', shift') = ((mult * m + 2^15) >> 16, shift + e - 16) for the word e << 16 | m."""
+    m, e = word % (1 << 16), (word >> 16) % (1 << 6)
+    return (mult * m + (1 << 15)) >> 16, shift + e - 16
+
+
+def row_scaled_float32(scale: float | np.float32, word: int) -> Fraction:
+    """float32(scale * m * 2^-e), exactly rounded once (ties to even)."""
+    m, e = word % (1 << 16), (word >> 16) % (1 << 6)
+    return float32_round(Fraction(float(np.float32(scale))) * Fraction(m, 1 << e))
+
+
+def row_reciprocal_word(row_sum: int, function: str) -> int:
+    """The row-reciprocal store of one int32 row sum S (S < 1 read as 1): n = S.bit_length() - 1 (31 - CLZ), i the
+    8 bits after the leading one, then the word of 1/S (RECIPROCAL[i], e = 16 + n) or of 1/sqrt(S) (RSQRT[n odd][i],
+    e = 16 + floor(n / 2))."""
+    s = min(max(int(row_sum), 1), INT32_MAX)
+    n = s.bit_length() - 1
+    i = (s >> (n - 8) if n >= 8 else s << (8 - n)) % 256
+    if function == "reciprocal":
+        return (16 + n) << 16 | int(RECIPROCAL[i])
+    if function == "rsqrt":
+        return (16 + n // 2) << 16 | int(RSQRT[n % 2][i])
+    raise ValueError(f"row function {function!r}: expected reciprocal or rsqrt")
+
+
+# ---------------------------------------------------------------------------------------------------------
 # (9) im2col and (10) window-max (ONNX Conv / MaxPool semantics), plain loops
 
 def im2col(x: np.ndarray, kernel_shape: Sequence[int], strides: Sequence[int] = (1, 1),
@@ -308,6 +338,7 @@ class _Plane:
 
     values: np.ndarray
     layout: Callable[[np.ndarray], np.ndarray]
+    rows: np.ndarray | None = None  # a row-scale word (int) per row of values: (rows, 1), or (rows, channels)
 
 
 def _per_column(array: np.ndarray, c: int):
@@ -322,7 +353,7 @@ def _each(plane: _Plane, f: Callable[[int, int], int]) -> _Plane:
     for c in range(channels):
         for r in range(rows):
             out[r, c] = f(int(plane.values[r, c]), c)
-    return _Plane(out, plane.layout)
+    return replace(plane, values=out)
 
 
 def _bias(step: Bias, plane: _Plane, arrays: dict, arithmetic: Arithmetic) -> _Plane:
@@ -333,10 +364,28 @@ def _bias(step: Bias, plane: _Plane, arrays: dict, arithmetic: Arithmetic) -> _P
                                                 arithmetic.overflow)[0])
 
 
+def _row_reciprocal(step: RowReciprocal, plane: _Plane, arrays: dict, arithmetic: Arithmetic) -> _Plane:
+    """(12) the row-reciprocal store: row_reciprocal_word of each row sum."""
+    return _each(plane, lambda v, c: row_reciprocal_word(v, step.function))
+
+
 def _requantize(step: Requantize, plane: _Plane, arrays: dict, arithmetic: Arithmetic) -> _Plane:
-    """(3)-(7) round(acc * M[c]) in the target's rounding mode, unbounded (the Clamp step bounds it)."""
+    """(3)-(7) round(acc * M[c]) in the target's rounding mode, unbounded (the Clamp step bounds it); with a row
+    scale, round(acc * M[c] * s_r) with the row's word (row_scaled, row_scaled_float32)."""
     mult, shift, scale = arrays[step.mult], arrays[step.shift], arrays[step.scale_f32]
     unbounded = 1 << 128
+    if step.row_scale:
+        if plane.rows is None:
+            raise ValueError(f"Requantize with the row scale '{step.row_scale}': no row-scale words given")
+        rows, channels = plane.values.shape
+        out = np.zeros((rows, channels), dtype=object)
+        for r in range(rows):
+            for c in range(channels):
+                word = int(plane.rows[r, c if plane.rows.shape[1] > 1 else 0])
+                m, n = row_scaled(int(_per_column(mult, c)), int(_per_column(shift, c)), word)
+                out[r, c] = requantize(int(plane.values[r, c]), m, n, arithmetic.rounding, -unbounded, unbounded,
+                                       scale=row_scaled_float32(_per_column(scale, c), word))
+        return replace(plane, values=out)
     return _each(plane, lambda v, c: requantize(v, int(_per_column(mult, c)), int(_per_column(shift, c)),
                                                 arithmetic.rounding, -unbounded, unbounded,
                                                 scale=_per_column(scale, c)))
@@ -367,8 +416,8 @@ def _window_max(step: WindowMax, plane: _Plane, arrays: dict, arithmetic: Arithm
 
 
 # The twins' evaluator of each output-stage step (isa/output_stage.py), (step, plane, arrays, arithmetic) -> plane.
-STEP_EVALUATORS = {Bias: _bias, Requantize: _requantize, Clamp: _clamp, ClampHi: _clamp_hi, Lookup: _lookup,
-                   WindowMax: _window_max}
+STEP_EVALUATORS = {Bias: _bias, RowReciprocal: _row_reciprocal, Requantize: _requantize, Clamp: _clamp,
+                   ClampHi: _clamp_hi, Lookup: _lookup, WindowMax: _window_max}
 
 
 def _output_stage(steps, acc: np.ndarray, layout: Callable[[np.ndarray], np.ndarray], arrays: dict,
@@ -440,11 +489,16 @@ def _mul_gemm(instr: Instruction, args: list[np.ndarray], arrays: dict, arithmet
 
 def _matmul_gemm(instr: Instruction, args: list[np.ndarray], arrays: dict, arithmetic: Arithmetic, dtype) -> np.ndarray:
     """(8) (1) acc = a @ b per leading index (a^T, b^T with transpose_a, transpose_b), then the output stage."""
-    a, b = instr.grouped_operands(*args)
+    a, b = instr.grouped_operands(*args[:2])
     acc = np.concatenate([gemm(a2, b2, arithmetic.acc_bits, arithmetic.overflow)[0].reshape(-1)
                           for a2, b2 in zip(a, b)]).reshape(-1, 1)
     shape = args[0].shape[:-2] + (a.shape[1], b.shape[2])
-    return _output_stage(instr.stage.steps, acc, lambda y: y.reshape(shape).astype(dtype), arrays, arithmetic)
+    words = instr.row_scale_words(args, shape)  # (rows, 1): element r * P + p reads word r
+    rows = None if words is None else np.array([[int(words[i // shape[-1], 0])] for i in range(acc.shape[0])],
+                                               dtype=object)
+    plane = fold(instr.stage.steps, STEP_EVALUATORS, "the Python-int twins",
+                 _Plane(acc, lambda y: y.reshape(shape).astype(dtype), rows), arrays, arithmetic)
+    return plane.layout(plane.values)
 
 
 def _concat(instr: Instruction, args: list[np.ndarray], arrays: dict, arithmetic: Arithmetic, dtype) -> np.ndarray:

@@ -22,7 +22,7 @@ from isa.checks import InvalidRecord, ProgramView  # noqa: E402
 from isa.instructions import AddGemm  # noqa: E402
 from isa.kinds import Kind  # noqa: E402
 from isa.output_stage import (STEP_ORDER, Clamp, ClampHi, Lookup, MissingEvaluator, OutputStage,  # noqa: E402
-                              Requantize, WindowMax, fold, missing_evaluators)
+                              Requantize, RowReciprocal, WindowMax, fold, missing_evaluators)
 from isa.target import Arithmetic, Target  # noqa: E402
 from qdeploy import api  # noqa: E402
 from simulator.machine import Machine  # noqa: E402
@@ -109,7 +109,8 @@ def test_the_fused_paths_equal_the_folded_steps(tmp_path):
         dumped, folded_dump = fused.run({"x": x}, dump=True), folded.run({"x": x}, dump=True)
         for name, y in dumped.tensors.items():
             np.testing.assert_array_equal(y, folded_dump.tensors[name], err_msg=name)
-    assert seen == set(STEP_ORDER)
+    assert seen == set(STEP_ORDER) - {RowReciprocal}  # no lowering emits the row-reciprocal store yet (issue 30):
+    # tests/test_row_scale.py folds it through the machine and the twins
 
 
 # --- dry run: a new output-stage step -----------------------------------------------------------------------
