@@ -102,6 +102,7 @@ def main() -> None:
     timed("0,1", "compile", model, "--calib", folder / "table.json", "-o", folder / "m.qdp")
     load_before = os.getloadavg()
     rates = throughput_table(model, read_program(folder / "m.qdp"), ort_model, args.throughput_rounds)
+    print({label: round(rate, 1) for label, rate in rates.items()}, flush=True)
 
     runs = {  # label: (cpus, command arguments after the output path is appended)
         ("calibrate", "1 process x 1 core"): ("0", ["calibrate", model, "--data", folder / "calib.npy"]),
@@ -123,6 +124,8 @@ def main() -> None:
             out = folder / f"out_{list(runs).index(key)}" / ("table.json" if key[0] == "calibrate" else "report")
             out.parent.mkdir(exist_ok=True)
             seconds[key].append(timed(cpus, *command, "-o", out))
+            print(f"round {round_ + 1}: {key[0]}, {key[1]}: {seconds[key][-1]:.1f} s (load average "
+                  f"{os.getloadavg()[0]:.1f})", flush=True)  # a long run on a loaded machine keeps its figures
             outputs[key] = out if key[0] == "calibrate" else out / "report.json"
     load_after = os.getloadavg()
 
