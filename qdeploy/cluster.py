@@ -245,10 +245,13 @@ class ShardData:
 
 
 def shard_windows(samples: int, batch_size: int, workers: int = 1) -> list[tuple[int, int]]:
-    """Sample windows [start, stop) of whole batches (the last may be short) covering 0..samples-1: at least
-    BATCHES_PER_SHARD batches each, more when that would make over SHARDS_PER_WORKER shards per worker."""
-    batches = -(-samples // batch_size)
-    step = batch_size * max(BATCHES_PER_SHARD, -(-batches // (SHARDS_PER_WORKER * max(1, workers))))
+    """Sample windows [start, stop) of whole batches (the last may be short) covering 0..samples-1: BATCHES_PER_SHARD
+    batches each, fewer when the data would give a worker less than two shards (measured: 128 report images in
+    batches of 32 were one shard, so local:2 ran them on one worker), more when there would be over
+    SHARDS_PER_WORKER shards per worker."""
+    batches, workers = -(-samples // batch_size), max(1, workers)
+    per_shard = max(-(-batches // (SHARDS_PER_WORKER * workers)), min(BATCHES_PER_SHARD, -(-batches // (2 * workers))))
+    step = batch_size * per_shard
     return [(start, min(start + step, samples)) for start in range(0, samples, step)]
 
 

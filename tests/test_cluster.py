@@ -35,7 +35,7 @@ def lite0(tmp_path_factory, efficientnet_lite0_onnx, real_images):
     data = folder / "x.npy"
     np.save(data, np.ascontiguousarray(real_images[:12]))
     table, program = folder / "single.json", folder / "m.qdp"
-    # batch 2: six batches, two shards of four and two (qdeploy.cluster.BATCHES_PER_SHARD)
+    # batch 2: six batches, on two workers three shards of two (qdeploy.cluster.shard_windows)
     result = cli("calibrate", efficientnet_lite0_onnx, "--data", data, "--batch-size", "2", "-o", table)
     assert result.exit_code == 0, result.output
     assert cli("compile", efficientnet_lite0_onnx, "--calib", table, "-o", program).exit_code == 0
@@ -249,10 +249,13 @@ def test_local_workers_get_disjoint_shares_of_the_cpus():
 
 
 def test_shards_are_whole_batches_sized_to_the_workers():
-    """At least BATCHES_PER_SHARD batches a shard; more when there would be over SHARDS_PER_WORKER per worker."""
+    """BATCHES_PER_SHARD batches a shard; fewer when a worker would get less than two shards, more when there would
+    be over SHARDS_PER_WORKER per worker."""
     from qdeploy.cluster import BATCHES_PER_SHARD, SHARDS_PER_WORKER, shard_windows
 
-    assert shard_windows(12, 2) == [(0, 8), (8, 12)]
+    assert shard_windows(12, 2, 2) == [(0, 4), (4, 8), (8, 12)]
+    assert shard_windows(128, 32, 2) == [(0, 32), (32, 64), (64, 96), (96, 128)]  # every worker busy
+    assert shard_windows(256, 32, 2) == [(0, 64), (64, 128), (128, 192), (192, 256)]
     assert shard_windows(1024, 32, 2) == [(start, start + 128) for start in range(0, 1024, 128)]
     windows = shard_windows(100_000, 32, 4)
     assert len(windows) <= SHARDS_PER_WORKER * 4 and all((b - a) % 32 == 0 for a, b in windows[:-1])
