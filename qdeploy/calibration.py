@@ -23,7 +23,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -36,6 +36,7 @@ from calib.table import (MIN_THRESHOLD, TENSORRT_METHOD, CalibrationTable, Tenso
                          threshold_from_tensorrt_scale)
 from qdeploy.onnx_import import InputShapes, import_onnx
 from qdeploy.binding import bind_inputs
+from qdeploy.cluster import runs_in_process
 from qdeploy_base.errors import BadInput
 from qdeploy.ir import Graph, topological_order
 from qdeploy.lowering.equalize import equalizable_pairs
@@ -149,6 +150,15 @@ class _Collector:
         for name, per_sample in other.sample_sums.items():
             self.add_channel_sums(name, per_sample, other.channel_counts[name])
 
+    def _add_samples(self, name: str, per_sample: np.ndarray, elements: int) -> None:
+        """The next samples' (samples, channels) sums: kept as they are (keep_sample_sums) or added."""
+        if self.keep_sample_sums:
+            kept = self.sample_sums.get(name)
+            self.sample_sums[name] = per_sample if kept is None else np.vstack([kept, per_sample])
+            self.channel_counts[name] = self.channel_counts.get(name, 0) + elements
+        else:
+            self.add_channel_sums(name, per_sample, elements)
+
     def _observe(self, name: str, array: np.ndarray, first_sample: int) -> None:
         histogram = self.histograms.get(name)
         if histogram is None:
@@ -158,13 +168,7 @@ class _Collector:
             if array.ndim >= 2 and array.size:
                 per_sample = np.ascontiguousarray(array).reshape(array.shape[0], array.shape[1], -1).sum(
                     axis=2, dtype=np.float64)
-                elements = array.size // array.shape[1]
-                if self.keep_sample_sums:
-                    kept = self.sample_sums.get(name)
-                    self.sample_sums[name] = per_sample if kept is None else np.vstack([kept, per_sample])
-                    self.channel_counts[name] = self.channel_counts.get(name, 0) + elements
-                else:
-                    self.add_channel_sums(name, per_sample, elements)
+                self._add_samples(name, per_sample, array.size // array.shape[1])
         except NonFiniteValue as error:
             per_sample = max(1, array.size // max(1, array.shape[0])) if array.ndim else 1
             raise BadInput(f"tensor '{name}' has {error.value} for sample {first_sample + error.index // per_sample} "
@@ -186,7 +190,7 @@ class _Collector:
             pass
         for helper, _, _ in jobs:
             for name, per_sample in helper.sample_sums.items():
-                self.add_channel_sums(name, per_sample, helper.channel_counts[name])
+                self._add_samples(name, per_sample, helper.channel_counts[name])
             helper.sample_sums.clear()
             helper.channel_counts.clear()
 
@@ -214,6 +218,33 @@ class _Collector:
             for name in dict.fromkeys(node.inputs):
                 if self.last_use.get(name) == step:
                     env.pop(name, None)
+
+
+def _collect(collector: _Collector, batches: Iterator[tuple[int, int, dict[str, np.ndarray]]], batch_size: int,
+             threads: int | None, progress: Callable[[int], None] | None) -> int:
+    """Feed every (first sample, size, feeds) batch to `collector` in `threads` slices side by side (default:
+    the CPUs this process may use, so a cluster worker uses its share: qdeploy/cluster.py), BLAS held to one
+    thread; returns the samples seen. The statistics do not depend on the threads (_Collector.run_in_slices)."""
+    threads = min(batch_size, usable_cpus() if threads is None else max(1, int(threads)))
+    if not blas_threads_limitable():
+        threads = 1  # BLAS's own threads and ours would oversubscribe the cores
+    helpers = [_Collector(collector.graph, list(collector.histograms), keep_sample_sums=True)
+               for _ in range(threads)] if threads > 1 else []
+    samples = 0
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(one_blas_thread())
+        if helpers:
+            pool = stack.enter_context(ThreadPoolExecutor(threads, thread_name_prefix="qdeploy-calibrate"))
+        for start, size, feeds in batches:
+            if helpers:
+                collector.run_in_slices(feeds, start, helpers, pool)
+            else:
+                collector.run(feeds, start)
+            samples += size
+            if progress is not None:
+                progress(samples)
+    collector.merge_histograms(helpers)
+    return samples
 
 
 @dataclass
@@ -256,10 +287,8 @@ def calibrate_shard(job: ShardJob, window: tuple[int, int]) -> ShardStats:
     """Run the lowered graph over samples window[0]..window[1]-1, on a cluster worker."""
     graph = lowered_graph_of(job.model, job.input_shapes, job.equalize)
     collector = _Collector(graph, job.names, keep_sample_sums=True)
-    samples, warnings = 0, []
-    for start, size, feeds in job.data.batches(graph, window, warnings):
-        collector.run(feeds, start)
-        samples += size
+    warnings: list[str] = []
+    samples = _collect(collector, job.data.batches(graph, window, warnings), job.data.batch_size, None, None)
     return ShardStats(collector.histograms, collector.sample_sums, collector.channel_counts, samples, warnings)
 
 
@@ -347,26 +376,11 @@ def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD,
                            strict=strict)
         collector = _Collector(graph, names)
         collect_start = time.perf_counter()
-        if cluster is None:
-            threads = min(batch_size, usable_cpus() if threads is None else max(1, int(threads)))
-            if not blas_threads_limitable():
-                threads = 1  # BLAS's own threads and ours would oversubscribe the cores
-            helpers = [_Collector(graph, names, keep_sample_sums=True) for _ in range(threads)] if threads > 1 else []
-            with contextlib.ExitStack() as stack:
-                batches = stack.enter_context(contextlib.closing(source.batches(batch_size)))
-                stack.enter_context(one_blas_thread())
-                if helpers:
-                    pool = stack.enter_context(ThreadPoolExecutor(threads, thread_name_prefix="qdeploy-calibrate"))
-                for batch in batches:
-                    feeds = bind_inputs(graph, batch.arrays, source.source)
-                    if helpers:
-                        collector.run_in_slices(feeds, batch.start, helpers, pool)
-                    else:
-                        collector.run(feeds, batch.start)
-                    samples += batch.size
-                    if progress is not None:
-                        progress(samples, source.samples)
-            collector.merge_histograms(helpers)
+        if runs_in_process(cluster):
+            with contextlib.closing(source.batches(batch_size)) as batches:
+                samples = _collect(collector, ((batch.start, batch.size, bind_inputs(graph, batch.arrays, source.source))
+                                              for batch in batches), batch_size, threads,
+                                   None if progress is None else lambda done: progress(done, source.samples))
             warnings += source.warnings
         else:
             from qdeploy.cluster import ShardData

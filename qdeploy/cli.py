@@ -85,8 +85,9 @@ INPUT_SHAPE = typer.Option(None, "--input-shape", help="Fix symbolic dims: NAME:
 JSON = typer.Option(False, "--json", help="Print machine-readable JSON instead of tables.")
 QUIET = typer.Option(False, "--quiet", "-q", help="Print nothing but errors and warnings.")
 VERBOSE = typer.Option(False, "--verbose", "-v", help="Also print the per-layer tables.")
-CLUSTER = typer.Option(None, "--cluster", help="Run the forward passes on a Dask cluster: local, local:N (N at most "
-                                                 "the usable CPUs) or tcp://HOST:PORT (same results; pip install "
+CLUSTER = typer.Option(None, "--cluster", help="Run the forward passes on a Dask cluster: local (this process, all "
+                                                 "its cores), local:N (N workers sharing the usable CPUs) or "
+                                                 "tcp://HOST:PORT (same results; pip install "
                                                  "'qdeploy[distributed]').")
 
 

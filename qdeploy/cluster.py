@@ -10,14 +10,26 @@ Both jobs are map-reduce. What a shard returns and how the client folds it:
   by the client (`Evaluator.add_walks`) as the single-process run adds them.
 
 So the table and the report are byte-identical to the single-process run's (timings aside), given the same
-batch size: a batch's float forward pass is the same computation wherever it runs. The results of shards that
-finish early wait for their turn (at most `IN_FLIGHT_PER_WORKER` shards per worker are submitted ahead). A
-worker that dies loses nothing: Dask recomputes its unfinished shards on another worker (the tasks are pure).
+batch size: a batch's float forward pass is the same computation wherever it runs, and neither job's sums depend
+on how many threads walk a batch. The client folds each result as it arrives while the workers run the next
+shards; results that finish early wait for their turn (at most `IN_FLIGHT_PER_WORKER` shards per worker are
+submitted ahead). A worker that dies loses nothing: Dask recomputes its unfinished shards on another worker (the
+tasks are pure).
 
-Cluster specs: `local` (one worker process per core) or `local:N` (N at most the usable CPUs) start a cluster
-on this machine bound to 127.0.0.1 with no dashboard; `tcp://HOST:PORT` joins a running scheduler (`dask
-scheduler`, `dask worker`: start them with `--host 127.0.0.1` and `--no-dashboard`, their defaults listen on
-every interface), once the server has opened with a Dask handshake. Every worker must run this qdeploy version
+What a worker pays once, not per shard: its imports, Numba's kernels (from the on-disk cache), the lowered graph
+and the report's evaluator (module-level caches in qdeploy/calibration.py and qdeploy/reports/build.py). Each
+worker runs one shard at a time with as many threads as it has CPUs (`threads.usable_cpus`), so the cluster to
+run is one worker per machine (`dask worker --nthreads 1`), and a shard is at least `BATCHES_PER_SHARD` batches
+(more when the data is large: about `SHARDS_PER_WORKER` shards per worker, so the job is shipped few times yet the
+last shards still balance).
+
+Cluster specs: `local` is one worker with every core of this machine, which is this process itself: the run
+takes the single-process path and starts no Dask (so it is never slower than it). `local:N` (N at most the
+usable CPUs) starts N worker processes on this machine bound to 127.0.0.1 with no dashboard, the usable CPUs
+split among them (worker i pinned to the i-th of N equal runs of them: `local:2` on 2 cores is 2 workers x 1
+core). `tcp://HOST:PORT` joins a running scheduler (`dask scheduler`, `dask worker`: start them with `--host
+127.0.0.1` and `--no-dashboard`, their defaults listen on every interface), once the server has opened with a
+Dask handshake. Every worker must run this qdeploy version
 (checked before any work). Dask is imported only here, when `--cluster` is given: it is
 the optional extra `pip install 'qdeploy[distributed]'`."""
 
@@ -36,6 +48,7 @@ from qdeploy_base.errors import BadInput, QdeployError
 
 IN_FLIGHT_PER_WORKER = 2
 BATCHES_PER_SHARD = 4
+SHARDS_PER_WORKER = 8
 
 
 def _worker_version() -> str:
@@ -51,12 +64,18 @@ MAX_HANDSHAKE_BYTES = 1 << 16  # a Dask handshake is a few hundred bytes of msgp
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    """A parsed `--cluster` value: `workers` local worker processes, or the scheduler at (host, port)."""
+    """A parsed `--cluster` value: `workers` local worker processes (0: this process, `local`), or the scheduler
+    at (host, port)."""
 
     text: str
     workers: int | None = None
     host: str | None = None
     port: int | None = None
+
+    @property
+    def in_process(self) -> bool:
+        """`local`: the one worker with every core of this machine is this process (module docstring)."""
+        return self.workers == 0
 
 
 def parse_spec(spec: str) -> ClusterSpec:
@@ -69,17 +88,22 @@ def parse_spec(spec: str) -> ClusterSpec:
         count = spec.partition(":")[2]
         cpus = usable_cpus()
         if not count:
-            return ClusterSpec(spec, workers=cpus)
+            return ClusterSpec(spec, workers=0)
         if not re.fullmatch(r"[0-9]+", count) or int(count[:12]) < 1:  # ASCII digits only: '²'.isdigit()
             raise BadInput(f"--cluster {spec}: expected {SPEC_FORMS}")
         if len(count) > 12 or int(count) > cpus:
             raise BadInput(f"--cluster {spec}: {count} workers, more than the {cpus} usable CPUs of this machine "
-                           f"(one worker process per CPU at most; local alone takes {cpus})")
+                           f"(one worker process per CPU at most; local alone runs in this process with all {cpus})")
         return ClusterSpec(spec, workers=int(count))
     host, _, port = spec[len("tcp://"):].rpartition(":") if spec.startswith("tcp://") else ("", "", "")
     if not host or "/" in host or not re.fullmatch(r"[0-9]{1,5}", port) or not 1 <= int(port) <= 65535:
         raise BadInput(f"--cluster {spec}: expected {SPEC_FORMS}")
     return ClusterSpec(spec, host=host.removeprefix("[").removesuffix("]"), port=int(port))
+
+
+def runs_in_process(spec: str | None) -> bool:
+    """Whether `--cluster spec` runs as the single process does: no spec, or `local` (module docstring)."""
+    return spec is None or parse_spec(spec).in_process
 
 
 def _probe_scheduler(spec: ClusterSpec) -> None:
@@ -116,6 +140,8 @@ def connect(spec: str) -> Iterator[Any]:
     The spec is checked before Dask is imported (parse_spec); a tcp:// address must answer as a Dask scheduler
     (_probe_scheduler) before Dask's client reads from it."""
     parsed = parse_spec(spec)
+    if parsed.in_process:
+        raise ValueError(f"--cluster {spec} runs in this process; check runs_in_process first")
     try:
         from distributed import Client, LocalCluster
     except ImportError:
@@ -138,6 +164,8 @@ def connect(spec: str) -> Iterator[Any]:
                            f"{error})") from error
         try:
             _check_workers(client, spec)
+            if parsed.workers is not None:
+                _pin_workers(client, parsed.workers)
             yield client
         finally:
             client.close()
@@ -159,6 +187,36 @@ def _check_workers(client, spec: str) -> None:
         if version != __version__:
             raise BadInput(f"--cluster {spec}: worker {worker} runs qdeploy {version}, this client {__version__}; "
                            f"every worker needs the same version")
+
+
+def cpu_shares(cpus: list[int], workers: int) -> list[list[int]]:
+    """`cpus` cut into `workers` runs of consecutive entries, as equal as they can be (sizes differ by one)."""
+    return [cpus[len(cpus) * i // workers: len(cpus) * (i + 1) // workers] for i in range(workers)]
+
+
+def _pin_this_process(cpus: list[int]) -> list[int]:
+    """Pin every thread of this process (a worker) to `cpus`; the threads it starts later inherit it. Linux's
+    sched_setaffinity(0) pins the calling thread only, hence each thread of /proc/self/task."""
+    import os
+
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(task), cpus)
+    return sorted(os.sched_getaffinity(0))
+
+
+def _pin_workers(client, workers: int) -> None:
+    """Give the `workers` local worker processes disjoint shares of this process's CPUs (cpu_shares), so each
+    runs its shards with the threads its share holds and none oversubscribes another's cores."""
+    from qdeploy_base.threads import usable_cpus
+    import os
+
+    addresses = sorted(client.scheduler_info()["workers"])
+    shares = cpu_shares(sorted(os.sched_getaffinity(0)), len(addresses))
+    if len(addresses) != workers or usable_cpus() < workers:
+        return  # a worker was lost at start: leave them unpinned rather than share cores unevenly
+    for address, share in zip(addresses, shares):
+        client.run(_pin_this_process, share, workers=[address])
 
 
 @dataclass
@@ -186,9 +244,14 @@ class ShardData:
         warnings.extend(source.warnings)
 
 
-def shard_windows(samples: int, batch_size: int, batches_per_shard: int = BATCHES_PER_SHARD) -> list[tuple[int, int]]:
-    """Sample windows [start, stop) of whole batches (the last may be short) covering 0..samples-1."""
-    step = batch_size * batches_per_shard
+def shard_windows(samples: int, batch_size: int, workers: int = 1) -> list[tuple[int, int]]:
+    """Sample windows [start, stop) of whole batches (the last may be short) covering 0..samples-1: BATCHES_PER_SHARD
+    batches each, fewer when the data would give a worker less than two shards (measured: 128 report images in
+    batches of 32 were one shard, so local:2 ran them on one worker), more when there would be over
+    SHARDS_PER_WORKER shards per worker."""
+    batches, workers = -(-samples // batch_size), max(1, workers)
+    per_shard = max(-(-batches // (SHARDS_PER_WORKER * workers)), min(BATCHES_PER_SHARD, -(-batches // (2 * workers))))
+    step = batch_size * per_shard
     return [(start, min(start + step, samples)) for start in range(0, samples, step)]
 
 
@@ -196,7 +259,8 @@ def run_sharded(spec: str, function: Callable, job: Any, fold: Callable[[Any], N
     """On the cluster `spec`, run function(job, window) for every shard of whole batches of job.data (a
     ShardData) and call fold(result) in sample order: the one walk that calibration and the report share."""
     with connect(spec) as client:
-        map_in_order(client, function, shard_windows(job.data.samples, job.data.batch_size), job, fold)
+        workers = len(client.scheduler_info()["workers"])
+        map_in_order(client, function, shard_windows(job.data.samples, job.data.batch_size, workers), job, fold)
 
 
 def map_in_order(client, function: Callable, windows: list[tuple[int, int]], job: Any,

@@ -224,3 +224,28 @@ def test_kl_clipping_budget_follows_the_readers_fan_in(tmp_path):
     for name in ("h", "y"):  # K = 8 and no reader: rule (6)'s 1%, the plain KL choice
         other = table.records[name]
         assert other.threshold == kl_threshold(np.asarray(other.counts), other.bin_width)
+
+
+def test_a_cluster_shard_in_threads_keeps_the_single_thread_statistics(mobilenetv2_style_onnx, image_dir, monkeypatch):
+    """A cluster worker runs its shard in as many threads as it has CPUs (qdeploy/calibration.py _collect): the
+    shard's histograms and its per-sample channel sums (what the client merges in sample order) are the same
+    with 1 or 3 threads, and the sums are all there (a threaded shard once returned none)."""
+    import qdeploy.calibration as calibration
+    from qdeploy.cluster import ShardData
+
+    graph = calibration.lowered_graph_of(str(mobilenetv2_style_onnx), None, False)
+    job = calibration.ShardJob(str(mobilenetv2_style_onnx), None, False,
+                               ShardData(str(image_dir), 12, None, False, 4), calibration.calibration_tensors(graph))
+    shards = []
+    for cpus in (1, 3):
+        monkeypatch.setattr(calibration, "usable_cpus", lambda cpus=cpus: cpus)
+        shards.append(calibration.calibrate_shard(job, (4, 12)))
+    one, three = shards
+    assert one.samples == three.samples == 8
+    assert one.sample_sums and one.sample_sums.keys() == three.sample_sums.keys()
+    for name, sums in one.sample_sums.items():
+        assert sums.shape[0] == 8 and sums.tobytes() == three.sample_sums[name].tobytes(), name
+    assert one.channel_counts == three.channel_counts
+    for name, histogram in one.histograms.items():
+        a, b = histogram.result(), three.histograms[name].result()
+        assert (a is None) == (b is None) and (a is None or (a.counts.tolist(), a.amax) == (b.counts.tolist(), b.amax))

@@ -35,7 +35,7 @@ def lite0(tmp_path_factory, efficientnet_lite0_onnx, real_images):
     data = folder / "x.npy"
     np.save(data, np.ascontiguousarray(real_images[:12]))
     table, program = folder / "single.json", folder / "m.qdp"
-    # batch 2: six batches, two shards of four and two (qdeploy.cluster.BATCHES_PER_SHARD)
+    # batch 2: six batches, on two workers three shards of two (qdeploy.cluster.shard_windows)
     result = cli("calibrate", efficientnet_lite0_onnx, "--data", data, "--batch-size", "2", "-o", table)
     assert result.exit_code == 0, result.output
     assert cli("compile", efficientnet_lite0_onnx, "--calib", table, "-o", program).exit_code == 0
@@ -230,3 +230,52 @@ def test_channel_sums_do_not_depend_on_batching_or_sharding(lite0):
     assert tables[0] == tables[1]
     for name in names:
         assert np.array_equal(collector.channel_means().get(name, 0), single.channel_means().get(name, 0)), name
+
+
+def test_local_workers_get_disjoint_shares_of_the_cpus():
+    """local:N pins worker i to the i-th of N equal runs of the usable CPUs (qdeploy/cluster.py cpu_shares), so
+    each runs its shards with its share's threads and no two share a core."""
+    from qdeploy.cluster import connect, cpu_shares
+
+    assert cpu_shares([0, 1], 2) == [[0], [1]]
+    assert cpu_shares([0, 1, 2, 5, 7], 2) == [[0, 1], [2, 5, 7]]
+    assert cpu_shares([3, 4, 6], 3) == [[3], [4], [6]]
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("one usable CPU: nothing to split")
+    with connect("local:2") as client:
+        pinned = client.run(lambda: sorted(os.sched_getaffinity(0)))
+    assert sorted(pinned.values()) == cpu_shares(cpus, 2), pinned
+
+
+def test_shards_are_whole_batches_sized_to_the_workers():
+    """BATCHES_PER_SHARD batches a shard; fewer when a worker would get less than two shards, more when there would
+    be over SHARDS_PER_WORKER per worker."""
+    from qdeploy.cluster import BATCHES_PER_SHARD, SHARDS_PER_WORKER, shard_windows
+
+    assert shard_windows(12, 2, 2) == [(0, 4), (4, 8), (8, 12)]
+    assert shard_windows(128, 32, 2) == [(0, 32), (32, 64), (64, 96), (96, 128)]  # every worker busy
+    assert shard_windows(256, 32, 2) == [(0, 64), (64, 128), (128, 192), (192, 256)]
+    assert shard_windows(1024, 32, 2) == [(start, start + 128) for start in range(0, 1024, 128)]
+    windows = shard_windows(100_000, 32, 4)
+    assert len(windows) <= SHARDS_PER_WORKER * 4 and all((b - a) % 32 == 0 for a, b in windows[:-1])
+    assert windows[0][0] == 0 and windows[-1][1] == 100_000
+    assert all(a[1] == b[0] for a, b in zip(windows, windows[1:]))
+    assert all(b - a >= 32 * BATCHES_PER_SHARD for a, b in windows[:-1])
+
+
+def test_cluster_local_is_this_process_and_starts_no_dask(lite0, tmp_path, monkeypatch):
+    """`--cluster local` is one worker with every core of this machine: this process on the single-process path
+    (never slower than it), so the table is the single process's byte for byte and Dask is never connected."""
+    import qdeploy.cluster as cluster
+
+    def no_dask(spec):
+        raise AssertionError("--cluster local connected to Dask")
+
+    monkeypatch.setattr(cluster, "connect", no_dask)
+    assert cluster.parse_spec("local").in_process and cluster.runs_in_process("local")
+    assert not cluster.runs_in_process("local:1") and not cluster.runs_in_process("tcp://127.0.0.1:8786")
+    result = cli("calibrate", lite0["model"], "--data", lite0["data"], "--batch-size", "2", "--cluster", "local",
+                 "-o", tmp_path / "local.json")
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "local.json").read_bytes() == lite0["table"].read_bytes()

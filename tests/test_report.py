@@ -407,3 +407,26 @@ def test_histogram_figure_shows_the_tensors_that_matter_named_as_tensor_and_node
                                                                    for t in document["tensors"]}
     markdown = (folder / "report.md").read_text()
     assert "| # | layer (node) | output tensor |" in markdown and "written by (node)" in markdown
+
+
+def test_report_is_bit_identical_across_thread_counts_and_batch_splits(resnet_case, monkeypatch):
+    """A batch is walked in slices of WALK_SLICE_SAMPLES whatever the threads (qdeploy/reports/evaluate.py), so the
+    report (timings aside) is the same byte for byte with 1 or 3 threads, and for batches of 8 or 16 (the same
+    slices); a cluster worker with its own CPUs therefore adds up the client's sums."""
+    import qdeploy.reports.evaluate as evaluate
+    from qdeploy.reports.build import build_report
+
+    folder = resnet_case["folder"]
+    documents = []
+    for cpus, batch in ((1, 16), (3, 16), (2, 8)):
+        monkeypatch.setattr(evaluate, "usable_cpus", lambda cpus=cpus: cpus)
+        out = folder / f"threads_{cpus}_{batch}"
+        build_report(resnet_case["model"], resnet_case["program"], folder / "eval.npy", out, batch_size=batch)
+        document = json.loads((out / "report.json").read_text())
+        document.pop("seconds", None)
+        document.pop("command", None)
+        recorded = json.dumps(document, sort_keys=True).replace(out.name, "OUT")
+        assert f'"batch_size": {batch},' in recorded
+        documents.append(recorded.replace(f'"batch_size": {batch},', '"batch_size": B,'))
+    assert documents[0] == documents[1], "1 thread against 3"
+    assert documents[0] == documents[2], "batches of 16 against 8"

@@ -52,6 +52,7 @@ from isa.kinds import Kind
 from qdeploy import __version__
 from qdeploy_base.errors import BadInput
 from qdeploy.calibration import consumer_fan_in
+from qdeploy.cluster import runs_in_process
 from qdeploy.program import Program, read_program
 from qdeploy.reports import DEFAULT_BATCH_SIZE, metrics
 from qdeploy.reports.evaluate import Evaluator, check_original
@@ -315,7 +316,6 @@ class WalkJob:
     program: Program
     input_shapes: object
     data: object  # qdeploy.cluster.ShardData
-    threads: int  # the client's slicing of a batch (Evaluator.walk_batch), so the sums add up the same
     output: str | None = None  # the chosen output (its error-split walks)
 
 
@@ -329,12 +329,12 @@ def walk_shard(job: WalkJob, window: tuple[int, int]) -> list[tuple[int, list]]:
     equalized = bool(job.program.manifest.get("options", {}).get("equalization", False))
     graph = lowered_graph_of(job.model, job.input_shapes, equalized)  # lowered once per worker process
     # the manifest records every array's SHA-256, so it names the program
-    key = (id(graph), json.dumps(job.program.manifest, sort_keys=True, default=str), job.threads)
+    key = (id(graph), json.dumps(job.program.manifest, sort_keys=True, default=str), job.output)
     if key not in _EVALUATORS:
         for old in _EVALUATORS.values():
             old.close()
         _EVALUATORS.clear()
-        _EVALUATORS[key] = Evaluator(job.program, graph, threads=job.threads, output=job.output)
+        _EVALUATORS[key] = Evaluator(job.program, graph, output=job.output)  # the worker's CPUs (cluster.py)
     evaluator = _EVALUATORS[key]
     return [(start, evaluator.walk_batch(feeds)) for start, _, feeds in job.data.batches(graph, window, [])]
 
@@ -552,7 +552,7 @@ def _walk(model: Path, program: Program, imported, graph, data, inputs: _Inputs,
             progress(evaluator.samples, source.samples)
 
     with contextlib.closing(evaluator):
-        if cluster is None:
+        if runs_in_process(cluster):
             with contextlib.closing(source.batches(batch_size)) as batches:
                 for batch in batches:
                     feeds = bind_inputs(graph, batch.arrays, source.source)
@@ -563,7 +563,7 @@ def _walk(model: Path, program: Program, imported, graph, data, inputs: _Inputs,
 
             shard_data = ShardData(data if isinstance(data, (np.ndarray, dict)) else str(data), source.samples,
                                    inputs.preprocess, source_strict(inputs.labels, inputs.compared), batch_size)
-            job = WalkJob(str(model), program, input_shapes, shard_data, evaluator.threads, evaluator.output.name)
+            job = WalkJob(str(model), program, input_shapes, shard_data, evaluator.output.name)
             _walk_on_cluster(cluster, job, evaluator, added)
     return evaluator, lowering_error, time.perf_counter() - walk_start
 

@@ -155,6 +155,10 @@ class _Walk:
     split_outputs: dict[str, np.ndarray]
 
 
+# Samples per slice of a batch (Evaluator): 4 slices of the default batch of 32, two per thread on 2 cores. Fixed
+# rather than derived from the threads, which would change the order of the report's float sums.
+WALK_SLICE_SAMPLES = 8
+
 SPLIT_WALKS = ("weights_only", "activations_only")
 
 
@@ -172,9 +176,11 @@ def dequantized_parameters(program: Program, instr: Instruction, weight_shape: t
 class Evaluator:
     """The three walks of the module docstring over one program and its lowered float graph.
 
-    A batch is cut into slices that worker threads walk side by side (the simulator's kernels and numpy's release
-    the GIL), with BLAS held to one thread meanwhile, as Machine.run does; the per-slice sums are added in slice
-    order. A program with host ops is walked in one thread (the host executor may not be thread-safe)."""
+    A batch is cut into slices of WALK_SLICE_SAMPLES consecutive samples (the last may be short) that worker
+    threads walk side by side (the simulator's kernels and numpy's release the GIL), with BLAS held to one thread
+    meanwhile, as Machine.run does; the per-slice sums are added in slice order. The slices do not depend on the
+    number of threads, so neither do the sums: the report is the same byte for byte with any threads and on any
+    cluster worker. A program with host ops is walked in one thread (the host executor may not be thread-safe)."""
 
     def __init__(self, program: Program, graph: Graph, peers: list[tuple[str, np.ndarray]] | None = None,
                  threads: int | None = None, output: str | None = None):
@@ -229,17 +235,16 @@ class Evaluator:
     def walk_batch(self, feeds: dict[str, np.ndarray]) -> list[_Walk]:
         """The walks of one batch's slices (the heavy part; a cluster worker runs it: qdeploy/cluster.py)."""
         batch = min(array.shape[0] for array in feeds.values())
-        pieces = min(batch, 2 * self.threads) if self.threads > 1 else 1  # two per thread: less waiting at the end
-        if pieces < 2:
-            walks = [self._walk(feeds)]
-        else:
-            bounds = [batch * i // pieces for i in range(pieces + 1)]
-            slices = [{name: array[a:b] for name, array in feeds.items()} for a, b in zip(bounds[:-1], bounds[1:])]
+        bounds = [*range(0, batch, WALK_SLICE_SAMPLES), batch]
+        slices = [{name: array[a:b] for name, array in feeds.items()} for a, b in zip(bounds[:-1], bounds[1:])]
+        # BLAS held to one thread in every case: its threads may split a GEMM's sums differently (measured: the
+        # report's low digits changed between a worker and a 2-core client)
+        with one_blas_thread():
+            if len(slices) < 2 or self.threads < 2:
+                return [self._walk(piece) for piece in slices]
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="qdeploy-report")
-            with one_blas_thread():
-                walks = list(self._pool.map(self._walk, slices))
-        return walks
+            return list(self._pool.map(self._walk, slices))
 
     def add_walks(self, walks: list[_Walk], start: int) -> tuple[np.ndarray, np.ndarray]:
         """Add one batch's walks (from `walk_batch`, here or on a worker) to the statistics, in slice order; the
