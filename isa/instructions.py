@@ -170,7 +170,7 @@ class MatMulGemm(ArrayInstruction):
 
 @dataclass(frozen=True, kw_only=True)
 class Concat(Instruction):
-    """Producers write channel slices of one buffer (axis 1)."""
+    """Producers write windows of one buffer along `axis` (any but the batch, 0)."""
 
     axis: int
 

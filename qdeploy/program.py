@@ -370,9 +370,15 @@ def _matmul_gemm(program: Program, instr: dict, where: str, in_shapes: list, out
 
 def _concat(program: Program, instr: dict, where: str, in_shapes: list, out_dtype: str, rounding: str
             ) -> tuple[int, ...]:
-    if not in_shapes or any(len(s) != 3 or s[1:] != in_shapes[0][1:] for s in in_shapes):
-        raise _Invalid(f"{where}: concatenates tensors of shapes {in_shapes} along the channels")
-    return (sum(s[0] for s in in_shapes),) + in_shapes[0][1:]
+    axis = _field(instr, "axis", where)
+    rank = len(in_shapes[0]) + 1 if in_shapes else 0
+    if not _is_int(axis) or not 1 <= axis < rank:
+        raise _Invalid(f"{where}: axis = {json.dumps(axis)[:20]}, expected an axis in [1, {rank - 1}] (not the batch)")
+    k = axis - 1  # the shapes here leave out the batch
+    if any(len(s) != len(in_shapes[0]) or s[:k] + s[k + 1:] != in_shapes[0][:k] + in_shapes[0][k + 1:]
+           for s in in_shapes):
+        raise _Invalid(f"{where}: concatenates tensors of shapes {in_shapes} along axis {axis}")
+    return in_shapes[0][:k] + (sum(s[k] for s in in_shapes),) + in_shapes[0][k + 1:]
 
 
 def _reshape(program: Program, instr: dict, where: str, in_shapes: list, out_dtype: str, rounding: str

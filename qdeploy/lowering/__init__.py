@@ -13,7 +13,7 @@ from qdeploy.errors import QdeployError, Unsupported
 from qdeploy.ir import Graph, Node
 from isa.geometry import conv_output_size, upsampled_size, zero_read_macs
 from isa.kinds import LAYOUT_KINDS, WEIGHTED_GEMM_KINDS, Kind, handler
-from qdeploy.lowering.instructions import INSTRUCTION_OPS, LAYOUT_OPS, has_window_max, is_channel_concat, node_kind
+from qdeploy.lowering.instructions import INSTRUCTION_OPS, LAYOUT_OPS, has_window_max, is_buffer_concat, node_kind
 from qdeploy.lowering.rules import LOWERING
 from qdeploy.summary import node_elements, node_macs
 
@@ -198,7 +198,7 @@ def lower(graph: Graph, equalize: bool = False, lookups: bool = True) -> Lowerin
     for node in lowered.nodes:
         if node.op in INSTRUCTION_OPS:
             instructions.append(describe_instruction(lowered, node))
-        elif node.op in LAYOUT_OPS and (node.op != Kind.CONCAT or is_channel_concat(lowered, node)):
+        elif node.op in LAYOUT_OPS and (node.op != Kind.CONCAT or is_buffer_concat(lowered, node)):
             layout.append({"kind": node.op, "name": node.name, "inputs": node.inputs, "output": node.outputs[0]})
         else:
             host_ops.append(HostOp(node.name, node.op, host_reason(lowered, node), node_macs(lowered, node),

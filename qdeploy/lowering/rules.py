@@ -523,7 +523,7 @@ def lower_spatial_reduce(graph: Graph, node: Node) -> Lowered:
 
 def lower_average_pool(graph: Graph, node: Node) -> Lowered:
     """AveragePool -> depthwise ConvGemm with weights 1/(kh*kw). Exact when every window divides by the
-    full kernel size: no padding, or count_include_pad=1; ceil_mode windows would divide by fewer."""
+    full kernel size: no padding, or count_include_pad=1, and ceil_mode adding no partial window."""
     kernel = list(node.attrs["kernel_shape"])
     pads = list(node.attrs.get("pads") or [0] * 4)
     if len(kernel) != 2 or _rank(graph, node.inputs[0]) != 4:
@@ -531,13 +531,22 @@ def lower_average_pool(graph: Graph, node: Node) -> Lowered:
     if any(pads) and not node.attrs.get("count_include_pad", 0):
         raise Unsupported(f"node '{node.name}' (AveragePool): count_include_pad=0 with padding divides border "
                           f"windows by fewer elements; not expressible with constant weights")
+    strides = list(node.attrs.get("strides") or [1, 1])
+    dilations = list(node.attrs.get("dilations") or [1, 1])
     if node.attrs.get("ceil_mode", 0):
-        raise Unsupported(f"node '{node.name}' (AveragePool): ceil_mode=1 is not supported")
+        # ceil_mode only adds a last, partial window where floor((size + pads - extent) / stride) leaves input
+        # over; where it leaves none (ResNet-D's 2x2/2 shortcut on an even size) the two modes are one pooling.
+        in_shape, out_shape = graph.tensors[node.inputs[0]].shape, graph.tensors[node.outputs[0]].shape
+        floor = [None if in_shape is None or in_shape[2 + a] is None else
+                 (in_shape[2 + a] + pads[a] + pads[2 + a] - dilations[a] * (kernel[a] - 1) - 1) // strides[a] + 1
+                 for a in range(2)]
+        if out_shape is None or None in floor or list(out_shape[2:]) != floor:
+            raise Unsupported(f"node '{node.name}' (AveragePool): ceil_mode=1 adds a partial last window here "
+                              f"(output {out_shape}, input {in_shape}), which divides by fewer elements")
     channels = _channels(graph, node)
     weight = np.full((channels, 1, *kernel), 1.0 / prod(kernel), np.float32)
     return conv_gemm(graph, node, node.inputs[0], weight, np.zeros(channels, np.float32), group=channels,
-                     strides=node.attrs.get("strides") or [1, 1], pads=pads,
-                     dilations=node.attrs.get("dilations") or [1, 1])
+                     strides=strides, pads=pads, dilations=dilations)
 
 
 def lower_channel_window(graph: Graph, node: Node) -> Lowered:
