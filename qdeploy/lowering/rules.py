@@ -450,8 +450,8 @@ def lower_activation_mul(graph: Graph, node: Node) -> Lowered:
 
 
 def lower_binary(graph: Graph, node: Node) -> Lowered:
-    """Add of two activations -> AddGemm; Mul of two activations -> MulGemm; an elementwise op with a per-channel
-    constant -> affine GEMM."""
+    """Add of two activations -> AddGemm; Sub of two -> AddGemm of the first and the second negated; Mul of two
+    activations -> MulGemm; an elementwise op with a per-channel constant -> affine GEMM."""
     affine = affine_of(graph, node)
     if affine is not None:
         return channel_affine(graph, node, *affine)
@@ -463,8 +463,27 @@ def lower_binary(graph: Graph, node: Node) -> Lowered:
             raise Unsupported(f"node '{node.name}' (Add): broadcasting {graph.tensors[a].shape} with "
                               f"{graph.tensors[b].shape} is not supported on the GEMM unit")
         return Lowered([Node(node.name, Kind.ADD_GEMM, [a, b], [node.outputs[0]], no_epilogue())])
+    if node.op == "Sub" and constant_operand(graph, node) is None:
+        return _subtract_activations(graph, node)
     raise Unsupported(f"node '{node.name}' ({node.op}): only a per-channel constant operand"
                       f"{' or a residual Add of two activations' if node.op == 'Add' else ''} can be lowered")
+
+
+def _subtract_activations(graph: Graph, node: Node) -> Lowered:
+    """a - b of two activations of one shape -> AddGemm(a, -b), -b by a per-channel affine GEMM with scale -1
+    (its own output scale, calibrated like any tensor: the AddGemm then adds two int8 operands as for a
+    residual)."""
+    a, b = node.inputs[:2]
+    if graph.tensors[a].shape != graph.tensors[b].shape:
+        raise Unsupported(f"node '{node.name}' (Sub): broadcasting {graph.tensors[a].shape} with "
+                          f"{graph.tensors[b].shape} is not supported on the GEMM unit")
+    source = graph.tensors[b]
+    negated = Tensor(graph.unique_name(f"{node.outputs[0]}/negated"), source.shape, source.dtype)
+    negate = Node(graph.unique_name(f"{node.name}/negate"), "Neg", [b], [negated.name], {})
+    channels = _channels(graph, negate)
+    lowered = channel_affine(graph, negate, b, -np.ones(channels), np.zeros(channels))
+    add = Node(node.name, Kind.ADD_GEMM, [a, negated.name], [node.outputs[0]], no_epilogue())
+    return Lowered([*lowered.nodes, add], [*lowered.tensors, negated])
 
 
 def lower_global_average_pool(graph: Graph, node: Node) -> Lowered:
