@@ -21,7 +21,7 @@ from isa.output_stage import Clamp, commutes_with_window_max
 from qdeploy.lowering.instructions import INSTRUCTION_OPS, has_lookup, has_window_max, is_buffer_concat
 from qdeploy.lowering.lookup import fuse_lookups, recognise_functions
 from qdeploy.lowering.rules import (EPILOGUE_OPS, LOWERING, affine_of, batchnorm_scale_shift,
-                                    finite_weights, identity_gemm, Lowered)
+                                    finite_weights, identity_gemm)
 
 GEMM_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
 INF = float("inf")
@@ -358,42 +358,6 @@ def lower_channel_permutations(graph: Graph) -> Graph:
     return graph.with_nodes([replaced.get(n.name, n) for n in graph.nodes if n.name not in removed])
 
 
-def _identity_copy(graph: Graph, name: str, stem: str) -> tuple[Lowered, Graph]:
-    """y = x by an identity GEMM (weight 1, K = 1 per channel) of any rank >= 2: an (N, C, d1, ..., dk) tensor
-    other than NCHW is viewed as (N, C, d1 * ... * dk, 1) for the copy and viewed back (two layout Reshapes,
-    no data moved); the lowered nodes and new tensors, and `graph` with them (keeps unique_name() honest)."""
-    source = graph.tensors[name]
-    if source.shape is None or len(source.shape) < 2 or None in source.shape[1:]:
-        raise Unsupported(f"tensor '{name}' of shape {source.shape} (read by '{stem}'): a copy into a Concat's "
-                          f"buffer needs a shape static past the batch")
-    nodes: list[Node] = []
-    tensors: list[Tensor] = []
-    rank = len(source.shape)
-    read = name
-    if rank not in (2, 4):
-        planar = (source.shape[0], source.shape[1], int(np.prod(source.shape[2:], dtype=np.int64)), 1)
-        view = Tensor(graph.unique_name(f"{stem}_planar"), planar, source.dtype)
-        target = constant(graph.unique_name(f"{stem}_planar_shape"), np.array([0, *planar[1:]], np.int64))
-        nodes.append(Node(graph.unique_name(f"{stem}/to_planar"), Kind.RESHAPE, [name, target.name], [view.name],
-                          {}))
-        tensors += [view, target]
-        graph = graph.with_nodes([*graph.nodes, *nodes], [view, target])
-        read = view.name
-    copy = Node(graph.unique_name(stem), "Identity", [read], [graph.unique_name(f"{stem}_output")], {})
-    lowered = identity_gemm(graph, copy)
-    nodes.extend(lowered.nodes)
-    tensors += [*lowered.tensors, Tensor(copy.outputs[0], graph.tensors[read].shape, source.dtype)]
-    graph = graph.with_nodes([*graph.nodes, *lowered.nodes], tensors[-len(lowered.tensors) - 1:])
-    if rank not in (2, 4):
-        back = Tensor(graph.unique_name(f"{stem}_back"), source.shape, source.dtype)
-        target = constant(graph.unique_name(f"{stem}_back_shape"), np.array([0, *source.shape[1:]], np.int64))
-        nodes.append(Node(graph.unique_name(f"{stem}/from_planar"), Kind.RESHAPE, [copy.outputs[0], target.name],
-                          [back.name], {}))
-        tensors += [back, target]
-        graph = graph.with_nodes([*graph.nodes, nodes[-1]], [back, target])
-    return Lowered(nodes, tensors), graph
-
-
 def copy_shared_concat_inputs(graph: Graph) -> Graph:
     """A buffer Concat's producers write straight into windows of its buffer, so each input must be the output
     of an instruction that feeds only this Concat. Any other input (a graph input, a layout op's output, a
@@ -414,10 +378,15 @@ def copy_shared_concat_inputs(graph: Graph) -> Graph:
                     producer is not None and producer.op in INSTRUCTION_OPS and len(consumers[name]) == 1
                     and name not in graph.outputs and node.inputs.count(name) == 1):
                 continue  # a constant stays as it is (compile names it)
-            copied, graph = _identity_copy(graph, name, f"{node.name}/copy_{k}")
-            nodes.extend(copied.nodes)
-            tensors.extend(copied.tensors)
-            inputs[k] = copied.nodes[-1].outputs[0]
+            source = graph.tensors[name]
+            copy = Node(graph.unique_name(f"{node.name}/copy_{k}"), "Identity", [name],
+                        [graph.unique_name(f"{node.name}/copy_{k}_output")], {})
+            lowered = identity_gemm(graph, copy)
+            new_tensors = [*lowered.tensors, Tensor(copy.outputs[0], source.shape, source.dtype)]
+            nodes.extend(lowered.nodes)
+            tensors.extend(new_tensors)
+            graph = graph.with_nodes([*graph.nodes, *lowered.nodes], new_tensors)  # keeps unique_name() honest
+            inputs[k] = copy.outputs[0]
         nodes.append(node.replace(inputs=inputs))
     return graph.with_nodes(nodes, tensors)
 

@@ -350,7 +350,7 @@ def _channels(graph: Graph, node: Node) -> int:
 
 def channel_affine(graph: Graph, node: Node, x: str, scale: np.ndarray, shift: np.ndarray) -> Lowered:
     """y[:, c] = scale[c] * x[:, c] + shift[c] as a GEMM: a 1x1 depthwise ConvGemm on NCHW (K = 1 per
-    channel), a diagonal DenseGemm on (N, C)."""
+    channel), a diagonal DenseGemm on (N, C), the ConvGemm on a view as (N, C, L, 1) for any other rank."""
     rank = _rank(graph, x)
     channels = scale.size
     if rank == 4:
@@ -358,7 +358,25 @@ def channel_affine(graph: Graph, node: Node, x: str, scale: np.ndarray, shift: n
                          strides=[1, 1], pads=[0, 0, 0, 0], dilations=[1, 1])
     if rank == 2:
         return dense_gemm(graph, node, x, np.diag(scale), shift)
-    raise Unsupported(f"node '{node.name}' ({node.op}): a per-channel affine needs an NCHW or (N, C) input")
+    shape = graph.tensors[x].shape
+    if rank < 2 or None in shape[1:]:
+        raise Unsupported(f"node '{node.name}' ({node.op}): a per-channel affine needs an input of static shape "
+                          f"past the batch, got {shape}")
+    # (N, C, d1, ..., dk) viewed as NCHW (N, C, d1 * ... * dk, 1) for the 1x1 depthwise GEMM and viewed back:
+    # two layout Reshapes, no data moved.
+    planar = (shape[0], channels, prod(shape[2:]), 1)
+    view = Tensor(graph.unique_name(f"{x}/planar"), planar, graph.tensors[x].dtype)
+    out = Tensor(graph.unique_name(f"{node.outputs[0]}/planar"), planar, graph.tensors[x].dtype)
+    view_shape = constant(graph.unique_name(f"{node.name}_planar_shape"), np.array([0, *planar[1:]], np.int64))
+    back_shape = constant(graph.unique_name(f"{node.name}_shape"), np.array([0, *shape[1:]], np.int64))
+    gemm = conv_gemm(graph, node, view.name, scale.reshape(channels, 1, 1, 1), shift, group=channels,
+                     strides=[1, 1], pads=[0, 0, 0, 0], dilations=[1, 1], output=out.name)
+    return Lowered([Node(graph.unique_name(f"{node.name}/to_planar"), Kind.RESHAPE, [x, view_shape.name],
+                         [view.name], {}),
+                    *gemm.nodes,
+                    Node(graph.unique_name(f"{node.name}/from_planar"), Kind.RESHAPE, [out.name, back_shape.name],
+                         [node.outputs[0]], {})],
+                   [view, out, view_shape, back_shape, *gemm.tensors])
 
 
 def batchnorm_scale_shift(graph: Graph, node: Node) -> tuple[np.ndarray, np.ndarray]:
