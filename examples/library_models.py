@@ -18,7 +18,7 @@ forward pass in train mode over the calibration views, cumulative average) and m
 0.05^2) of its spread, variance x U(0.8, 1.25)), so no BatchNorm is the identity and activations stay in the
 range real weights give. Seeded: a run is deterministic.
 
-    python bench/library_models.py [--models resnet18d,yolov8n] [--exporters dynamo,torchscript] [--out DIR]
+    python examples/library_models.py [--models resnet18d,yolov8n] [--exporters dynamo,torchscript] [--out DIR]
 
 prints one markdown row per file as it finishes; a failing stage ends the row with its one-line reason."""
 
