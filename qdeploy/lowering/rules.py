@@ -208,6 +208,11 @@ def lower_resize(graph: Graph, node: Node) -> Lowered:
     kernel = np.outer(taps[0], taps[1])
     got = ConvGemm(probe_c, np.tile(kernel, (channels, 1, 1, 1)).astype(np.float32), np.zeros(channels, np.float32),
                    group=channels, pads=pads, **read)
+    if (got.shape != expected.shape or not np.allclose(got, expected, rtol=0, atol=1e-5 * max(1.0, np.abs(expected).max()))) \
+            and mode == "linear":
+        separable = _separable_resize(graph, node, operands)
+        if separable is not None:
+            return separable
     if got.shape != expected.shape or not np.allclose(got, expected, rtol=0, atol=1e-5 * max(1.0, np.abs(expected).max())):
         raise Unsupported(f"node '{node.name}' (Resize): mode '{mode}' with coordinate_transformation_mode "
                           f"'{node.attrs.get('coordinate_transformation_mode', 'half_pixel')}' is not a repetition "
@@ -227,6 +232,50 @@ def lower_resize(graph: Graph, node: Node) -> Lowered:
                        zeros, group=channels, strides=[1, 1], pads=[half[0], 0, half[0], 0], dilations=[1, 1],
                        read={"upsample": [factors[0], 1], "upsample_fill": "nearest", "pad_fill": "edge"})
     return Lowered([*first.nodes, *second.nodes], [*first.tensors, across, *second.tensors])
+
+
+def _separable_resize(graph: Graph, node: Node, operands: list) -> Lowered | None:
+    """A linear Resize whose taps vary along the output (align_corners: output i reads input i (H - 1) / (H' - 1))
+    as two GEMMs of its interpolation matrices, Y = A_h X A_w^T per image and channel: along the width a
+    DenseGemm on the rows, X viewed as (N*C*H, W) times A_w^T; along the height a grouped ConvGemm with a
+    (H, 1) kernel per output row, (N, C, H, W') -> (N, C*H', 1, W'), viewed as (N, C, H', W'). A_h and A_w are
+    read off the op itself (the float executor) on row and column probes, and kept only when A_h X A_w^T gives
+    the op's numbers on a random probe. None otherwise."""
+    from qdeploy.reference import run_node
+
+    channels, height, width = graph.tensors[node.inputs[0]].shape[1:]
+    out_height, out_width = graph.tensors[node.outputs[0]].shape[2:]
+    rows = np.zeros((height, 1, height, width), np.float32)
+    rows[np.arange(height), 0, np.arange(height), :] = 1.0
+    cols = np.zeros((width, 1, height, width), np.float32)
+    cols[np.arange(width), 0, :, np.arange(width)] = 1.0
+    a_h = run_node(node, [rows, *operands], graph.opset)[0][:, 0, :, 0].T  # (H', H)
+    a_w = run_node(node, [cols, *operands], graph.opset)[0][:, 0, 0, :].T  # (W', W)
+    probe = np.random.default_rng(0).standard_normal((1, channels, height, width)).astype(np.float32)
+    expected = run_node(node, [probe, *operands], graph.opset)[0]
+    if a_h.shape != (out_height, height) or a_w.shape != (out_width, width) or not np.allclose(
+            a_h @ probe @ a_w.T, expected, rtol=0, atol=1e-5 * max(1.0, np.abs(expected).max())):
+        return None
+    dtype = graph.tensors[node.outputs[0]].dtype
+    names = {key: graph.unique_name(f"{node.outputs[0]}/{key}") for key in ("rows", "wide_rows", "wide", "tall")}
+    shapes = {"rows": (None, width), "wide_rows": (None, out_width), "wide": (None, channels, height, out_width),
+              "tall": (None, channels * out_height, 1, out_width)}
+    tensors = [Tensor(names[key], shapes[key], dtype) for key in names]
+    targets = [constant(graph.unique_name(f"{node.name}_{key}_shape"), np.array(value, np.int64))
+               for key, value in (("rows", [-1, width]), ("wide", [-1, channels, height, out_width]),
+                                  ("out", [-1, channels, out_height, out_width]))]
+    dense = dense_gemm(graph, Node(graph.unique_name(f"{node.name}/width"), node.op, [], [names["wide_rows"]], {}),
+                       names["rows"], a_w, np.zeros(out_width))
+    tall = conv_gemm(graph, Node(graph.unique_name(f"{node.name}/height"), node.op, [], [names["tall"]], {}),
+                     names["wide"], np.tile(a_h.reshape(out_height, 1, height, 1), (channels, 1, 1, 1)),
+                     np.zeros(channels * out_height), group=channels, strides=[1, 1], pads=[0, 0, 0, 0],
+                     dilations=[1, 1])
+    view = (lambda name, source, target, output: Node(graph.unique_name(f"{node.name}/{name}"), Kind.RESHAPE,
+                                                        [source, target.name], [output], {}))
+    return Lowered([view("as_rows", node.inputs[0], targets[0], names["rows"]), *dense.nodes,
+                    view("as_maps", names["wide_rows"], targets[1], names["wide"]), *tall.nodes,
+                    view("as_output", names["tall"], targets[2], node.outputs[0])],
+                   [*tensors, *targets, *dense.tensors, *tall.tensors])
 
 
 def lower_pad(graph: Graph, node: Node) -> Lowered:
