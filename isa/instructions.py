@@ -428,7 +428,7 @@ class MatMulGemm(ArrayInstruction):
 
 @dataclass(frozen=True, kw_only=True)
 class Concat(Instruction):
-    """Producers write channel slices of one buffer (axis 1)."""
+    """Producers write windows of one buffer along `axis` (any but the batch, 0)."""
 
     axis: int
 
@@ -437,9 +437,16 @@ class Concat(Instruction):
     @classmethod
     def check(cls, instr: dict, where: str, in_shapes: list, out_dtype: str, program: ProgramView
               ) -> tuple[int, ...]:
-        if not in_shapes or any(len(s) != 3 or s[1:] != in_shapes[0][1:] for s in in_shapes):
-            raise InvalidRecord(f"{where}: concatenates tensors of shapes {in_shapes} along the channels")
-        return (sum(s[0] for s in in_shapes),) + in_shapes[0][1:]
+        axis = field_of(instr, "axis", where)
+        rank = len(in_shapes[0]) + 1 if in_shapes else 0
+        if not is_int(axis) or not 1 <= axis < rank:
+            raise InvalidRecord(f"{where}: axis = {json.dumps(axis)[:20]}, expected an axis in [1, {rank - 1}] "
+                                f"(not the batch)")
+        k = axis - 1  # the shapes here leave out the batch
+        if any(len(s) != len(in_shapes[0]) or s[:k] + s[k + 1:] != in_shapes[0][:k] + in_shapes[0][k + 1:]
+               for s in in_shapes):
+            raise InvalidRecord(f"{where}: concatenates tensors of shapes {in_shapes} along axis {axis}")
+        return in_shapes[0][:k] + (sum(s[k] for s in in_shapes),) + in_shapes[0][k + 1:]
 
 
 @dataclass(frozen=True, kw_only=True)

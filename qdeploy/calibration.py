@@ -130,6 +130,10 @@ class _Collector:
         # sum is added in sample order, so the sums do not depend on how samples are batched or sharded.
         self.channel_sums: dict[str, np.ndarray] = {}
         self.channel_counts: dict[str, int] = {}
+        # Only where axis 1 is the channels: a static size after the batch. A tensor whose batch moved off axis 0
+        # (a legacy export's (3, N, heads, T, d) after a Transpose) has no channel means to give.
+        self.has_channels = {name for name in names if (shape := graph.tensors[name].shape) is not None
+                             and len(shape) >= 2 and shape[1] is not None}
 
     def channel_means(self) -> dict[str, np.ndarray]:
         return {name: sums / self.channel_counts[name] for name, sums in self.channel_sums.items()
@@ -165,7 +169,7 @@ class _Collector:
             return
         try:
             histogram.update(array)
-            if array.ndim >= 2 and array.size:
+            if array.ndim >= 2 and array.size and name in self.has_channels:
                 per_sample = np.ascontiguousarray(array).reshape(array.shape[0], array.shape[1], -1).sum(
                     axis=2, dtype=np.float64)
                 self._add_samples(name, per_sample, array.size // array.shape[1])

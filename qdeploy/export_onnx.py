@@ -495,7 +495,7 @@ def _channel_permute(b: _Builder, instr: Instruction) -> str:
 
 def _concat(b: _Builder, instr: Instruction) -> str:
     return b.node("Concat", [b.names[t] for t in instr.inputs], b.names[instr.output], instr.name,
-                  axis=1)
+                  axis=instr.axis)
 
 
 def _host(b: _Builder, instr: Instruction) -> str:

@@ -328,6 +328,17 @@ def _stated_batch(onnx_graph: onnx.GraphProto, inputs: list[str],
     return sizes.pop() if len(sizes) == 1 else None
 
 
+def _map_over_batch(graph: Graph, required: bool) -> Graph | None:
+    """map_over_batch; where the file does not fix the batch at 1 (`required` false) a graph the mapping refuses
+    keeps its own form (None), as before the mapping was tried."""
+    try:
+        return map_over_batch(graph)
+    except Unsupported:
+        if required:
+            raise
+        return None
+
+
 def _free_reshape_batch(nodes: list[Node], tensors: dict[str, Tensor], batch: int | None) -> list[Node]:
     """Reshape targets that spell out the file's fixed batch N as their first entry get 0 there instead.
 
@@ -466,8 +477,14 @@ def load_quantized_onnx(path: str | os.PathLike, input_shapes: InputShapes | Non
     try:
         graph, quantization = strip_quantization(graph, widen_scales)
         validate(graph)
-        if batch == 1 and quantization is None:  # a transformer moves the batch off axis 0 (batch_one.py)
-            mapped = map_over_batch(Graph(graph.name, *as_stated, inputs, outputs, opset))
+        # A transformer moves the batch off axis 0 (batch_one.py): in a file exported at batch 1, or in one with
+        # a free batch whose shapes are computed from it at run time (Shape, Size: a legacy export with dynamic
+        # axes writes `view(B * heads, ...)`, `expand(B, ...)`), which then runs as the per-image graph does.
+        computes_shapes = batch is None and any(
+            n.op in ("Shape", "Size") and not (n.inputs[0] in tensors and tensors[n.inputs[0]].is_constant)
+            for n in as_stated[0])
+        if (batch == 1 or computes_shapes) and quantization is None:
+            mapped = _map_over_batch(Graph(graph.name, *as_stated, inputs, outputs, opset), batch == 1)
             if mapped is not None:
                 tensors = dict(mapped.tensors)
                 graph = mapped.with_nodes(_free_resize_batch(mapped.nodes, tensors, batch))

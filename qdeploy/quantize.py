@@ -64,7 +64,7 @@ from qdeploy.lowering import LoweringResult
 from isa.kinds import RESHAPE_KINDS, VIEW_KINDS, WEIGHTED_GEMM_KINDS, Kind, handler
 from isa.instructions import RECORDS
 from isa.output_stage import Bias, Clamp, ClampHi, Lookup, OutputStage, Requantize
-from qdeploy.lowering.nodes import INSTRUCTION_OPS, is_channel_concat, node_kind, output_stage
+from qdeploy.lowering.nodes import INSTRUCTION_OPS, is_buffer_concat, node_kind, output_stage
 from qdeploy.lowering.lookup import NON_NEGATIVE
 from qdeploy.reference.ops.activation import evaluate
 from qdeploy.prequantized import ModelQuantization, model_bias, model_weights
@@ -173,10 +173,14 @@ class _Scales:
         result = {}
         consumers = self.graph.consumers()
         for node in self.graph.nodes:
-            if not is_channel_concat(self.graph, node):
+            if not is_buffer_concat(self.graph, node):
                 continue
             for name in node.inputs:
                 producer = self.producers.get(name)
+                while (producer is not None and producer.op in RESHAPE_KINDS and len(consumers[name]) == 1
+                       and name not in self.graph.outputs):
+                    name = producer.inputs[0]  # a reshaped view of the writer's output: the writer takes the scale
+                    producer = self.producers.get(name)
                 if producer is None or producer.op not in INSTRUCTION_OPS or len(consumers[name]) != 1:
                     raise Unsupported(f"node '{node.name}' (Concat): input '{name}' must be written by a GEMM "
                                       f"instruction that feeds only this Concat (shared-buffer write)")
@@ -531,7 +535,8 @@ class _Compiler:
         return {"op": node.op, "opset": self.graph.opset, "operands": operands, "attrs": attrs}
 
     def _concat(self, index: int, node: Node) -> dict:
-        return {"axis": 1}  # node_kind: only a channel Concat is this kind; any other runs on the host
+        shape = _shape(self.graph, node.outputs[0])
+        return {"axis": int(node.attrs["axis"]) % len(shape)}  # node_kind: never the batch axis
 
     def _channel_slice(self, index: int, node: Node) -> dict:
         """Channels [start, start + count) of the input: the consumer reads at an offset (no copy, no arithmetic)."""

@@ -283,7 +283,7 @@ class Machine:
         return handler(KERNELS, instr.kind, "the simulator", f"instruction '{instr.name}'")(self, instr, args)
 
     def concat(self, instr: Instruction, args: list[np.ndarray]):
-        return np.concatenate(args, axis=1), None, None
+        return np.concatenate(args, axis=instr.axis), None, None
 
     def channel_slice(self, instr: Instruction, args: list[np.ndarray]):
         """The hardware reads the producer's buffer at a channel offset; the model copies the window."""

@@ -502,7 +502,7 @@ def _matmul_gemm(instr: Instruction, args: list[np.ndarray], arrays: dict, arith
 
 
 def _concat(instr: Instruction, args: list[np.ndarray], arrays: dict, arithmetic: Arithmetic, dtype) -> np.ndarray:
-    return np.concatenate(args, axis=1)
+    return np.concatenate(args, axis=instr.axis)
 
 
 def _channel_slice(instr: Instruction, args: list[np.ndarray], arrays: dict, arithmetic: Arithmetic, dtype) -> np.ndarray:

@@ -167,3 +167,58 @@ def test_a_split_along_h_runs_on_the_host_as_slices(tmp_path):
     program = api.compile(path, table, EXACT, allow_host_fallback=True).program
     y = api.run(program, x, dequantize=True)["y"]
     assert np.max(np.abs(y - expected)) <= 3 * program.tensors["y"]["scale"]  # int8 rounding of 3 steps
+
+
+def anchor_head(tmp_path):
+    """A YOLOv8-style head in small: two levels' conv maps (N, 6, H, W) reshaped to (N, 6, H*W) and
+    concatenated along the anchors (axis 2), the first level's map also read by a Sub of two activations, a
+    per-channel scale on the (N, 6, A) result (rank 3) and its Sigmoid."""
+    nodes = [helper.make_node("Conv", ["x", "W1", "B1"], ["p3"], name="level3", pads=[1, 1, 1, 1]),
+             helper.make_node("Conv", ["p3", "W2", "B2"], ["p4"], name="level4", strides=[2, 2], pads=[1, 1, 1, 1]),
+             helper.make_node("Reshape", ["p3", "flat3"], ["f3"], name="flatten3"),
+             helper.make_node("Reshape", ["p4", "flat4"], ["f4"], name="flatten4"),
+             helper.make_node("Concat", ["f3", "f4"], ["anchors"], name="concat", axis=2),
+             helper.make_node("Conv", ["p3", "W3", "B3"], ["q3"], name="other"),
+             helper.make_node("Sub", ["p3", "q3"], ["d3"], name="difference"),
+             helper.make_node("Mul", ["anchors", "scale"], ["scaled"], name="scale"),
+             helper.make_node("Sigmoid", ["scaled"], ["y"], name="sigmoid")]
+    initializers = {"W1": rng_weights(0, 6, 3, 3, 3), "B1": rng_weights(1, 6), "W2": rng_weights(2, 6, 6, 3, 3),
+                    "B2": rng_weights(3, 6), "W3": rng_weights(4, 6, 6, 1, 1), "B3": rng_weights(5, 6),
+                    "flat3": np.array([0, 6, 48], np.int64), "flat4": np.array([0, 6, 12], np.int64),
+                    "scale": (np.arange(6, dtype=np.float32) * 0.25 + 0.5).reshape(1, 6, 1)}
+    model = make_model(nodes, [("x", ["N", 3, 6, 8])], [("y", ["N", 6, 60]), ("d3", ["N", 6, 6, 8])],
+                       initializers, opset=17)
+    return save(model, tmp_path / "anchor_head.onnx")
+
+
+def test_a_concat_along_the_anchors_and_a_sub_of_activations_run_on_the_gemm_unit(tmp_path):
+    """Concat along axis 2 of reshaped views (one of them read elsewhere too), Sub of two activations, an affine
+    and a lookup table on a rank-3 tensor: no host op; the lowered float graph equals ONNX Runtime, and the
+    compiled program is bit-exact with ONNX Runtime through export-onnx and with the Python-int twins."""
+    path = anchor_head(tmp_path)
+    x = np.random.default_rng(12).standard_normal((4, 3, 6, 8)).astype(np.float32)
+    lowering = api.lower_model(path)
+    assert lowering.host_ops == []
+    expected = run_onnxruntime(path, {"x": x})
+    got = run_graph(lowering.graph, {"x": x})
+    for name, e in zip(("y", "d3"), expected):
+        np.testing.assert_allclose(got[name], e, rtol=1e-5, atol=1e-5)
+    names = [n for n, t in lowering.graph.tensors.items() if not t.is_constant]
+    values = run_graph(lowering.graph, {"x": x}, names)
+    table = CalibrationTable({n: TensorRecord(n, "max", float(np.max(np.abs(v)))) for n, v in values.items()},
+                             "max", 0)
+    program = api.compile(path, table, EXACT).program
+    concat = [i for i in program.instructions if i["kind"] == Kind.CONCAT]
+    assert [c["axis"] for c in concat] == [2]
+    exported = export_program(program, tensor_outputs=True)
+    session = ort.InferenceSession(exported.model.SerializeToString(), providers=["CPUExecutionProvider"])
+    theirs = dict(zip([o.name for o in session.get_outputs()], session.run(None, {"x": x})))
+    ours = Machine(program).run({"x": x}, dump=True).tensors
+    for tensor, onnx_name in exported.tensor_names.items():
+        np.testing.assert_array_equal(ours[tensor], theirs[onnx_name], err_msg=tensor)
+    from simulator import twins
+
+    for instr in program.instructions:
+        args = [ours[name] for name in instr["inputs"]]
+        np.testing.assert_array_equal(ours[instr["output"]], twins.run_instruction(
+            instr, args, program.arrays, EXACT.arithmetic, program.tensors[instr["output"]]["dtype"]))

@@ -153,3 +153,37 @@ def test_unlowerable_ops_are_host_ops_named_in_the_error(tmp_path):
     with pytest.raises(Unsupported, match="dynamic_conv.*softmax.*--allow-host-fallback"):
         require_lowered(result, allow_host_fallback=False)
     require_lowered(result, allow_host_fallback=True)
+
+
+def test_an_align_corners_bilinear_resize_is_two_gemms_of_its_interpolation_matrices(tmp_path):
+    """Resize linear with align_corners (DeepLabV3+'s x4): taps that vary along the output, so no upsampled read
+    gives it; it lowers to a DenseGemm along the width and a grouped ConvGemm along the height, no host op, equal
+    to ONNX Runtime; the compiled program runs and each instruction equals its Python-int twin."""
+    from builders import max_calibration
+    from isa.kinds import Kind
+    from qdeploy import api
+    from simulator import twins
+    from simulator.machine import Machine
+
+    nodes = [helper.make_node("Conv", ["x", "W", "B"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+             helper.make_node("Resize", ["c", "", "scales"], ["y"], name="up", mode="linear",
+                              coordinate_transformation_mode="align_corners")]
+    initializers = {"W": rng_weights(0, 3, 3, 3, 3), "B": rng_weights(1, 3),
+                    "scales": np.array([1, 1, 4, 4], np.float32)}
+    path = save(make_model(nodes, [("x", ["N", 3, 4, 5])], [("y", ["N", 3, 16, 20])], initializers), tmp_path / "m.onnx")
+    lowering = api.lower_model(path)
+    assert lowering.host_ops == []
+    assert sorted(i.kind for i in lowering.instructions) == [Kind.CONV_GEMM, Kind.CONV_GEMM, Kind.DENSE_GEMM]
+    x = np.random.default_rng(3).standard_normal((2, 3, 4, 5)).astype(np.float32)
+    (expected,) = run_onnxruntime(path, {"x": x})
+    np.testing.assert_allclose(run_graph(lowering.graph, {"x": x})["y"], expected, rtol=1e-5, atol=1e-5)
+    from isa.target import Target
+
+    program = api.compile(path, max_calibration(path, {"x": x}), Target()).program
+    run = Machine(program).run({"x": x}, dump=True)
+    for instr in program.instructions:
+        args = [run.tensors[name] for name in instr["inputs"]]
+        np.testing.assert_array_equal(run.tensors[instr["output"]], twins.run_instruction(
+            instr, args, program.arrays, Target().arithmetic, program.tensors[instr["output"]]["dtype"]))
+    y = api.run(program, x, dequantize=True)["y"]
+    assert 10 * np.log10(np.sum(expected ** 2) / np.sum((y - expected) ** 2)) > 30

@@ -14,8 +14,8 @@ from qdeploy_base.errors import BadInput, QdeployError, Unsupported
 from qdeploy.ir import Graph, Node
 from isa.instructions import RECORDS
 from isa.kinds import WEIGHTED_GEMM_KINDS, Kind, handler
-from qdeploy.lowering.nodes import INSTRUCTION_OPS, LAYOUT_OPS, is_channel_concat, node_kind, output_stage
-from qdeploy.lowering.rules import LOWERING
+from qdeploy.lowering.nodes import INSTRUCTION_OPS, LAYOUT_OPS, is_buffer_concat, node_kind, output_stage
+from qdeploy.lowering.rules import LOWERING, identity_gemm
 from qdeploy.summary import node_elements, node_macs
 
 
@@ -104,8 +104,9 @@ def describe_instruction(graph: Graph, node: Node) -> InstructionDescription:
                        node.outputs[0], m, n, k, groups, groups * m * n * k, geometry, _output_stage(node))
 
 
-def host_reason(graph: Graph, node: Node) -> str:
-    """Why `node` stayed on the host: its rule's Unsupported message, or that no rule exists."""
+def host_reason(graph: Graph, node: Node, lookups: bool = True) -> str:
+    """Why `node` stayed on the host: its rule's Unsupported message, or that no rule exists. `lookups`: the
+    target has lookup tables (a function then stayed because no output stage could carry its table)."""
     rule = LOWERING.get(node.op)
     if rule is not None:
         try:
@@ -116,9 +117,20 @@ def host_reason(graph: Graph, node: Node) -> str:
         return f"node '{node.name}' ({node.op}): attributes or operands do not fit the GEMM output stage"
     from qdeploy.lowering.lookup import FUNCTIONS
 
-    if node.op in FUNCTIONS:
+    if node.op == Kind.CONCAT:
+        return (f"node '{node.name}' (Concat): along axis {node.attrs.get('axis')} to shape "
+                f"{graph.tensors[node.outputs[0]].shape}; a Concat in the program joins float activations along "
+                f"an axis other than the batch, into a shape static past the batch")
+    if node.op in FUNCTIONS and not lookups:
         return (f"node '{node.name}' ({node.op}): a lookup-table activation, and the target's output stage has "
                 f"no lookup table (lookup_tables = 0)")
+    if node.op in FUNCTIONS:
+        try:
+            identity_gemm(graph, Node(node.name, "Identity", node.inputs[:1], node.outputs[:1], {}))
+        except QdeployError as error:
+            return (f"node '{node.name}' ({node.op}): a lookup-table activation whose input is not written by an "
+                    f"instruction that only it reads, and no identity GEMM can carry the table: {error}")
+        return f"node '{node.name}' ({node.op}): a lookup-table activation whose parameters have no table"
     return (f"node '{node.name}' ({node.op}): no lowering to the GEMM unit for {node.op} "
             f"(lowered: {', '.join(sorted(LOWERING))}, Relu, Clip, MaxPool; layout: {', '.join(sorted(LAYOUT_OPS))})")
 
@@ -139,10 +151,10 @@ def lower(graph: Graph, equalize: bool = False, lookups: bool = True) -> Lowerin
     for node in lowered.nodes:
         if node.op in INSTRUCTION_OPS:
             instructions.append(describe_instruction(lowered, node))
-        elif node.op in LAYOUT_OPS and (node.op != Kind.CONCAT or is_channel_concat(lowered, node)):
+        elif node.op in LAYOUT_OPS and (node.op != Kind.CONCAT or is_buffer_concat(lowered, node)):
             layout.append({"kind": node.op, "name": node.name, "inputs": node.inputs, "output": node.outputs[0]})
         else:
-            host_ops.append(HostOp(node.name, node.op, host_reason(lowered, node), node_macs(lowered, node),
+            host_ops.append(HostOp(node.name, node.op, host_reason(lowered, node, lookups), node_macs(lowered, node),
                                    node_elements(lowered, node)))
             host_macs += host_ops[-1].macs
     gemm_macs = sum(i.macs for i in instructions)

@@ -223,12 +223,16 @@ def _fuse_one(graph: Graph, nodes: list[Node], x: str, y: str, function: str, pa
         lowered = identity_gemm(graph, Node(nodes[-1].name, "Identity", [x], [y], {}))
     except Unsupported:
         return graph  # stays on the host (host_reason says why)
-    (instr,) = lowered.nodes
-    source = graph.tensors[x]
-    pre = Tensor(graph.unique_name(f"{y}/lookup_input"), source.shape, source.dtype)
-    instr = instr.replace(attrs={**instr.attrs, "output_stage": output_stage(instr).with_step(lookup)},
-                          outputs=[y, pre.name])
+    # One GEMM, between the layout Reshapes of a view as NCHW when x has another rank: the table goes into its
+    # output stage, and reads x as that GEMM sees it.
+    (instr,) = [n for n in lowered.nodes if n.op in LOOKUP_KINDS]
+    written = instr.outputs[0]
+    shape = graph.tensors[x].shape if written == y else next(t.shape for t in lowered.tensors if t.name == written)
+    pre = Tensor(graph.unique_name(f"{y}/lookup_input"), shape, graph.tensors[x].dtype)
+    fused = [n.replace(attrs={**n.attrs, "output_stage": output_stage(n).with_step(lookup)},
+                       outputs=[written, pre.name]) if n is instr else n
+             for n in lowered.nodes]
     kept = [n for n in graph.nodes if n.name not in names]
     at = min(i for i, n in enumerate(graph.nodes) if n.name in names)
     at = sum(1 for n in graph.nodes[:at] if n.name not in names)
-    return graph.with_nodes(kept[:at] + [instr] + kept[at:], [*lowered.tensors, pre])
+    return graph.with_nodes(kept[:at] + fused + kept[at:], [*lowered.tensors, pre])

@@ -22,12 +22,14 @@ product's constant scale is its GEMM's `product_scale`.
 
 from __future__ import annotations
 
+import numpy as np
+
 from isa.kinds import ARRAY_KINDS, LAYOUT_KINDS, Kind
 from isa.output_stage import OutputStage
 from qdeploy.ir import Graph, Node
 
 # A lowered graph's node is an instruction when its op is one of the array kinds (isa/kinds.py), and a layout
-# step when its op is a layout kind (the ONNX ops Reshape, Flatten, Squeeze, Unsqueeze and a channel Concat keep
+# step when its op is a layout kind (the ONNX ops Reshape, Flatten, Squeeze, Unsqueeze and a buffer Concat keep
 # their names); every other op is a host op.
 INSTRUCTION_OPS = ARRAY_KINDS
 LAYOUT_OPS = LAYOUT_KINDS
@@ -38,19 +40,21 @@ def output_stage(node: Node) -> OutputStage:
     return node.attrs["output_stage"]
 
 
-def is_channel_concat(graph: Graph, node: Node) -> bool:
-    """A Concat along the channel axis (1, or -rank + 1): the only Concat that is a layout step (its
-    producers write into slices of one buffer); any other Concat (of shape values, along H) is a host op."""
+def is_buffer_concat(graph: Graph, node: Node) -> bool:
+    """A Concat of float activations along any axis but the batch, whose output shape is static past the batch:
+    a layout step (each producer writes a window of the destination buffer: the addressing of a slice along
+    the axis); any other Concat (of shape values, along the batch) is a host op."""
     if node.op != Kind.CONCAT:
         return False
-    shape = graph.tensors[node.outputs[0]].shape
-    axis = node.attrs.get("axis")
-    return shape is not None and len(shape) >= 2 and isinstance(axis, int) and axis % len(shape) == 1
+    output = graph.tensors[node.outputs[0]]
+    shape, axis = output.shape, node.attrs.get("axis")
+    return (shape is not None and len(shape) >= 2 and None not in shape[1:] and isinstance(axis, int)
+            and axis % len(shape) != 0 and np.issubdtype(output.dtype, np.floating))
 
 
 def node_kind(graph: Graph, node: Node) -> Kind:
     """The instruction kind a lowered graph's node compiles to: its op when that is an array or layout kind
-    (a Concat only along the channels), else Host (an ONNX op run in float on the host)."""
+    (a Concat along any axis but the batch), else Host (an ONNX op run in float on the host)."""
     if node.op == Kind.CONCAT:
-        return Kind.CONCAT if is_channel_concat(graph, node) else Kind.HOST
+        return Kind.CONCAT if is_buffer_concat(graph, node) else Kind.HOST
     return Kind(node.op) if node.op in ARRAY_KINDS or node.op in LAYOUT_KINDS else Kind.HOST

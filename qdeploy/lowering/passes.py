@@ -19,7 +19,7 @@ from isa.geometry import ReadFill
 from isa.kinds import ACTIVATION_GEMM_KINDS, WEIGHTED_GEMM_KINDS, Kind
 from isa.instructions import RECORDS
 from isa.output_stage import NO_OUTPUT_STAGE, Clamp, Step, WindowMax
-from qdeploy.lowering.nodes import INSTRUCTION_OPS, is_channel_concat, output_stage
+from qdeploy.lowering.nodes import INSTRUCTION_OPS, is_buffer_concat, output_stage
 from qdeploy.lowering.lookup import fuse_lookups, recognise_functions
 from qdeploy.lowering.rules import (LOWERING, OUTPUT_STAGE_OPS, affine_of, batchnorm_scale_shift,
                                     finite_weights, identity_gemm)
@@ -336,7 +336,7 @@ def lower_channel_permutations(graph: Graph) -> Graph:
 
 
 def copy_shared_concat_inputs(graph: Graph) -> Graph:
-    """A channel Concat's producers write straight into slices of its buffer, so each input must be the output
+    """A buffer Concat's producers write straight into windows of its buffer, so each input must be the output
     of an instruction that feeds only this Concat. Any other input (a graph input, a layout op's output, a
     tensor read elsewhere too, a graph output, one the Concat reads twice) is first copied by an identity GEMM
     (weight 1, K = 1 per channel), which writes the slice at the Concat's scale: a DenseNet-style Concat of a
@@ -345,7 +345,7 @@ def copy_shared_concat_inputs(graph: Graph) -> Graph:
     nodes: list[Node] = []
     tensors: list[Tensor] = []
     for node in graph.nodes:
-        if not is_channel_concat(graph, node):
+        if not is_buffer_concat(graph, node):
             nodes.append(node)
             continue
         inputs = list(node.inputs)

@@ -209,6 +209,11 @@ def lower_resize(graph: Graph, node: Node) -> Lowered:
     kernel = np.outer(taps[0], taps[1])
     got = ConvGemm(probe_c, np.tile(kernel, (channels, 1, 1, 1)).astype(np.float32), np.zeros(channels, np.float32),
                    group=channels, pads=pads, **read)
+    if (got.shape != expected.shape or not np.allclose(got, expected, rtol=0, atol=1e-5 * max(1.0, np.abs(expected).max()))) \
+            and mode == "linear":
+        separable = _separable_resize(graph, node, operands)
+        if separable is not None:
+            return separable
     if got.shape != expected.shape or not np.allclose(got, expected, rtol=0, atol=1e-5 * max(1.0, np.abs(expected).max())):
         raise Unsupported(f"node '{node.name}' (Resize): mode '{mode}' with coordinate_transformation_mode "
                           f"'{node.attrs.get('coordinate_transformation_mode', 'half_pixel')}' is not a repetition "
@@ -228,6 +233,50 @@ def lower_resize(graph: Graph, node: Node) -> Lowered:
                        zeros, group=channels, strides=[1, 1], pads=[half[0], 0, half[0], 0], dilations=[1, 1],
                        read={"upsample": [factors[0], 1], "upsample_fill": ReadFill.NEAREST, "pad_fill": ReadFill.EDGE})
     return Lowered([*first.nodes, *second.nodes], [*first.tensors, across, *second.tensors])
+
+
+def _separable_resize(graph: Graph, node: Node, operands: list) -> Lowered | None:
+    """A linear Resize whose taps vary along the output (align_corners: output i reads input i (H - 1) / (H' - 1))
+    as two GEMMs of its interpolation matrices, Y = A_h X A_w^T per image and channel: along the width a
+    DenseGemm on the rows, X viewed as (N*C*H, W) times A_w^T; along the height a grouped ConvGemm with a
+    (H, 1) kernel per output row, (N, C, H, W') -> (N, C*H', 1, W'), viewed as (N, C, H', W'). A_h and A_w are
+    read off the op itself (the float executor) on row and column probes, and kept only when A_h X A_w^T gives
+    the op's numbers on a random probe. None otherwise."""
+    from qdeploy.reference import run_node
+
+    channels, height, width = graph.tensors[node.inputs[0]].shape[1:]
+    out_height, out_width = graph.tensors[node.outputs[0]].shape[2:]
+    rows = np.zeros((height, 1, height, width), np.float32)
+    rows[np.arange(height), 0, np.arange(height), :] = 1.0
+    cols = np.zeros((width, 1, height, width), np.float32)
+    cols[np.arange(width), 0, :, np.arange(width)] = 1.0
+    a_h = run_node(node, [rows, *operands], graph.opset)[0][:, 0, :, 0].T  # (H', H)
+    a_w = run_node(node, [cols, *operands], graph.opset)[0][:, 0, 0, :].T  # (W', W)
+    probe = np.random.default_rng(0).standard_normal((1, channels, height, width)).astype(np.float32)
+    expected = run_node(node, [probe, *operands], graph.opset)[0]
+    if a_h.shape != (out_height, height) or a_w.shape != (out_width, width) or not np.allclose(
+            a_h @ probe @ a_w.T, expected, rtol=0, atol=1e-5 * max(1.0, np.abs(expected).max())):
+        return None
+    dtype = graph.tensors[node.outputs[0]].dtype
+    names = {key: graph.unique_name(f"{node.outputs[0]}/{key}") for key in ("rows", "wide_rows", "wide", "tall")}
+    shapes = {"rows": (None, width), "wide_rows": (None, out_width), "wide": (None, channels, height, out_width),
+              "tall": (None, channels * out_height, 1, out_width)}
+    tensors = [Tensor(names[key], shapes[key], dtype) for key in names]
+    targets = [constant(graph.unique_name(f"{node.name}_{key}_shape"), np.array(value, np.int64))
+               for key, value in (("rows", [-1, width]), ("wide", [-1, channels, height, out_width]),
+                                  ("out", [-1, channels, out_height, out_width]))]
+    dense = dense_gemm(graph, Node(graph.unique_name(f"{node.name}/width"), node.op, [], [names["wide_rows"]], {}),
+                       names["rows"], a_w, np.zeros(out_width))
+    tall = conv_gemm(graph, Node(graph.unique_name(f"{node.name}/height"), node.op, [], [names["tall"]], {}),
+                     names["wide"], np.tile(a_h.reshape(out_height, 1, height, 1), (channels, 1, 1, 1)),
+                     np.zeros(channels * out_height), group=channels, strides=[1, 1], pads=[0, 0, 0, 0],
+                     dilations=[1, 1])
+    view = (lambda name, source, target, output: Node(graph.unique_name(f"{node.name}/{name}"), Kind.RESHAPE,
+                                                        [source, target.name], [output], {}))
+    return Lowered([view("as_rows", node.inputs[0], targets[0], names["rows"]), *dense.nodes,
+                    view("as_maps", names["wide_rows"], targets[1], names["wide"]), *tall.nodes,
+                    view("as_output", names["tall"], targets[2], node.outputs[0])],
+                   [*tensors, *targets, *dense.tensors, *tall.tensors])
 
 
 def lower_pad(graph: Graph, node: Node) -> Lowered:
@@ -351,7 +400,7 @@ def _channels(graph: Graph, node: Node) -> int:
 
 def channel_affine(graph: Graph, node: Node, x: str, scale: np.ndarray, shift: np.ndarray) -> Lowered:
     """y[:, c] = scale[c] * x[:, c] + shift[c] as a GEMM: a 1x1 depthwise ConvGemm on NCHW (K = 1 per
-    channel), a diagonal DenseGemm on (N, C)."""
+    channel), a diagonal DenseGemm on (N, C), the ConvGemm on a view as (N, C, L, 1) for any other rank."""
     rank = _rank(graph, x)
     channels = scale.size
     if rank == 4:
@@ -359,7 +408,25 @@ def channel_affine(graph: Graph, node: Node, x: str, scale: np.ndarray, shift: n
                          strides=[1, 1], pads=[0, 0, 0, 0], dilations=[1, 1])
     if rank == 2:
         return dense_gemm(graph, node, x, np.diag(scale), shift)
-    raise Unsupported(f"node '{node.name}' ({node.op}): a per-channel affine needs an NCHW or (N, C) input")
+    shape = graph.tensors[x].shape
+    if rank < 2 or None in shape[1:]:
+        raise Unsupported(f"node '{node.name}' ({node.op}): a per-channel affine needs an input of static shape "
+                          f"past the batch, got {shape}")
+    # (N, C, d1, ..., dk) viewed as NCHW (N, C, d1 * ... * dk, 1) for the 1x1 depthwise GEMM and viewed back:
+    # two layout Reshapes, no data moved.
+    planar = (shape[0], channels, prod(shape[2:]), 1)
+    view = Tensor(graph.unique_name(f"{x}/planar"), planar, graph.tensors[x].dtype)
+    out = Tensor(graph.unique_name(f"{node.outputs[0]}/planar"), planar, graph.tensors[x].dtype)
+    view_shape = constant(graph.unique_name(f"{node.name}_planar_shape"), np.array([0, *planar[1:]], np.int64))
+    back_shape = constant(graph.unique_name(f"{node.name}_shape"), np.array([0, *shape[1:]], np.int64))
+    gemm = conv_gemm(graph, node, view.name, scale.reshape(channels, 1, 1, 1), shift, group=channels,
+                     strides=[1, 1], pads=[0, 0, 0, 0], dilations=[1, 1], output=out.name)
+    return Lowered([Node(graph.unique_name(f"{node.name}/to_planar"), Kind.RESHAPE, [x, view_shape.name],
+                         [view.name], {}),
+                    *gemm.nodes,
+                    Node(graph.unique_name(f"{node.name}/from_planar"), Kind.RESHAPE, [out.name, back_shape.name],
+                         [node.outputs[0]], {})],
+                   [view, out, view_shape, back_shape, *gemm.tensors])
 
 
 def batchnorm_scale_shift(graph: Graph, node: Node) -> tuple[np.ndarray, np.ndarray]:
@@ -451,8 +518,8 @@ def lower_activation_mul(graph: Graph, node: Node) -> Lowered:
 
 
 def lower_binary(graph: Graph, node: Node) -> Lowered:
-    """Add of two activations -> AddGemm; Mul of two activations -> MulGemm; an elementwise op with a per-channel
-    constant -> affine GEMM."""
+    """Add of two activations -> AddGemm; Sub of two -> AddGemm of the first and the second negated; Mul of two
+    activations -> MulGemm; an elementwise op with a per-channel constant -> affine GEMM."""
     affine = affine_of(graph, node)
     if affine is not None:
         return channel_affine(graph, node, *affine)
@@ -464,8 +531,27 @@ def lower_binary(graph: Graph, node: Node) -> Lowered:
             raise Unsupported(f"node '{node.name}' (Add): broadcasting {graph.tensors[a].shape} with "
                               f"{graph.tensors[b].shape} is not supported on the GEMM unit")
         return Lowered([Node(node.name, Kind.ADD_GEMM, [a, b], [node.outputs[0]], no_output_stage())])
+    if node.op == "Sub" and constant_operand(graph, node) is None:
+        return _subtract_activations(graph, node)
     raise Unsupported(f"node '{node.name}' ({node.op}): only a per-channel constant operand"
                       f"{' or a residual Add of two activations' if node.op == 'Add' else ''} can be lowered")
+
+
+def _subtract_activations(graph: Graph, node: Node) -> Lowered:
+    """a - b of two activations of one shape -> AddGemm(a, -b), -b by a per-channel affine GEMM with scale -1
+    (its own output scale, calibrated like any tensor: the AddGemm then adds two int8 operands as for a
+    residual)."""
+    a, b = node.inputs[:2]
+    if graph.tensors[a].shape != graph.tensors[b].shape:
+        raise Unsupported(f"node '{node.name}' (Sub): broadcasting {graph.tensors[a].shape} with "
+                          f"{graph.tensors[b].shape} is not supported on the GEMM unit")
+    source = graph.tensors[b]
+    negated = Tensor(graph.unique_name(f"{node.outputs[0]}/negated"), source.shape, source.dtype)
+    negate = Node(graph.unique_name(f"{node.name}/negate"), "Neg", [b], [negated.name], {})
+    channels = _channels(graph, negate)
+    lowered = channel_affine(graph, negate, b, -np.ones(channels), np.zeros(channels))
+    add = Node(node.name, Kind.ADD_GEMM, [a, negated.name], [node.outputs[0]], no_output_stage())
+    return Lowered([*lowered.nodes, add], [*lowered.tensors, negated])
 
 
 def lower_global_average_pool(graph: Graph, node: Node) -> Lowered:
@@ -524,7 +610,7 @@ def lower_spatial_reduce(graph: Graph, node: Node) -> Lowered:
 
 def lower_average_pool(graph: Graph, node: Node) -> Lowered:
     """AveragePool -> depthwise ConvGemm with weights 1/(kh*kw). Exact when every window divides by the
-    full kernel size: no padding, or count_include_pad=1; ceil_mode windows would divide by fewer."""
+    full kernel size: no padding, or count_include_pad=1, and ceil_mode adding no partial window."""
     kernel = list(node.attrs["kernel_shape"])
     pads = list(node.attrs.get("pads") or [0] * 4)
     if len(kernel) != 2 or _rank(graph, node.inputs[0]) != 4:
@@ -532,13 +618,22 @@ def lower_average_pool(graph: Graph, node: Node) -> Lowered:
     if any(pads) and not node.attrs.get("count_include_pad", 0):
         raise Unsupported(f"node '{node.name}' (AveragePool): count_include_pad=0 with padding divides border "
                           f"windows by fewer elements; not expressible with constant weights")
+    strides = list(node.attrs.get("strides") or [1, 1])
+    dilations = list(node.attrs.get("dilations") or [1, 1])
     if node.attrs.get("ceil_mode", 0):
-        raise Unsupported(f"node '{node.name}' (AveragePool): ceil_mode=1 is not supported")
+        # ceil_mode only adds a last, partial window where floor((size + pads - extent) / stride) leaves input
+        # over; where it leaves none (ResNet-D's 2x2/2 shortcut on an even size) the two modes are one pooling.
+        in_shape, out_shape = graph.tensors[node.inputs[0]].shape, graph.tensors[node.outputs[0]].shape
+        floor = [None if in_shape is None or in_shape[2 + a] is None else
+                 (in_shape[2 + a] + pads[a] + pads[2 + a] - dilations[a] * (kernel[a] - 1) - 1) // strides[a] + 1
+                 for a in range(2)]
+        if out_shape is None or None in floor or list(out_shape[2:]) != floor:
+            raise Unsupported(f"node '{node.name}' (AveragePool): ceil_mode=1 adds a partial last window here "
+                              f"(output {out_shape}, input {in_shape}), which divides by fewer elements")
     channels = _channels(graph, node)
     weight = np.full((channels, 1, *kernel), 1.0 / prod(kernel), np.float32)
     return conv_gemm(graph, node, node.inputs[0], weight, np.zeros(channels, np.float32), group=channels,
-                     strides=node.attrs.get("strides") or [1, 1], pads=pads,
-                     dilations=node.attrs.get("dilations") or [1, 1])
+                     strides=strides, pads=pads, dilations=dilations)
 
 
 def lower_channel_window(graph: Graph, node: Node) -> Lowered:

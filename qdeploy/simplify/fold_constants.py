@@ -11,7 +11,8 @@ def _batch_free_reshape_target(graph: Graph, node: Node, result: Probe) -> np.nd
 
     The usual case is `x.view(x.size(0), -1)`: the target is [N, ...] with N the batch. When exactly one
     entry differs between the probes and equals the probe batch there, and the input's dim at that position
-    is the batch, the entry becomes 0 ("copy the input's dim", ONNX Reshape with allowzero=0)."""
+    is the batch at every probe, the entry becomes 0 ("copy the input's dim", ONNX Reshape with allowzero=0);
+    when the entry is any other function of the batch and every other entry a positive size, it becomes -1."""
     values = result.static[node.inputs[1]]
     if node.attrs.get("allowzero", 0) or len({v.shape for v in values}) != 1 or values[0].ndim != 1:
         return None
@@ -19,14 +20,21 @@ def _batch_free_reshape_target(graph: Graph, node: Node, result: Probe) -> np.nd
     if len(differing) != 1:
         return None
     axis = differing[0]
-    input_shape = graph.tensors[node.inputs[0]].shape or ()
-    if not all(int(v[axis]) == b for v, b in zip(values, PROBE_BATCHES)):
-        return None
-    if axis >= len(input_shape) or input_shape[axis] is not None:
-        return None
     target = np.array(values[0], dtype=np.int64)
-    target[axis] = 0
-    return target
+    others = np.delete(target, axis)
+    shapes = result.shapes.get(node.inputs[0])
+    input_shape = graph.tensors[node.inputs[0]].shape or ()
+    is_batch = (all(len(shape) > axis and shape[axis] == b for shape, b in zip(shapes, PROBE_BATCHES)) if shapes
+                else axis < len(input_shape) and input_shape[axis] is None)  # a graph input: its declared dims
+    if all(int(v[axis]) == b for v, b in zip(values, PROBE_BATCHES)) and is_batch:
+        target[axis] = 0  # the input's dim there is the batch itself
+        return target
+    if np.all(others > 0):
+        # The entry is a multiple of the batch (LeViT's reshape_as from (B * N, C) to (B, N, C), a (B * heads)
+        # entry) and every other entry is a fixed size: -1 infers it from the input's size at any batch.
+        target[axis] = -1
+        return target
+    return None
 
 
 def fold_constants(graph: Graph) -> Graph:
