@@ -43,3 +43,23 @@ def test_new_layout_kinds_round_trip():
     assert from_manifest(permute).to_manifest() == permute
     with pytest.raises(UnknownKind, match="unknown instruction kind 'Lut'"):
         from_manifest({**record, "kind": "Lut"})
+
+
+def test_a_concat_record_checks_its_axis_and_the_other_dims():
+    """Concat.check: the output shape (per sample, batch left out) joins along `axis`; the batch (0), an axis past
+    the rank, and inputs that differ off the axis are InvalidRecord naming the instruction."""
+    from isa.checks import InvalidRecord
+    from isa.instructions import Concat
+
+    def check(axis, shapes):
+        record = {"kind": "Concat", "name": "c", "inputs": ["a", "b"], "output": "y", "axis": axis}
+        return Concat.check(record, "instruction 'c'", shapes, "int8", None)
+
+    assert check(1, [(2, 4, 5), (3, 4, 5)]) == (5, 4, 5)
+    assert check(2, [(3, 4, 5), (3, 6, 5)]) == (3, 10, 5)
+    assert check(2, [(85, 40), (85, 10)]) == (85, 50)  # YOLO's anchors on (N, 85, A)
+    for axis in (0, 4, "1", True):
+        with pytest.raises(InvalidRecord, match="instruction 'c': axis = .*not the batch"):
+            check(axis, [(3, 4, 5), (3, 4, 5)])
+    with pytest.raises(InvalidRecord, match=r"concatenates tensors of shapes .* along axis 2"):
+        check(2, [(3, 4, 5), (2, 4, 5)])
