@@ -153,8 +153,8 @@ def test_zero_insertion_wastes_three_macs_in_four_for_a_2x2_stride_2_transpose(t
 
 # --- ONNX's own node tests --------------------------------------------------------------------------------------
 
-# The 2-D cases that run on the GEMM unit; every other 2-D case stays on the host with its reason (a non-integer
-# scale, align_corners, a nearest mode that does not repeat rows, cubic, downsampling, crop-and-resize; a Pad with
+# The 2-D cases that run on the GEMM unit (bilinear align_corners as two GEMMs of its interpolation matrices); every
+# other 2-D case stays on the host with its reason (a non-integer scale, a nearest mode that does not repeat rows, cubic, downsampling, crop-and-resize; a Pad with
 # a nonzero constant, of the channels, with explicit axes, or wrapping around).
 ON_THE_ARRAY = {
     "test_convtranspose", "test_convtranspose_output_shape", "test_convtranspose_pad",
@@ -162,7 +162,8 @@ ON_THE_ARRAY = {
     "test_convtranspose_autopad_same", "test_convtranspose_group_2", "test_convtranspose_group_2_image_3",
     "test_resize_upsample_scales_nearest", "test_resize_upsample_scales_linear",
     "test_resize_upsample_scales_nearest_axes_2_3", "test_resize_upsample_scales_nearest_axes_3_2",
-    "test_resize_upsample_sizes_nearest_not_smaller", "test_edge_pad", "test_reflect_pad",
+    "test_resize_upsample_sizes_nearest_not_smaller", "test_resize_upsample_scales_linear_align_corners",
+    "test_edge_pad", "test_reflect_pad",
 }
 
 # Refused at import (before lowering), with the reason: the importer frees the batch dimension, and a
