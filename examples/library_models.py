@@ -110,7 +110,15 @@ def library_module(library: str):
         import timm
         return timm
     if library == "ultralytics":
+        from PIL import Image
+
+        pil_open = Image.open
         import ultralytics.nn.tasks
+
+        # ultralytics replaces PIL.Image.open process-wide with a version that, on the first file Pillow cannot
+        # identify, runs its requirement checker for pi-heif (a pip install) and imports it: a non-image file in a
+        # calibration folder then fails with ModuleNotFoundError. Building its models needs none of that.
+        Image.open = pil_open
         return ultralytics.nn.tasks
     import segmentation_models_pytorch
     return segmentation_models_pytorch
