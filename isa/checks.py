@@ -130,8 +130,7 @@ def check_output_stage(program: ProgramView, instr: dict, channels: int, where: 
     if "lookup" in instr:
         lo, hi = _check_lookup(program, instr["lookup"], where, out_dtype)
     clamp = ints(field_of(instr, "clamp", where), f"{where}: clamp", 2, lo, hi)
-    for key in ("k", "acc_bound_bits"):  # reported by `qdeploy inspect`
-        ints([field_of(instr, key, where)], f"{where}: {key}", 1, 0)
+    _check_reported_sizes(instr, where)
     if clamp[0] > clamp[1]:
         raise InvalidRecord(f"{where}: clamp range {clamp} is empty")
     mult_bits = program.mult_bits
@@ -151,6 +150,12 @@ def check_output_stage(program: ProgramView, instr: dict, channels: int, where: 
             raise InvalidRecord(f"{where}: clamp_hi must lie within the clamp range {clamp}")
 
 
+def _check_reported_sizes(instr: dict, where: str) -> None:
+    """k and acc_bound_bits, integers >= 0 (reported by `qdeploy inspect`), on every array instruction's stage."""
+    for key in ("k", "acc_bound_bits"):
+        ints([field_of(instr, key, where)], f"{where}: {key}", 1, 0)
+
+
 def _check_row_reciprocal(instr: dict, where: str, out_dtype: str) -> None:
     """The row-reciprocal store (isa/output_stage.py RowReciprocal): a function of ROW_FUNCTIONS, int32 words out,
     and no step after the accumulator but the Bias."""
@@ -163,8 +168,7 @@ def _check_row_reciprocal(instr: dict, where: str, out_dtype: str) -> None:
     if others or instr.get("window_max") is not None:
         raise InvalidRecord(f"{where}: a row-reciprocal store ends the output stage, but the instruction also has "
                             f"'{(others or ['window_max'])[0]}'")
-    for key in ("k", "acc_bound_bits"):
-        ints([field_of(instr, key, where)], f"{where}: {key}", 1, 0)
+    _check_reported_sizes(instr, where)
 
 
 def check_row_scale(program: ProgramView, instr: dict, where: str, words: tuple, out: tuple) -> None:
