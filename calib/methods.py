@@ -13,11 +13,10 @@ from typing import Callable
 import numpy as np
 
 from calib import DEFAULT_PERCENTILE
+from calib.expected_error import expected_squared_errors
 from calib.kl import ZERO_TENSOR_THRESHOLD, kl_threshold
 
 ThresholdMethod = Callable[..., float]
-
-MSE_CHUNK = 256  # candidates evaluated at once by mse_threshold (a 256 x 2048 float64 temporary, 4 MiB)
 
 
 def _empty(counts: np.ndarray, bin_width: float) -> bool:
@@ -45,24 +44,13 @@ def percentile_threshold(counts: np.ndarray, bin_width: float, percentile: float
 
 
 def mse_threshold(counts: np.ndarray, bin_width: float) -> float:
-    """T minimising the expected squared error of symmetric int8 quantization with scale s = T / 127,
-        E(T) = sum_j counts[j] * (v_j - s * min(rne(v_j / s), 127))**2,   v_j = (j + 1/2) * bin_width,
-    each bin represented by its centre, over the candidates T = k * bin_width, k = 1..n (n * bin_width = amax).
+    """T minimising the expected squared error E(T) of symmetric int8 quantization with scale s = T / 127
+    (calib/expected_error.py), over the candidates T = k * bin_width, k = 1..n (n * bin_width = amax).
     Ties go to the smallest T."""
-    counts = np.asarray(counts, np.float64)
     if _empty(counts, bin_width):
         return ZERO_TENSOR_THRESHOLD
-    n = counts.size
-    centres = (np.arange(n) + 0.5) * bin_width
-    occupied = counts > 0
-    values, weights = centres[occupied], counts[occupied]
-    candidates = np.arange(1, n + 1) * bin_width
-    errors = np.empty(n)
-    for start in range(0, n, MSE_CHUNK):
-        scale = candidates[start:start + MSE_CHUNK, None] / 127.0
-        quantized = np.minimum(np.rint(values[None, :] / scale), 127.0) * scale
-        errors[start:start + MSE_CHUNK] = ((values[None, :] - quantized) ** 2 * weights[None, :]).sum(axis=1)
-    return float(candidates[int(np.argmin(errors))])
+    candidates = np.arange(1, len(counts) + 1) * bin_width
+    return float(candidates[int(np.argmin(expected_squared_errors(counts, bin_width, candidates)))])
 
 
 THRESHOLD_METHODS: dict[str, ThresholdMethod] = {
