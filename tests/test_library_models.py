@@ -31,13 +31,14 @@ def test_resnet_d_pools_its_shortcut_on_the_gemm_unit(tmp_path, exporter):
 
 def test_fastvit_subtracts_activations_on_the_gemm_unit(tmp_path):
     """FastViT's RepMixer computes x - norm(x) of two activations: an AddGemm of x and the negated operand; no
-    host op. Its int8 (9.4 dB measured, ONNX Runtime's 14.0) is still below the issue's floor: the floor here is
-    what the program reaches today, so a regression shows."""
+    host op. Its int8 clears the issue's floor since KL's rule (8) keeps the tails that hold the energy of its
+    identity BatchNorms (9.4 dB before, 13.5 dB measured; ONNX Runtime's int8 14.0)."""
     row = library_models.check("fastvit_t8", "torchscript", tmp_path)
     assert "failed" not in row, row["failed"]
     assert row["host_ops"] == {} and row["gemm_share"] == 1.0
     assert row["relative_error"] < 1e-3
-    assert row["int8"] >= 8.0
+    assert row["int8"] >= min(15.0, row["ort_int8"] - 1.0)
+    assert library_models.passes(row)
 
 
 def test_yolov8n_concatenates_its_head_along_the_anchors(tmp_path):
@@ -49,4 +50,4 @@ def test_yolov8n_concatenates_its_head_along_the_anchors(tmp_path):
     assert "failed" not in row, row["failed"]
     assert set(row["host_ops"]) <= {"Transpose", "Softmax", "Sub", "Add", "Mul"}, row["host_ops"]
     assert row["relative_error"] < 1e-3
-    assert row["int8"] >= 7.0  # measured 8.6 dB (ONNX Runtime's int8: 12.7): the worst output, pixel boxes
+    assert row["int8"] >= 10.5  # measured 11.3 dB (8.6 before KL's rule (8); ONNX Runtime's int8: 12.7)

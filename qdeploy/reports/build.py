@@ -248,10 +248,10 @@ def _histograms_that_matter(plots: list[dict], layers: list[dict], moves: list[d
 
 def _clipping_budget_moves(table: CalibrationTable, fan_in: dict[str, int]) -> list[dict]:
     """The KL thresholds the consumer-aware clipping budget moved (calib/kl.py rule (7)): per KL tensor with a
-    histogram, the threshold rule (6) alone would give (at most 1% of the non-zero values clipped) against the
-    table's (at most min(1%, 0.1 / K), K the fan-in of the GEMMs reading it), each with the share of the
-    non-zero calibration values it clips, and the share of a reader's outputs that sum at least one clipped
-    input, 1 - (1 - p)^K (the union-bound argument of rule (7), independent positions)."""
+    histogram, the threshold rule (6) alone would give (at most 1% of the non-zero values clipped; rule (8) holds
+    in both) against the table's (at most min(1%, 0.1 / K), K the fan-in of the GEMMs reading it), each with the
+    share of the non-zero calibration values it clips, and the share of a reader's outputs that sum at least one
+    clipped input, 1 - (1 - p)^K (the union-bound argument of rule (7), independent positions)."""
     moves = []
     for name, record in table.records.items():
         k = fan_in.get(name)
