@@ -209,7 +209,8 @@ def test_kl_clipping_budget_follows_the_readers_fan_in(tmp_path):
     nodes = [helper.make_node("Conv", ["x", "w1"], ["h"], pads=[1, 1, 1, 1]),
              helper.make_node("Conv", ["h", "w2"], ["y"])]
     model = save(make_model(nodes, [("x", ["N", 512, 4, 4])], [("y", ["N", 4, 4, 4])],
-                            {"w1": rng_weights(0, 8, 512, 3, 3), "w2": rng_weights(1, 4, 8, 1, 1)}), tmp_path / "m.onnx")
+                            {"w1": rng_weights(0, 8, 512, 3, 3), "w2": rng_weights(1, 4, 8, 1, 1)}),
+                 tmp_path / "m.onnx")
     rng = np.random.default_rng(0)
     x = (rng.exponential(size=(64, 512, 4, 4)) ** 2 * rng.choice([-1, 1], size=(64, 512, 4, 4))).astype(np.float32)
     assert consumer_fan_in(lower_model(model)) == {"x": 4608, "h": 8}
