@@ -49,9 +49,9 @@ The rule, for a histogram c[0..n-1] of |x| with bin width w (n = 2048) and quant
     values, not what they carry. A tensor whose few largest values hold most of its energy (a per-channel
     affine with a few channels of much larger gain: the identity BatchNormalization of a RepVGG block, or of
     FastViT's RepMixer; a detector's output that holds pixel boxes beside class scores) has a tail of under 1% of
-    its values that KL clips as it would the tail of a bell curve, and with it most of the tensor: measured on
+    its values that KL clips as it would the tail of a bell curve, and with it much of the energy: measured on
     timm's RepVGG-A0 (random weights, BatchNorm statistics from natural crops; examples/library_models.py), the
-    identity BatchNorm outputs of stage 3 lost 8-53% of their energy to KL's clipping (T = 0.11-0.65 amax, at
+    identity BatchNorm outputs of its third stage lost 3-53% of their energy to KL's clipping (T = 0.11-0.65 amax, at
     most 1% of the values clipped), which put the logits at 4.0 dB against 16.6 dB with T = amax everywhere
     (ONNX Runtime's MinMax int8: 17.0 dB). Where KL's clipping is the benign kind (a bell-shaped tensor: the
     rounding error it saves on the body outweighs the error of the tail) the rule changes nothing: on
