@@ -231,9 +231,8 @@ def _record_from_json(entry, where: str) -> TensorRecord:
             raise BadInput(f"{where}: histogram bin_width {bin_width!r} is not amax / {len(counts)} bins")
     channel_mean = _channel_floats(entry, "channel_mean", where)
     channel_spread = _channel_floats(entry, "channel_spread", where)
-    if channel_spread is not None and (channel_mean is None or len(channel_spread) != len(channel_mean)
-                                       or min(channel_spread) < 0):
-        raise BadInput(f"{where}: field \"channel_spread\" must be one number >= 0 per entry of \"channel_mean\"")
+    if channel_spread is not None and any(v < 0 for v in channel_spread):
+        raise BadInput(f"{where}: field \"channel_spread\" must be numbers >= 0 (standard deviations)")
     return TensorRecord(name, method, threshold, amax, counts, channel_mean, channel_spread)
 
 

@@ -98,8 +98,12 @@ def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTabl
         if shape is not None and (len(shape) < 2 or len(mean) != shape[1]):
             raise BadInput(f"{calib if not isinstance(calib, CalibrationTable) else 'calibration table'}: tensor "
                            f"'{name}' has {len(mean)} channel means, but the model's tensor has shape {list(shape)}")
+    spreads = {name: r.channel_spread for name, r in table.records.items() if r.channel_spread is not None}
+    for name, spread in spreads.items():  # one spread per channel mean, or the shrinkage (2c) would be silently off
+        if len(spread) != len(means.get(name, ())):
+            raise BadInput(f"{calib if not isinstance(calib, CalibrationTable) else 'calibration table'}: tensor "
+                           f"'{name}' has {len(spread)} channel spreads for {len(means.get(name, ()))} channel means")
     try:
-        spreads = {name: r.channel_spread for name, r in table.records.items() if r.channel_spread is not None}
         program, layers = compile_graph(lowering, thresholds, target, options, means, stated, spreads)
     except QdeployError as error:
         raise type(error)(f"{path}: {error}") from error
