@@ -20,8 +20,9 @@ of qdeploy/reports/metrics.py), top-1 agreement, the per-image distribution (eq.
 source), and the pooled SQNR of the photographs' crops and of the out-of-distribution crops apart. After the
 splits, the spread across them (mean, min, max of each figure).
 
-Run: python bench/fidelity.py [--models 0,1,2] [--folds 3] [--calib 128] [--eval 128] [--workdir DIR] [--json F]
-(each peer's logits and qdeploy's calibration table are kept in the work folder; a rerun reuses them)."""
+Run: python bench/fidelity.py [--models 0,1,2] [--folds 3] [--splits 0,2] [--calib 128] [--eval 128] [--workdir DIR]
+[--json F] (each peer's logits and qdeploy's calibration table are kept in the work folder; a rerun reuses them);
+`--load F1 F2 ...` prints the splits and the spread of earlier runs' --json files (one process per split)."""
 
 from __future__ import annotations
 
@@ -217,7 +218,18 @@ def main() -> None:
     parser.add_argument("--eval", type=int, default=128, help="evaluation crops per split")
     parser.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "qdeploy-bench" / "fidelity-held-out")
     parser.add_argument("--json", type=Path, default=None, help="write every figure here")
+    parser.add_argument("--load", type=Path, nargs="+", default=None,
+                        help="measure nothing: print the splits and their spread from --json files of earlier runs "
+                             "(e.g. one process per split)")
     args = parser.parse_args()
+    if args.load is not None:
+        results = [{**r, "rows": [Row(**row) for row in r["rows"]]}
+                   for path in args.load for r in json.loads(path.read_text())]
+        results.sort(key=lambda r: (r["model"], r["split"]))
+        for result in results:
+            print_split(result)
+        print_spread(results)
+        return
     splits = images.leave_sources_out(args.folds)
     if args.splits is not None:
         splits = [splits[int(i)] for i in args.splits.split(",")]
