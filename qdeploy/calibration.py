@@ -332,9 +332,10 @@ def _collect_on_cluster(spec: str, job: ShardJob, collector: _Collector, warning
     return samples
 
 
-def _mean_of(channel_means: dict[str, np.ndarray], name: str) -> tuple[float, ...] | None:
-    mean = channel_means.get(name)
-    return None if mean is None else tuple(float(v) for v in mean)
+def _per_channel(stats: dict[str, np.ndarray], name: str) -> tuple[float, ...] | None:
+    """A per-channel statistic of `name` (channel means or spreads) as the table's tuple; None if not measured."""
+    values = stats.get(name)
+    return None if values is None else tuple(float(v) for v in values)
 
 
 def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD, *,
@@ -436,8 +437,8 @@ def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD,
         counts = tuple(histogram.counts.tolist()) if histogram is not None else None
         if name in cached:
             records[name] = TensorRecord(name, TENSORRT_METHOD, threshold_from_tensorrt_scale(cached[name]),
-                                         amax, counts, _mean_of(channel_means, name),
-                                         _mean_of(channel_spreads, name))
+                                         amax, counts, _per_channel(channel_means, name),
+                                         _per_channel(channel_spreads, name))
         else:
             threshold = select_threshold(method, histogram.counts, histogram.bin_width, percentile=percentile,
                                          max_clipped_fraction=clipping_budget(fan_in.get(name)))
@@ -445,8 +446,8 @@ def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD,
                 warnings.append(f"tensor '{name}': |x| is at most {amax:.3g}, so small that its scale would not be "
                                 f"a normal float32; threshold raised to {MIN_THRESHOLD:.4g}")
                 threshold = MIN_THRESHOLD
-            records[name] = TensorRecord(name, method, threshold, amax, counts, _mean_of(channel_means, name),
-                                         _mean_of(channel_spreads, name))
+            records[name] = TensorRecord(name, method, threshold, amax, counts, _per_channel(channel_means, name),
+                                         _per_channel(channel_spreads, name))
     timings["thresholds"] = time.perf_counter() - select_start
 
     if stated is not None:  # what compile will do with this table (qdeploy/prequantized.py)
