@@ -72,6 +72,9 @@ class TensorRecord:
     amax: float | None = None  # max |x| over the data (None: imported without data)
     counts: tuple[int, ...] | None = None  # |x| histogram, len(counts) bins over [0, amax]
     channel_mean: tuple[float, ...] | None = None  # mean of x per channel (axis 1), for bias correction
+    # per channel, the standard deviation over the calibration samples of each sample's channel mean (how far the
+    # bias correction can be trusted on other inputs: quantize.py)
+    channel_spread: tuple[float, ...] | None = None
 
     @property
     def scale(self) -> float:
@@ -171,6 +174,8 @@ def _record_json(record: TensorRecord) -> dict:
         entry["histogram"] = {"bin_width": record.bin_width, "counts": list(record.counts)}
     if record.channel_mean is not None:
         entry["channel_mean"] = list(record.channel_mean)
+    if record.channel_spread is not None:
+        entry["channel_spread"] = list(record.channel_spread)
     return entry
 
 
@@ -224,13 +229,21 @@ def _record_from_json(entry, where: str) -> TensorRecord:
         bin_width = _typed(histogram, "bin_width", (int, float), f"{where}: histogram")
         if not math.isclose(bin_width, amax / len(counts), rel_tol=1e-9, abs_tol=0.0):
             raise BadInput(f"{where}: histogram bin_width {bin_width!r} is not amax / {len(counts)} bins")
-    channel_mean = entry.get("channel_mean")
-    if channel_mean is not None:
-        if not isinstance(channel_mean, list) or not all(
-                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in channel_mean):
-            raise BadInput(f"{where}: field \"channel_mean\" must be a list of finite numbers")
-        channel_mean = tuple(float(v) for v in channel_mean)
-    return TensorRecord(name, method, threshold, amax, counts, channel_mean)
+    channel_mean = _channel_floats(entry, "channel_mean", where)
+    channel_spread = _channel_floats(entry, "channel_spread", where)
+    if channel_spread is not None and any(v < 0 for v in channel_spread):
+        raise BadInput(f"{where}: field \"channel_spread\" must be numbers >= 0 (standard deviations)")
+    return TensorRecord(name, method, threshold, amax, counts, channel_mean, channel_spread)
+
+
+def _channel_floats(entry: dict, key: str, where: str) -> tuple[float, ...] | None:
+    values = entry.get(key)
+    if values is None:
+        return None
+    if not isinstance(values, list) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values):
+        raise BadInput(f"{where}: field \"{key}\" must be a list of finite numbers")
+    return tuple(float(v) for v in values)
 
 
 # ---- TensorRT calibration cache ----------------------------------------------------------------------------

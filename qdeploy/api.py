@@ -63,7 +63,7 @@ def load_target_file(path: str | os.PathLike | None) -> Target:
 
 def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTable | None,
             target: str | os.PathLike | Target | None = None, *, per_tensor: bool = False,
-            allow_host_fallback: bool = False, bias_correction: bool = True,
+            allow_host_fallback: bool = False, bias_correction: bool = True, bias_shrinkage: bool = False,
             output: str | os.PathLike | None = None, input_shapes: InputShapes | None = None,
             widen_scales: bool = False) -> CompileResult:
     """Lower `model`, quantize it with the calibration table and the target, and (with `output`) write the
@@ -90,15 +90,21 @@ def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTabl
         table = CalibrationTable({}, "model", 0)
     thresholds = {**table.thresholds, **(stated.thresholds if stated is not None else {})}
     options = CompileOptions(per_channel_weights=target.arithmetic.per_channel_weights and not per_tensor,
-                             allow_host_fallback=allow_host_fallback, bias_correction=bias_correction)
+                             allow_host_fallback=allow_host_fallback, bias_correction=bias_correction,
+                             bias_shrinkage=bias_shrinkage)
     means = {name: r.channel_mean for name, r in table.records.items() if r.channel_mean is not None}
     for name, mean in means.items():  # one mean per channel, or the bias correction would be silently off
         shape = lowering.graph.tensors[name].shape if name in lowering.graph.tensors else None
         if shape is not None and (len(shape) < 2 or len(mean) != shape[1]):
             raise BadInput(f"{calib if not isinstance(calib, CalibrationTable) else 'calibration table'}: tensor "
                            f"'{name}' has {len(mean)} channel means, but the model's tensor has shape {list(shape)}")
+    spreads = {name: r.channel_spread for name, r in table.records.items() if r.channel_spread is not None}
+    for name, spread in spreads.items():  # one spread per channel mean, or the shrinkage (2c) would be silently off
+        if len(spread) != len(means.get(name, ())):
+            raise BadInput(f"{calib if not isinstance(calib, CalibrationTable) else 'calibration table'}: tensor "
+                           f"'{name}' has {len(spread)} channel spreads for {len(means.get(name, ()))} channel means")
     try:
-        program, layers = compile_graph(lowering, thresholds, target, options, means, stated)
+        program, layers = compile_graph(lowering, thresholds, target, options, means, stated, spreads)
     except QdeployError as error:
         raise type(error)(f"{path}: {error}") from error
     program.manifest["model"] = path.name

@@ -130,6 +130,10 @@ class _Collector:
         # sum is added in sample order, so the sums do not depend on how samples are batched or sharded.
         self.channel_sums: dict[str, np.ndarray] = {}
         self.channel_counts: dict[str, int] = {}
+        # Per-channel sums of each sample's channel mean squared, and the samples: how much the mean input moves
+        # from one sample to the next, which bounds how far the bias correction can be trusted (quantize.py).
+        self.channel_square_sums: dict[str, np.ndarray] = {}
+        self.channel_samples: dict[str, int] = {}
         # Only where axis 1 is the channels: a static size after the batch. A tensor whose batch moved off axis 0
         # (a legacy export's (3, N, heads, T, d) after a Transpose) has no channel means to give.
         self.has_channels = {name for name in names if (shape := graph.tensors[name].shape) is not None
@@ -139,12 +143,25 @@ class _Collector:
         return {name: sums / self.channel_counts[name] for name, sums in self.channel_sums.items()
                 if self.channel_counts[name]}
 
+    def channel_spreads(self) -> dict[str, np.ndarray]:
+        """Per channel, the standard deviation over the samples of each sample's channel mean m_i:
+        sqrt(max(0, mean_i m_i^2 - (mean_i m_i)^2)) (every sample of a tensor has the same element count, so
+        mean_i m_i is the channel mean)."""
+        means = self.channel_means()
+        return {name: np.sqrt(np.maximum(0.0, squares / self.channel_samples[name] - means[name] ** 2))
+                for name, squares in self.channel_square_sums.items() if name in means and self.channel_samples[name]}
+
     def add_channel_sums(self, name: str, per_sample: np.ndarray, elements: int) -> None:
         """Add (samples, channels) per-sample sums one sample after the other (add.accumulate is sequential)."""
         start = self.channel_sums.get(name)
         rows = per_sample if start is None else np.vstack([start[None], per_sample])
         self.channel_sums[name] = np.add.accumulate(rows, axis=0)[-1]
         self.channel_counts[name] = self.channel_counts.get(name, 0) + elements
+        squares = (per_sample / (elements // len(per_sample))) ** 2
+        start = self.channel_square_sums.get(name)
+        rows = squares if start is None else np.vstack([start[None], squares])
+        self.channel_square_sums[name] = np.add.accumulate(rows, axis=0)[-1]
+        self.channel_samples[name] = self.channel_samples.get(name, 0) + len(per_sample)
 
     def merge(self, other: _Collector) -> None:
         """Add a collector that saw the samples after this one's (a later shard): histograms merge exactly,
@@ -315,9 +332,10 @@ def _collect_on_cluster(spec: str, job: ShardJob, collector: _Collector, warning
     return samples
 
 
-def _mean_of(channel_means: dict[str, np.ndarray], name: str) -> tuple[float, ...] | None:
-    mean = channel_means.get(name)
-    return None if mean is None else tuple(float(v) for v in mean)
+def _per_channel(stats: dict[str, np.ndarray], name: str) -> tuple[float, ...] | None:
+    """A per-channel statistic of `name` (channel means or spreads) as the table's tuple; None if not measured."""
+    values = stats.get(name)
+    return None if values is None else tuple(float(v) for v in values)
 
 
 def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD, *,
@@ -373,6 +391,7 @@ def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD,
 
     histograms: dict[str, StreamingHistogram] = {}
     channel_means: dict[str, np.ndarray] = {}
+    channel_spreads: dict[str, np.ndarray] = {}
     samples = 0
     if data is not None:
         source = open_data(data, num_samples=num_samples, input_names=graph.inputs,
@@ -395,6 +414,7 @@ def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD,
             samples = _collect_on_cluster(cluster, job, collector, warnings, progress)
         histograms = collector.histograms
         channel_means = collector.channel_means()
+        channel_spreads = collector.channel_spreads()
         timings["collect"] = time.perf_counter() - collect_start
 
     cached: dict[str, float] = {}
@@ -417,7 +437,8 @@ def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD,
         counts = tuple(histogram.counts.tolist()) if histogram is not None else None
         if name in cached:
             records[name] = TensorRecord(name, TENSORRT_METHOD, threshold_from_tensorrt_scale(cached[name]),
-                                         amax, counts, _mean_of(channel_means, name))
+                                         amax, counts, _per_channel(channel_means, name),
+                                         _per_channel(channel_spreads, name))
         else:
             threshold = select_threshold(method, histogram.counts, histogram.bin_width, percentile=percentile,
                                          max_clipped_fraction=clipping_budget(fan_in.get(name)))
@@ -425,7 +446,8 @@ def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD,
                 warnings.append(f"tensor '{name}': |x| is at most {amax:.3g}, so small that its scale would not be "
                                 f"a normal float32; threshold raised to {MIN_THRESHOLD:.4g}")
                 threshold = MIN_THRESHOLD
-            records[name] = TensorRecord(name, method, threshold, amax, counts, _mean_of(channel_means, name))
+            records[name] = TensorRecord(name, method, threshold, amax, counts, _per_channel(channel_means, name),
+                                         _per_channel(channel_spreads, name))
     timings["thresholds"] = time.perf_counter() - select_start
 
     if stated is not None:  # what compile will do with this table (qdeploy/prequantized.py)

@@ -307,6 +307,10 @@ def compile(model: Path = typer.Argument(..., help="An .onnx model."),
             bias_correction: bool = typer.Option(True, "--bias-correction/--no-bias-correction",
                                                  help="Correct each channel's bias for the weights' rounding "
                                                       "(uses the channel means in the calibration table)."),
+            bias_shrinkage: bool = typer.Option(False, "--bias-shrinkage/--no-bias-shrinkage",
+                                                help="Shrink each channel's bias correction where the calibration "
+                                                     "samples disagree on it (uses the channel spreads in the "
+                                                     "table), so inputs unlike them are not pushed further off."),
             widen_scales: bool = typer.Option(False, "--widen-scales",
                                               help="Pre-quantized model: give an activation with a zero point other "
                                                    "than 0 or per-channel scales one scale covering its range, "
@@ -319,7 +323,7 @@ def compile(model: Path = typer.Argument(..., help="An .onnx model."),
 
     check_output(output, model, calib, target)
     result = _api().compile(model, calib, target, per_tensor=per_tensor, allow_host_fallback=allow_host_fallback,
-                         bias_correction=bias_correction, output=output, input_shapes=parse_input_shapes(input_shape),
+                         bias_correction=bias_correction, bias_shrinkage=bias_shrinkage, output=output, input_shapes=parse_input_shapes(input_shape),
                          widen_scales=widen_scales)
     perf = _api().estimate_performance(model, result.program)
     if json_output:

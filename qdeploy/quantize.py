@@ -108,6 +108,7 @@ class CompileOptions:
     per_channel_weights: bool = True
     allow_host_fallback: bool = False
     bias_correction: bool = True  # eq. (2b), where the calibration table has the input's channel means
+    bias_shrinkage: bool = False  # eq. (2c), where the table also has the spread of the channel means
 
 
 def _shape(graph: Graph, name: str) -> list:
@@ -261,11 +262,15 @@ def _bits_for(bound: float) -> int:
 class _Compiler:
     def __init__(self, lowered: LoweringResult, thresholds: dict[str, float], target: Target,
                  options: CompileOptions, channel_means: dict[str, tuple[float, ...]] | None = None,
-                 stated: ModelQuantization | None = None):
+                 stated: ModelQuantization | None = None,
+                 channel_spreads: dict[str, tuple[float, ...]] | None = None):
         self.graph, self.target, self.options = lowered.graph, target, options
         self.scales = _Scales(self.graph, thresholds, target, stated)
         self.stated_weights = stated.weights if stated is not None else {}
         self.channel_means = {name: np.asarray(mean, np.float64) for name, mean in (channel_means or {}).items()}
+        self.channel_spreads = {name: np.asarray(spread, np.float64)
+                                for name, spread in (channel_spreads or {}).items()}
+        self.shrunk = 0  # GEMMs whose bias correction eq. (2c) shrank (the manifest says whether any was)
         self.arrays: dict[str, np.ndarray] = {}
         self.reports: list[LayerReport] = []
 
@@ -344,54 +349,83 @@ class _Compiler:
         q_w[widen] = np.clip(np.round(rows[widen] / s_w[widen, None]), -127, 127).astype(np.int8)
         return q_w, s_w
 
-    def _input_channel_means(self, name: str) -> np.ndarray | None:
-        """The calibration table's per-channel mean of `name`, looking through the views that calibration does
-        not measure: reshapes that keep the channel axis (Flatten of an (N, C, 1, 1) tensor), channel windows
-        and channel permutations (whose means are the window or the permutation of their input's)."""
-        if name in self.channel_means:
-            return self.channel_means[name]
+    def _input_channel_stat(self, stats: dict[str, np.ndarray], name: str) -> np.ndarray | None:
+        """A per-channel calibration statistic of `name` (`stats`: the channel means or their spreads), looking
+        through the views that calibration does not measure: reshapes that keep the channel axis (Flatten of an
+        (N, C, 1, 1) tensor), channel windows and channel permutations (whose statistics are the window or the
+        permutation of their input's)."""
+        if name in stats:
+            return stats[name]
         node = self.scales.producers.get(name)
         if node is None or node.op not in VIEW_KINDS:
             return None
-        mean = self._input_channel_means(node.inputs[0])
-        if mean is None:
+        stat = self._input_channel_stat(stats, node.inputs[0])
+        if stat is None:
             return None
         if node.op == Kind.CHANNEL_SLICE:
-            return mean[node.attrs["start"]:node.attrs["start"] + node.attrs["count"]]
+            return stat[node.attrs["start"]:node.attrs["start"] + node.attrs["count"]]
         if node.op == Kind.CHANNEL_PERMUTE:
-            return mean[np.asarray(node.attrs["perm"])]
+            return stat[np.asarray(node.attrs["perm"])]
         if _shape(self.graph, node.inputs[0])[1:2] != _shape(self.graph, name)[1:2]:
             return None
-        return mean
+        return stat
 
     def _bias_correction(self, node: Node, weight: np.ndarray, dequantized: np.ndarray) -> np.ndarray | None:
         """Eq. (2b): delta[c] = sum_k E[x_k] (W[c, k] - s_w[c] q_w[c, k]), the mean shift the weights'
         rounding causes, added to the float bias before it is quantized (Nagel et al., "Data-Free
         Quantization", ICCV 2019, eq. 14, with E[x] measured at calibration). For a conv, E[x_k] of tap
         (i, j) of channel c is mean[c] times the fraction of output positions where that tap reads the input
-        rather than the zero padding."""
+        rather than the zero padding, so delta[c] = sum_j e[c, j] mean[j] with e[c, j] the error of output
+        channel c summed over the taps of input channel j (each weighted by its fraction).
+
+        Eq. (2c), shrinkage (options.bias_shrinkage, where the table has the spreads): delta is the mean shift
+        of the calibration samples, but one sample's own shift is delta_i[c] = sum_j e[c, j] m_i[j], with m_i
+        its channel means; where delta_i moves a lot from sample to sample relative to delta, the constant
+        correction is right on average and wrong on inputs unlike the average (it pushes them further off). So
+        delta[c] is kept in the proportion its calibration samples agree on it:
+
+            delta'[c] = delta[c] * delta[c]^2 / (delta[c]^2 + v[c]),   v[c] = sum_j e[c, j]^2 sd_j^2
+
+        with sd_j the spread of m_i[j] over the samples (the channels taken as independent); a correction the
+        samples agree on (v << delta^2) stays whole, one whose sign the samples do not agree on (v >> delta^2)
+        goes to zero (Wiener's shrinkage of a mean towards zero by its signal-to-variance ratio)."""
         if not self.options.bias_correction:
             return None
-        mean = self._input_channel_means(node.inputs[0])
+        mean = self._input_channel_stat(self.channel_means, node.inputs[0])
         if mean is None:
             return None
         error = weight - dequantized.astype(np.float64)
         if node.op == Kind.DENSE_GEMM:
-            return error @ mean if mean.size == error.shape[1] else None
-        groups = int(node.attrs["group"])
-        out_channels, per_group, kh, kw = weight.shape
-        if mean.size != per_group * groups:
-            return None
-        _, _, height, width = _shape(self.graph, node.inputs[0])
-        (sh, sw), (dh, dw), (pt, pl, pb, pr) = node.attrs["strides"], node.attrs["dilations"], node.attrs["pads"]
-        read = _read_fields(node.attrs)
-        fh, fw = read.get("upsample", (1, 1))
-        fill, pad_fill = read.get("upsample_fill"), read.get("pad_fill")
-        taps = np.outer(real_tap_fraction(height, kh, sh, pt, pb, dh, fh, fill, pad_fill),
-                        real_tap_fraction(width, kw, sw, pl, pr, dw, fw, fill, pad_fill))
-        means = mean.reshape(groups, 1, per_group)  # (G, 1, C/G)
-        error = error.reshape(groups, out_channels // groups, per_group, kh, kw)
-        return np.einsum("gmcij,gc,ij->gm", error, means[:, 0, :], taps).reshape(-1)
+            if mean.size != error.shape[1]:
+                return None
+            per_input = error  # (M, C)
+            delta = per_input @ mean
+        else:
+            groups = int(node.attrs["group"])
+            out_channels, per_group, kh, kw = weight.shape
+            if mean.size != per_group * groups:
+                return None
+            _, _, height, width = _shape(self.graph, node.inputs[0])
+            (sh, sw), (dh, dw), (pt, pl, pb, pr) = (node.attrs["strides"], node.attrs["dilations"],
+                                                    node.attrs["pads"])
+            read = _read_fields(node.attrs)
+            fh, fw = read.get("upsample", (1, 1))
+            fill, pad_fill = read.get("upsample_fill"), read.get("pad_fill")
+            taps = np.outer(real_tap_fraction(height, kh, sh, pt, pb, dh, fh, fill, pad_fill),
+                            real_tap_fraction(width, kw, sw, pl, pr, dw, fw, fill, pad_fill))
+            error = error.reshape(groups, out_channels // groups, per_group, kh, kw)
+            per_input = np.einsum("gmcij,ij->gmc", error, taps)  # (G, M/G, C/G)
+            delta = np.einsum("gmc,gc->gm", per_input, mean.reshape(groups, per_group)).reshape(-1)
+        spread = self._input_channel_stat(self.channel_spreads, node.inputs[0])
+        if not self.options.bias_shrinkage or spread is None or spread.size != mean.size:
+            return delta
+        if node.op == Kind.DENSE_GEMM:
+            variance = per_input ** 2 @ spread ** 2
+        else:
+            variance = np.einsum("gmc,gc->gm", per_input ** 2, spread.reshape(groups, per_group) ** 2).reshape(-1)
+        self.shrunk += 1
+        power = delta ** 2
+        return delta * np.divide(power, power + variance, out=np.zeros_like(power), where=power + variance > 0)
 
     def _requant(self, index: int, s_in: float, s_w: np.ndarray, s_out: float) -> Requantize:
         """Eq. (4) per channel: M = s_in * s_w[c] / s_out as (mult, shift); and the float32 multiplier of
@@ -506,6 +540,7 @@ class _Compiler:
         manifest = {"toolkit_version": __version__, "target": target_to_dict(self.target),
                     "options": {"per_channel_weights": self.options.per_channel_weights,
                                 "bias_correction": self.options.bias_correction and bool(self.channel_means),
+                                **({"bias_shrinkage": True} if self.shrunk else {}),
                                 "unsigned_activations": self.target.arithmetic.unsigned_activations,
                                 **({"prequantized": True} if self.stated_weights or self.scales.stated else {})},
                     "inputs": list(graph.inputs), "outputs": list(graph.outputs),
@@ -564,9 +599,11 @@ COMPILERS = {Kind.CONV_GEMM: _Compiler.gemm, Kind.DENSE_GEMM: _Compiler.gemm, Ki
 def compile_graph(lowered: LoweringResult, thresholds: dict[str, float], target: Target,
                   options: CompileOptions | None = None,
                   channel_means: dict[str, tuple[float, ...]] | None = None,
-                  stated: ModelQuantization | None = None) -> tuple[Program, list[LayerReport]]:
+                  stated: ModelQuantization | None = None,
+                  channel_spreads: dict[str, tuple[float, ...]] | None = None) -> tuple[Program, list[LayerReport]]:
     """Quantize the lowered graph (equations (1)-(5) of the module docstring) into a Program;
-    `channel_means` (tensor -> mean per channel, from calibration) enables the bias correction (2b).
+    `channel_means` (tensor -> mean per channel, from calibration) enables the bias correction (2b), and
+    `channel_spreads` (the spread of each sample's channel means) its shrinkage (2c).
     `stated`: what a pre-quantized model states; its tensors take the model's signedness, its GEMMs the
     model's integer weights and scales, and its bias where no fold changed it (qdeploy/prequantized.py)."""
     options = options or CompileOptions()
@@ -575,7 +612,7 @@ def compile_graph(lowered: LoweringResult, thresholds: dict[str, float], target:
         if pooled:
             raise Unsupported(f"instruction '{pooled[0].name}' ends in a MaxPool, which runs as window-max on the "
                               f"store path, and the target has none (window_max_on_store = false)")
-    compiler = _Compiler(lowered, thresholds, target, options, channel_means, stated)
+    compiler = _Compiler(lowered, thresholds, target, options, channel_means, stated, channel_spreads)
     program = compiler.compile()
     record_tiles(program.manifest, target)  # "tiles" per GEMM instruction (qdeploy/perf.py, docs/hardware.md)
     return program, compiler.reports

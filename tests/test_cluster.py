@@ -230,6 +230,7 @@ def test_channel_sums_do_not_depend_on_batching_or_sharding(lite0):
     assert tables[0] == tables[1]
     for name in names:
         assert np.array_equal(collector.channel_means().get(name, 0), single.channel_means().get(name, 0)), name
+        assert np.array_equal(collector.channel_spreads().get(name, 0), single.channel_spreads().get(name, 0)), name
 
 
 def test_local_workers_get_disjoint_shares_of_the_cpus():

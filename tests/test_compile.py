@@ -307,6 +307,43 @@ def test_bias_correction_removes_the_mean_shift_of_weight_rounding(tmp_path):
     assert errors[True].mean() < 0.25 * errors[False].mean()
 
 
+def test_bias_shrinkage_keeps_the_correction_the_samples_agree_on(tmp_path):
+    """Eq. (2c): calibration records, per channel, the spread over the samples of each sample's channel mean;
+    the shrunk correction is delta * delta^2 / (delta^2 + v), v = sum_j e[c, j]^2 sd_j^2, integer for integer
+    as recomputed here from the program's weights. Input channels 0-3 have the same mean in every sample
+    (a correction the samples agree on), channels 4-7 a mean that flips sign from sample to sample."""
+    nodes = [helper.make_node("Conv", ["x", "W"], ["y"], name="conv")]
+    path = save(make_model(nodes, [("x", ["N", 8, 5, 5])], [("y", ["N", 16, 3, 3])],
+                           {"W": rng_weights(7, 16, 8, 3, 3, scale=0.05)}), tmp_path / "conv.onnx")
+    rng = np.random.default_rng(8)
+    x = (0.3 * rng.standard_normal((48, 8, 5, 5))).astype(np.float32)
+    x[:, :4] += 2.0
+    x[:, 4:] += np.where(np.arange(48) % 2, 3.0, -3.0).astype(np.float32)[:, None, None, None]
+    table = calibrate(path, x, "max", num_samples=48, batch_size=16).table
+    sample_means = x.astype(np.float64).mean(axis=(2, 3))
+    np.testing.assert_allclose(table.records["x"].channel_spread, sample_means.std(axis=0), rtol=1e-6, atol=1e-9)
+    plain = api.compile(path, table).program
+    shrunk = api.compile(path, table, bias_shrinkage=True).program
+    assert "bias_shrinkage" not in plain.manifest["options"] and shrunk.manifest["options"]["bias_shrinkage"]
+    (gemm,) = [i for i in shrunk.instructions if i["kind"] == "ConvGemm"]
+    q_w = shrunk.arrays[gemm["weight"]].astype(np.float64).reshape(16, 8, 3, 3)
+    s_w = shrunk.arrays[gemm["weight_scale"]].astype(np.float64)
+    error = (rng_weights(7, 16, 8, 3, 3, scale=0.05).astype(np.float64) - s_w[:, None, None, None] * q_w).sum(
+        axis=(2, 3))  # no padding: every tap reads the input at every output position
+    mean = np.asarray(table.records["x"].channel_mean)
+    spread = np.asarray(table.records["x"].channel_spread)
+    delta = error @ mean
+    variance = error ** 2 @ spread ** 2
+    s_in = shrunk.tensors["x"]["scale"]
+    want = np.round(delta * delta ** 2 / (delta ** 2 + variance) / (s_in * s_w)).astype(np.int32)
+    np.testing.assert_array_equal(shrunk.arrays[gemm["bias"]], want)
+    (plain_gemm,) = [i for i in plain.instructions if i["kind"] == "ConvGemm"]
+    np.testing.assert_array_equal(plain.arrays[plain_gemm["bias"]], np.round(delta / (s_in * s_w)).astype(np.int32))
+    # the flipping channels' spread (3) dwarfs their mean (about 0): their part of each correction is dropped
+    assert np.all(spread[4:] > 2.9) and np.all(spread[:4] < 0.1)
+    assert np.any(np.abs(want) < 0.5 * np.abs(plain.arrays[plain_gemm["bias"]]))
+
+
 def test_channel_with_tiny_weights_and_large_bias_does_not_overflow(tmp_path):
     """After BN folding a channel can have weights near 0 and a large bias: max-abs alone would give
     q_b = b / (s_in * s_w) far beyond 2^31. The compiler widens that channel's s_w so the sum fits."""

@@ -52,6 +52,54 @@ def test_cosine_of_hand_made_arrays():
     assert metrics.cosine_per_sample(f[1:2], f[1:2])[0] == pytest.approx(1.0, abs=1e-15)
 
 
+def test_per_sample_distribution_of_hand_made_energies():
+    """Eq. (6): per-sample SQNR 10 log10(signal / noise); lower median and lower 10th percentile are samples'
+    own values; the worst source is the one with the lowest SQNR pooled over its samples, not the one holding
+    the worst sample."""
+    # per-sample SQNR: 20, 10, 30, 0, +inf (exact), 40, 20, 20, 10, 30 dB
+    signal = np.array([100.0, 10, 1000, 1, 5, 10000, 100, 100, 10, 1000])
+    noise = np.array([1.0, 1, 1, 1, 0, 1, 1, 1, 1, 1])
+    sources = ["a", "a", "b", "b", "c", "c", "d", "d", "e", "e"]
+    plain = metrics.sample_distribution(signal, noise)
+    assert (plain.samples, plain.median_db, plain.worst_decile_db, plain.worst_source) == (10, 20.0, 0.0, None)
+    named = metrics.sample_distribution(signal, noise, sources)
+    # b holds the worst sample (0 dB) but pools to 10 log10(1001 / 2) = 27.0 dB; e pools to 10 log10(1010 / 2)
+    # = 27.03 dB; a to 10 log10(110 / 2) = 17.4 dB: the worst source
+    assert named.worst_source == "a" and named.worst_source_db == pytest.approx(10 * math.log10(55))
+    assert named.source_db["c"] == 10 * math.log10(10005)
+    assert named.to_json()["median_sqnr_db"] == 20.0 and named.to_json()["source_sqnr_db"]["b"] == pytest.approx(
+        10 * math.log10(1001 / 2))
+    assert metrics.sample_distribution(np.zeros(0), np.zeros(0)) is None
+    exact = metrics.sample_distribution(np.array([1.0, 1.0]), np.zeros(2))
+    assert exact.median_db == math.inf and exact.to_json()["median_sqnr_db"] is None  # null: exact
+    with pytest.raises(ValueError, match="3 sources for 2 samples"):
+        metrics.sample_distribution(np.ones(2), np.ones(2), ["a", "b", "c"])
+
+
+def test_sample_sources_of_an_image_folder(tmp_path):
+    """Sources from the folder's sources.json where it names every image, else from one subfolder per source,
+    else unknown; in the data's order (sorted relative paths)."""
+    from PIL import Image
+
+    from qdeploy.reports.inputs import sample_sources
+
+    def image(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(np.zeros((4, 4, 3), np.uint8)).save(path)
+
+    for name in ("retina/2.png", "retina/1.png", "moon/9.png"):
+        image(tmp_path / "by_folder" / name)
+    assert sample_sources(tmp_path / "by_folder") == ["moon", "retina", "retina"]
+    for name in ("b.png", "a.png"):
+        image(tmp_path / "flat" / name)
+    assert sample_sources(tmp_path / "flat") is None and sample_sources(np.zeros((2, 3))) is None
+    (tmp_path / "flat" / "sources.json").write_text(json.dumps(
+        {"images": [{"file": "a.png", "source": "page"}, {"file": "b.png", "source": "text"}]}))
+    assert sample_sources(tmp_path / "flat") == ["page", "text"]
+    (tmp_path / "flat" / "sources.json").write_text(json.dumps({"images": [{"file": "a.png", "source": "page"}]}))
+    assert sample_sources(tmp_path / "flat") is None  # b.png unnamed: the manifest is not used
+
+
 def test_agreement_and_accuracy_of_hand_made_logits():
     # 4 samples, 6 classes; float top-1 = 0, 1, 2, 3
     f = np.eye(6)[[0, 1, 2, 3]] * 10 + np.arange(6) * 0.1
@@ -123,6 +171,7 @@ def test_report_writes_markdown_json_and_figures(resnet_report):
                      "](histograms.png)", "## Lowering", "## Settings", "accuracy drop", "Regenerate with"):
         assert fragment in markdown
     assert markdown.count("| ConvGemm |") == 9
+    assert "| logits SQNR per sample (a pooled figure hides which inputs fail) | median " in markdown
 
 
 def test_report_figures_match_machine_run_and_float_graph(resnet_report):
@@ -139,6 +188,11 @@ def test_report_figures_match_machine_run_and_float_graph(resnet_report):
     assert document["cosine"] == pytest.approx(float(np.mean(metrics.cosine_per_sample(f, q))), abs=1e-9)
     assert document["accuracy_float"] == np.mean(f.argmax(1) == labels)
     assert document["accuracy_int8"] == np.mean(q.argmax(1) == labels)
+    per_sample = 10 * np.log10(np.sum(f.astype(np.float64) ** 2, 1) / np.sum((f.astype(np.float64) - q) ** 2, 1))
+    ordered = np.sort(per_sample)  # lower median of 24: the 12th value; lower 10th percentile: the 3rd
+    assert document["per_sample"]["samples"] == EVAL_SAMPLES and document["per_sample"]["worst_source"] is None
+    assert document["per_sample"]["median_sqnr_db"] == pytest.approx(ordered[11], abs=1e-4)
+    assert document["per_sample"]["worst_decile_sqnr_db"] == pytest.approx(ordered[2], abs=1e-4)
     assert document["accuracy_drop_points"] == pytest.approx(
         100 * (document["accuracy_float"] - document["accuracy_int8"]))
 
@@ -261,6 +315,8 @@ def test_peer_and_ablation_rows_are_measured_like_ours(resnet_case, tmp_path):
         assert same["logits_sqnr_db"] == pytest.approx(document["logits_sqnr_db"], abs=1e-4)
         # the float logits again, batched differently: BLAS rounding only (float32, ~1e-7 relative: ~140 dB)
         assert exact["top1_agreement"] == 1.0 and (exact["logits_sqnr_db"] is None or exact["logits_sqnr_db"] > 120)
+        assert same["per_sample"]["median_sqnr_db"] == pytest.approx(document["per_sample"]["median_sqnr_db"],
+                                                                      abs=1e-4)
     assert "best" not in document["ablation"]
     markdown = (tmp_path / "out" / "report.md").read_text()
     assert "## Peer" in markdown and "## Ablation" in markdown and "Peer settings: same: k=1" in markdown

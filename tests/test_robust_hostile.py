@@ -566,6 +566,10 @@ TABLE_CASES = {
                          "histogram counts"),
     "channel means of the wrong count": (_table_edit(lambda d: next(r for r in d["tensors"] if "channel_mean" in r)
                                                      .update(channel_mean=[0.5])), "has 1 channel means"),
+    "channel spreads of the wrong count": (_table_edit(lambda d: next(r for r in d["tensors"] if "channel_spread" in r)
+                                                       .update(channel_spread=[0.5])), "has 1 channel spreads"),
+    "negative channel spread": (_table_edit(lambda d: next(r for r in d["tensors"] if "channel_spread" in r)
+                                            .update(channel_spread=[-1.0])), 'field "channel_spread" must be numbers >= 0'),
     "tensor listed twice": (_table_edit(lambda d: d["tensors"].append(d["tensors"][0])), "listed twice"),
     "tensors is an object": (_table_edit(lambda d: d.update(tensors={})), 'field "tensors" must be list'),
     "record is a list": (_table_edit(lambda d: d["tensors"].__setitem__(0, [1])), "must be an object"),

@@ -112,6 +112,29 @@ def test_calibration_and_evaluation_images_share_no_source(tmp_path):
         assert min(image.size) == 256 and image.mode == "RGB"
 
 
+def test_leave_sources_out_splits_hold_out_whole_scenes_of_every_kind(tmp_path):
+    """Each source is evaluated in exactly one split and calibrates the others; a scene (the motorcycle pair) is
+    never on both sides; every split has photographs and out-of-distribution kinds on both sides; the folders
+    hold views of their side's sources only."""
+    splits = images.leave_sources_out(3)
+    pool = [source.name for source in images.POOL]
+    assert sorted(name for split in splits for name in split.eval) == sorted(pool)
+    scene = {source.name: source.scene_name for source in images.POOL}
+    for split in splits:
+        assert sorted(split.calib + split.eval) == sorted(pool)
+        assert not {scene[n] for n in split.calib} & {scene[n] for n in split.eval}
+        for side in (split.calib, split.eval):
+            kinds = {images.source_kind(n) for n in side}
+            assert "photograph" in kinds and len(kinds) >= 4, (split.name, kinds)
+    calib_dir, eval_dir = images.make_split_folders(tmp_path / "c", tmp_path / "e", splits[2], 9, 7, size=64)
+    for folder, side, n in ((calib_dir, splits[2].calib, 9), (eval_dir, splits[2].eval, 7)):
+        manifest = json.loads((folder / images.MANIFEST).read_text())
+        assert manifest["sources"] == list(side) and len(manifest["images"]) == n
+        assert [entry["source"] for entry in manifest["images"]] == [side[i % len(side)] for i in range(n)]
+    with pytest.raises(ValueError, match="at least 2 folds"):
+        images.leave_sources_out(1)
+
+
 def test_image_batch_equals_the_png_files(tmp_path):
     _, eval_dir = images.make_image_folders(tmp_path / "c", tmp_path / "e", 0, 3, seed=7, image_format="png")
     files = sorted(eval_dir.glob("*.png"))

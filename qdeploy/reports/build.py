@@ -6,7 +6,9 @@ report folder, each file atomically: the figures (plots.py), report.json (the `d
 report.json (format "qdeploy-report", version 1; fractions in [0, 1], SQNR in dB, null for an infinite SQNR):
   top1_agreement, top5_agreement, logits_sqnr_db, cosine, cosine_min, accuracy_float, accuracy_int8,
   accuracy_drop_points, top5_accuracy_float, top5_accuracy_int8 (the accuracies null without labels),
-  samples, data, model, program, labels, output (the output measured), input_sqnr_db {input: dB},
+  per_sample {samples, median_sqnr_db, worst_decile_sqnr_db, worst_source, worst_source_sqnr_db, source_sqnr_db}
+  (metrics.py eq. (6): the logits SQNR per sample; the sources from the image folder's sources.json or
+  subfolders, else null: qdeploy/reports/inputs.py `sample_sources`), samples, data, model, program, labels, output (the output measured), input_sqnr_db {input: dB},
   pixel_agreement, pixels, output_sqnr_db {output: dB} (only for an NCHW chosen output: dense prediction),
   outputs [{name, shape, dense, chosen, sqnr_db, cosine, top1_agreement, pixel_agreement (dense, else null)}]
   (every output of the program; the headline, peer, ablation and error-split figures measure the chosen one,
@@ -23,7 +25,7 @@ report.json (format "qdeploy-report", version 1; fractions in [0, 1], SQNR in dB
   calibration_samples, per_channel_weights, compile_options, arithmetic, preprocess, batch_size},
   lowering_check {samples, max_relative_error}, error_split {weights_only, activations_only: {logits_sqnr_db,
   top1_agreement}} (qdeploy/reports/evaluate.py), peer (null, or {name, description, entries [{label, toolkit
-  (the entry's own toolkit, or null: the peer's name), top1_agreement, top5_agreement, logits_sqnr_db, cosine, accuracy_int8, settings, best}], best,
+  (the entry's own toolkit, or null: the peer's name), top1_agreement, top5_agreement, logits_sqnr_db, cosine, accuracy_int8, per_sample, settings, best}], best,
   ours_minus_best}), ablation (null, or {name, description, entries} as peer's, without best), plots {sqnr,
   histograms}, seconds, command, warnings."""
 
@@ -57,7 +59,7 @@ from qdeploy.program import Program, read_program
 from qdeploy.reports import DEFAULT_BATCH_SIZE, metrics
 from qdeploy.reports.evaluate import Evaluator, check_original
 from qdeploy_base.fileio import atomic_write
-from qdeploy.reports.inputs import check_program_matches, load_labels, load_peer
+from qdeploy.reports.inputs import check_program_matches, load_labels, load_peer, sample_sources
 from qdeploy.reports.plots import short_name
 from qdeploy.samples import choose_preprocess, program_preprocess
 from qdeploy.summary import format_host_work
@@ -86,6 +88,8 @@ class ReportResult:
                  f"  top-1 agreement {metrics.format_percent(d['top1_agreement'])}   top-5 agreement {metrics.format_percent(d['top5_agreement'])}",
                  f"  logits SQNR {metrics.format_json_db(d['logits_sqnr_db'])}   cosine {d['cosine']:.4f} "
                  f"(min {d['cosine_min']:.4f})"]
+        if d.get("per_sample") is not None:
+            lines.append(f"  per sample: {metrics.per_sample_text(d['per_sample'])}")
         for row in d.get("input_range", []):
             if row["mismatch"]:
                 lines.append(f"  PREPROCESSING MISMATCH: {input_range_message(row)}")
@@ -277,8 +281,10 @@ def _clipping_budget_moves(table: CalibrationTable, fan_in: dict[str, int]) -> l
     return moves
 
 
-def _summarise_entries(peer, stats_list, evaluator: Evaluator, labels: np.ndarray | None) -> list[dict]:
-    """Agreement, SQNR and cosine of each entry of a peer-format file against the float model."""
+def _summarise_entries(peer, stats_list, evaluator: Evaluator, labels: np.ndarray | None,
+                       sources: list[str] | None) -> list[dict]:
+    """Agreement, SQNR, cosine and the per-sample distribution of each entry of a peer-format file against the
+    float model."""
     entries = []
     for stats, entry in zip(stats_list, peer.entries):
         top = np.concatenate(stats.top)
@@ -289,13 +295,14 @@ def _summarise_entries(peer, stats_list, evaluator: Evaluator, labels: np.ndarra
                   "accuracy_int8": None, "settings": entry.settings, "best": False}
         if labels is not None:
             record["accuracy_int8"] = metrics.accuracy(top, labels)[0]
+        record["per_sample"] = metrics.distribution_json(stats.energies, sources)
         entries.append(record)
     return entries
 
 
 def _summarise_peer(peer, stats_list, evaluator: Evaluator, labels: np.ndarray | None, ours_top1: float,
-                    ours_sqnr: float) -> dict:
-    entries = _summarise_entries(peer, stats_list, evaluator, labels)
+                    ours_sqnr: float, sources: list[str] | None) -> dict:
+    entries = _summarise_entries(peer, stats_list, evaluator, labels, sources)
     best = max(entries, key=lambda e: (e["top1_agreement"], metrics.db_from_json(e["logits_sqnr_db"])))
     best["best"] = True
     return {"name": peer.name, "description": peer.description, "entries": entries, "best": best["label"],
@@ -404,6 +411,7 @@ def build_report(model: str | os.PathLike, program: str | os.PathLike | Program,
         "labels": None if labels is None or isinstance(labels, np.ndarray) else str(labels),
         "output": evaluator.output.name,
         **_agreement(evaluator, used_labels),
+        "per_sample": metrics.distribution_json(evaluator.output.energies, inputs.sources),
         **_dense_outputs(evaluator.output, layers, program),
         "outputs": _every_output(evaluator),
         "input_range": _input_range(evaluator, program),
@@ -477,6 +485,7 @@ class _Inputs:
     ablation: object | None
     compared: list
     output_name: str | None
+    sources: list[str] | None = None  # each sample's source image (inputs.sample_sources), None: unknown
 
 
 def _read_inputs(data, program: Program, program_source: str, graph, labels, calib, peer, ablation,
@@ -522,7 +531,10 @@ def _read_inputs(data, program: Program, program_source: str, graph, labels, cal
                 raise BadInput(f"{path}: entry '{entry.label}' has logits for {entry.logits.shape[0]} samples, "
                                f"the data {source.source} has {available}")
     source.samples = min(available, num_samples or available)
-    return _Inputs(source, preprocess, label_array, table, peer_file, ablation_file, compared, output_name)
+    sources = sample_sources(data)
+    if sources is not None and len(sources) != available:  # undecodable images skipped: the files do not say which
+        sources = None
+    return _Inputs(source, preprocess, label_array, table, peer_file, ablation_file, compared, output_name, sources)
 
 
 def _walk(model: Path, program: Program, imported, graph, data, inputs: _Inputs, input_shapes, batch_size: int,
@@ -670,11 +682,11 @@ def _comparisons(inputs: _Inputs, evaluator: Evaluator, labels: np.ndarray | Non
     peer_stats = evaluator.peers[:len(peer_file.entries) if peer_file else 0]
     peer = ablation = None
     if peer_file is not None:
-        peer = _summarise_peer(peer_file, peer_stats, evaluator, labels, ours_top1, ours_sqnr)
+        peer = _summarise_peer(peer_file, peer_stats, evaluator, labels, ours_top1, ours_sqnr, inputs.sources)
     if ablation_file is not None:
         ablation = {"name": ablation_file.name, "description": ablation_file.description,
                     "entries": _summarise_entries(ablation_file, evaluator.peers[len(peer_stats):], evaluator,
-                                                  labels)}
+                                                  labels, inputs.sources)}
     return peer, ablation
 
 

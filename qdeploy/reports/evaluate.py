@@ -42,7 +42,7 @@ from isa.instructions import Instruction
 from isa.kinds import LAYOUT_KINDS, WEIGHTED_GEMM_KINDS, Kind
 from qdeploy.program import Program
 from qdeploy.reference.executor import run_node
-from qdeploy.reports.metrics import SqnrAccumulator, as_logits, cosine_per_sample, top_k
+from qdeploy.reports.metrics import SqnrAccumulator, as_logits, cosine_per_sample, sample_energies, top_k
 from simulator.machine import Machine, dequantize, quantize_input
 from qdeploy_base.threads import blas_threads_limitable, one_blas_thread, usable_cpus
 
@@ -83,6 +83,7 @@ class PeerStats:
     sqnr: SqnrAccumulator = field(default_factory=SqnrAccumulator)
     top: list[np.ndarray] = field(default_factory=list)
     cosine: list[np.ndarray] = field(default_factory=list)
+    energies: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)  # per batch: sample_energies
 
 
 @dataclass
@@ -94,6 +95,7 @@ class OutputStats:
     float_top: list[np.ndarray] = field(default_factory=list)
     int8_top: list[np.ndarray] = field(default_factory=list)
     cosine: list[np.ndarray] = field(default_factory=list)
+    energies: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)  # per batch: sample_energies
     shape: tuple = ()  # the program's shape of the output (batch free)
     pixels: int = 0  # NCHW outputs (dense prediction): pixels seen, and those whose argmax over C agrees
     pixels_agreeing: int = 0
@@ -115,6 +117,7 @@ class OutputStats:
         self.float_top.append(top_k(f))
         self.int8_top.append(top_k(q))
         self.cosine.append(cosine_per_sample(f, q))
+        self.energies.append(sample_energies(f, q))
 
     def concatenated(self, parts: list[np.ndarray]) -> np.ndarray:
         return np.concatenate(parts) if parts else np.zeros((0, 1), np.int64)
@@ -334,6 +337,7 @@ class Evaluator:
             peer.sqnr.update(f, rows)
             peer.top.append(top_k(rows))
             peer.cosine.append(cosine_per_sample(f, rows))
+            peer.energies.append(sample_energies(f, rows))
         self.samples += len(f)
 
 

@@ -31,6 +31,34 @@ from qdeploy.ir import Graph
 from qdeploy.program import Program
 
 
+SOURCES_MANIFEST = "sources.json"  # {"images": [{"file": ..., "source": ...}, ...]} (examples/images.py writes one)
+
+
+def sample_sources(data) -> list[str] | None:
+    """The source of each sample of an image folder, in the data's order (sorted relative paths): the folder's
+    sources.json where it names every image, else each image's first subfolder when every image is in one
+    (data/retina/001.jpg is from "retina"); None otherwise (a single folder, arrays: sources unknown). A folder
+    whose images do not all decode gets its sources from the files, so they are used only where the sample
+    count matches (build.py)."""
+    from calib.data import list_images
+
+    if not isinstance(data, (str, os.PathLike)) or not Path(data).is_dir():
+        return None
+    folder = Path(data)
+    relative = [path.relative_to(folder) for path in list_images(folder)]
+    manifest = folder / SOURCES_MANIFEST
+    if manifest.is_file():
+        try:
+            named = {str(entry["file"]): str(entry["source"]) for entry in json.loads(manifest.read_text())["images"]}
+        except (OSError, ValueError, KeyError, TypeError):
+            named = {}  # not the manifest described: fall back to the subfolders
+        if relative and all(str(path) in named for path in relative):
+            return [named[str(path)] for path in relative]
+    if relative and all(len(path.parts) > 1 for path in relative):
+        return [path.parts[0] for path in relative]
+    return None
+
+
 def load_labels(path: str | os.PathLike) -> np.ndarray:
     """Integer class labels from a .npy or .txt file (module docstring)."""
     path = check_input(path, "a labels file (.npy or .txt)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
-from qdeploy.reports.metrics import db_from_json, format_json_db, format_percent
+from qdeploy.reports.metrics import db_from_json, format_json_db, format_percent, per_sample_text
 from qdeploy.summary import format_host_work
 
 READING_GUIDE = (
@@ -99,6 +99,9 @@ def _headline(d: dict) -> list[str]:
             ["top-5 agreement with float", format_percent(d["top5_agreement"])],
             [f"logits SQNR (`{d['output']}`)", format_json_db(d["logits_sqnr_db"])],
             ["cosine similarity of logits (mean / min)", f"{d['cosine']:.4f} / {d['cosine_min']:.4f}"]]
+    if d.get("per_sample") is not None:
+        rows.append(["logits SQNR per sample (a pooled figure hides which inputs fail)",
+                     per_sample_text(d["per_sample"])])
     if d["accuracy_float"] is not None:
         rows += [["accuracy float / int8", f"{format_percent(d['accuracy_float'], 2)} / {format_percent(d['accuracy_int8'], 2)}"],
                  ["accuracy drop", f"{d['accuracy_drop_points']:+.2f} percentage points"],
@@ -186,16 +189,20 @@ def _peer(d: dict) -> list[str]:
                   "Every row is measured on the same samples against the same float reference, with the formulas "
                   "above.", ""]
         labels = d["accuracy_float"] is not None
+        per_sample = d.get("per_sample") is not None
         header = ["model", "top-1 agreement", "top-5 agreement", "logits SQNR", "cosine"]
         header += ["accuracy"] if labels else []
+        header += ["per sample"] if per_sample else []
         rows = [[_ours_label(d), format_percent(d["top1_agreement"]), format_percent(d["top5_agreement"]),
                  format_json_db(d["logits_sqnr_db"]), f"{d['cosine']:.4f}"]
-                + ([format_percent(d["accuracy_int8"], 2)] if labels else [])]
+                + ([format_percent(d["accuracy_int8"], 2)] if labels else [])
+                + ([per_sample_text(d["per_sample"])] if per_sample else [])]
         for entry in peer["entries"]:  # each row names its own toolkit (a peer file may hold several)
             name = f"{entry.get('toolkit') or peer['name']}, {entry['label']}" + (" (best)" if entry["best"] else "")
             rows.append([name, format_percent(entry["top1_agreement"]), format_percent(entry["top5_agreement"]),
                          format_json_db(entry["logits_sqnr_db"]), f"{entry['cosine']:.4f}"]
-                        + ([format_percent(entry["accuracy_int8"], 2)] if labels else []))
+                        + ([format_percent(entry["accuracy_int8"], 2)] if labels else [])
+                        + ([_per_sample_cell(entry)] if per_sample else []))
         lines += _table(header, rows, "l" + "r" * (len(header) - 1)) + [""]
         diff = peer["ours_minus_best"]
         sqnr = diff["logits_sqnr_db"]
@@ -209,6 +216,11 @@ def _peer(d: dict) -> list[str]:
     return lines
 
 
+def _per_sample_cell(entry: dict) -> str:
+    """A peer or ablation row's per-sample figures (n/a in a report.json written before they existed)."""
+    return per_sample_text(entry["per_sample"]) if entry.get("per_sample") is not None else "n/a"
+
+
 def _ablation(d: dict) -> list[str]:
     """## Ablation: qdeploy programs compiled with other settings, and the recommendation (none without
     --ablation)."""
@@ -217,10 +229,14 @@ def _ablation(d: dict) -> list[str]:
     if ablation:
         lines += ["## Ablation", "", f"{ablation['name']}: {ablation['description']}".rstrip(": "), "",
                   "Each row is a qdeploy program compiled with other settings, measured like the rows above.", ""]
-        header = ["settings", "top-1 agreement", "top-5 agreement", "logits SQNR", "cosine", "flags"]
+        per_sample = d.get("per_sample") is not None
+        header = ["settings", "top-1 agreement", "top-5 agreement", "logits SQNR", "cosine"]
+        header += ["per sample"] if per_sample else []
         rows = [[entry["label"], format_percent(entry["top1_agreement"]), format_percent(entry["top5_agreement"]),
-                 format_json_db(entry["logits_sqnr_db"]), f"{entry['cosine']:.4f}",
-                 "; ".join(f"{k} `{v}`" for k, v in entry["settings"].items())] for entry in ablation["entries"]]
+                 format_json_db(entry["logits_sqnr_db"]), f"{entry['cosine']:.4f}"]
+                + ([_per_sample_cell(entry)] if per_sample else [])
+                + ["; ".join(f"{k} `{v}`" for k, v in entry["settings"].items())] for entry in ablation["entries"]]
+        header += ["flags"]
         lines += _table(header, rows, "l" + "r" * (len(header) - 2) + "l") + [""]
         lines += ablation_recommendation(d)
     return lines
