@@ -31,8 +31,8 @@ compile as a user would (`default`): with no flag when the lowering leaves no ho
 --allow-host-fallback, and the host ops are listed; when the default program is fully integer, the same model
 compiled with its Softmax, LayerNormalization and layout ops left in float on the host (`float_host`: the
 FLOAT_HOST_FLAGS of `qdeploy compile`; today the default program is that one, so it is measured once); `run` on
-the held-out digits and the shifted copy; ONNX Runtime's quantize_static (QDQ, per-channel, symmetric; MinMax,
-Entropy, Percentile) and NNCF's defaults on the same calibration images (examples/efficientnet_lite0/ort_peer.py:
+the held-out digits and the shifted copy; ONNX Runtime's quantize_static (QDQ, per-channel, symmetric; MinMax
+and Percentile: ORT_METHODS) and NNCF's defaults on the same calibration images (examples/efficientnet_lite0/ort_peer.py:
 they keep Softmax, LayerNormalization and GELU in float); then `qdeploy report` per data set, with the labels, the
 peers (`--peer`) and the float-host program (`--ablation`) on the same samples.
 
@@ -71,6 +71,10 @@ DATA_SETS = {"heldout": "held-out digits", "shifted": "shifted copy"}
 # float-host column once the default program is fully integer. None: no such switch in this version, and the
 # default program (today: --allow-host-fallback) is itself the float-host one whenever it has host ops.
 FLOAT_HOST_FLAGS: tuple[str, ...] | None = None
+# ONNX Runtime's calibration methods measured: Entropy is left out, its thresholds are MinMax's (quantize_static's
+# 128 histogram bins leave its entropy search one candidate, the whole range: ort_peer.py) and it costs minutes.
+ORT_METHODS = ("MinMax", "Percentile")
+WEIGHTS = Path(__file__).with_name("digits_vit.pt")  # the trained weights with their settings (`train`)
 
 
 def build(seed: int = 0):
@@ -92,7 +96,7 @@ def _settings(seed: int, epochs: int) -> dict:
     import torch
 
     return {"seed": seed, "epochs": epochs, "learning_rate": LEARNING_RATE, "weight_decay": WEIGHT_DECAY,
-            "batch_size": digits.BATCH_SIZE, "shape": [PATCH, LAYERS, WIDTH, HEADS, MLP], "torch": torch.__version__}
+            "batch_size": digits.BATCH_SIZE, "shape": [PATCH, LAYERS, WIDTH, HEADS, MLP], "torch": str(torch.__version__)}
 
 
 def train(data: digits.DigitsData, seed: int = 0, epochs: int = EPOCHS, cache: Path | None = None,
@@ -230,11 +234,12 @@ def run_exporter(model, exporter: str, out: Path, report_dir: Path, arrays: dict
     if peer:
         from examples.efficientnet_lite0 import ort_peer
 
-        print(f"{exporter}: ONNX Runtime quantize_static (QDQ, per-channel, symmetric int8; MinMax, Entropy, "
-              f"Percentile) and NNCF on the same calibration images", flush=True)
+        print(f"{exporter}: ONNX Runtime quantize_static (QDQ, per-channel, symmetric int8; "
+              f"{', '.join(ORT_METHODS)}) and NNCF on the same calibration images", flush=True)
         calibration = np.load(arrays["train"])[:DEFAULT_NUM_SAMPLES]  # the images `qdeploy calibrate` reads
         peer_file = ort_peer.measure_on_arrays(onnx_path, calibration, np.load(evaluation),
-                                               folder / "peers", log=lambda text: print(text, flush=True))
+                                               folder / "peers", log=lambda text: print(text, flush=True),
+                                               methods=ORT_METHODS)
     start = 0
     for name in DATA_SETS:
         samples = slice(start, start + sizes[name])
@@ -292,7 +297,7 @@ def summary_markdown(results: list[ExporterResult], float_accuracy: dict[str, fl
              "'ours' is the program `qdeploy compile` makes by default (with --allow-host-fallback while host ops "
              "remain: they run in float); 'float host' is the same model with Softmax, LayerNormalization and the "
              "token layout left in float on the host, when that is a different program. ONNX Runtime (the best "
-             "of quantize_static's MinMax, Entropy and Percentile, QDQ) and NNCF keep Softmax, LayerNormalization "
+             "of quantize_static's MinMax and Percentile, QDQ) and NNCF keep Softmax, LayerNormalization "
              "and GELU in float. Agreement and SQNR are against the float model on the same samples.", "",
              "| exporter | data | samples | float acc | int8 acc (drop) | top-1 agr. | logits SQNR | host ops | "
              "float host: agr. / SQNR | ONNX Runtime best: acc / agr. / SQNR | NNCF: acc / agr. / SQNR |",
@@ -323,13 +328,13 @@ def summary_markdown(results: list[ExporterResult], float_accuracy: dict[str, fl
 
 
 def main(out: Path, report_dir: Path, exporters: tuple[str, ...] = EXPORTERS, peer: bool = True, seed: int = 0,
-         epochs: int = EPOCHS, retrain: bool = False) -> dict:
+         epochs: int = EPOCHS, retrain: bool = False, weights: Path = WEIGHTS) -> dict:
     """Train (or reuse), export, calibrate, compile, run and report; returns summary.json's content."""
     start = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     data = digits.load_data()
     print(f"digits ViT: {len(data.train_x)} training images (seed {seed}), {len(data.test_x)} held out", flush=True)
-    model = train(data, seed, epochs, out / "weights.pt", retrain)
+    model = train(data, seed, epochs, weights, retrain)
     shifted = shifted_copy(data.test_x)
     shifted_labels = np.tile(data.test_y, len(SHIFTS) ** 2)
     float_accuracy = {"heldout": digits.accuracy(model, data.test_x, data.test_y),

@@ -92,21 +92,23 @@ def measure(model: Path, calib_dir: Path, eval_dir: Path, out: Path, preprocess:
     return measure_arrays(model, calib, evaluation, out, key, log)
 
 
-def measure_on_arrays(model: Path, calib: np.ndarray, evaluation: np.ndarray, out: Path, log=print) -> Path:
+def measure_on_arrays(model: Path, calib: np.ndarray, evaluation: np.ndarray, out: Path, log=print,
+                      methods: tuple[str, ...] = METHODS) -> Path:
     """`measure` on arrays already preprocessed (calibration and evaluation samples, float32, the model's input
-    layout); the key hashes the arrays instead of image folders' manifests."""
+    layout) with the calibration `methods` of METHODS; the key hashes the arrays instead of image folders'
+    manifests."""
     import onnxruntime as ort
 
     digest = hashlib.sha256()
     for part in (model.read_bytes(), np.ascontiguousarray(calib).tobytes(), np.ascontiguousarray(evaluation).tobytes(),
-                 ort.__version__.encode(), Path(__file__).read_bytes()):
+                 ort.__version__.encode(), Path(__file__).read_bytes(), " ".join(methods).encode()):
         digest.update(hashlib.sha256(part).digest())
     key = digest.hexdigest()
     if _reusable(out, key):
         log(f"  reusing ONNX Runtime's results in {out} (same model, arrays and version; delete the folder to "
             f"measure again)")
         return out / "peer.json"
-    return measure_arrays(model, calib, evaluation, out, key, log)
+    return measure_arrays(model, calib, evaluation, out, key, log, methods)
 
 
 def _reusable(out: Path, key: str) -> bool:
@@ -118,8 +120,10 @@ def _reusable(out: Path, key: str) -> bool:
     return previous.get("key") == key and all((out / e["logits"]).exists() for e in previous["entries"])
 
 
-def measure_arrays(model: Path, calib: np.ndarray, evaluation: np.ndarray, out: Path, key: str, log=print) -> Path:
-    """The measurement of `measure` on preprocessed arrays; `key` is recorded in peer.json."""
+def measure_arrays(model: Path, calib: np.ndarray, evaluation: np.ndarray, out: Path, key: str, log=print,
+                   methods: tuple[str, ...] = METHODS) -> Path:
+    """The measurement of `measure` on preprocessed arrays with the calibration `methods`; `key` is recorded in
+    peer.json."""
     import onnx
     import onnxruntime as ort
     from onnxruntime.quantization import (CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType,
@@ -162,7 +166,7 @@ def measure_arrays(model: Path, calib: np.ndarray, evaluation: np.ndarray, out: 
     reference = _run(model, evaluation, optimized=True)  # ORT float, for choosing the method to re-run
     log(f"  ORT quant_pre_process in {time.perf_counter() - start:.0f} s")
     entries, scores = [], {}
-    for method in METHODS:
+    for method in methods:
         start = time.perf_counter()
         quantized = out / f"int8_{method.lower()}.onnx"
         with _quiet():
@@ -182,7 +186,7 @@ def measure_arrays(model: Path, calib: np.ndarray, evaluation: np.ndarray, out: 
                         "settings": {"calibrate_method": method, "calibration_images": len(calib),
                                      "quantize_seconds": round(seconds, 1)}})
     nncf_entry = _nncf_entry(model, calib, evaluation, out, reference, log, input_name)
-    best = max(METHODS, key=lambda m: scores[m])
+    best = max(methods, key=lambda m: scores[m])
     kernels = _run(out / f"int8_{best.lower()}.onnx", evaluation, optimized=True)
     vnni = _has_vnni()
     description = (

@@ -1,0 +1,106 @@
+"""The digits ViT example (examples/digits/vit.py, issue 30) end to end on its committed weights: both exporters,
+calibrate, compile, run and report on the held-out digits and the shifted copy, with ONNX Runtime and NNCF in
+the same run; and issue 30's "Done when" fidelity lines.
+
+Two kinds of assertion. Those about what compiles today hold for the default program whatever it is (with float
+host ops while the lowering leaves some). Those about the fully integer program (no host op; within 1 dB of the
+same model with float host ops) skip while it does not exist, naming what is missing (the host ops left, or the
+compile switch that keeps them on the host), so that they cannot pass without measuring anything."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("sklearn")
+
+from examples.digits import vit  # noqa: E402
+
+# Issue 30's "Done when" bars: (data set) -> (max drop in points, min top-1 agreement, min logits SQNR dB)
+BARS = {"heldout": (0.5, 0.99, 31.0), "shifted": (0.5, None, 29.0)}
+FLOAT_HOST_MARGIN_DB = 1.0  # the integer program at most this far below the same model with float host ops
+
+
+def test_shifted_copy_moves_each_image_by_each_shift():
+    x = np.random.default_rng(0).random((3, 1, 16, 16)).astype(np.float32)
+    shifted = vit.shifted_copy(x)
+    assert shifted.shape == (27, 1, 16, 16) and shifted.dtype == np.float32
+    views = shifted.reshape(9, 3, 1, 16, 16)
+    shifts = [(dy, dx) for dy in vit.SHIFTS for dx in vit.SHIFTS]
+    np.testing.assert_array_equal(views[shifts.index((0, 0))], x)
+    down_right = views[shifts.index((2, 2))]
+    np.testing.assert_array_equal(down_right[..., 2:, 2:], x[..., :-2, :-2])  # content moved down and right
+    assert not down_right[..., :2, :].any() and not down_right[..., :, :2].any()  # background filled in
+    up_left = views[shifts.index((-2, -2))]
+    np.testing.assert_array_equal(up_left[..., :-2, :-2], x[..., 2:, 2:])
+
+
+@pytest.fixture(scope="module")
+def example(tmp_path_factory):
+    """The example's run on the committed weights (no training): summary.json's content and the report folder."""
+    if not vit.WEIGHTS.exists():
+        pytest.skip(f"{vit.WEIGHTS} is missing: `python examples/digits/vit.py --retrain` writes it")
+    out, report = tmp_path_factory.mktemp("vit_out"), tmp_path_factory.mktemp("vit_report")
+    summary = vit.main(out, report)
+    return summary, report
+
+
+def _lowered(summary: dict, exporter: str) -> dict:
+    result = summary["exporters"][exporter]
+    if result["refused"]:
+        pytest.skip(f"the {exporter} export is refused at lowering (issue 30's token layout): {result['refused']}")
+    return result
+
+
+def test_example_reports_both_exporters_and_both_data_sets(example):
+    summary, report = example
+    assert summary["float_accuracy"]["heldout"] > 0.97
+    assert set(summary["exporters"]) == set(vit.EXPORTERS)
+    text = (report / "summary.md").read_text()
+    for exporter in vit.EXPORTERS:
+        result = _lowered(summary, exporter)
+        assert set(result["figures"]) == set(vit.DATA_SETS)
+        assert result["figures"]["heldout"]["samples"] == 450
+        assert result["figures"]["shifted"]["samples"] == 9 * 450
+        for name in vit.DATA_SETS:
+            document = json.loads((report / exporter / name / "report.json").read_text())
+            assert vit.figures(document) == result["figures"][name]
+            assert len(document["host_ops"]) == sum(result["host_ops"].values())
+            peers = {entry["label"] for entry in document["peer"]["entries"]}
+            assert set(vit.ORT_METHODS) <= peers  # ONNX Runtime's quantize_static
+            assert "ort_best" in result["figures"][name]
+        assert f"| {exporter} | held-out digits | 450 |" in text
+
+
+@pytest.mark.parametrize("exporter", vit.EXPORTERS)
+@pytest.mark.parametrize("data_set", list(BARS))
+def test_default_program_meets_the_fidelity_bars(example, exporter, data_set):
+    """What compiles today (float host ops while the lowering leaves some) meets issue 30's bars."""
+    summary, _ = example
+    row = _lowered(summary, exporter)["figures"][data_set]
+    max_drop, min_agreement, min_sqnr = BARS[data_set]
+    assert row["accuracy_drop_points"] <= max_drop
+    if min_agreement is not None:
+        assert row["top1_agreement"] >= min_agreement
+    assert row["logits_sqnr_db"] >= min_sqnr
+
+
+@pytest.mark.parametrize("exporter", vit.EXPORTERS)
+def test_fully_integer_program(example, exporter):
+    """Issue 30's "Done when": no host instruction, and no more than 1 dB below the same model compiled with float
+    host ops on either data set."""
+    summary, _ = example
+    result = _lowered(summary, exporter)
+    if result["host_ops"]:
+        listed = ", ".join(f"{op} {count}" for op, count in sorted(result["host_ops"].items()))
+        pytest.skip(f"host ops remain in the {exporter} program ({listed}): the integer Softmax, LayerNorm and "
+                    f"token layout of issue 30 are not lowered yet")
+    if not result["float_host_measured"]:
+        pytest.skip("no float-host program to compare with: examples/digits/vit.py FLOAT_HOST_FLAGS names no "
+                    "`qdeploy compile` switch that keeps Softmax and LayerNormalization on the host")
+    for name, row in result["figures"].items():
+        assert row["host_ops"] == 0
+        assert row["logits_sqnr_db"] >= row["float_host"]["logits_sqnr_db"] - FLOAT_HOST_MARGIN_DB, name
