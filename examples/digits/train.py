@@ -121,10 +121,11 @@ def train(data: DigitsData, seed: int = 0, epochs: int = EPOCHS, **variant) -> D
 
 
 def fit(model: nn.Module, data: DigitsData, seed: int, epochs: int, learning_rate: float,
-        weight_decay: float) -> nn.Module:
+        weight_decay: float, shift: bool = True) -> nn.Module:
     """The training loop of the module docstring for any digits classifier `model` (built after
     torch.manual_seed(seed)): AdamW, cosine schedule over `epochs`, batches of BATCH_SIZE, cross entropy, one random
-    shift per image and epoch; deterministic (one intra-op thread, seeded generator). Returns it in eval mode."""
+    shift per image and epoch (unless not `shift`); deterministic (one intra-op thread, seeded generator). Returns
+    it in eval mode."""
     torch.use_deterministic_algorithms(True)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -141,7 +142,7 @@ def fit(model: nn.Module, data: DigitsData, seed: int, epochs: int, learning_rat
             for start in range(0, len(x), BATCH_SIZE):
                 index = order[start:start + BATCH_SIZE]
                 optimizer.zero_grad()
-                loss = loss_function(model(_shift(x[index], generator)), y[index])
+                loss = loss_function(model(_shift(x[index], generator) if shift else x[index]), y[index])
                 loss.backward()
                 optimizer.step()
                 schedule.step()

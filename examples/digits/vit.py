@@ -63,7 +63,10 @@ from examples.digits import train as digits  # noqa: E402
 
 MODEL_NAME = "digits_vit"
 PATCH, LAYERS, WIDTH, HEADS, MLP = 4, 4, 64, 4, 128
-EPOCHS, LEARNING_RATE, WEIGHT_DECAY = 80, 0.002, 0.05
+EPOCHS, LEARNING_RATE, WEIGHT_DECAY = 60, 0.002, 0.05
+# No shift augmentation: at the CNN's shifts the ViT underfits in the epochs a shared 2-core machine affords (80
+# epochs: 93% training, 90.4% held-out accuracy); without, 60 epochs reach 100% and 95.8%.
+SHIFT_AUGMENTATION = False
 SHIFTS = (-2, 0, 2)  # pixels of the 16 x 16 input, each of dy and dx
 EXPORTERS = ("dynamo", "torchscript")
 DATA_SETS = {"heldout": "held-out digits", "shifted": "shifted copy"}
@@ -96,7 +99,7 @@ def _settings(seed: int, epochs: int) -> dict:
     import torch
 
     return {"seed": seed, "epochs": epochs, "learning_rate": LEARNING_RATE, "weight_decay": WEIGHT_DECAY,
-            "batch_size": digits.BATCH_SIZE, "shape": [PATCH, LAYERS, WIDTH, HEADS, MLP], "torch": str(torch.__version__)}
+            "batch_size": digits.BATCH_SIZE, "shift_augmentation": SHIFT_AUGMENTATION, "shape": [PATCH, LAYERS, WIDTH, HEADS, MLP], "torch": str(torch.__version__)}
 
 
 def train(data: digits.DigitsData, seed: int = 0, epochs: int = EPOCHS, cache: Path | None = None,
@@ -112,7 +115,7 @@ def train(data: digits.DigitsData, seed: int = 0, epochs: int = EPOCHS, cache: P
             model = build(seed)
             model.load_state_dict(saved["weights"], strict=True)
             return model.eval()
-    model = digits.fit(build(seed), data, seed, epochs, LEARNING_RATE, WEIGHT_DECAY)
+    model = digits.fit(build(seed), data, seed, epochs, LEARNING_RATE, WEIGHT_DECAY, SHIFT_AUGMENTATION)
     if cache is not None:
         cache.parent.mkdir(parents=True, exist_ok=True)
         torch.save({"settings": settings, "weights": model.state_dict()}, cache)

@@ -161,8 +161,16 @@ def measure_arrays(model: Path, calib: np.ndarray, evaluation: np.ndarray, out: 
 
     start = time.perf_counter()
     prepared = out / "model_preprocessed.onnx"
+    symbolic = True
     with _quiet():
-        quant_pre_process(str(model), str(prepared))
+        try:
+            quant_pre_process(str(model), str(prepared))
+        except AssertionError:  # ORT's symbolic shape inference on a Reshape to a computed shape (legacy ViT export)
+            symbolic = False
+            quant_pre_process(str(model), str(prepared), skip_symbolic_shape=True)
+    if not symbolic:
+        log("  ORT quant_pre_process: its symbolic shape inference fails on this model; ONNX's shape inference "
+            "instead (skip_symbolic_shape=True)")
     reference = _run(model, evaluation, optimized=True)  # ORT float, for choosing the method to re-run
     log(f"  ORT quant_pre_process in {time.perf_counter() - start:.0f} s")
     entries, scores = [], {}
