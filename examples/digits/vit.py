@@ -12,34 +12,35 @@ pre-norm blocks with nn.MultiheadAttention, GELU MLP, LayerNorm eps 1e-6) at 16 
 + the class token = 17 tokens), 4 layers, width 64, 4 heads, MLP 128, 10 classes; its patch embedding reads one
 grey channel (Conv 4x4/4, 1 -> 64) instead of RGB. 137k parameters.
 
-Data (examples/digits/train.py): scikit-learn's 8 x 8 digits upsampled to 16 x 16, the fixed split (1,347 training
-images, 450 held out; the first 512 training images calibrate, as `qdeploy calibrate` reads them by default). The shifted copy (`shifted_copy`): each held-out image moved by each
-(dy, dx) in {-2, 0, 2}^2 pixels of the 16 x 16 input (one pixel of the 8 x 8 original, the training
-augmentation's extremes), background fill: 9 x 450 = 4,050 images.
+Data (examples/digits/train.py): scikit-learn's 8 x 8 digits upsampled to 16 x 16, the fixed split (1,347
+training images, 450 held out); the first 512 training images calibrate (`qdeploy calibrate`'s default count),
+ours and the peers alike. The shifted copy (`shifted_copy`): each held-out image moved by each (dy, dx) in
+{-2, 0, 2}^2 pixels of the 16 x 16 input (one pixel of the 8 x 8 original), background fill: 9 x 450 = 4,050.
 
-Training (`train`): train.py's loop (`fit`: AdamW, cosine schedule, batches of 64, one random shift of up to one
-original pixel per image and epoch, deterministic) for EPOCHS epochs at LEARNING_RATE, weight decay WEIGHT_DECAY.
-Seeded and deterministic on one thread, but a few CPU minutes: the weights are cached in OUTDIR (weights.pt) and
-reused while the training settings and torch's version match (--retrain trains again).
+Training (`train`): train.py's loop (`fit`: AdamW, cosine schedule, batches of 64, seeded and deterministic on one
+thread) for EPOCHS epochs at LEARNING_RATE, weight decay WEIGHT_DECAY, without the CNN's shift augmentation
+(SHIFT_AUGMENTATION). It takes minutes, so the weights are committed beside this file (WEIGHTS, 0.55 MB, with the
+settings they were trained with) and reused while the settings and torch's version match; --retrain trains and
+rewrites them (the same bytes of weights on the same machine; another CPU's float kernels round differently).
 
 Exports (`export`): torch's default exporter ("dynamo": opset 18+, static batch 1, weights in a .data file beside
 the model) and the legacy one with a dynamic batch ("torchscript": `torch.onnx.export(dynamo=False,
 dynamic_axes=...)`, opset 17, so LayerNormalization stays one node).
 
-Per exporter, the `qdeploy` commands a user would type, each printed: calibrate (KL) on the training images;
-compile as a user would (`default`): with no flag when the lowering leaves no host op, else with
---allow-host-fallback, and the host ops are listed; when the default program is fully integer, the same model
-compiled with its Softmax, LayerNormalization and layout ops left in float on the host (`float_host`: the
-FLOAT_HOST_FLAGS of `qdeploy compile`; today the default program is that one, so it is measured once); `run` on
-the held-out digits and the shifted copy; ONNX Runtime's quantize_static (QDQ, per-channel, symmetric; MinMax
-and Percentile: ORT_METHODS) and NNCF's defaults on the same calibration images (examples/efficientnet_lite0/ort_peer.py:
-they keep Softmax, LayerNormalization and GELU in float); then `qdeploy report` per data set, with the labels, the
-peers (`--peer`) and the float-host program (`--ablation`) on the same samples.
+Per exporter, the `qdeploy` commands a user would type, each printed: calibrate (KL); compile as a user would:
+with no flag when the lowering leaves no host op, else with --allow-host-fallback (the host ops are listed); when
+the default program is fully integer, the same model compiled with Softmax, LayerNormalization and the layout
+ops left in float on the host (FLOAT_HOST_FLAGS of `qdeploy compile`; while the default program has host ops it
+is that program, measured once) and `run` on the held-out digits and the shifted copy; ONNX Runtime's
+quantize_static (QDQ, per-channel, symmetric int8; ORT_METHODS) and NNCF's defaults on the same calibration
+images (examples/efficientnet_lite0/ort_peer.py: both keep Softmax, LayerNormalization and GELU in float); then
+`qdeploy report` per data set (it runs the program on the simulator), with the labels, the peers (`--peer`) and
+the float-host program (`--ablation`) on the same samples.
 
 REPORT_DIR/summary.md (and summary.json) puts the headline figures of every exporter and data set in one table:
-float accuracy, int8 accuracy drop, top-1 agreement, logits SQNR, host ops, the float-host program's, the peers'
-best and NNCF's; REPORT_DIR/<exporter>/{heldout,shifted}/ hold the full reports. A model the lowering refuses is
-a row with its one-line reason. About 10 minutes on 2 busy cores without the cached weights and peers."""
+float accuracy, int8 accuracy and drop, top-1 agreement, logits SQNR, the host ops, the float-host program's
+figures, ONNX Runtime's best and NNCF's; REPORT_DIR/<exporter>/{heldout,shifted}/ hold the full reports. A model
+the lowering refuses is a row with its one-line reason."""
 
 from __future__ import annotations
 
@@ -102,23 +103,38 @@ def _settings(seed: int, epochs: int) -> dict:
             "batch_size": digits.BATCH_SIZE, "shift_augmentation": SHIFT_AUGMENTATION, "shape": [PATCH, LAYERS, WIDTH, HEADS, MLP], "torch": str(torch.__version__)}
 
 
-def train(data: digits.DigitsData, seed: int = 0, epochs: int = EPOCHS, cache: Path | None = None,
-          retrain: bool = False):
-    """The trained model in eval mode: from `cache` (a weights file written by an earlier call with the same
-    settings) unless `retrain`, else trained (train.fit) and written there."""
+def load_trained(path: Path, seed: int = 0, epochs: int = EPOCHS):
+    """The model with the weights of `path` in eval mode, or None when the file is missing or was trained with
+    other settings (`_settings`: the seed, epochs, optimiser, shape and torch version)."""
     import torch
 
-    settings = _settings(seed, epochs)
-    if cache is not None and cache.exists() and not retrain:
-        saved = torch.load(cache, map_location="cpu", weights_only=True)
-        if saved.get("settings") == settings:
-            model = build(seed)
-            model.load_state_dict(saved["weights"], strict=True)
-            return model.eval()
+    if not path.exists():
+        return None
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    if saved.get("settings") != _settings(seed, epochs):
+        return None
+    model = build(seed)
+    model.load_state_dict(saved["weights"], strict=True)
+    return model.eval()
+
+
+def train(data: digits.DigitsData, seed: int = 0, epochs: int = EPOCHS, weights: Path | None = None,
+          retrain: bool = False):
+    """The trained model in eval mode: loaded from `weights` when they were trained with these settings (unless
+    `retrain`), else trained (train.fit); written to `weights` with `retrain` or when the file does not exist, so a
+    run with other settings (another torch) does not overwrite the committed weights."""
+    import torch
+
+    model = None if weights is None or retrain else load_trained(weights, seed, epochs)
+    if model is not None:
+        return model
+    if weights is not None and weights.exists() and not retrain:
+        print(f"  {display(weights)} holds weights trained with other settings: training again (--retrain "
+              f"rewrites the file)", flush=True)
     model = digits.fit(build(seed), data, seed, epochs, LEARNING_RATE, WEIGHT_DECAY, SHIFT_AUGMENTATION)
-    if cache is not None:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"settings": settings, "weights": model.state_dict()}, cache)
+    if weights is not None and (retrain or not weights.exists()):
+        weights.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"settings": _settings(seed, epochs), "weights": model.state_dict()}, weights)
     return model
 
 
