@@ -313,8 +313,8 @@ def summary_markdown(results: list[ExporterResult], float_accuracy: dict[str, fl
              f"accuracy: held-out {_percent(float_accuracy['heldout'])}, shifted copy "
              f"{_percent(float_accuracy['shifted'])}. Calibration: the first 512 training images (KL; the peers the same images). Made by "
              f"`python examples/digits/vit.py` in {seconds:.0f} s.", "",
-             "'ours' is the program `qdeploy compile` makes by default (with --allow-host-fallback while host ops "
-             "remain: they run in float); 'float host' is the same model with Softmax, LayerNormalization and the "
+             "The int8 columns measure the program `qdeploy compile` makes by default, on the simulator (with "
+             "--allow-host-fallback while host ops remain: they run in float); 'float host' is the same model with Softmax, LayerNormalization and the "
              "token layout left in float on the host, when that is a different program. ONNX Runtime (the best "
              "of quantize_static's MinMax and Percentile, QDQ) and NNCF keep Softmax, LayerNormalization "
              "and GELU in float. Agreement and SQNR are against the float model on the same samples.", "",
