@@ -19,9 +19,10 @@ ours and the peers alike. The shifted copy (`shifted_copy`): each held-out image
 
 Training (`train`): train.py's loop (`fit`: AdamW, cosine schedule, batches of 64, seeded and deterministic on one
 thread) for EPOCHS epochs at LEARNING_RATE, weight decay WEIGHT_DECAY, without the CNN's shift augmentation
-(SHIFT_AUGMENTATION). It takes minutes, so the weights are committed beside this file (WEIGHTS, 0.55 MB, with the
+(SHIFT_AUGMENTATION). It takes minutes, so the weights are committed beside this file (WEIGHTS, 0.57 MB, with the
 settings they were trained with) and reused while the settings and torch's version match; --retrain trains and
-rewrites them (the same bytes of weights on the same machine; another CPU's float kernels round differently).
+rewrites them (deterministic on one machine, as the digits CNN; another CPU's float kernels round differently;
+the committed file was trained by this loop once, a retrain was not compared with it byte for byte).
 
 Exports (`export`): torch's default exporter ("dynamo": opset 18+, static batch 1, weights in a .data file beside
 the model) and the legacy one with a dynamic batch ("torchscript": `torch.onnx.export(dynamo=False,
