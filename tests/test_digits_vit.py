@@ -114,3 +114,31 @@ def test_fully_integer_program(example, exporter):
                     "`qdeploy compile` switch that keeps Softmax and LayerNormalization on the host")
     for name, row in result["figures"].items():
         assert row["logits_sqnr_db"] >= row["float_host"]["logits_sqnr_db"] - FLOAT_HOST_MARGIN_DB, name
+
+
+@pytest.mark.parametrize("exporter", vit.EXPORTERS)
+def test_peers_quantize_the_same_file(tmp_path, exporter):
+    """ONNX Runtime's quantize_static and NNCF on the example's export, as the example calls them, on a few samples:
+    the dynamo file's batch is baked at 1, the legacy file defeats ORT's symbolic shape inference; the peer file
+    reads back and its int8 logits agree with the float model."""
+    pytest.importorskip("onnxruntime")
+    import onnxruntime as ort
+
+    from examples.digits import train as digits
+    from examples.efficientnet_lite0 import ort_peer
+    from qdeploy.reports.inputs import load_peer
+
+    data, model = digits.load_data(), vit.load_trained(vit.WEIGHTS)
+    if model is None:
+        pytest.skip(f"{vit.WEIGHTS} is missing or was trained with other settings")
+    path = vit.export(model, exporter, tmp_path / f"vit_{exporter}.onnx")
+    peer_file = ort_peer.measure_on_arrays(path, data.train_x[:32], data.test_x[:32], tmp_path / "peers",
+                                           log=lambda text: None, methods=("MinMax",))
+    peer = load_peer(peer_file)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    name = session.get_inputs()[0].name
+    reference = np.concatenate([session.run(None, {name: x[None]})[0] for x in data.test_x[:32]])
+    assert peer.entries[0].label == "MinMax"
+    for entry in peer.entries:
+        assert entry.logits.shape == (32, 10)
+        assert np.mean(entry.logits.argmax(1) == reference.argmax(1)) >= 0.9, entry.label
