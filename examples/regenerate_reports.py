@@ -1,8 +1,9 @@
 """Regenerate every report in reports/ with one command, from the repository root:
 
-    python examples/regenerate_reports.py [--only digits|efficientnet_lite0]
+    python examples/regenerate_reports.py [--only digits|digits_vit|efficientnet_lite0|prequantized]
 
-Runs examples/digits/run.py (reports/digits/) and examples/efficientnet_lite0/run.py
+Runs examples/digits/run.py (reports/digits/), examples/digits/vit.py (reports/digits_vit/: the trained ViT on
+its committed weights, both exporters, with ONNX Runtime and NNCF) and examples/efficientnet_lite0/run.py
 (reports/efficientnet_lite0/, with ONNX Runtime's figures in its "Peer" section); big artifacts go to out/
 (git-ignored). The reports record only paths relative to the repository root, so regenerated files differ from
 the committed ones only where a number changed (and in the timings)."""
@@ -16,7 +17,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-EXAMPLES = {"digits": "examples/digits/run.py", "efficientnet_lite0": "examples/efficientnet_lite0/run.py",
+EXAMPLES = {"digits": "examples/digits/run.py", "digits_vit": "examples/digits/vit.py",
+            "efficientnet_lite0": "examples/efficientnet_lite0/run.py",
             "prequantized": "examples/efficientnet_lite0/prequantized.py"}  # after efficientnet_lite0: its images
 
 

@@ -117,14 +117,22 @@ def train(data: DigitsData, seed: int = 0, epochs: int = EPOCHS, **variant) -> D
     """Train DigitsCNN (`variant`: activation, squeeze_excite) on the training split (module docstring); returns
     the model in eval mode."""
     torch.manual_seed(seed)
+    return fit(DigitsCNN(**variant), data, seed, epochs, LEARNING_RATE, WEIGHT_DECAY)
+
+
+def fit(model: nn.Module, data: DigitsData, seed: int, epochs: int, learning_rate: float,
+        weight_decay: float, shift: bool = True) -> nn.Module:
+    """The training loop of the module docstring for any digits classifier `model` (built after
+    torch.manual_seed(seed)): AdamW, cosine schedule over `epochs`, batches of BATCH_SIZE, cross entropy, one random
+    shift per image and epoch (unless not `shift`); deterministic (one intra-op thread, seeded generator). Returns
+    it in eval mode."""
     torch.use_deterministic_algorithms(True)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         generator = torch.Generator().manual_seed(seed)
-        model = DigitsCNN(**variant)
         x, y = torch.from_numpy(data.train_x), torch.from_numpy(data.train_y)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=weight_decay)
         steps = epochs * -(-len(x) // BATCH_SIZE)
         schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)
         loss_function = nn.CrossEntropyLoss()
@@ -134,7 +142,7 @@ def train(data: DigitsData, seed: int = 0, epochs: int = EPOCHS, **variant) -> D
             for start in range(0, len(x), BATCH_SIZE):
                 index = order[start:start + BATCH_SIZE]
                 optimizer.zero_grad()
-                loss = loss_function(model(_shift(x[index], generator)), y[index])
+                loss = loss_function(model(_shift(x[index], generator) if shift else x[index]), y[index])
                 loss.backward()
                 optimizer.step()
                 schedule.step()

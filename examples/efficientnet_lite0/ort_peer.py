@@ -59,8 +59,13 @@ def _run(model: Path, x: np.ndarray, optimized: bool) -> np.ndarray:
     if not optimized:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     session = ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
-    name = session.get_inputs()[0].name
-    return np.concatenate([session.run(None, {name: x[i:i + BATCH_SIZE]})[0] for i in range(0, len(x), BATCH_SIZE)])
+    name, batch = session.get_inputs()[0].name, _batch_size(session.get_inputs()[0].shape)
+    return np.concatenate([session.run(None, {name: x[i:i + batch]})[0] for i in range(0, len(x), batch)])
+
+
+def _batch_size(shape: list) -> int:
+    """BATCH_SIZE, or the batch an export baked into the input's shape (torch's dynamo exporter: 1)."""
+    return shape[0] if shape and isinstance(shape[0], int) and shape[0] > 0 else BATCH_SIZE
 
 
 def _agreement(reference: np.ndarray, test: np.ndarray) -> float:
@@ -77,25 +82,65 @@ def measure(model: Path, calib_dir: Path, eval_dir: Path, out: Path, preprocess:
     """Quantize `model` with each ORT method, run the int8 models on the evaluation images and write
     out/peer.json with the logits beside it; returns the peer file's path."""
     import onnxruntime as ort
+
+    key = _key(model, calib_dir, eval_dir, preprocess, ort.__version__)
+    if _reusable(out, key):
+        log(f"  reusing ONNX Runtime's results in {out} (same model, images and version; delete the folder to "
+            f"measure again)")
+        return out / "peer.json"
+    calib, evaluation = load_images(calib_dir, preprocess, size), load_images(eval_dir, preprocess, size)
+    return measure_arrays(model, calib, evaluation, out, key, log)
+
+
+def measure_on_arrays(model: Path, calib: np.ndarray, evaluation: np.ndarray, out: Path, log=print,
+                      methods: tuple[str, ...] = METHODS) -> Path:
+    """`measure` on arrays already preprocessed (calibration and evaluation samples, float32, the model's input
+    layout) with the calibration `methods` of METHODS; the key hashes the arrays instead of image folders'
+    manifests."""
+    import onnxruntime as ort
+
+    digest = hashlib.sha256()
+    for part in (model.read_bytes(), np.ascontiguousarray(calib).tobytes(), np.ascontiguousarray(evaluation).tobytes(),
+                 ort.__version__.encode(), Path(__file__).read_bytes(), " ".join(methods).encode()):
+        digest.update(hashlib.sha256(part).digest())
+    key = digest.hexdigest()
+    if _reusable(out, key):
+        log(f"  reusing ONNX Runtime's results in {out} (same model, arrays and version; delete the folder to "
+            f"measure again)")
+        return out / "peer.json"
+    return measure_arrays(model, calib, evaluation, out, key, log, methods)
+
+
+def _reusable(out: Path, key: str) -> bool:
+    """out/peer.json was written for `key` and its logits are all there."""
+    path = out / "peer.json"
+    if not path.exists():
+        return False
+    previous = json.loads(path.read_text())
+    return previous.get("key") == key and all((out / e["logits"]).exists() for e in previous["entries"])
+
+
+def measure_arrays(model: Path, calib: np.ndarray, evaluation: np.ndarray, out: Path, key: str, log=print,
+                   methods: tuple[str, ...] = METHODS) -> Path:
+    """The measurement of `measure` on preprocessed arrays with the calibration `methods`; `key` is recorded in
+    peer.json."""
+    import onnx
+    import onnxruntime as ort
     from onnxruntime.quantization import (CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType,
                                           quantize_static)
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
     out.mkdir(parents=True, exist_ok=True)
     path = out / "peer.json"
-    key = _key(model, calib_dir, eval_dir, preprocess, ort.__version__)
-    if path.exists():
-        previous = json.loads(path.read_text())
-        if previous.get("key") == key and all((out / e["logits"]).exists() for e in previous["entries"]):
-            log(f"  reusing ONNX Runtime's results in {out} (same model, images and version; delete the folder to "
-                f"measure again)")
-            return path
-    calib, evaluation = load_images(calib_dir, preprocess, size), load_images(eval_dir, preprocess, size)
-    batches = len(calib) // BATCH_SIZE
-    calib = calib[:batches * BATCH_SIZE]  # CalibStridedMinMax needs whole batches
+    graph_input = onnx.load(str(model), load_external_data=False).graph.input[0]
+    input_name = graph_input.name
+    batch_size = _batch_size([d.dim_value if d.HasField("dim_value") else None
+                              for d in graph_input.type.tensor_type.shape.dim])
+    batches = len(calib) // batch_size
+    calib = calib[:batches * batch_size]  # CalibStridedMinMax needs whole batches
 
     class Reader(CalibrationDataReader):
-        """Batches of BATCH_SIZE images; set_range selects batches (ORT's strided calibration)."""
+        """Batches of batch_size images; set_range selects batches (ORT's strided calibration)."""
 
         def __init__(self):
             self.start, self.end, self.next = 0, batches, None
@@ -104,9 +149,9 @@ def measure(model: Path, calib_dir: Path, eval_dir: Path, out: Path, preprocess:
             self.next = self.start if self.next is None else self.next
             if self.next >= self.end:
                 return None
-            batch = calib[self.next * BATCH_SIZE:(self.next + 1) * BATCH_SIZE]
+            batch = calib[self.next * batch_size:(self.next + 1) * batch_size]
             self.next += 1
-            return {"input": batch}
+            return {input_name: batch}
 
         def __len__(self):
             return batches
@@ -116,12 +161,20 @@ def measure(model: Path, calib_dir: Path, eval_dir: Path, out: Path, preprocess:
 
     start = time.perf_counter()
     prepared = out / "model_preprocessed.onnx"
+    symbolic = True
     with _quiet():
-        quant_pre_process(str(model), str(prepared))
+        try:
+            quant_pre_process(str(model), str(prepared))
+        except AssertionError:  # ORT's symbolic shape inference on a Reshape to a computed shape (legacy ViT export)
+            symbolic = False
+            quant_pre_process(str(model), str(prepared), skip_symbolic_shape=True)
+    if not symbolic:
+        log("  ORT quant_pre_process: its symbolic shape inference fails on this model; ONNX's shape inference "
+            "instead (skip_symbolic_shape=True)")
     reference = _run(model, evaluation, optimized=True)  # ORT float, for choosing the method to re-run
     log(f"  ORT quant_pre_process in {time.perf_counter() - start:.0f} s")
     entries, scores = [], {}
-    for method in METHODS:
+    for method in methods:
         start = time.perf_counter()
         quantized = out / f"int8_{method.lower()}.onnx"
         with _quiet():
@@ -140,8 +193,8 @@ def measure(model: Path, calib_dir: Path, eval_dir: Path, out: Path, preprocess:
                         "logits": f"logits_{method.lower()}.npy",
                         "settings": {"calibrate_method": method, "calibration_images": len(calib),
                                      "quantize_seconds": round(seconds, 1)}})
-    nncf_entry = _nncf_entry(model, calib, evaluation, out, reference, log)
-    best = max(METHODS, key=lambda m: scores[m])
+    nncf_entry = _nncf_entry(model, calib, evaluation, out, reference, log, input_name)
+    best = max(methods, key=lambda m: scores[m])
     kernels = _run(out / f"int8_{best.lower()}.onnx", evaluation, optimized=True)
     vnni = _has_vnni()
     description = (
@@ -166,7 +219,7 @@ def measure(model: Path, calib_dir: Path, eval_dir: Path, out: Path, preprocess:
 
 
 def _nncf_entry(model: Path, calib: np.ndarray, evaluation: np.ndarray, out: Path, reference: np.ndarray,
-                log) -> dict | None:
+                log, input_name: str = "input") -> dict | None:
     """NNCF's int8 model of `model` (nncf.quantize defaults on the same calibration images) as a peer entry; None
     when nncf is not installed."""
     try:
@@ -176,7 +229,7 @@ def _nncf_entry(model: Path, calib: np.ndarray, evaluation: np.ndarray, out: Pat
         log("  nncf is not installed: the peer has ONNX Runtime's entries only (pip install nncf)")
         return None
     start = time.perf_counter()
-    dataset = nncf.Dataset([calib[i:i + 1] for i in range(len(calib))], lambda x: {"input": x})
+    dataset = nncf.Dataset([calib[i:i + 1] for i in range(len(calib))], lambda x: {input_name: x})
     with _quiet():
         quantized = nncf.quantize(onnx.load(str(model)), dataset, subset_size=len(calib))
     onnx.save(quantized, str(out / "int8_nncf.onnx"))
