@@ -1,7 +1,8 @@
 """The per-row scale of the Requantize step and the row-reciprocal store (isa/row_scale.py): the simulator's
 vectorised arithmetic against the Python-int twins (simulator/twins.py), exactly, on random data with the
 extremes, in every rounding mode; the store on 2^20 sampled sums and every power of two +-1; the backends that
-cannot run a row scale refuse it in one line."""
+run them (the vectors, the reference RTL, the ONNX export) have their own tests (tests/test_rtl_row_scale.py,
+tests/test_export_onnx_rows.py)."""
 
 import sys
 from pathlib import Path
@@ -110,19 +111,6 @@ def test_the_row_reciprocal_store_is_accurate():
     assert RSQRT.min() >= 1 << 15 and RSQRT.max() < 1 << 16
 
 
-def test_the_backends_without_a_row_scale_format_refuse_it():
-    """The ONNX export (the golden vectors and the reference RTL run it: tests/test_rtl_row_scale.py)."""
-    from qdeploy.export_onnx import STEP_EXPORTERS
-    from qdeploy_base.errors import Unsupported
-
-    step = Requantize("m", "s", "f", row_scale="pv/rows")
-    instr = SimpleNamespace(name="pv", kind="MatMulGemm")
-    with pytest.raises(Unsupported, match="instruction 'pv' .*per-row scale .*'pv/rows'"):
-        STEP_EXPORTERS[Requantize](step, "y", None, instr)
-    assert OutputStage.of({**step.to_manifest(), "clamp": [-128, 127]}).requantize == step
-    assert "row_scale" not in Requantize("m", "s", "f").to_manifest()
-
-
 @pytest.mark.parametrize("function", ["reciprocal", "rsqrt"])
 def test_the_row_reciprocal_step_is_the_twins(function):
     """Bias then the row-reciprocal store, folded by the machine (the Bias fused into the GEMM or not) and by the
@@ -147,18 +135,16 @@ def test_the_row_reciprocal_step_is_the_twins(function):
         np.testing.assert_array_equal(got.y, expected, err_msg=f"fused={fused}")
 
 
-def test_the_row_reciprocal_store_ends_the_stage_and_is_refused_where_it_has_no_format():
+def test_the_row_reciprocal_store_ends_the_stage_and_the_rtl_runs_it():
+    """A step after the store is refused; the RTL runner's plusarg names the store's function and refuses an unknown
+    one in one line (the vectors, the RTL and the ONNX export run it: tests/test_rtl_row_scale.py,
+    tests/test_export_onnx_rows.py)."""
     import rtl
-    from qdeploy.export_onnx import STEP_EXPORTERS
-    from qdeploy_base.errors import Unsupported
 
     with pytest.raises(ValueError, match="the row-reciprocal store ends the stage"):
         OutputStage((RowReciprocal("rsqrt"), Clamp(0, 1)))
     step = RowReciprocal("reciprocal")
     assert OutputStage.of(step.to_manifest()).steps == (step,)
-    instr = SimpleNamespace(name="sum", kind="DenseGemm")
-    with pytest.raises(Unsupported, match="instruction 'sum' .*row-reciprocal store"):
-        STEP_EXPORTERS[RowReciprocal](step, "y", None, instr)
     layer = {"dir": "003_sum", "output_stage": ["Bias", "RowReciprocal"], "row_reciprocal": "rsqrt"}
     assert rtl.output_stage_args(layer) == ["+ROW_RECIPROCAL=1"]  # the RTL's store (tests/test_rtl_row_scale.py)
     with pytest.raises(rtl.RtlError, match="layer 003_sum: the row-reciprocal store's function is 'log'"):

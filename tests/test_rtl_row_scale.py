@@ -24,8 +24,8 @@ pytestmark = pytest.mark.skipif(not rtl.icarus_available(),
 KEYS, QUERIES, DIM = 7, 3, 5
 
 
-def attention_rows_program(function: str, rounding: str, overflow: str = "wrap") -> Program:
-    """e (N, K=7, L=3) uint8 exp codes stored key-major; the row sums of its L columns as a 1x1 ConvGemm with ones
+def attention_rows_program(function: str, rounding: str, overflow: str = "wrap", e_dtype: str = "uint8") -> Program:
+    """e (N, K=7, L=3) exp codes (uint8, or int8 for the ONNX export, which takes int8 inputs) stored key-major; the row sums of its L columns as a 1x1 ConvGemm with ones
     (one output channel: N = 1) whose stage is the row-reciprocal store (`function`), words (N, 1, L, 1) int32 (one per
     query: the row-scale operand needs one word per output row, in any shape), then P.V as a MatMulGemm reading e transposed (N, L, K) by v (N, K, 5) with the words as its row scale: G = N groups
     of M = L rows each, so a word's line g*M + m is exercised past row 0 and group 0."""
@@ -39,9 +39,9 @@ def attention_rows_program(function: str, rounding: str, overflow: str = "wrap")
         "target": {"arithmetic": {"rounding": rounding, "overflow": overflow},
                    "array": {"rows": 4, "cols": 4}},
         "inputs": ["e", "v"], "outputs": ["out"],
-        "tensors": {"e": {"shape": [None, KEYS, QUERIES], "scale": 1 / 255, "dtype": "uint8"},
+        "tensors": {"e": {"shape": [None, KEYS, QUERIES], "scale": 1 / 255, "dtype": e_dtype},
                     "v": {"shape": [None, KEYS, DIM], "scale": 0.01, "dtype": "int8"},
-                    "e_grid": {"shape": [None, KEYS, QUERIES, 1], "scale": 1 / 255, "dtype": "uint8"},
+                    "e_grid": {"shape": [None, KEYS, QUERIES, 1], "scale": 1 / 255, "dtype": e_dtype},
                     "words_grid": {"shape": [None, 1, QUERIES, 1], "scale": 1.0, "dtype": "int32"},
                     "out": {"shape": [None, QUERIES, DIM], "scale": 0.01, "dtype": "int8"}},
         "instructions": [
