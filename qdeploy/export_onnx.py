@@ -486,8 +486,12 @@ def _requantize_acc(b: _Builder, instr: Instruction, acc: str) -> str:
         return b.output_stage(instr, b.node("Cast", [acc], f"{name}/acc_int64", f"{name}/Cast_acc", to=TensorProto.INT64))
     value = b.node("Cast", [acc], f"{name}/acc_f32", f"{name}/Cast_acc", to=TensorProto.FLOAT)
     scale = b.constant(f"{name}/scale_f32", np.float32(b.program.arrays[instr.stage.requantize.scale_f32].reshape(-1)[0]))
-    if instr.stage.requantize.row_scale:
-        scale = row_scaled_scale(b, instr, scale, b.program.tensors[instr.output]["shape"])
+    if instr.stage.requantize.row_scale:  # one word per output row, shaped (..., rows, 1) to broadcast over columns
+        rows = b.constant(f"{name}/row_scale/shape", np.array([0, *b.program.tensors[instr.output]["shape"][1:-1], 1],
+                                                                np.int64))
+        rows = b.node("Reshape", [b.names[instr.stage.requantize.row_scale], rows], f"{name}/row_scale/rows",
+                      f"{name}/row_scale/Reshape")
+        scale = row_scaled_scale(b, instr, scale, rows)
     value = b.node("Mul", [value, scale], f"{name}/scaled", f"{name}/Mul_scale")
     one = b.constant(f"{name}/unit_scale", np.array(1.0, np.float32))
     zero = b.constant(f"{name}/zero_point", np.zeros((), np.dtype(b.dtype(instr.output))))

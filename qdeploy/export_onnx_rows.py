@@ -2,8 +2,8 @@
 section 3, (11)-(12)), with default-domain integer and float32 ops of opset 13 that ONNX Runtime computes exactly:
 
 - the store, from the int64 accumulators S (bias added): S clipped to [1, 2^31 - 1] (Max, Min); n = floor(log2 S)
-  as the count of the powers 2^1 .. 2^31 that S reaches (Greater, Cast, ReduceSum: the leading-one count without a
-  CLZ op); the index i = S * 2^8 // 2^n - 2^8 (the 8 bits after the leading one, zeros shifted in when n < 8;
+  as the count of the powers 2^1 .. 2^31 that S reaches (Greater against them on a new leading axis, Cast,
+  ReduceSum: the leading-one count without a CLZ op); the index i = S * 2^8 // 2^n - 2^8 (the 8 bits after the leading one, zeros shifted in when n < 8;
   Mul, Div of non-negative int64 values: floor); m = the table's entry (Gather from RECIPROCAL, or from RSQRT
   flattened at (n % 2) * 256 + i); the word (16 + n) * 2^16 + m, or (16 + n // 2) * 2^16 + m, Cast to int32;
 - the row scale in float32_rne: m = w % 2^16 and e = (w // 2^16) % 64 (int64 Mod, Div), s = f32(m) * 2^-e (the
@@ -34,11 +34,11 @@ def row_reciprocal_words(b, instr: Instruction, acc: str) -> str:
 
     s = b.node("Max", [acc, const("one", 1)], f"{name}/at_least_one", f"{name}/Max")
     s = b.node("Min", [s, const("sum_max", SUM_MAX)], f"{name}/sum", f"{name}/Min")
-    column = b.node("Unsqueeze", [s, const("last_axis", [-1])], f"{name}/sum_column", f"{name}/Unsqueeze")
-    reached = b.node("Greater", [column, const("powers_minus_one", [(1 << k) - 1 for k in range(1, 32)])],
-                     f"{name}/reached", f"{name}/Greater")
+    rank = len(b.program.tensors[instr.output]["shape"])  # the powers on a new leading axis: (31, 1, ..., 1)
+    powers = np.array([(1 << k) - 1 for k in range(1, 32)]).reshape(-1, *[1] * rank)
+    reached = b.node("Greater", [s, const("powers_minus_one", powers)], f"{name}/reached", f"{name}/Greater")
     reached = b.node("Cast", [reached], f"{name}/reached_int64", f"{name}/Cast_reached", to=TensorProto.INT64)
-    n = b.node("ReduceSum", [reached, const("reduced_axis", [-1])], f"{name}/leading_one", f"{name}/ReduceSum",
+    n = b.node("ReduceSum", [reached, const("reduced_axis", [0])], f"{name}/leading_one", f"{name}/ReduceSum",
                keepdims=0)
     power = b.node("Gather", [const("powers", [1 << k for k in range(32)]), n], f"{name}/power",
                    f"{name}/Gather_power", axis=0)
@@ -63,16 +63,13 @@ def row_reciprocal_words(b, instr: Instruction, acc: str) -> str:
     return b.node("Cast", [word], b.names[instr.output], f"{name}/Cast_word", to=TensorProto.INT32)
 
 
-def row_scaled_scale(b, instr: Instruction, scale: str, out_shape: list) -> str:
-    """scale' = f32(scale * m * 2^-e) of each output row's word (module docstring), shaped (..., rows, 1) to
-    broadcast over the output's last axis."""
+def row_scaled_scale(b, instr: Instruction, scale: str, rows: str) -> str:
+    """scale' = f32(scale * m * 2^-e) of each word of the int32 tensor `rows` (module docstring), in its shape."""
     name = f"{instr.name}/row_scale"
-    words = b.names[instr.stage.requantize.row_scale]
 
     def const(label: str, value, dtype=np.int64) -> str:
         return b.constant(f"{name}/{label}", np.asarray(value, dtype))
 
-    rows = b.node("Reshape", [words, const("shape", [0, *out_shape[1:-1], 1])], f"{name}/rows", f"{name}/Reshape")
     word = b.node("Cast", [rows], f"{name}/word", f"{name}/Cast_word", to=TensorProto.INT64)
     mantissa = b.node("Mod", [word, const("mantissa_modulus", 1 << MANTISSA_BITS)], f"{name}/mantissa",
                       f"{name}/Mod_mantissa")

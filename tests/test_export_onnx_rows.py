@@ -1,7 +1,7 @@
 """The ONNX export of the row-reciprocal store and of a Requantize's per-row scale (qdeploy/export_onnx_rows.py):
 ONNX Runtime computes the store's int32 words and the row-scaled outputs of a program in `float32_rne` bit for bit
-as the simulator, at every graph optimization level, on hand-built softmax tails (the row sum as a DenseGemm and as
-a 1x1 ConvGemm, 1/x and 1/sqrt x); a store after a convolution it cannot write as a MatMul is refused in one line."""
+as the simulator, at every graph optimization level, on hand-built softmax tails (the row sum as a DenseGemm, a
+1x1 ConvGemm and a MatMulGemm, 1/x and 1/sqrt x); a store after a convolution it cannot write as a MatMul is refused in one line."""
 
 import numpy as np
 import onnxruntime as ort
@@ -9,7 +9,7 @@ import pytest
 
 from qdeploy.export_onnx import export_program
 from simulator.machine import Machine
-from test_rtl_row_scale import DIM, KEYS, QUERIES, attention_rows_program
+from test_rtl_row_scale import DIM, KEYS, QUERIES, attention_rows_program, matmul_rows_program
 
 LEVELS = [ort.GraphOptimizationLevel.ORT_DISABLE_ALL, ort.GraphOptimizationLevel.ORT_ENABLE_ALL]
 
@@ -66,6 +66,13 @@ def test_onnx_runtime_computes_the_store_and_the_row_scale_as_the_simulator(func
     assert set(counts.values()) == {0} and len(counts) == 5
     assert len(np.unique(simulated["out"])) > 50
 
+    program = matmul_rows_program(function, "float32_rne", e_dtype="int8")
+    feeds = {"e": _codes(rng, (16, QUERIES, KEYS), -5, 127, 1 / 255), "ones": np.ones((16, KEYS, 1), np.float32),
+             "v": _codes(rng, (16, KEYS, DIM), -127, 127, 0.01)}
+    counts, simulated = _per_tensor(program, feeds, level)
+    assert counts == {"e": 0, "ones": 0, "v": 0, "words": 0, "out": 0}
+    assert len(np.unique(simulated["words"])) > 10 and len(np.unique(simulated["out"])) > 50
+
 
 def _run_nodes(b, inputs: dict, output: str, elem_type, shape: list) -> np.ndarray:
     """The builder's nodes as a model of opset 13 (checked), run by ONNX Runtime on `inputs`."""
@@ -96,7 +103,7 @@ def test_the_exported_store_is_the_twins_on_every_power_of_two_and_sampled_sums(
     rng = np.random.default_rng(20)
     sums = np.concatenate([np.exp(rng.uniform(0, np.log(2.0 ** 31), 1 << 18)).astype(np.int64),
                            [(1 << k) + d for k in range(33) for d in (-1, 0, 1)], [-(1 << 31), -7, 0, 1 << 40]])
-    b = _Builder(SimpleNamespace(), {"words": "words"})
+    b = _Builder(SimpleNamespace(tensors={"words": {"shape": [None]}}), {"words": "words"})
     instr = SimpleNamespace(name="sum", output="words", stage=OutputStage((RowReciprocal(function),)))
     got = _run_nodes(b, {"acc": sums}, row_reciprocal_words(b, instr, "acc"), TensorProto.INT32, ["N"])
     expected = [row_reciprocal_word(min(int(s), (1 << 31) - 1), function) for s in sums.tolist()]
@@ -122,9 +129,9 @@ def test_the_row_scaled_multiplier_rounds_once_in_float32():
     scale = np.float32(0.7391)
     b = _Builder(SimpleNamespace(), {"w": "w"})
     instr = SimpleNamespace(name="pv", stage=OutputStage((Requantize("m", "s", "f", row_scale="w"),)))
-    got = _run_nodes(b, {"w": words}, row_scaled_scale(b, instr, b.constant("scale", scale), [None, 1]),
-                     TensorProto.FLOAT, ["N", 1])
-    expected = row_scaled_float32(scale, words).reshape(-1, 1)
+    got = _run_nodes(b, {"w": words}, row_scaled_scale(b, instr, b.constant("scale", scale), "w"),
+                     TensorProto.FLOAT, ["N"])
+    expected = row_scaled_float32(scale, words)
     np.testing.assert_array_equal(got.view(np.uint32), expected.view(np.uint32))
     assert len(np.unique(expected)) > 100
 

@@ -56,18 +56,43 @@ def attention_rows_program(function: str, rounding: str, overflow: str = "wrap",
     return Program(manifest, arrays)
 
 
-def _inputs(batch: int, seed: int) -> dict:
-    """Exp codes with some rows all zero (S = bias only) and some all 255, values of every sign."""
+def matmul_rows_program(function: str, rounding: str, e_dtype: str = "uint8") -> Program:
+    """The row sums as a MatMulGemm (no bias) of e (N, L=3, K=7) by an activation of ones (N, K, 1), its stage the
+    store, words (N, L, 1); then P.V = e (N, L, K) by v (N, K, 5) with the words as its row scale."""
+    program = attention_rows_program(function, rounding, e_dtype=e_dtype)
+    manifest = program.manifest
+    tensors = manifest["tensors"]
+    tensors["e"]["shape"] = [None, QUERIES, KEYS]
+    tensors["ones"] = {"shape": [None, KEYS, 1], "scale": 1.0, "dtype": "int8"}
+    tensors["words"] = {"shape": [None, QUERIES, 1], "scale": 1.0, "dtype": "int32"}
+    for name in ("e_grid", "words_grid"):
+        del tensors[name]
+    manifest["inputs"] = ["e", "ones", "v"]
+    pv = manifest["instructions"][-1]
+    pv.update(inputs=["e", "v", "words"], row_scale="words", transpose_a=False)
+    manifest["instructions"] = [
+        {"kind": "MatMulGemm", "name": "sum", "inputs": ["e", "ones"], "output": "words", "row_reciprocal": function,
+         "k": KEYS, "acc_bound_bits": 12, "transpose_a": False, "transpose_b": False}, pv]
+    arrays = {name: array for name, array in program.arrays.items() if not name.startswith("sum_")}
+    return Program(manifest, arrays)
+
+
+def _inputs(batch: int, seed: int, key_major: bool = True) -> dict:
+    """Exp codes with some rows all zero (S = bias only) and some all 255, values of every sign; `ones` for
+    matmul_rows_program."""
     rng = np.random.default_rng(seed)
     e = rng.integers(0, 256, (batch, KEYS, QUERIES))
     e[0, :, 0], e[0, :, 1] = 0, 255
     v = rng.integers(-127, 128, (batch, KEYS, DIM))
-    return {"e": (e / 255).astype(np.float32), "v": (v * 0.01).astype(np.float32)}
+    return {"e": (e if key_major else e.transpose(0, 2, 1)) / np.float32(255), "v": (v * 0.01).astype(np.float32),
+            "ones": np.ones((batch, KEYS, 1), np.float32)}
 
 
 def _export(tmp_path: Path, program: Program, batch: int = 5, seed: int = 0) -> Path:
     write_program(program, tmp_path / "rows.qdp")
-    export_vectors(read_program(tmp_path / "rows.qdp"), _inputs(batch, seed), tmp_path / "vectors")
+    program = read_program(tmp_path / "rows.qdp")
+    inputs = _inputs(batch, seed, key_major=program.instructions[0]["kind"] != "MatMulGemm")
+    export_vectors(program, {name: inputs[name].astype(np.float32) for name in program.inputs}, tmp_path / "vectors")
     return tmp_path / "vectors"
 
 
@@ -96,6 +121,18 @@ def test_the_rtl_runs_the_store_and_the_row_scale_bit_exactly(tmp_path, rounding
     assert report.ok and report.compared_files == 4, report.to_json()
     out = np.load(vectors / pv["files"]["out"]["npy"])
     assert len(np.unique(out)) > 20  # not all clamped or zero
+
+
+@pytest.mark.parametrize("rounding, function", [("half_even", "rsqrt"), ("float32_rne", "reciprocal")])
+def test_the_rtl_runs_a_store_after_a_matmul_row_sum(tmp_path, rounding, function):
+    """The row sums as a MatMulGemm (e by an activation of ones, no bias): its store's words and P.V, bit-exact."""
+    vectors = _export(tmp_path, matmul_rows_program(function, rounding), batch=4)
+    store, pv = json.loads((vectors / "manifest.json").read_text())["layers"]
+    assert (store["kind"], store["row_reciprocal"], store["output_stage"]) == ("MatMulGemm", function, ["RowReciprocal"])
+    assert (pv["groups"], pv["m"]) == (4, QUERIES)
+    rtl.run(vectors, tmp_path / "dump")
+    report = compare_vectors(vectors, tmp_path / "dump")
+    assert report.ok and report.compared_files == 4, report.to_json()
 
 
 def _rtl_run(tmp_path: Path, vectors: Path, dump: str, *options: str):
