@@ -6,7 +6,8 @@
 
 builds the testbench once for the vectors' target (its header from `isa/header.py`), runs it on every
 layer whose output stage the RTL implements, and writes acc.hex and out.hex (32-bit words after a row-reciprocal
-store; stored.hex too after a fused window-max) under DUMP_DIR/layers/<dir>/. `--rtl` (the `sources` of `run`) takes a team's own tile in place of
+store; stored.hex too after a fused window-max) under DUMP_DIR/layers/<dir>/.
+`--rtl` (the `sources` of `run`) takes a team's own tile in place of
 qdeploy_gemm_tile.sv: their files must define a module `qdeploy_gemm_tile` with its parameters and ports (the
 testbench instantiates it); they may `include "accel_params.svh"` (the target's header, written for the run) and
 "qdeploy_arith.svh".

@@ -8,7 +8,8 @@
 // and, for per-channel upper bounds (the ClampHi step, clamp_hi.hex), +CLAMP_HI=1
 // and, for an output-stage lookup table (lookup_table.hex, 256 entries), +LOOKUP_OFFSET=<128 for int8 codes|0>
 // and, for a Requantize with a per-row scale (row_scale.hex, one word per output row), +ROW_SCALE=1
-// and, for the row-reciprocal store (row_table.hex; out.hex then holds 32-bit words), +ROW_RECIPROCAL=<0 1/x|1 1/sqrt x>
+// and, for the row-reciprocal store (row_table.hex; out.hex then holds 32-bit words),
+//   +ROW_RECIPROCAL=<0 for 1/x | 1 for 1/sqrt x>
 // and, for a fused MaxPool (the window-max on store, writing stored.hex), +WINDOW_MAX=1 with the output grid
 // +NB=<batch> +OH +OW, the window +KH +KW +SH +SW +PT +PL +PB +PR +DH +DW and the pooled size +POH +POW.
 // ROUNDING defaults to the target's; overriding it (iverilog -Ptb_layer.ROUNDING=n) simulates a wrong design.

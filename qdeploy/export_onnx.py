@@ -483,7 +483,8 @@ def _requantize_acc(b: _Builder, instr: Instruction, acc: str) -> str:
     the output stage's later steps; or, for a row-reciprocal store, Cast to int64 and the store."""
     name = instr.name
     if instr.stage.step(RowReciprocal) is not None:
-        return b.output_stage(instr, b.node("Cast", [acc], f"{name}/acc_int64", f"{name}/Cast_acc", to=TensorProto.INT64))
+        return b.output_stage(instr, b.node("Cast", [acc], f"{name}/acc_int64", f"{name}/Cast_acc",
+                                            to=TensorProto.INT64))
     value = b.node("Cast", [acc], f"{name}/acc_f32", f"{name}/Cast_acc", to=TensorProto.FLOAT)
     scale = b.constant(f"{name}/scale_f32", np.float32(b.program.arrays[instr.stage.requantize.scale_f32].reshape(-1)[0]))
     if instr.stage.requantize.row_scale:  # one word per output row, shaped (..., rows, 1) to broadcast over columns

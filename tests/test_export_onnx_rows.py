@@ -1,7 +1,8 @@
 """The ONNX export of the row-reciprocal store and of a Requantize's per-row scale (qdeploy/export_onnx_rows.py):
 ONNX Runtime computes the store's int32 words and the row-scaled outputs of a program in `float32_rne` bit for bit
 as the simulator, at every graph optimization level, on hand-built softmax tails (the row sum as a DenseGemm, a
-1x1 ConvGemm and a MatMulGemm, 1/x and 1/sqrt x); a store after a convolution it cannot write as a MatMul is refused in one line."""
+1x1 ConvGemm and a MatMulGemm, 1/x and 1/sqrt x); a store after a convolution it cannot write as a MatMul is
+refused in one line."""
 
 import numpy as np
 import onnxruntime as ort
