@@ -253,7 +253,7 @@ def _compare_file(root: Path, dump: Path, layer: dict, key: str, record: dict, p
         acc_value = int(acc[row, col]) if acc is not None and key == "out" else None
         codes = params.get("lookup_input")
         words = params.get("row_scale")  # one per row g*M + m of group g = col // n
-        word = int(words[(col // layer["n"]) * layer["m"] + row, 0]) if words is not None and key == "out" else None
+        word = int(words[(col // layer["n"]) * layer["m"] + row]) if words is not None and key == "out" else None
         label, detail = classify(key, layer, e, a, col, acc_value, params if codes is None or key != "out" else
                                  {**params, "code": int(codes[row, col])}, word)
         classes[label] = classes.get(label, 0) + 1
@@ -271,9 +271,11 @@ def _compare_layer(root: Path, dump: Path, layer: dict) -> LayerComparison:
     params = {key: _expected(root, files[key]).reshape(-1) for key in ("mult", "shift", "scale_f32")
               if key in files}
     acc = _expected(root, files["acc"]) if "acc" in files else None
-    for key in ("lookup_input", "row_scale"):
-        if key in files:
-            params[key] = _expected(root, files[key])
+    if "lookup_input" in files:
+        params["lookup_input"] = _expected(root, files["lookup_input"])
+    if "row_scale" in files:  # the hex's order, line g*M + m (the npy is the operand tensor in its own shape)
+        record = files["row_scale"]
+        params["row_scale"] = read_hex_file(_inside(root, record["hex"], root / MANIFEST), record)[0].reshape(-1)
     compared = []
     for key in COMPARED:
         if key in files and (result := _compare_file(root, dump, layer, key, files[key], params, acc, None)):

@@ -183,16 +183,26 @@ def _bias_vectors(step, v: _StageVectors, layer: _LayerRun) -> _StageVectors:
     return replace(v, bias=layer.arrays[step.array])
 
 
-def _row_reciprocal_vectors(step, v: _StageVectors, layer: _LayerRun) -> _StageVectors:
-    """The store's table (isa/row_scale.py: 1/x, 1 x 256; 1/sqrt x, 1 x 512, RSQRT[0] then RSQRT[1]) as 16-bit
-    mantissas; its out file holds the 32-bit words (Writer.layer)."""
+def row_table_file(step: RowReciprocal) -> tuple:
+    """The extra file of a row-reciprocal store's table (isa/row_scale.py: 1/x, 1 x 256; 1/sqrt x, 1 x 512,
+    RSQRT[0] then RSQRT[1]) of 16-bit mantissas."""
     table = RECIPROCAL if step.function == "reciprocal" else RSQRT.reshape(-1)
     layout = ("the row-reciprocal store's table of 16-bit mantissas, entry i at word i / C, element i % C: "
               + ("RECIPROCAL[i] (1/x)" if step.function == "reciprocal" else
                  "RSQRT[0] (even floor(log2 S)) then RSQRT[1] (odd), 256 each (1/sqrt x)"))
-    return replace(v, extra={**v.extra, "row_table": (table.astype(np.uint16), table.reshape(1, -1), 16, False,
-                                                      "cols", layout)},
-                   info={**v.info, **step.to_manifest()})
+    return table.astype(np.uint16), table.reshape(1, -1), 16, False, "cols", layout
+
+
+def row_scale_file(words: np.ndarray) -> tuple:
+    """The extra file of a row scale's words (the operand tensor as it is), one line per output row g*M + m."""
+    layout = ("one row-scale word e << 16 | m (isa/row_scale.py) per output row, line g*M + m for row m of "
+              "group g, element 0 (the others zero); npy: the operand tensor")
+    return words, words.astype(np.int64).reshape(-1, 1), 32, True, "cols", layout
+
+
+def _row_reciprocal_vectors(step, v: _StageVectors, layer: _LayerRun) -> _StageVectors:
+    """The store's table (row_table_file); its out file holds the 32-bit words (Writer.layer)."""
+    return replace(v, extra={**v.extra, "row_table": row_table_file(step)}, info={**v.info, **step.to_manifest()})
 
 
 def _requantize_vectors(step, v: _StageVectors, layer: _LayerRun) -> _StageVectors:
@@ -202,11 +212,7 @@ def _requantize_vectors(step, v: _StageVectors, layer: _LayerRun) -> _StageVecto
     v = replace(v, mult=arrays[step.mult], shift=arrays[step.shift], scale_f32=arrays[step.scale_f32])
     if not step.row_scale:
         return v
-    words = np.asarray(layer.args[2])
-    layout = ("one row-scale word e << 16 | m (isa/row_scale.py) per output row, line g*M + m for row m of "
-              "group g, element 0 (the others zero); npy: the operand tensor")
-    return replace(v, extra={**v.extra, "row_scale": (words, words.astype(np.int64).reshape(-1, 1), 32, True, "cols",
-                                                      layout)},
+    return replace(v, extra={**v.extra, "row_scale": row_scale_file(np.asarray(layer.args[2]))},
                    info={**v.info, "row_scale": step.row_scale})
 
 
