@@ -5,7 +5,8 @@ section 3, (11)-(12)), with default-domain integer and float32 ops of opset 13 t
   as the count of the powers 2^1 .. 2^31 that S reaches (Greater against them on a new leading axis, Cast,
   ReduceSum: the leading-one count without a CLZ op); the index i = S * 2^8 // 2^n - 2^8 (the 8 bits after the
   leading one, zeros shifted in when n < 8; Mul, Div of non-negative int64 values: floor); m = the table's entry
-  (Gather from RECIPROCAL, or from RSQRT flattened at (n % 2) * 256 + i); the word (16 + n) * 2^16 + m, or (16 + n // 2) * 2^16 + m, Cast to int32;
+  (Gather from RECIPROCAL, or from RSQRT flattened at (n % 2) * 256 + i); the word (16 + n) * 2^16 + m, or
+  (16 + n // 2) * 2^16 + m, Cast to int32;
 - the row scale in float32_rne: m = w % 2^16 and e = (w // 2^16) % 64 (int64 Mod, Div), s = f32(m) * 2^-e (the
   power of two read from a 64-entry float32 table, so the product is exact: m < 2^24 and s >= 2^-48 is normal), and
   scale' = f32(scale_f32 * s), one float32 rounding as the simulator's row_scaled_float32. The requantization then
