@@ -263,8 +263,10 @@ class DenseGemm(ArrayInstruction):
 
 @dataclass(frozen=True, kw_only=True)
 class AddGemm(ArrayInstruction):
-    """The residual add: acc = a * w_a + b * w_b (16-bit pre-scale weights on the scale add_scale), or in
-    float32_rne the float32 add with the ratios add_ratio_f32 (qdeploy/quantize.py eq. 6-7)."""
+    """The residual add: acc = a * w_a + b * w_b (16-bit pre-scale weights on the scale add_scale; w_b < 0
+    subtracts), or in float32_rne the float32 add with the ratios add_ratio_f32 (qdeploy/quantize.py eq. 6-7).
+    b is a's shape, or a per-row operand: a's shape with 1 as its last axis, read once per element of its row
+    (a row max or a row mean, qdeploy/lowering/rows.py)."""
 
     add_weights: tuple[int, int]
     add_scale: float
@@ -275,10 +277,15 @@ class AddGemm(ArrayInstruction):
     @classmethod
     def check(cls, instr: dict, where: str, in_shapes: list, out_dtype: str, program: ProgramView
               ) -> tuple[int, ...]:
-        """Two inputs of one shape, the pre-scale weights in the 16-bit operand, the scales, the stage."""
-        if in_shapes[0] != in_shapes[1]:
-            raise InvalidRecord(f"{where}: adds tensors of shapes {in_shapes[0]} and {in_shapes[1]}")
-        ints(field_of(instr, "add_weights", where), f"{where}: add_weights", 2, 0, ADD_WEIGHT_MAX)
+        """Two inputs of one shape (or the second per row), the pre-scale weights in the 16-bit operand (the
+        first >= 0), the scales, the stage."""
+        if in_shapes[0] != in_shapes[1] and in_shapes[1] != in_shapes[0][:-1] + (1,):
+            raise InvalidRecord(f"{where}: adds tensors of shapes {in_shapes[0]} and {in_shapes[1]} (the second "
+                                f"one's shape, or a per-row operand: the first's with 1 as its last axis)")
+        weights = field_of(instr, "add_weights", where)
+        ints(weights, f"{where}: add_weights", 2, -ADD_WEIGHT_MAX, ADD_WEIGHT_MAX)
+        if weights[0] < 0:
+            raise InvalidRecord(f"{where}: add_weights[0] = {weights[0]} is negative (only b is subtracted)")
         add_scale = field_of(instr, "add_scale", where)
         if not is_positive_number(add_scale):
             raise InvalidRecord(f"{where}: add_scale must be a finite number > 0, got {json.dumps(add_scale)[:40]}")

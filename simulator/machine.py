@@ -441,6 +441,7 @@ class Machine:
         """acc = a * w_a + b * w_b: a K = 2 GEMM per element, [a b] . [w_a w_b]^T, in the accumulator.
         With rounding float32_rne: the float32 output-stage add of ONNX Runtime's QLinearAdd (add_float32_rne)."""
         a, b = args
+        b = np.broadcast_to(b, a.shape)  # a per-row operand is read once per element of its row
         steps = instr.stage.steps
         if self.arithmetic.rounding == Rounding.FLOAT32_RNE:  # Requantize and Clamp in the float32 add
             _require_prefix(instr, steps, ADD_FLOAT32_STEPS)
