@@ -579,6 +579,18 @@ RECORDS: dict[Kind, type[Instruction]] = {
     Kind.CHANNEL_PERMUTE: ChannelPermute, Kind.HOST: Host}
 
 
+def row_scale_words(records) -> set[str]:
+    """The program's tensors of int32 row-scale words (isa/row_scale.py): each row-reciprocal store's output and the
+    views (reshapes) of it, not quantized activations."""
+    words: set[str] = set()
+    for record in records:
+        stage = getattr(record, "stage", None)
+        if (stage is not None and stage.step(RowReciprocal)) or (record.kind in RESHAPE_KINDS
+                                                                 and set(record.inputs) & words):
+            words.add(record.output)
+    return words
+
+
 def from_manifest(record: dict) -> Instruction:
     """The typed record of a (checked) manifest instruction."""
     cls = handler(RECORDS, record["kind"], "the instruction records", f"instruction '{record.get('name')}'")
