@@ -476,15 +476,21 @@ class _Compiler:
 
         k = describe_instruction(self.graph, node).k
         bound = k * max(abs(v) for v in scales.range(a)) * max(abs(v) for v in scales.range(b))
-        lo, hi = _clamp_bounds(node, s_out, scales.range(y))
         s_b_scaled = s_b * node.attrs.get("product_scale", 1.0)  # a folded constant scale c: M = c s_a s_b / s_out
+        store = output_stage(node).step(RowReciprocal)
         words = node.inputs[2] if len(node.inputs) > 2 else ""
-        if words:  # a row scale (P.V of an integer softmax): M = c s_a s_b s_words / s_out, times each row's word
-            row_scales.check_row_accumulator(node, f"the product of '{a}' and '{b}' (K = {k}) read with a row "
-                                                   f"scale", bound, self.target.arithmetic.acc_bits)
-            s_b_scaled *= scales.scale[words]
-        requant = self._requant(index, s_a, np.array([s_b_scaled]), s_out)
-        stage = OutputStage((replace(requant, row_scale=words), Clamp(lo, hi)))
+        if store is not None:  # row sums of products (a LayerNorm's sum of squares): their words, s_out = f(s_acc)
+            row_scales.check_row_accumulator(node, f"the row sum of products of '{a}' and '{b}' (K = {k})", bound,
+                                             self.target.arithmetic.acc_bits)
+            stage = OutputStage((store,))
+        else:
+            lo, hi = _clamp_bounds(node, s_out, scales.range(y))
+            if words:  # a row scale (P.V of an integer softmax): M = c s_a s_b s_words / s_out, times each row's word
+                row_scales.check_row_accumulator(node, f"the product of '{a}' and '{b}' (K = {k}) read with a row "
+                                                       f"scale", bound, self.target.arithmetic.acc_bits)
+                s_b_scaled *= scales.scale[words]
+            requant = self._requant(index, s_a, np.array([s_b_scaled]), s_out)
+            stage = OutputStage((replace(requant, row_scale=words), Clamp(lo, hi)))
         record = {"stage": stage, "acc_bound_bits": _bits_for(bound), "k": k}
         if node.op == Kind.MATMUL_GEMM:
             record.update(transpose_a=bool(node.attrs["transpose_a"]), transpose_b=bool(node.attrs["transpose_b"]))

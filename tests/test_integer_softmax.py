@@ -137,3 +137,54 @@ def test_a_softmax_that_no_p_v_product_reads_stays_on_the_host_with_its_reason(t
     (host,) = lower(graph, lookups=False).host_ops
     assert host.reason == ("node 'softmax' (Softmax): the integer softmax's exp is a lookup table, and the target's "
                            "output stage has none (lookup_tables = 0)")
+
+
+def test_row_sums_of_products_give_words_that_a_product_reads_as_its_row_scale():
+    """The row-scale plumbing a LayerNorm reuses (qdeploy/row_scales.py), on a lowered graph built by hand:
+    w = 1/sqrt(sum_c x_c^2) per token from a MatMulGemm (x_row . x_row^T) whose store is the rsqrt row-reciprocal
+    store (words of scale 1/sqrt(s_x^2)), viewed per token, then y = (x @ b) * w by a MatMulGemm reading the words
+    as its row scale: the machine equals the twins, and y is the float graph's to int8 precision."""
+    from calib.table import CalibrationTable, TensorRecord
+    from isa.output_stage import NO_OUTPUT_STAGE, OutputStage, RowReciprocal
+    from qdeploy.ir import Graph, Node, Tensor, constant
+    from qdeploy.lowering import lower
+    from qdeploy.quantize import compile_graph
+    from qdeploy.reference import run_graph
+
+    tokens, channels, width = 4, 8, 3
+    f32 = np.dtype(np.float32)
+    shapes = {"x": (None, tokens, channels), "b": (None, channels, width), "x_rows": (None, 1, channels),
+              "sums": (None, 1, 1), "words": (None, tokens, 1), "y": (None, tokens, width)}
+    tensors = {name: Tensor(name, shape, f32, rows=tokens if name in ("x_rows", "sums") else 1)
+               for name, shape in shapes.items()}
+    for name, value in (("rows_shape", [-1, 1, channels]), ("words_shape", [-1, tokens, 1])):
+        tensors[name] = constant(name, np.array(value, np.int64))
+    nodes = [Node("as_rows", Kind.RESHAPE, ["x", "rows_shape"], ["x_rows"], {}),
+             Node("squares", Kind.MATMUL_GEMM, ["x_rows", "x_rows"], ["sums"],
+                  {"transpose_a": 0, "transpose_b": 1, "output_stage": OutputStage((RowReciprocal("rsqrt"),))}),
+             Node("as_tokens", Kind.RESHAPE, ["sums", "words_shape"], ["words"], {}),
+             Node("scaled", Kind.MATMUL_GEMM, ["x", "b", "words"], ["y"],
+                  {"transpose_a": 0, "transpose_b": 0, "output_stage": NO_OUTPUT_STAGE})]
+    graph = Graph("rows", nodes, tensors, ["x", "b"], ["y"])
+    rng = np.random.default_rng(5)
+    feeds = {"x": rng.standard_normal((6, tokens, channels)).astype(np.float32),
+             "b": rng.standard_normal((6, channels, width)).astype(np.float32)}
+    values = run_graph(graph, feeds, list(shapes))
+    exact = (feeds["x"] @ feeds["b"]) / np.sqrt((feeds["x"].astype(np.float64) ** 2).sum(-1, keepdims=True))
+    np.testing.assert_allclose(values["y"], exact, rtol=1e-5)
+    table = CalibrationTable({name: TensorRecord(name, "max", float(np.abs(values[name]).max()))
+                              for name in ("x", "b", "y")}, "max", 0)
+    lowered = lower(Graph("rows", [], {}, [], []))
+    lowered.graph = graph
+    target = Target()
+    program, _ = compile_graph(lowered, table.thresholds, target)
+    assert program.tensors["sums"]["dtype"] == program.tensors["words"]["dtype"] == "int32"
+    assert program.tensors["sums"]["scale"] == pytest.approx(1 / program.tensors["x"]["scale"], rel=1e-6)
+    run = Machine(program).run(feeds, dump=True)
+    for instr in program.instructions:
+        args = [run.tensors[name] for name in instr["inputs"]]
+        expected = twins.run_instruction(instr, args, program.arrays, target.arithmetic,
+                                         program.tensors[instr["output"]]["dtype"])
+        np.testing.assert_array_equal(run.tensors[instr["output"]], expected, err_msg=instr["name"])
+    y = run.tensors["y"] * program.tensors["y"]["scale"]
+    assert sqnr(exact, y) > 30  # int8 x, b and y, a 1.1e-3 rsqrt word: measured 40.3 dB
