@@ -17,6 +17,7 @@ from qdeploy.lowering.softmax import lower_softmax
 from qdeploy_base.errors import Unsupported
 from simulator import twins
 from simulator.machine import Machine
+from simulator.vectors import export_vectors
 
 HEADS, TOKENS, DIM = 2, 9, 8
 
@@ -87,7 +88,8 @@ def test_an_attention_block_runs_its_softmax_on_the_integer_unit(tmp_path, monke
 @pytest.mark.parametrize("unsigned", [True, False])
 def test_the_machine_runs_a_compiled_softmax_as_the_twins(tmp_path, rounding, unsigned):
     """Every instruction of the compiled block (row max, exp table on the per-row AddGemm, row-sum words, P.V with
-    the row scale), in every rounding mode, uint8 or int8 exp codes: the machine's tensors are the twins'."""
+    the row scale), in every rounding mode, uint8 or int8 exp codes: the machine's tensors are the twins', and its
+    fused paths' are its folded steps'."""
     path = attention_block(tmp_path)
     calibration, test = feeds(0, 8), feeds(2, 3)
     target = Target(arithmetic=Arithmetic(rounding=rounding, unsigned_activations=unsigned))
@@ -102,6 +104,9 @@ def test_the_machine_runs_a_compiled_softmax_as_the_twins(tmp_path, rounding, un
         got = run.tensors[instr["output"]]
         assert got.dtype == expected.dtype, instr["name"]
         np.testing.assert_array_equal(got, expected, err_msg=f"{instr['name']} ({instr['kind']})")
+    folded = Machine(program, fused=False).run(test, dump=True)  # every step folded by itself: the same integers
+    for name, y in run.tensors.items():
+        np.testing.assert_array_equal(y, folded.tensors[name], err_msg=name)
     scores, peak = run.tensors["s"], run.tensors[exp["inputs"][1]]
     np.testing.assert_array_equal(peak[..., 0], scores.max(axis=-1))  # the row max is one of the row's own codes
     codes = run.tensors["p"]
@@ -147,7 +152,7 @@ def test_row_sums_of_products_give_words_that_a_product_reads_as_its_row_scale()
     from calib.table import CalibrationTable, TensorRecord
     from isa.output_stage import NO_OUTPUT_STAGE, OutputStage, RowReciprocal
     from qdeploy.ir import Graph, Node, Tensor, constant
-    from qdeploy.lowering import lower
+    from qdeploy.lowering import LoweringResult
     from qdeploy.quantize import compile_graph
     from qdeploy.reference import run_graph
 
@@ -174,10 +179,8 @@ def test_row_sums_of_products_give_words_that_a_product_reads_as_its_row_scale()
     np.testing.assert_allclose(values["y"], exact, rtol=1e-5)
     table = CalibrationTable({name: TensorRecord(name, "max", float(np.abs(values[name]).max()))
                               for name in ("x", "b", "y")}, "max", 0)
-    lowered = lower(Graph("rows", [], {}, [], []))
-    lowered.graph = graph
     target = Target()
-    program, _ = compile_graph(lowered, table.thresholds, target)
+    program, _ = compile_graph(LoweringResult(graph, [], [], [], [], 1.0), table.thresholds, target)
     assert program.tensors["sums"]["dtype"] == program.tensors["words"]["dtype"] == "int32"
     assert program.tensors["sums"]["scale"] == pytest.approx(1 / program.tensors["x"]["scale"], rel=1e-6)
     run = Machine(program).run(feeds, dump=True)
@@ -188,3 +191,36 @@ def test_row_sums_of_products_give_words_that_a_product_reads_as_its_row_scale()
         np.testing.assert_array_equal(run.tensors[instr["output"]], expected, err_msg=instr["name"])
     y = run.tensors["y"] * program.tensors["y"]["scale"]
     assert sqnr(exact, y) > 30  # int8 x, b and y, a 1.1e-3 rsqrt word: measured 40.3 dB
+
+
+def test_the_add_record_takes_a_per_row_operand_and_a_negative_second_weight_only():
+    """AddGemm.check: b of a's shape or a's with 1 as its last axis (a per-row operand), w_b in [-32767, 32767],
+    w_a >= 0; anything else one line naming the instruction."""
+    from isa.checks import InvalidRecord, ProgramView
+    from isa.instructions import AddGemm
+
+    record = {"kind": Kind.ADD_GEMM, "name": "exp", "inputs": ["s", "m"], "output": "e", "mult": "0_mult",
+              "shift": "0_shift", "scale_f32": "0_scale", "clamp": [-128, 0], "window_max": None, "k": 2,
+              "acc_bound_bits": 24, "add_weights": [16384, -16384], "add_scale": 0.5, "add_ratio_f32": "0_ratio"}
+    arrays = {"0_mult": np.full(1, 1 << 20, np.int64), "0_shift": np.full(1, 10, np.int64),
+              "0_scale": np.ones(1, np.float32), "0_ratio": np.array([1, -1], np.float32)}
+    view = ProgramView(arrays, {}, 32, "double", lambda *args: None)
+    assert AddGemm.check(record, "exp", [(2, 9, 9), (2, 9, 1)], "int8", view) == (2, 9, 9)
+    with pytest.raises(InvalidRecord, match=r"^exp: adds tensors of shapes \(2, 9, 9\) and \(2, 1, 9\) \(the second "):
+        AddGemm.check(record, "exp", [(2, 9, 9), (2, 1, 9)], "int8", view)
+    with pytest.raises(InvalidRecord, match=r"^exp: add_weights\[0\] = -16384 is negative"):
+        AddGemm.check({**record, "add_weights": [-16384, 16384]}, "exp", [(2, 9, 9)] * 2, "int8", view)
+
+
+def test_the_exports_refuse_the_integer_softmax_in_one_line(tmp_path):
+    """The ONNX export names the subtracting AddGemm (ONNX Runtime fuses no Sub into QLinearAdd), the golden vectors
+    the row-reciprocal store: the words are not mistaken for a pre-quantized model's int32 output."""
+    from simulator.vectors.codec import VectorError
+
+    path = attention_block(tmp_path)
+    program = api.compile(path, max_calibration(path, feeds(0, 4))).program
+    with pytest.raises(Unsupported, match=r"^program: instruction 'softmax/exp': an AddGemm that subtracts"):
+        api.export_onnx(program, tmp_path / "attention_int8.onnx")
+    with pytest.raises(VectorError, match=r"^instruction 'softmax/row_sum': the row-reciprocal store has no "):
+        export_vectors(program, feeds(1, 1), tmp_path / "vectors")
+    assert not (tmp_path / "attention_int8.onnx").exists() and not (tmp_path / "vectors").exists()
