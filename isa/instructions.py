@@ -113,6 +113,19 @@ class ArrayInstruction(Instruction):
 
     HAS_WINDOW_FIELD: ClassVar[bool] = True  # the manifest holds "window_max" (null when none)
 
+    def row_scale_words(self, args: list, out_shape: tuple):
+        """The row-scale operand (the last input, when the Requantize step names one: isa/row_scale.py; a
+        MatMulGemm's third, a DenseGemm's second) as one word per output row, (rows, 1) for rows =
+        prod(out_shape[:-1]) (out_shape with the batch); None without one. ValueError when the operand does not
+        hold one word per row."""
+        requant = self.stage.requantize
+        if requant is None or not requant.row_scale:
+            return None
+        if len(args) != len(self.inputs) or len(args) < 2 or args[-1].size != math.prod(out_shape[:-1]):
+            raise ValueError(f"instruction '{self.name}': the row scale '{requant.row_scale}' needs one word per "
+                             f"output row ({math.prod(out_shape[:-1])}), as its last input")
+        return args[-1].reshape(-1, 1)
+
     def describe(self, arrays: dict) -> str:
         stage = self.stage
         if stage.step(RowReciprocal) is not None:
@@ -241,13 +254,22 @@ class DenseGemm(ArrayInstruction):
     weight_scale: str
 
     HAS_WINDOW_FIELD: ClassVar[bool] = False
+    ARITY: ClassVar[int | None] = None  # x, and a row scale's words as a second input (checked below)
 
     @classmethod
     def check(cls, instr: dict, where: str, in_shapes: list, out_dtype: str, program: ProgramView
               ) -> tuple[int, ...]:
+        """x (K,) per row; with a row scale, its words (one per row: (1,)) as the second input (a LayerNorm's
+        normalizing requantize, qdeploy/row_scales.py)."""
+        arity = 2 if "row_scale" in instr else 1
+        if len(in_shapes) != arity:
+            raise InvalidRecord(f"{where} has {len(in_shapes)} inputs, expected {arity}"
+                                f"{' (x and the row scale)' if arity == 2 else ''}")
         channels, k, x = _check_weighted_gemm(instr, where, in_shapes, out_dtype, program)
         if x != (k,):
             raise InvalidRecord(f"{where}: input of shape {x} does not fit weight (M={channels}, K={k})")
+        if "row_scale" in instr:
+            check_row_scale(program, instr, where, in_shapes[1], (channels,))
         return (channels,)
 
     def gemm_shape(self, in_shapes: list, out_shape: list, batch: int, stored: int) -> GemmShape:
@@ -411,18 +433,6 @@ class MatMulGemm(ArrayInstruction):
         first, second = (f"{name}^T" if flag else name
                          for name, flag in zip(self.inputs, (self.transpose_a, self.transpose_b)))
         return f"{super().describe(arrays)}, operands {first} by {second}"
-
-    def row_scale_words(self, args: list, out_shape: tuple):
-        """The row-scale operand (a third input, when the Requantize step names one: isa/row_scale.py) as one word
-        per output row, (rows, 1) for rows = prod(out_shape[:-1]); None without one. ValueError when the operand
-        does not hold one word per row."""
-        requant = self.stage.requantize
-        if requant is None or not requant.row_scale:
-            return None
-        if len(args) != 3 or args[2].size != math.prod(out_shape[:-1]):
-            raise ValueError(f"instruction '{self.name}': the row scale '{requant.row_scale}' needs one word per "
-                             f"output row ({math.prod(out_shape[:-1])}), as the third input")
-        return args[2].reshape(-1, 1)
 
     def grouped_operands(self, a, b) -> tuple:
         """(a, b) as the array reads them, (G, M, K) and (G, K, P) with one group per sample and leading index:

@@ -340,6 +340,10 @@ class _Compiler:
             row_scales.check_row_accumulator(node, f"the row sum of {k} codes of '{x}'", bound,
                                              self.target.arithmetic.acc_bits)
             steps = [Bias(bias_array), words]
+        elif len(node.inputs) > 3:  # a row scale (lowering/rows.py with_row_scale): M[c] = s_in s_w[c] s_words / s_out
+            words = node.inputs[3]
+            requant = self._requant(index, s_in, s_w * scales.scale[words], s_out)
+            steps = [Bias(bias_array), replace(requant, row_scale=words), Clamp(lo, hi)]
         else:
             steps = [Bias(bias_array), self._requant(index, s_in, s_w, s_out), Clamp(lo, hi)]
         clamp_hi = output_stage(node).clamp_hi
@@ -544,7 +548,8 @@ class _Compiler:
             self.current = f"'{node.name}' ({node.op})"
             kind = node_kind(graph, node)
             fields = handler(COMPILERS, kind, "the compiler", f"node '{node.name}'")(self, index, node)
-            inputs = node.inputs[:1] if kind in WEIGHTED_GEMM_KINDS else node.inputs
+            # a weighted GEMM reads x (and a row scale's words, after its weight and bias: lowering/rows.py)
+            inputs = [*node.inputs[:1], *node.inputs[3:]] if kind in WEIGHTED_GEMM_KINDS else node.inputs
             record = RECORDS[kind](kind=kind, name=node.name, output=node.outputs[0], **fields,
                                    inputs=tuple(i for i in inputs if i and not graph.tensors[i].is_constant))
             instructions.append(record.to_manifest())  # the program is written from the typed records

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from onnx import helper
 
-from builders import make_model, max_calibration, run_onnxruntime, save
+from builders import make_model, max_calibration, rng_weights, run_onnxruntime, save
 from isa.kinds import Kind
 from isa.target import Arithmetic, Target
 from qdeploy import api
@@ -144,41 +144,55 @@ def test_a_softmax_that_no_p_v_product_reads_stays_on_the_host_with_its_reason(t
                            "output stage has none (lookup_tables = 0)")
 
 
-def test_row_sums_of_products_give_words_that_a_product_reads_as_its_row_scale():
+def test_row_sums_of_products_give_words_that_a_product_and_a_dense_gemm_read_as_their_row_scale():
     """The row-scale plumbing a LayerNorm reuses (qdeploy/row_scales.py), on a lowered graph built by hand:
     w = 1/sqrt(sum_c x_c^2) per token from a MatMulGemm (x_row . x_row^T) whose store is the rsqrt row-reciprocal
-    store (words of scale 1/sqrt(s_x^2)), viewed per token, then y = (x @ b) * w by a MatMulGemm reading the words
-    as its row scale: the machine equals the twins, and y is the float graph's to int8 precision."""
+    store (words of scale 1/sqrt(s_x^2)), viewed per token, then y = (x @ b) * w by a MatMulGemm and z = (x W^T +
+    bias) * w by a DenseGemm on the tokens' rows (a LayerNorm's normalizing requantize: gamma in W), both reading the
+    words as their row scale: the machine equals the twins, and y, z are the float graph's to int8 precision."""
     from calib.table import CalibrationTable, TensorRecord
     from isa.output_stage import NO_OUTPUT_STAGE, OutputStage, RowReciprocal
     from qdeploy.ir import Graph, Node, Tensor, constant
     from qdeploy.lowering import LoweringResult
+    from qdeploy.lowering.rows import with_row_scale
     from qdeploy.quantize import compile_graph
     from qdeploy.reference import run_graph
 
     tokens, channels, width = 4, 8, 3
     f32 = np.dtype(np.float32)
     shapes = {"x": (None, tokens, channels), "b": (None, channels, width), "x_rows": (None, 1, channels),
-              "sums": (None, 1, 1), "words": (None, tokens, 1), "y": (None, tokens, width)}
-    tensors = {name: Tensor(name, shape, f32, rows=tokens if name in ("x_rows", "sums") else 1)
+              "sums": (None, 1, 1), "words": (None, tokens, 1), "y": (None, tokens, width),
+              "x_tokens": (None, channels), "token_words": (None, 1), "z": (None, width)}
+    tensors = {name: Tensor(name, shape, f32, rows=tokens if name in ("x_rows", "sums", "x_tokens", "token_words",
+                                                                      "z") else 1)
                for name, shape in shapes.items()}
-    for name, value in (("rows_shape", [-1, 1, channels]), ("words_shape", [-1, tokens, 1])):
-        tensors[name] = constant(name, np.array(value, np.int64))
+    weight, bias = rng_weights(3, width, channels), rng_weights(4, width)
+    for name, value in (("rows_shape", [-1, 1, channels]), ("words_shape", [-1, tokens, 1]),
+                        ("tokens_shape", [-1, channels]), ("token_words_shape", [-1, 1]), ("W", weight),
+                        ("B", bias)):
+        tensors[name] = constant(name, np.array(value, np.int64 if name.endswith("shape") else np.float32))
     nodes = [Node("as_rows", Kind.RESHAPE, ["x", "rows_shape"], ["x_rows"], {}),
              Node("squares", Kind.MATMUL_GEMM, ["x_rows", "x_rows"], ["sums"],
                   {"transpose_a": 0, "transpose_b": 1, "output_stage": OutputStage((RowReciprocal("rsqrt"),))}),
              Node("as_tokens", Kind.RESHAPE, ["sums", "words_shape"], ["words"], {}),
              Node("scaled", Kind.MATMUL_GEMM, ["x", "b", "words"], ["y"],
-                  {"transpose_a": 0, "transpose_b": 0, "output_stage": NO_OUTPUT_STAGE})]
-    graph = Graph("rows", nodes, tensors, ["x", "b"], ["y"])
+                  {"transpose_a": 0, "transpose_b": 0, "output_stage": NO_OUTPUT_STAGE}),
+             Node("as_token_rows", Kind.RESHAPE, ["x", "tokens_shape"], ["x_tokens"], {}),
+             Node("as_token_words", Kind.RESHAPE, ["sums", "token_words_shape"], ["token_words"], {}),
+             with_row_scale(Node("normalized", Kind.DENSE_GEMM, ["x_tokens", "W", "B"], ["z"],
+                                 {"output_stage": NO_OUTPUT_STAGE}), "token_words")]
+    graph = Graph("rows", nodes, tensors, ["x", "b"], ["y", "z"])
     rng = np.random.default_rng(5)
     feeds = {"x": rng.standard_normal((6, tokens, channels)).astype(np.float32),
              "b": rng.standard_normal((6, channels, width)).astype(np.float32)}
     values = run_graph(graph, feeds, list(shapes))
-    exact = (feeds["x"] @ feeds["b"]) / np.sqrt((feeds["x"].astype(np.float64) ** 2).sum(-1, keepdims=True))
+    norm = np.sqrt((feeds["x"].astype(np.float64) ** 2).sum(-1, keepdims=True))
+    exact = (feeds["x"] @ feeds["b"]) / norm
+    exact_z = ((feeds["x"] @ weight.T + bias) / norm).reshape(-1, width)
     np.testing.assert_allclose(values["y"], exact, rtol=1e-5)
+    np.testing.assert_allclose(values["z"], exact_z, rtol=1e-5, atol=1e-6)
     table = CalibrationTable({name: TensorRecord(name, "max", float(np.abs(values[name]).max()))
-                              for name in ("x", "b", "y")}, "max", 0)
+                              for name in ("x", "b", "y", "z")}, "max", 0)
     target = Target()
     program, _ = compile_graph(LoweringResult(graph, [], [], [], [], 1.0), table.thresholds, target)
     assert program.tensors["sums"]["dtype"] == program.tensors["words"]["dtype"] == "int32"
@@ -189,8 +203,12 @@ def test_row_sums_of_products_give_words_that_a_product_reads_as_its_row_scale()
         expected = twins.run_instruction(instr, args, program.arrays, target.arithmetic,
                                          program.tensors[instr["output"]]["dtype"])
         np.testing.assert_array_equal(run.tensors[instr["output"]], expected, err_msg=instr["name"])
+    normalized = next(i for i in program.instructions if i["name"] == "normalized")
+    assert normalized["inputs"] == ["x_tokens", "token_words"] and normalized["row_scale"] == "token_words"
     y = run.tensors["y"] * program.tensors["y"]["scale"]
-    assert sqnr(exact, y) > 30  # int8 x, b and y, a 1.1e-3 rsqrt word: measured 40.3 dB
+    z = run.tensors["z"] * program.tensors["z"]["scale"]
+    # int8 operands and outputs, a 1.1e-3 rsqrt word: measured 40.3 and 39.3 dB
+    assert sqnr(exact, y) > 30 and sqnr(exact_z, z) > 30
 
 
 def test_the_add_record_takes_a_per_row_operand_and_a_negative_second_weight_only():
@@ -210,6 +228,8 @@ def test_the_add_record_takes_a_per_row_operand_and_a_negative_second_weight_onl
         AddGemm.check(record, "exp", [(2, 9, 9), (2, 1, 9)], "int8", view)
     with pytest.raises(InvalidRecord, match=r"^exp: add_weights\[0\] = -16384 is negative"):
         AddGemm.check({**record, "add_weights": [-16384, 16384]}, "exp", [(2, 9, 9)] * 2, "int8", view)
+    with pytest.raises(InvalidRecord, match=r"^exp: a row scale is read by a MatMulGemm or a DenseGemm only$"):
+        AddGemm.check({**record, "row_scale": "m"}, "exp", [(2, 9, 9), (2, 9, 1)], "int8", view)
 
 
 def test_the_exports_refuse_the_integer_softmax_in_one_line(tmp_path):

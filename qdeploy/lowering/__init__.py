@@ -84,8 +84,8 @@ def _output_stage(node: Node) -> dict:
         result["clamp"] = [stage.clamp.lo, stage.clamp.hi]
     if "product_scale" in node.attrs:  # a constant scale folded into a product of two activations
         result["scale"] = node.attrs["product_scale"]
-    if node.op == Kind.MATMUL_GEMM and len(node.inputs) > 2:  # each output row times its word (lowering/rows.py)
-        result["row_scale"] = node.inputs[2]
+    if len(node.inputs) > {Kind.MATMUL_GEMM: 2, Kind.DENSE_GEMM: 3}.get(node.op, 9):  # rows times words (rows.py)
+        result["row_scale"] = node.inputs[-1]
     if stage.clamp_hi is not None:
         result["clamp_hi"] = list(stage.clamp_hi.hi)
     if stage.lookup is not None:

@@ -107,6 +107,18 @@ def row_sum_words(graph: Graph, node: Node, x: str, function: str) -> tuple[Lowe
     return Lowered([to_rows, instr, back], [*view_tensors, sums, *gemm.tensors, *back_tensors]), back.outputs[0]
 
 
+def with_row_scale(node: Node, words: str) -> Node:
+    """The instruction `node` (a MatMulGemm, or a DenseGemm: the kinds that read a row scale) with each output row
+    times that row's word of `words` (one per output row): y = (a @ b) * w, or (x W^T + b) * w, the bias included.
+    The compiler multiplies the Requantize's multiplier by the words' scale and names the words as its row scale
+    (qdeploy/quantize.py); the words are the instruction's last input."""
+    inputs = {Kind.MATMUL_GEMM: 2, Kind.DENSE_GEMM: 3}.get(node.op)
+    if inputs is None or len(node.inputs) != inputs:
+        raise Unsupported(f"node '{node.name}' ({node.op}): only a MatMulGemm or a DenseGemm reads a row scale, "
+                          f"once")
+    return node.replace(inputs=[*node.inputs, words])
+
+
 def is_row_words(node: Node) -> bool:
     """The node is an instruction whose store is the row-reciprocal store: its output is int32 row-scale words,
     not a quantized activation (calibration does not measure it; the compiler gives it its scale)."""

@@ -21,7 +21,7 @@ import numpy as np
 from isa.kinds import Kind
 from isa.output_stage import NO_OUTPUT_STAGE, Lookup
 from qdeploy.ir import Graph, Node, Tensor
-from qdeploy.lowering.rows import row_add, row_max, row_shape, row_sum_words
+from qdeploy.lowering.rows import row_add, row_max, row_shape, row_sum_words, with_row_scale
 from qdeploy_base.errors import Unsupported
 
 
@@ -88,7 +88,7 @@ def lower_softmax(graph: Graph) -> Graph:
         added[node.name] = [*lowered_max.nodes, exp, *lowered_sum.nodes]
         tensors += [*lowered_max.tensors, difference, *lowered_sum.tensors]
         for reader in readers:
-            replaced[reader.name] = reader.replace(inputs=[*reader.inputs[:2], words])
+            replaced[reader.name] = with_row_scale(reader, words)
     if not added:
         return graph
     nodes = [n for node in original for n in added.get(node.name, [replaced.get(node.name, node)])]
