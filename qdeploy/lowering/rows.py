@@ -59,10 +59,10 @@ def _grown(graph: Graph, nodes: list[Node], tensors: list[Tensor]) -> Graph:
 def row_max(graph: Graph, node: Node, x: str) -> tuple[Lowered, str]:
     """(instructions, the row max of `x` (N, ..., 1)): see the module docstring."""
     rows, length = row_shape(graph, node, x)
-    shape, dtype = graph.tensors[x].shape, graph.tensors[x].dtype
-    to_rows, view_tensors = _view(graph, f"{x}/rows", x, (shape[0], 1, rows, length), dtype)
+    shape, dtype, per_image = graph.tensors[x].shape, graph.tensors[x].dtype, graph.tensors[x].rows
+    to_rows, view_tensors = _view(graph, f"{x}/rows", x, (shape[0], 1, rows, length), dtype, per_image)
     graph = _grown(graph, [to_rows], view_tensors)
-    pooled = Tensor(graph.unique_name(f"{node.name}/row_max_rows"), (shape[0], 1, rows, 1), dtype)
+    pooled = Tensor(graph.unique_name(f"{node.name}/row_max_rows"), (shape[0], 1, rows, 1), dtype, rows=per_image)
     name = graph.unique_name(f"{node.name}/row_max")
     gemm = conv_gemm(graph, Node(name, node.op, [], [], {}), to_rows.outputs[0], np.ones((1, 1, 1, 1)),
                      np.zeros(1), group=1, strides=[1, 1], pads=[0, 0, 0, 0], dilations=[1, 1],
@@ -72,7 +72,7 @@ def row_max(graph: Graph, node: Node, x: str) -> tuple[Lowered, str]:
     stage = NO_OUTPUT_STAGE.with_step(WindowMax((1, length), (1, length), (0, 0, 0, 0), (1, 1), False))
     instr = instr.replace(attrs={**instr.attrs, "output_stage": stage, "integer_weights": 1,
                                  "output_scale": "input"})
-    back, back_tensors = _view(graph, f"{node.name}/row_max", pooled.name, (*shape[:-1], 1), dtype)
+    back, back_tensors = _view(graph, f"{node.name}/row_max", pooled.name, (*shape[:-1], 1), dtype, per_image)
     return (Lowered([to_rows, instr, back], [*view_tensors, pooled, *gemm.tensors, *back_tensors]),
             back.outputs[0])
 
@@ -92,10 +92,12 @@ def row_sum_words(graph: Graph, node: Node, x: str, function: str) -> tuple[Lowe
     """(instructions, the words (N, ..., 1) of 1/S or 1/sqrt(S), `function` "reciprocal" or "rsqrt", S the sum
     of each row of `x`): see the module docstring."""
     rows, length = row_shape(graph, node, x)
-    shape = graph.tensors[x].shape
-    to_rows, view_tensors = _view(graph, f"{x}/row_major", x, (shape[0], length), graph.tensors[x].dtype, rows)
+    shape, per_image = graph.tensors[x].shape, graph.tensors[x].rows  # (rows per image of a batch-one row form)
+    to_rows, view_tensors = _view(graph, f"{x}/row_major", x, (shape[0], length), graph.tensors[x].dtype,
+                                  rows * per_image)
     graph = _grown(graph, [to_rows], view_tensors)
-    sums = Tensor(graph.unique_name(f"{node.name}/row_words"), (shape[0], 1), np.dtype(np.float32), rows=rows)
+    sums = Tensor(graph.unique_name(f"{node.name}/row_words"), (shape[0], 1), np.dtype(np.float32),
+                  rows=rows * per_image)
     name = graph.unique_name(f"{node.name}/row_sum")
     gemm = dense_gemm(graph, Node(name, node.op, [], [sums.name], {}), to_rows.outputs[0], np.ones((1, length)),
                       np.zeros(1))
@@ -103,7 +105,8 @@ def row_sum_words(graph: Graph, node: Node, x: str, function: str) -> tuple[Lowe
     (instr,) = gemm.nodes
     instr = instr.replace(attrs={**instr.attrs, "output_stage": OutputStage((RowReciprocal(function),)),
                                  "integer_weights": 1})
-    back, back_tensors = _view(graph, f"{node.name}/words", sums.name, (*shape[:-1], 1), np.dtype(np.float32))
+    back, back_tensors = _view(graph, f"{node.name}/words", sums.name, (*shape[:-1], 1), np.dtype(np.float32),
+                               per_image)
     return Lowered([to_rows, instr, back], [*view_tensors, sums, *gemm.tensors, *back_tensors]), back.outputs[0]
 
 

@@ -78,7 +78,7 @@ def lower_softmax(graph: Graph) -> Graph:
         lowered_max, peak = row_max(graph, node, x)
         graph = graph.with_nodes([*graph.nodes, *lowered_max.nodes], lowered_max.tensors)
         source = graph.tensors[x]
-        difference = Tensor(graph.unique_name(f"{y}/difference"), source.shape, source.dtype)
+        difference = Tensor(graph.unique_name(f"{y}/difference"), source.shape, source.dtype, rows=source.rows)
         stage = NO_OUTPUT_STAGE.with_step(Lookup("Exp", True))
         exp = row_add(graph.unique_name(f"{node.name}/exp"), x, peak, [y, difference.name], negate_b=True,
                       stage=stage, output_scale="exp_table")
