@@ -39,7 +39,8 @@ from simulator.kernels.requantize import PlaneParameters, output_dtype, plane_pa
 from simulator.kernels.upsample import upsampled_read
 from simulator.kernels.window_max import window_max
 from isa.geometry import conv_output_size
-from isa.row_scale import row_reciprocal_words, row_scaled_float32, row_scaled_multipliers
+from isa.row_scale import (row_reciprocal_words, row_scaled_float32, row_scaled_multipliers, scale_words,
+                           word_values)
 from qdeploy_base.threads import blas_threads_limitable, one_blas_thread, usable_cpus
 
 
@@ -107,11 +108,20 @@ def check_input_values(program: Program, name: str, x: np.ndarray) -> None:
         raise ProgramInputError(f"input '{name}' contains NaN or Inf")
 
 
+def is_row_words(program: Program, name: str) -> bool:
+    """The tensor holds int32 row-scale words (isa/row_scale.py): an int32 tensor is a program output (a GEMM result a
+    pre-quantized model leaves in float) or row-scale words, which no program outputs (qdeploy/program.py)."""
+    return program.tensors[name]["dtype"] == "int32" and name not in program.outputs
+
+
 def _quantized(program: Program, name: str, x: np.ndarray) -> np.ndarray:
-    """quantize_input's arithmetic on a checked x: one float32 buffer, divided, rounded and clipped in place."""
+    """quantize_input's arithmetic on a checked x: one float32 buffer, divided, rounded and clipped in place. Row-scale
+    words: the word of x / scale (qdeploy/row_scales.py: a word w stands for word_value(w) * scale)."""
     dtype = np.dtype(program.tensors[name]["dtype"])
     if x.dtype == dtype:
         return x
+    if is_row_words(program, name):
+        return scale_words(x.astype(np.float64) / program.tensors[name]["scale"]).astype(np.int32)
     arithmetic = Arithmetic(**program.manifest["target"]["arithmetic"])
     lo, hi = (0, 255) if dtype == np.uint8 else (arithmetic.act_min, arithmetic.act_max)
     with np.errstate(over="ignore"):  # |x| / scale beyond float32 is +-inf: it saturates like any large value
@@ -122,6 +132,9 @@ def _quantized(program: Program, name: str, x: np.ndarray) -> np.ndarray:
 
 
 def dequantize(program: Program, name: str, q: np.ndarray) -> np.ndarray:
+    """q * scale; row-scale words: the value each word stands for, word_value(w) * scale."""
+    if is_row_words(program, name):
+        return (word_values(q) * program.tensors[name]["scale"]).astype(np.float32)
     return (q.astype(np.float32) * np.float32(program.tensors[name]["scale"])).astype(np.float32)
 
 

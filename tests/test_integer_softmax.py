@@ -244,3 +244,25 @@ def test_the_exports_refuse_the_integer_softmax_in_one_line(tmp_path):
     with pytest.raises(VectorError, match=r"^instruction 'softmax/row_sum': the row-reciprocal store has no "):
         export_vectors(program, feeds(1, 1), tmp_path / "vectors")
     assert not (tmp_path / "attention_int8.onnx").exists() and not (tmp_path / "vectors").exists()
+
+
+def test_row_scale_words_dequantize_to_the_value_they_stand_for(tmp_path):
+    """simulator.machine.dequantize reads a words tensor as word_value(w) * scale (qdeploy/row_scales.py): 1/S of the
+    row sums of the program's exp codes to the table's 2.1e-3, near the float graph's 1/S; quantize_input writes
+    the nearest words back (the report's walks feed float tensors to single instructions this way)."""
+    from simulator.machine import dequantize, is_row_words, quantize_input
+    from qdeploy.reference import run_graph
+
+    path = attention_block(tmp_path)
+    program = api.compile(path, max_calibration(path, feeds(0, 8))).program
+    test = feeds(3, 2)
+    run = Machine(program).run(test, dump=True)
+    words = next(i for i in program.instructions if i["name"] == "pv")["row_scale"]
+    assert is_row_words(program, words) and not is_row_words(program, "y")
+    sums = run.tensors["p"].astype(np.float64).sum(axis=-1, keepdims=True) * program.tensors["p"]["scale"]
+    value = dequantize(program, words, run.tensors[words])
+    assert np.abs(value * sums - 1).max() <= 2.1e-3  # 1/S of the program's own exp codes, to the table's precision
+    reference = run_graph(api.lower_model(path).graph, test, [words])[words]  # the float graph's 1/S
+    assert 1e-3 < np.abs(value / reference - 1).max() < 0.15  # int8 scores and exp codes: not the same sums
+    back = quantize_input(program, words, value)
+    np.testing.assert_array_equal(back, run.tensors[words])
