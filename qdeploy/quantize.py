@@ -335,13 +335,15 @@ class _Compiler:
         bound = k * max(abs(x_lo), abs(x_hi)) * int(np.max(np.abs(q_w), initial=0)) + \
             int(np.max(np.abs(q_bias.astype(np.int64)), initial=0))
         bias_array = self.array(index, "bias", q_bias)
-        words = output_stage(node).step(RowReciprocal)
-        if words is not None:  # the row-reciprocal store: the exact row sum becomes its word (row_scales.py)
+        store = output_stage(node).step(RowReciprocal)
+        if store is not None:  # the row-reciprocal store: the exact row sum becomes its word (row_scales.py)
             row_scales.check_row_accumulator(node, f"the row sum of {k} codes of '{x}'", bound,
                                              self.target.arithmetic.acc_bits)
-            steps = [Bias(bias_array), words]
-        elif len(node.inputs) > 3:  # a row scale (lowering/rows.py with_row_scale): M[c] = s_in s_w[c] s_words / s_out
+            steps = [Bias(bias_array), store]
+        elif len(node.inputs) > 3:  # a row scale (rows.py with_row_scale): M[c] = s_in s_w[c] s_words / s_out
             words = node.inputs[3]
+            row_scales.check_row_accumulator(node, f"the GEMM of '{x}' (K = {k}) read with a row scale", bound,
+                                             self.target.arithmetic.acc_bits)
             requant = self._requant(index, s_in, s_w * scales.scale[words], s_out)
             steps = [Bias(bias_array), replace(requant, row_scale=words), Clamp(lo, hi)]
         else:

@@ -98,9 +98,9 @@ def ConvGemm(x, w, b, *, group=1, strides=(1, 1), pads=(0, 0, 0, 0), dilations=(
 
 def DenseGemm(x, w, b, rows=None, *, output_stage=NO_OUTPUT_STAGE, integer_weights=0):
     """y = output_stage((x @ w^T + b) * rows) with w of shape (out, K) (`integer_weights`: the compiler stores w as it
-    is; `rows`: a row-scale operand, one value per row of x: qdeploy/lowering/rows.py). Row by row: BLAS sums a matrix product in an order
-    that depends on the number of rows, and a sample's result must not depend on the batch it came in
-    (calibration promises batch-size independence)."""
+    is; `rows`: a row-scale operand, one value per row of x: qdeploy/lowering/rows.py). Row by row: BLAS sums a
+    matrix product in an order that depends on the number of rows, and a sample's result must not depend on the
+    batch it came in (calibration promises batch-size independence)."""
     y = np.stack([w @ row for row in x]) + b if len(x) else np.matmul(x, w.T) + b
     if rows is not None:
         y = (y * rows.reshape(-1, 1)).astype(np.float32)
