@@ -323,7 +323,7 @@ class _Compiler:
             if correction is not None:
                 bias = bias + correction
             q_bias = rne(bias / (s_in * s_w))
-        if y in scales.wide:  # eq. (4b): s_out = max_c s_in s_w[c] (float32, not below), so every M[c] <= 1
+        if y in scales.wide and not is_row_words(node):  # eq. (4b): s_out = max_c s_in s_w[c] (float32, not below)
             widest = np.float32(np.max(s_in * s_w))
             scales.scale[y] = float(widest if widest >= np.max(s_in * s_w) else np.nextafter(widest, np.float32(np.inf)))
         s_out, q_range = scales.requantized(y)

@@ -259,6 +259,7 @@ def test_row_scale_words_dequantize_to_the_value_they_stand_for(tmp_path):
     run = Machine(program).run(test, dump=True)
     words = next(i for i in program.instructions if i["name"] == "pv")["row_scale"]
     assert is_row_words(program, words) and not is_row_words(program, "y")
+    assert program.tensors[words]["scale"] == program.tensors["softmax/row_words"]["scale"]  # the store's and its view's
     sums = run.tensors["p"].astype(np.float64).sum(axis=-1, keepdims=True) * program.tensors["p"]["scale"]
     value = dequantize(program, words, run.tensors[words])
     assert np.abs(value * sums - 1).max() <= 2.1e-3  # 1/S of the program's own exp codes, to the table's precision
