@@ -16,7 +16,6 @@ op stays on the host, with that reason (`softmax_host_reason`)."""
 
 from __future__ import annotations
 
-
 from isa.kinds import Kind
 from isa.output_stage import NO_OUTPUT_STAGE, Lookup
 from qdeploy.ir import Graph, Node, Tensor
