@@ -113,6 +113,19 @@ class ArrayInstruction(Instruction):
 
     HAS_WINDOW_FIELD: ClassVar[bool] = True  # the manifest holds "window_max" (null when none)
 
+    def row_scale_words(self, args: list, out_shape: tuple):
+        """The row-scale operand (the last input, when the Requantize step names one: isa/row_scale.py; a
+        MatMulGemm's third, a DenseGemm's second) as one word per output row, (rows, 1) for rows =
+        prod(out_shape[:-1]) (out_shape with the batch); None without one. ValueError when the operand does not
+        hold one word per row."""
+        requant = self.stage.requantize
+        if requant is None or not requant.row_scale:
+            return None
+        if len(args) != len(self.inputs) or len(args) < 2 or args[-1].size != math.prod(out_shape[:-1]):
+            raise ValueError(f"instruction '{self.name}': the row scale '{requant.row_scale}' needs one word per "
+                             f"output row ({math.prod(out_shape[:-1])}), as its last input")
+        return args[-1].reshape(-1, 1)
+
     def describe(self, arrays: dict) -> str:
         stage = self.stage
         if stage.step(RowReciprocal) is not None:
@@ -241,13 +254,22 @@ class DenseGemm(ArrayInstruction):
     weight_scale: str
 
     HAS_WINDOW_FIELD: ClassVar[bool] = False
+    ARITY: ClassVar[int | None] = None  # x, and a row scale's words as a second input (checked below)
 
     @classmethod
     def check(cls, instr: dict, where: str, in_shapes: list, out_dtype: str, program: ProgramView
               ) -> tuple[int, ...]:
+        """x (K,) per row; with a row scale, its words (one per row: (1,)) as the second input (a LayerNorm's
+        normalizing requantize, qdeploy/row_scales.py)."""
+        arity = 2 if "row_scale" in instr else 1
+        if len(in_shapes) != arity:
+            raise InvalidRecord(f"{where} has {len(in_shapes)} inputs, expected {arity}"
+                                f"{' (x and the row scale)' if arity == 2 else ''}")
         channels, k, x = _check_weighted_gemm(instr, where, in_shapes, out_dtype, program)
         if x != (k,):
             raise InvalidRecord(f"{where}: input of shape {x} does not fit weight (M={channels}, K={k})")
+        if "row_scale" in instr:
+            check_row_scale(program, instr, where, in_shapes[1], (channels,))
         return (channels,)
 
     def gemm_shape(self, in_shapes: list, out_shape: list, batch: int, stored: int) -> GemmShape:
@@ -263,8 +285,10 @@ class DenseGemm(ArrayInstruction):
 
 @dataclass(frozen=True, kw_only=True)
 class AddGemm(ArrayInstruction):
-    """The residual add: acc = a * w_a + b * w_b (16-bit pre-scale weights on the scale add_scale), or in
-    float32_rne the float32 add with the ratios add_ratio_f32 (qdeploy/quantize.py eq. 6-7)."""
+    """The residual add: acc = a * w_a + b * w_b (16-bit pre-scale weights on the scale add_scale; w_b < 0
+    subtracts), or in float32_rne the float32 add with the ratios add_ratio_f32 (qdeploy/quantize.py eq. 6-7).
+    b is a's shape, or a per-row operand: a's shape with 1 as its last axis, read once per element of its row
+    (a row max or a row mean, qdeploy/lowering/rows.py)."""
 
     add_weights: tuple[int, int]
     add_scale: float
@@ -275,10 +299,15 @@ class AddGemm(ArrayInstruction):
     @classmethod
     def check(cls, instr: dict, where: str, in_shapes: list, out_dtype: str, program: ProgramView
               ) -> tuple[int, ...]:
-        """Two inputs of one shape, the pre-scale weights in the 16-bit operand, the scales, the stage."""
-        if in_shapes[0] != in_shapes[1]:
-            raise InvalidRecord(f"{where}: adds tensors of shapes {in_shapes[0]} and {in_shapes[1]}")
-        ints(field_of(instr, "add_weights", where), f"{where}: add_weights", 2, 0, ADD_WEIGHT_MAX)
+        """Two inputs of one shape (or the second per row), the pre-scale weights in the 16-bit operand (the
+        first >= 0), the scales, the stage."""
+        if in_shapes[0] != in_shapes[1] and in_shapes[1] != in_shapes[0][:-1] + (1,):
+            raise InvalidRecord(f"{where}: adds tensors of shapes {in_shapes[0]} and {in_shapes[1]} (the second "
+                                f"one's shape, or a per-row operand: the first's with 1 as its last axis)")
+        weights = field_of(instr, "add_weights", where)
+        ints(weights, f"{where}: add_weights", 2, -ADD_WEIGHT_MAX, ADD_WEIGHT_MAX)
+        if weights[0] < 0:
+            raise InvalidRecord(f"{where}: add_weights[0] = {weights[0]} is negative (only b is subtracted)")
         add_scale = field_of(instr, "add_scale", where)
         if not is_positive_number(add_scale):
             raise InvalidRecord(f"{where}: add_scale must be a finite number > 0, got {json.dumps(add_scale)[:40]}")
@@ -404,18 +433,6 @@ class MatMulGemm(ArrayInstruction):
         first, second = (f"{name}^T" if flag else name
                          for name, flag in zip(self.inputs, (self.transpose_a, self.transpose_b)))
         return f"{super().describe(arrays)}, operands {first} by {second}"
-
-    def row_scale_words(self, args: list, out_shape: tuple):
-        """The row-scale operand (a third input, when the Requantize step names one: isa/row_scale.py) as one word
-        per output row, (rows, 1) for rows = prod(out_shape[:-1]); None without one. ValueError when the operand
-        does not hold one word per row."""
-        requant = self.stage.requantize
-        if requant is None or not requant.row_scale:
-            return None
-        if len(args) != 3 or args[2].size != math.prod(out_shape[:-1]):
-            raise ValueError(f"instruction '{self.name}': the row scale '{requant.row_scale}' needs one word per "
-                             f"output row ({math.prod(out_shape[:-1])}), as the third input")
-        return args[2].reshape(-1, 1)
 
     def grouped_operands(self, a, b) -> tuple:
         """(a, b) as the array reads them, (G, M, K) and (G, K, P) with one group per sample and leading index:
@@ -570,6 +587,18 @@ RECORDS: dict[Kind, type[Instruction]] = {
     Kind.MATMUL_GEMM: MatMulGemm, Kind.CONCAT: Concat,
     **{kind: Reshape for kind in RESHAPE_KINDS}, Kind.CHANNEL_SLICE: ChannelSlice,
     Kind.CHANNEL_PERMUTE: ChannelPermute, Kind.HOST: Host}
+
+
+def row_scale_words(records) -> set[str]:
+    """The program's tensors of int32 row-scale words (isa/row_scale.py): each row-reciprocal store's output and the
+    views (reshapes) of it, not quantized activations."""
+    words: set[str] = set()
+    for record in records:
+        stage = getattr(record, "stage", None)
+        if (stage is not None and stage.step(RowReciprocal)) or (record.kind in RESHAPE_KINDS
+                                                                 and set(record.inputs) & words):
+            words.add(record.output)
+    return words
 
 
 def from_manifest(record: dict) -> Instruction:

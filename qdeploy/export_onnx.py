@@ -105,7 +105,7 @@ from qdeploy_base.fileio import atomic_write
 from qdeploy.program import Program
 from isa.geometry import BORDER_FILLS, ReadFill
 from isa.target import Rounding, target_from_dict
-from isa.instructions import Instruction
+from isa.instructions import Instruction, row_scale_words
 from isa.output_stage import Bias, Clamp, ClampHi, Lookup, Requantize, RowReciprocal, WindowMax, fold
 from isa.kinds import RESHAPE_KINDS, Kind, handler
 from qdeploy.export_onnx_rows import row_reciprocal_words, row_scaled_scale
@@ -466,6 +466,9 @@ def _add_gemm(b: _Builder, instr: Instruction) -> str:
     """DequantizeLinear -> Add -> QuantizeLinear; ONNX Runtime fuses it into QLinearAdd (module docstring).
     The program's first input is the Add's first input (the fused kernel treats A and B differently)."""
     name = instr.name
+    if instr.add_weights[1] < 0:  # ONNX Runtime fuses no Sub into QLinearAdd: its float Sub would round otherwise
+        raise Unsupported(f"instruction '{name}': an AddGemm that subtracts (a - b, the per-row operand of an "
+                          f"integer softmax or LayerNorm) has no ONNX export that ONNX Runtime computes bit-exactly")
     floats = []
     for side, tensor in zip("ab", instr.inputs):
         scale, zero = b.qparams(tensor)
@@ -591,7 +594,7 @@ def export_program(program: Program, *, float_outputs: bool = False,
     names.update({t: f"{t}_quantized" for t in program.inputs})
     if float_outputs:
         names.update({t: f"{t}_quantized" for t in program.outputs})
-    words = {r.output for r in program.records if getattr(r, "stage", None) and r.stage.step(RowReciprocal)}
+    words = row_scale_words(program.records)
     wide = [name for name, record in program.tensors.items() if record["dtype"] == "int32" and name not in words]
     if wide:
         raise Unsupported(f"tensor '{wide[0]}' is an int32 output (a pre-quantized model left it in float); the "

@@ -446,16 +446,22 @@ def _conv_gemm(instr: Instruction, args: list[np.ndarray], arrays: dict, arithme
 
 
 def _dense_gemm(instr: Instruction, args: list[np.ndarray], arrays: dict, arithmetic: Arithmetic, dtype) -> np.ndarray:
-    """(1) x (N, K) . W^T, then the output stage (the bias first)."""
-    (x,) = args
+    """(1) x (N, K) . W^T, then the output stage (the bias first); with a row scale, row n reads word n."""
+    x = args[0]
     acc, _ = gemm(x, arrays[instr.weight].T, arithmetic.acc_bits, arithmetic.overflow)
-    return _output_stage(instr.stage.steps, acc, lambda y: y.astype(dtype), arrays, arithmetic)
+    words = instr.row_scale_words(args, (x.shape[0], 1))
+    rows = None if words is None else np.array([[int(w)] for w in words[:, 0]], dtype=object)
+    plane = fold(instr.stage.steps, STEP_EVALUATORS, "the Python-int twins",
+                 _Plane(np.asarray(acc, dtype=object), lambda y: y.astype(dtype), rows), arrays, arithmetic)
+    return plane.layout(plane.values)
 
 
 def _add_gemm(instr: Instruction, args: list[np.ndarray], arrays: dict, arithmetic: Arithmetic, dtype) -> np.ndarray:
     """acc = accumulate([a * w_a, b * w_b]) per element and the output stage; in float32_rne the float32 add of
-    qdeploy/quantize.py eq. (6)-(7): rne(f32(a * r_a + f32(b * r_b))), computed exactly with Fractions."""
+    qdeploy/quantize.py eq. (6)-(7): rne(f32(a * r_a + f32(b * r_b))), computed exactly with Fractions. A per-row b
+    (a's shape with 1 as its last axis) is read once per element of its row."""
     a, b = args
+    b = np.broadcast_to(b, a.shape)
     steps = instr.stage.steps
 
     def layout(y: np.ndarray) -> np.ndarray:

@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from isa.geometry import ReadFill
-from isa.instructions import Instruction
+from isa.instructions import Instruction, row_scale_words
 from isa.kinds import LAYOUT_KINDS, Kind, handler
 from isa.output_stage import Bias, Clamp, ClampHi, Lookup, Requantize, RowReciprocal, WindowMax, fold
 from isa.row_scale import RECIPROCAL, RSQRT
@@ -98,6 +98,7 @@ def _dense_operands(instr: Instruction, args: list[np.ndarray], arrays: dict, in
 def _add_operands(instr: Instruction, args: list[np.ndarray], arrays: dict, info: dict) -> tuple[np.ndarray, np.ndarray]:
     """AddGemm: group c holds rows [a, b] of channel c, (C, N*H*W, 2); weights [w_a, w_b], (C, 2, 1)."""
     a, b = args
+    b = np.broadcast_to(b, a.shape)  # a per-row operand, read once per element of its row
     cols = np.stack([channels_last(a).T, channels_last(b).T], axis=2)  # (C, M, 2)
     w_a, w_b = instr.add_weights
     weight = np.broadcast_to(np.array([[w_a], [w_b]], np.int16), (cols.shape[0], 2, 1)).copy()
@@ -532,7 +533,7 @@ def export_vectors(program, inputs: dict[str, np.ndarray], output: str | os.Path
                                   f"`qdeploy inspect PROGRAM.qdp` lists them)")
             selected.add(index)
 
-    words = {r.output for r in program.records if getattr(r, "stage", None) and r.stage.step(RowReciprocal)}
+    words = row_scale_words(program.records)
     wide = [name for name, record in program.tensors.items() if record["dtype"] == "int32" and name not in words]
     if wide:  # the vector files hold 8-bit elements (module docstring)
         raise VectorError(f"tensor '{wide[0]}' is an int32 output (a pre-quantized model left it in float); "
