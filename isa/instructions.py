@@ -241,14 +241,34 @@ class DenseGemm(ArrayInstruction):
     weight_scale: str
 
     HAS_WINDOW_FIELD: ClassVar[bool] = False
+    ARITY: ClassVar[int | None] = None  # the input, and a row scale's words as a second input (checked below)
 
     @classmethod
     def check(cls, instr: dict, where: str, in_shapes: list, out_dtype: str, program: ProgramView
               ) -> tuple[int, ...]:
-        channels, k, x = _check_weighted_gemm(instr, where, in_shapes, out_dtype, program)
+        """The weighted GEMM's fields; with a row scale (a LayerNorm's normalizing GEMM, lowering/layernorm.py),
+        its words as the second input, one per row (isa/checks.py check_row_scale)."""
+        arity = 2 if "row_scale" in instr else 1
+        if len(in_shapes) != arity:
+            raise InvalidRecord(f"{where} has {len(in_shapes)} inputs, expected {arity}"
+                                f"{' (the input and the row scale)' if arity == 2 else ''}")
+        channels, k, x = _check_weighted_gemm(instr, where, in_shapes[:1], out_dtype, program)
         if x != (k,):
             raise InvalidRecord(f"{where}: input of shape {x} does not fit weight (M={channels}, K={k})")
+        if "row_scale" in instr:
+            check_row_scale(program, instr, where, in_shapes[1], (1, channels), position=1)
         return (channels,)
+
+    def row_scale_words(self, args: list, out_shape: tuple):
+        """The row-scale operand (the second input, when the Requantize step names one) as one word per row of the
+        (rows, M) output, (rows, 1); None without one. ValueError when it does not hold one word per row."""
+        requant = self.stage.requantize
+        if requant is None or not requant.row_scale:
+            return None
+        if len(args) != 2 or args[1].size != out_shape[0]:
+            raise ValueError(f"instruction '{self.name}': the row scale '{requant.row_scale}' needs one word per "
+                             f"output row ({out_shape[0]}), as the second input")
+        return args[1].reshape(-1, 1)
 
     def gemm_shape(self, in_shapes: list, out_shape: list, batch: int, stored: int) -> GemmShape:
         """m = batch, one group."""
@@ -354,7 +374,11 @@ class MatMulGemm(ArrayInstruction):
 
     transpose_a: bool
     transpose_b: bool
+    # An int32 constant added in the accumulator before a row-reciprocal store: a LayerNorm's round(C eps / s_x^2)
+    # on its sum of squares (lowering/layernorm.py). Absent (None) otherwise.
+    bias: str | None = None
 
+    OMITTED_WHEN_NONE: ClassVar[tuple[str, ...]] = ("bias",)
     HAS_WINDOW_FIELD: ClassVar[bool] = False
     ARITY: ClassVar[int | None] = None  # the operands, and a row scale's words as a third input (checked below)
 
@@ -382,6 +406,10 @@ class MatMulGemm(ArrayInstruction):
             raise InvalidRecord(f"{where}: k = {instr['k']} is not the contraction length {a[-1]}")
         if "row_scale" in instr:
             check_row_scale(program, instr, where, in_shapes[2], a[:-1] + b[-1:])
+        if "bias" in instr:
+            if "row_reciprocal" not in instr:
+                raise InvalidRecord(f"{where}: a MatMulGemm's bias comes only with a row-reciprocal store")
+            array_of(program, instr, "bias", where, "int32", (1,))
         return a[:-1] + b[-1:]
 
     def gemm_shape(self, in_shapes: list, out_shape: list, batch: int, stored: int) -> GemmShape:

@@ -240,7 +240,7 @@ def validate_program(program: Program) -> None:
         if not isinstance(inputs, list) or not all(isinstance(i, str) and i in defined for i in inputs):
             raise InvalidRecord(f"{where} reads {json.dumps(inputs)[:60]}: not all of them are defined before it")
         wide = [i for i in inputs if manifest["tensors"][i]["dtype"] == "int32"
-                and not (instr.get("kind") == Kind.MATMUL_GEMM and i == instr.get("row_scale"))]
+                and not (instr.get("kind") in (Kind.MATMUL_GEMM, Kind.DENSE_GEMM) and i == instr.get("row_scale"))]
         if wide:
             raise InvalidRecord(f"{where} reads the int32 tensor '{wide[0]}': int32 tensors are outputs only (and "
                                 f"row-scale words)")

@@ -63,7 +63,8 @@ from qdeploy.ir import Graph, Node
 from qdeploy.lowering import LoweringResult
 from isa.kinds import RESHAPE_KINDS, VIEW_KINDS, WEIGHTED_GEMM_KINDS, Kind, handler
 from isa.instructions import RECORDS
-from isa.output_stage import Bias, Clamp, ClampHi, Lookup, OutputStage, Requantize
+from isa.output_stage import Bias, Clamp, ClampHi, Lookup, OutputStage, Requantize, RowReciprocal
+from isa.row_scale import SUM_MAX
 from qdeploy.lowering.nodes import INSTRUCTION_OPS, is_buffer_concat, node_kind, output_stage
 from qdeploy.lowering.lookup import NON_NEGATIVE
 from qdeploy.reference.ops.activation import evaluate
@@ -140,6 +141,10 @@ class _Scales:
             if self._left_in_float(node, thresholds, consumers):
                 self.wide.add(out)
                 self.unsigned[out] = False
+            elif node.op in INSTRUCTION_OPS and output_stage(node).step(RowReciprocal) is not None:
+                # row-scale words (isa/row_scale.py): int32, not a quantized value (scale 1: the word is the factor)
+                self.wide.add(out)
+                self.unsigned[out], self.scale[out] = False, 1.0
             elif node.op in INSTRUCTION_OPS:
                 # A Concat's buffer is signed (its other slices may be negative), so are the slices' writers.
                 stage = output_stage(node)
@@ -153,6 +158,8 @@ class _Scales:
                 self._assign(out, thresholds, unsigned, override=concat_scale.get(out))
             elif node.op in VIEW_KINDS:
                 self.scale[out], self.unsigned[out] = self.scale[node.inputs[0]], self.unsigned[node.inputs[0]]
+                if node.inputs[0] in self.wide:
+                    self.wide.add(out)
             else:  # a channel Concat's buffer, or a host op's output (requantized on the host)
                 if not np.issubdtype(graph.tensors[out].dtype, np.floating):
                     raise Unsupported(f"node '{node.name}' ({node.op}) computes the integer tensor '{out}' on the "
@@ -278,6 +285,7 @@ class _Compiler:
         graph, scales = self.graph, self.scales
         x, y = node.inputs[0], node.outputs[0]
         s_in = scales.scale[x]
+        row_scale = node.inputs[3] if len(node.inputs) > 3 else ""  # a LayerNorm's normalizing GEMM
         weight = graph.constant_data(node.inputs[1]).astype(np.float64)
         bias = graph.constant_data(node.inputs[2]).astype(np.float64)
         rows = weight.reshape(weight.shape[0], -1)  # (M, C/g*kh*kw): the GEMM's weight matrix, k = (c, kh, kw)
@@ -307,7 +315,14 @@ class _Compiler:
         bound = k * max(abs(x_lo), abs(x_hi)) * int(np.max(np.abs(q_w), initial=0)) + \
             int(np.max(np.abs(q_bias.astype(np.int64)), initial=0))
         bias_array = self.array(index, "bias", q_bias)
-        steps = [Bias(bias_array), self._requant(index, s_in, s_w, s_out), Clamp(lo, hi)]
+        if row_scale:  # the word of row i is s_x r_i (lowering/layernorm.py): M[c] = s_w[c] / s_out, its bias 0
+            if np.any(q_bias):
+                raise Unsupported(f"node '{node.name}' (DenseGemm): a row-scaled GEMM must have no bias")
+            requant = self._requant(index, 1.0, s_w, s_out)
+            requant = Requantize(requant.mult, requant.shift, requant.scale_f32, row_scale=row_scale)
+        else:
+            requant = self._requant(index, s_in, s_w, s_out)
+        steps = [Bias(bias_array), requant, Clamp(lo, hi)]
         clamp_hi = output_stage(node).clamp_hi
         if clamp_hi is not None:  # per-channel bounds of an equalized ReLU6 (lowering/equalize.py)
             channel_hi = np.clip(np.round(np.asarray(clamp_hi.hi) / s_out), lo, hi)
@@ -433,6 +448,8 @@ class _Compiler:
 
     def product(self, index: int, node: Node) -> dict:
         """Eq. (8): MulGemm and MatMulGemm, the product of two activations with the multiplier s_a * s_b / s_out."""
+        if output_stage(node).step(RowReciprocal) is not None:
+            return self.row_reciprocal(index, node)
         scales = self.scales
         (a, b), y = node.inputs, node.outputs[0]
         s_a, s_b, s_out = scales.scale[a], scales.scale[b], scales.scale[y]
@@ -447,6 +464,31 @@ class _Compiler:
         if node.op == Kind.MATMUL_GEMM:
             record.update(transpose_a=bool(node.attrs["transpose_a"]), transpose_b=bool(node.attrs["transpose_b"]))
         self._report(node, record, s_a, np.array([s_b_scaled]), s_out, 0)
+        return record
+
+    def row_reciprocal(self, index: int, node: Node) -> dict:
+        """A row sum stored as its row-scale word (isa/row_scale.py): a LayerNorm's sum of squares S = sum_c q_c^2 +
+        round(C eps / (s_a s_b)) (lowering/layernorm.py; `row_sum_bias` = C eps in float), the word 1/sqrt(S). The
+        sum must fit the int32 register the store reads: K * max|q_a| * max|q_b| + bias <= 2^31 - 1, else
+        Unsupported naming the node."""
+        scales = self.scales
+        a, b = node.inputs[:2]
+        from qdeploy.lowering import describe_instruction
+
+        k = describe_instruction(self.graph, node).k
+        bias = int(np.round(float(node.attrs.get("row_sum_bias", 0.0)) / (scales.scale[a] * scales.scale[b])))
+        bound = k * max(abs(v) for v in scales.range(a)) * max(abs(v) for v in scales.range(b)) + abs(bias)
+        if bound > SUM_MAX:
+            raise Unsupported(f"node '{node.name}' ({node.op}): its row sum can reach {bound} (K = {k} products of "
+                              f"{max(abs(v) for v in scales.range(a))} * {max(abs(v) for v in scales.range(b))} plus "
+                              f"the bias {bias}), more than the 32-bit register of the row-reciprocal store holds")
+        step = output_stage(node).step(RowReciprocal)
+        record = {"stage": OutputStage(((Bias(self.array(index, "bias", np.array([bias], np.int32))),) if bias
+                                        else ()) + (step,)),
+                  "acc_bound_bits": _bits_for(bound), "k": k,
+                  "transpose_a": bool(node.attrs["transpose_a"]), "transpose_b": bool(node.attrs["transpose_b"])}
+        if bias:
+            record["bias"] = record["stage"].bias.array
         return record
 
     def _lookup(self, index: int, node: Node) -> Lookup | None:
@@ -495,7 +537,8 @@ class _Compiler:
             self.current = f"'{node.name}' ({node.op})"
             kind = node_kind(graph, node)
             fields = handler(COMPILERS, kind, "the compiler", f"node '{node.name}'")(self, index, node)
-            inputs = node.inputs[:1] if kind in WEIGHTED_GEMM_KINDS else node.inputs
+            # a weighted GEMM reads its input (and a row scale's words, the node's fourth input), not its constants
+            inputs = node.inputs[:1] + node.inputs[3:4] if kind in WEIGHTED_GEMM_KINDS else node.inputs
             record = RECORDS[kind](kind=kind, name=node.name, output=node.outputs[0], **fields,
                                    inputs=tuple(i for i in inputs if i and not graph.tensors[i].is_constant))
             instructions.append(record.to_manifest())  # the program is written from the typed records

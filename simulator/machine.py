@@ -417,18 +417,20 @@ class Machine:
         return self._output_stage(instr, acc, layout, steps), acc, events  # y in acc's memory order, then NCHW
 
     def dense_gemm(self, instr: Instruction, args: list[np.ndarray]):
-        """(y (N, M), acc (N, M), events): the planar GEMM of w (M, K) with x^T, requantized in that layout."""
-        (x,) = args
+        """(y (N, M), acc (N, M), events): the planar GEMM of w (M, K) with x^T, requantized in that layout; with a
+        row scale (its words the second input), each row's multipliers scaled by its word."""
+        x = args[0]
         plan = self.plans[instr.name]
         bias, steps = self._accumulated(instr.stage)
+        words = instr.row_scale_words(args, (x.shape[0],))  # (N, 1), or None
         if plan.method != "planar":
             result = gemm(x, plan.weight[0], self.arithmetic.acc_bits, self.arithmetic.overflow, bias=bias)
-            return self._output_stage(instr, result.acc, _as_is, steps), result.acc, result.events
+            return self._output_stage(instr, result.acc, _as_is, steps, words), result.acc, result.events
         result = gemm_planar(plan.weight, np.ascontiguousarray(x.T)[None], self.arithmetic.acc_bits,
                              self.arithmetic.overflow, bias=bias, w_float=plan.weight_f32,
                              w_max_abs=plan.weight_max, scratch=self._scratch(), packed=plan.packed)
         acc = result.acc[0].T  # (N, M) view of (M, N) memory
-        y = self._output_stage(instr, acc, np.ascontiguousarray, steps)
+        y = self._output_stage(instr, acc, np.ascontiguousarray, steps, words)
         return y, np.ascontiguousarray(acc), result.events
 
     def _acc_dtype(self, bound: int) -> type:

@@ -446,10 +446,17 @@ def _conv_gemm(instr: Instruction, args: list[np.ndarray], arrays: dict, arithme
 
 
 def _dense_gemm(instr: Instruction, args: list[np.ndarray], arrays: dict, arithmetic: Arithmetic, dtype) -> np.ndarray:
-    """(1) x (N, K) . W^T, then the output stage (the bias first)."""
-    (x,) = args
+    """(1) x (N, K) . W^T, then the output stage (the bias first); with a row scale, row n's word (the second
+    input) scales that row's multipliers."""
+    x = args[0]
     acc, _ = gemm(x, arrays[instr.weight].T, arithmetic.acc_bits, arithmetic.overflow)
-    return _output_stage(instr.stage.steps, acc, lambda y: y.astype(dtype), arrays, arithmetic)
+    words = instr.row_scale_words(args, acc.shape)
+    if words is None:
+        return _output_stage(instr.stage.steps, acc, lambda y: y.astype(dtype), arrays, arithmetic)
+    plane = fold(instr.stage.steps, STEP_EVALUATORS, "the Python-int twins",
+                 _Plane(np.asarray(acc, dtype=object), lambda y: y.astype(dtype), words.astype(object)), arrays,
+                 arithmetic)
+    return plane.layout(plane.values)
 
 
 def _add_gemm(instr: Instruction, args: list[np.ndarray], arrays: dict, arithmetic: Arithmetic, dtype) -> np.ndarray:

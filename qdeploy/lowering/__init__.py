@@ -14,6 +14,7 @@ from qdeploy_base.errors import BadInput, QdeployError, Unsupported
 from qdeploy.ir import Graph, Node
 from isa.instructions import RECORDS
 from isa.kinds import WEIGHTED_GEMM_KINDS, Kind, handler
+from isa.output_stage import RowReciprocal
 from qdeploy.lowering.nodes import INSTRUCTION_OPS, LAYOUT_OPS, is_buffer_concat, node_kind, output_stage
 from qdeploy.lowering.rules import LOWERING, identity_gemm
 from qdeploy.summary import node_elements, node_macs
@@ -78,8 +79,10 @@ def _output_stage(node: Node) -> dict:
     product's constant `scale`, and the steps clamp_hi, lookup and window_max when present."""
     stage = output_stage(node)
     result = {"bias": node.op in WEIGHTED_GEMM_KINDS}
-    if stage.clamp.lo != float("-inf") or stage.clamp.hi != float("inf"):
+    if stage.clamp is not None and (stage.clamp.lo != float("-inf") or stage.clamp.hi != float("inf")):
         result["clamp"] = [stage.clamp.lo, stage.clamp.hi]
+    if stage.step(RowReciprocal) is not None:  # a row sum stored as its row-scale word (isa/row_scale.py)
+        result["row_reciprocal"] = stage.step(RowReciprocal).function
     if "product_scale" in node.attrs:  # a constant scale folded into a product of two activations
         result["scale"] = node.attrs["product_scale"]
     if stage.clamp_hi is not None:
@@ -117,6 +120,10 @@ def host_reason(graph: Graph, node: Node, lookups: bool = True) -> str:
         return f"node '{node.name}' ({node.op}): attributes or operands do not fit the GEMM output stage"
     from qdeploy.lowering.lookup import FUNCTIONS
 
+    if node.op == "LayerNormalization":
+        from qdeploy.lowering.layernorm import layernorm_refusal
+
+        return layernorm_refusal(graph, node)
     if node.op == Kind.CONCAT:
         return (f"node '{node.name}' (Concat): along axis {node.attrs.get('axis')} to shape "
                 f"{graph.tensors[node.outputs[0]].shape}; a Concat in the program joins float activations along "

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from isa.output_stage import NO_OUTPUT_STAGE, Clamp, ClampHi, Lookup, OutputStage, WindowMax, fold
+from isa.output_stage import NO_OUTPUT_STAGE, Clamp, ClampHi, Lookup, OutputStage, RowReciprocal, WindowMax, fold
 from isa.geometry import BORDER_FILLS, ReadFill
 from qdeploy.reference.ops.activation import evaluate
 from qdeploy.reference.ops.conv import Conv
@@ -45,9 +45,18 @@ def _window_max(step: WindowMax, value: tuple) -> tuple:
                    dilations=list(step.dilations), ceil_mode=int(step.ceil_mode)), pre
 
 
+def _row_reciprocal(step: RowReciprocal, value: tuple) -> tuple:
+    """The float meaning of the row-reciprocal store: 1/S or 1/sqrt(S) of each row sum S (S > 0; an all-zero row
+    reads as the smallest float32, as the store reads S < 1 as 1)."""
+    y, pre = value
+    s = np.maximum(y.astype(np.float64), np.finfo(np.float32).tiny)
+    return (1 / s if step.function == "reciprocal" else 1 / np.sqrt(s)).astype(np.float32), pre
+
+
 # The float reference's evaluator of each output-stage step that the lowered graph holds, (step, (y, pre)) ->
 # (y, pre). Bias and Requantize come with the compiler (the bias is the GEMM's operand here).
-STEP_EVALUATORS = {Clamp: _clamp, ClampHi: _clamp_hi, Lookup: _lookup, WindowMax: _window_max}
+STEP_EVALUATORS = {Clamp: _clamp, ClampHi: _clamp_hi, Lookup: _lookup, WindowMax: _window_max,
+                   RowReciprocal: _row_reciprocal}
 
 
 def _output_stage(y: np.ndarray, stage: OutputStage):
@@ -86,11 +95,13 @@ def ConvGemm(x, w, b, *, group=1, strides=(1, 1), pads=(0, 0, 0, 0), dilations=(
     return _output_stage(y, output_stage)
 
 
-def DenseGemm(x, w, b, *, output_stage=NO_OUTPUT_STAGE):
+def DenseGemm(x, w, b, row_scale=None, *, output_stage=NO_OUTPUT_STAGE):
     """y = output_stage(x @ w^T + b) with w of shape (out, K). Row by row: BLAS sums a matrix product in an order
     that depends on the number of rows, and a sample's result must not depend on the batch it came in
     (calibration promises batch-size independence)."""
     y = np.stack([w @ row for row in x]) + b if len(x) else np.matmul(x, w.T) + b
+    if row_scale is not None:  # a LayerNorm's normalizing GEMM: each row times its factor (N, 1)
+        y = y * row_scale.reshape(-1, 1)
     return _output_stage(y, output_stage)
 
 
@@ -119,9 +130,14 @@ def MulGemm(a, b, *, product_scale=None, output_stage=NO_OUTPUT_STAGE):
     return _output_stage(_scaled(a * b, product_scale), output_stage)
 
 
-def MatMulGemm(a, b, *, transpose_a=0, transpose_b=0, product_scale=None, output_stage=NO_OUTPUT_STAGE):
-    """y = output_stage(c * (a @ b)), a or b transposed (last two axes) with transpose_a / transpose_b:
-    one GEMM per leading index. numpy.matmul runs one GEMM per leading index, so a sample's result does not depend
-    on its batch."""
+def MatMulGemm(a, b, *, transpose_a=0, transpose_b=0, product_scale=None, row_sum_bias=None,
+               output_stage=NO_OUTPUT_STAGE):
+    """y = output_stage(c * (a @ b) + row_sum_bias), a or b transposed (last two axes) with transpose_a /
+    transpose_b: one GEMM per leading index. numpy.matmul runs one GEMM per leading index, so a sample's result does
+    not depend on its batch. `row_sum_bias`: a constant added before a row-reciprocal store (a LayerNorm's C * eps
+    on its sum of squares, lowering/layernorm.py)."""
     y = np.matmul(np.swapaxes(a, -1, -2) if transpose_a else a, np.swapaxes(b, -1, -2) if transpose_b else b)
-    return _output_stage(_scaled(y, product_scale), output_stage)
+    y = _scaled(y, product_scale)
+    if row_sum_bias is not None:
+        y = y + np.float32(row_sum_bias)
+    return _output_stage(y, output_stage)
