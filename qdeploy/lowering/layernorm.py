@@ -196,26 +196,27 @@ def _centred_rows(array: np.ndarray, axis: int) -> np.ndarray:
 def centre_stream(graph: Graph, stream: _Stream) -> Graph:
     """The graph with every GEMM and constant that writes `stream` made zero-mean across the channels."""
     tensors: list[Tensor] = []
-    renamed: dict[str, str] = {}
-    for name, axis in stream.constants.items():
-        data = graph.constant_data(name)
-        new = constant(graph.unique_name(f"{name}_centred"), _centred_rows(data, axis).astype(data.dtype))
-        graph = graph.with_nodes(graph.nodes, [new])
-        renamed[name] = new.name
+    taken: set[str] = set()
+
+    def centred(name: str, data: np.ndarray, axis: int) -> str:
+        new = graph.unique_name(f"{name}_centred")
+        while new in taken:
+            new += "_"
+        taken.add(new)
+        tensors.append(constant(new, _centred_rows(data, axis).astype(np.float32)))
+        return new
+
+    renamed = {name: centred(name, graph.constant_data(name), axis) for name, axis in stream.constants.items()}
     nodes = []
     for node in graph.nodes:
         if node.name in stream.gemms:
-            weight, bias = (graph.constant_data(name).astype(np.float64) for name in node.inputs[1:3])
-            w = constant(graph.unique_name(f"{node.name}_weight_centred"),
-                         _centred_rows(weight, 0).astype(np.float32))
-            b = constant(graph.unique_name(f"{node.name}_bias_centred"), _centred_rows(bias, 0).astype(np.float32))
-            graph = graph.with_nodes(graph.nodes, [w, b])
-            tensors += [w, b]
-            node = node.replace(inputs=[node.inputs[0], w.name, b.name, *node.inputs[3:]])
+            weight, bias = (graph.constant_data(name) for name in node.inputs[1:3])
+            node = node.replace(inputs=[node.inputs[0], centred(node.inputs[1], weight, 0),
+                                        centred(node.inputs[2], bias, 0), *node.inputs[3:]])
         elif node.op in ("Add", "Sub") and any(i in renamed for i in node.inputs):
             node = node.replace(inputs=[renamed.get(i, i) for i in node.inputs])
         nodes.append(node)
-    return graph.with_nodes(nodes, tensors + [graph.tensors[n] for n in renamed.values()])
+    return graph.with_nodes(nodes, tensors)
 
 
 def _beta_readers(graph: Graph, name: str, axis: int, consumers) -> list[Node] | None:
