@@ -295,8 +295,10 @@ class AddGemm(ArrayInstruction):
     @classmethod
     def check(cls, instr: dict, where: str, in_shapes: list, out_dtype: str, program: ProgramView
               ) -> tuple[int, ...]:
-        """Two inputs of one shape, the pre-scale weights in the 16-bit operand, the scales, the stage."""
-        if in_shapes[0] != in_shapes[1]:
+        """Two inputs of one shape, or the second one value per row of the first (shape (..., 1): a per-row
+        operand broadcast along the last axis, a LayerNorm's negated row mean), the pre-scale weights in the 16-bit
+        operand, the scales, the stage."""
+        if in_shapes[0] != in_shapes[1] and in_shapes[1] != in_shapes[0][:-1] + (1,):
             raise InvalidRecord(f"{where}: adds tensors of shapes {in_shapes[0]} and {in_shapes[1]}")
         ints(field_of(instr, "add_weights", where), f"{where}: add_weights", 2, 0, ADD_WEIGHT_MAX)
         add_scale = field_of(instr, "add_scale", where)

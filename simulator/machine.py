@@ -441,8 +441,10 @@ class Machine:
 
     def add_gemm(self, instr: Instruction, args: list[np.ndarray]):
         """acc = a * w_a + b * w_b: a K = 2 GEMM per element, [a b] . [w_a w_b]^T, in the accumulator.
-        With rounding float32_rne: the float32 output-stage add of ONNX Runtime's QLinearAdd (add_float32_rne)."""
+        With rounding float32_rne: the float32 output-stage add of ONNX Runtime's QLinearAdd (add_float32_rne). A
+        per-row b ((..., 1)) is read once per element of its row (broadcast along the last axis)."""
         a, b = args
+        b = np.broadcast_to(b, a.shape)
         steps = instr.stage.steps
         if self.arithmetic.rounding == Rounding.FLOAT32_RNE:  # Requantize and Clamp in the float32 add
             _require_prefix(instr, steps, ADD_FLOAT32_STEPS)

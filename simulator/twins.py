@@ -461,8 +461,10 @@ def _dense_gemm(instr: Instruction, args: list[np.ndarray], arrays: dict, arithm
 
 def _add_gemm(instr: Instruction, args: list[np.ndarray], arrays: dict, arithmetic: Arithmetic, dtype) -> np.ndarray:
     """acc = accumulate([a * w_a, b * w_b]) per element and the output stage; in float32_rne the float32 add of
-    qdeploy/quantize.py eq. (6)-(7): rne(f32(a * r_a + f32(b * r_b))), computed exactly with Fractions."""
+    qdeploy/quantize.py eq. (6)-(7): rne(f32(a * r_a + f32(b * r_b))), computed exactly with Fractions. A per-row b
+    ((..., 1)) is broadcast along the last axis."""
     a, b = args
+    b = np.broadcast_to(b, a.shape)
     steps = instr.stage.steps
 
     def layout(y: np.ndarray) -> np.ndarray:

@@ -132,23 +132,63 @@ def test_the_machine_runs_a_compiled_layernorm_as_its_twins(tmp_path, rounding):
 
 
 def test_the_centring_is_refused_when_the_stream_has_another_reader(tmp_path):
-    """s is also read by a Linear (z, a graph output): a zero-mean s would change z, so nothing is centred and the
-    LayerNorm stays on the host, the reason naming the reader; both outputs still match ONNX Runtime."""
-    from qdeploy import api
-
-    path = _model(tmp_path / "shared.onnx", extra_reader=True)
-    lowering = api.lower_model(path)
-    (host,) = lowering.host_ops
-    assert host.op == "LayerNormalization"
-    assert "cannot be centred" in host.reason and "also read by node 'MatMul_8' (DenseGemm)" in host.reason
+    """s is also read by a Linear (z, a graph output): a zero-mean s would change z, so the stream is not centred
+    (the weights that write s are the model's) and the LayerNorm subtracts its row mean first (a -1/C DenseGemm
+    with one output per row, an AddGemm with that per-row operand); still no host op, both outputs equal ONNX
+    Runtime in float and the int8 program stays close (26 dB, as the centred block)."""
     import onnxruntime as ort
 
-    x = _inputs(5, 8)
+    from qdeploy import api
+    from qdeploy.lowering import layernorm
+    from qdeploy.onnx_import import import_onnx
+
+    path = _model(tmp_path / "shared.onnx", extra_reader=True)
+    graph = import_onnx(path).graph
+    from qdeploy.lowering.passes import LOWER
+
+    for apply in LOWER[:LOWER.index(layernorm.lower_layernorms)]:
+        graph = apply(graph)
+    norm = next(n for n in graph.nodes if n.op == "LayerNormalization")
+    stream = layernorm._Stream(graph, norm.inputs[0], {norm.name})
+    assert "also read by node 'MatMul_8' (DenseGemm)" in stream.refusal
+    lowering = api.lower_model(path)
+    assert lowering.host_ops == []
+    by_name = {i.name.rsplit("/", 1)[-1]: i for i in lowering.instructions}
+    assert by_name["centre"].kind == "AddGemm" and by_name["row_mean"].kind == "DenseGemm"
+    weights = {n.name: n.inputs[1] for n in lowering.graph.nodes if n.op == "DenseGemm"}
+    assert not any(name.endswith("_centred") for name in weights.values())
+    x = _inputs(5, 24)
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     expected = [np.concatenate(v) for v in zip(*(session.run(None, {"x": x[i:i + 1]}) for i in range(len(x))))]
     got = api.run(path, x, lowered=True)
     for name, reference in zip(("y", "z"), expected):
         np.testing.assert_allclose(got[name], reference, rtol=0, atol=1e-5 * np.abs(reference).max())
+    integer = api.run(_program(path), x, dequantize=True)
+    assert _sqnr(expected[0], integer["y"]) >= 26.0
+
+
+@pytest.mark.parametrize("rounding", ["half_up", "float32_rne"])
+def test_the_machine_runs_a_non_centred_layernorm_as_its_twins(tmp_path, rounding):
+    """The non-centred form: the row-mean DenseGemm (one output per row), the AddGemm with the per-row operand, the
+    sum of squares and the normalizing GEMM, each equal to the twins' (the AddGemm in float32_rne too)."""
+    from isa.target import Arithmetic, Target
+    from simulator import twins
+    from simulator.machine import Machine
+
+    path = _model(tmp_path / "shared.onnx", extra_reader=True, seed=5)
+    program = _program(path, Target(arithmetic=Arithmetic(rounding=rounding)))
+    run = Machine(program).run({"x": _inputs(6, 5)}, dump=True)
+    checked = set()
+    for instr in program.instructions:
+        args = [run.tensors[name] for name in instr["inputs"]]
+        expected = twins.run_instruction(instr, args, program.arrays, Arithmetic(rounding=rounding),
+                                         program.tensors[instr["output"]]["dtype"])
+        np.testing.assert_array_equal(run.tensors[instr["output"]], expected, err_msg=instr["name"])
+        checked.add(instr["name"].rsplit("/", 1)[-1])
+    assert {"row_mean", "centre", "sum_of_squares", "normalize"} <= checked
+    centred = run.tensors["n/centred"].astype(np.int64)
+    # each row of d sums to about 0: the roundings of d and of the mean, a code or two per channel at most
+    assert np.abs(centred.sum(axis=-1)).max() <= 2 * C and np.abs(centred).max() > 60
 
 
 def test_a_sum_of_squares_past_32_bits_is_refused_in_one_line(tmp_path):

@@ -14,14 +14,15 @@ w_i = 1/sqrt(S_i) = s_x r_i, and the normalizing requantize multiplies channel c
 w_i (s_x cancels: qdeploy/quantize.py). beta goes into the bias of every Linear (DenseGemm) that reads y, through
 layout ops, Transposes and Gathers that keep the channels last: b' = b + W beta.
 
-Centring (`centre_streams`): a residual stream is the set of tensors joined by the residual Adds, the layout ops
-and the constant Adds and zero Pads of the token layout; its row mean is removed at compile time by making every
-weight and constant that writes it zero-mean across the channels (W'[o] = W[o] - mean_o W[o], b' = b - mean b;
-a constant minus its channel mean). That changes the stream's values by a per-row constant, which is exact for the
-model's outputs when every reader of every stream tensor is a LayerNormalization over the channels (LN(x - m) =
-LN(x)) or another node of the stream; anything else (a graph output, another reader) leaves the stream as it is and
-its LayerNormalizations on the host (the non-centred form, d = x - mean x by an AddGemm with a per-row operand, is
-not written yet).
+Centring (`_Stream`, `centre_stream`): a residual stream is the set of tensors joined by the residual Adds, the
+layout ops and the constant Adds and zero Pads of the token layout; its row mean is removed at compile time by
+making every weight and constant that writes it zero-mean across the channels (W'[o] = W[o] - mean_o W[o],
+b' = b - mean b; a constant minus its channel mean). That changes the stream's values by a per-row constant, which
+is exact for the model's outputs when every reader of every stream tensor is a LayerNormalization over the channels
+(LN(x - m) = LN(x)) or another node of the stream. Anything else (a graph output, another reader) leaves the stream
+as it is, and its LayerNormalizations subtract the row mean first: -mean_i = sum_c x_ic (-1/C) by a DenseGemm with
+one output per row (int8, its own calibrated scale), then d = x + (-mean) by an AddGemm whose second operand is
+that per-row value broadcast along the channels (isa/instructions.py AddGemm), then the two instructions on d.
 
 An exporter's decomposed LayerNorm (ReduceMean, Sub, Pow, ReduceMean, Add, Sqrt, Div) is not recognised: torch's
 dynamo and TorchScript exports of the zoo's ViT and DeiT-style models both emit LayerNormalization (opset 17)."""
@@ -246,9 +247,12 @@ def _beta_readers(graph: Graph, name: str, axis: int, consumers) -> list[Node] |
     return readers
 
 
-def _lower_one(graph: Graph, node: Node, readers: list[Node]) -> tuple[list[Node], list[Tensor], dict[str, Node]]:
-    """The nodes replacing a centred LayerNormalization (module docstring), its new tensors, and its beta folded
-    into the readers' biases (name -> replacement)."""
+def _lower_one(graph: Graph, node: Node, readers: list[Node], centred: bool
+               ) -> tuple[list[Node], list[Tensor], dict[str, Node]]:
+    """The nodes replacing a LayerNormalization (module docstring), its new tensors, and its beta folded into the
+    readers' biases (name -> replacement). Not `centred`: the row mean is subtracted first, d = x + (-mean x), the
+    negated mean by a DenseGemm with the weight -1/C (one output per row) and the sum by an AddGemm whose second
+    operand is that per-row value (broadcast along the channels)."""
     x, y = node.inputs[0], node.outputs[0]
     source = graph.tensors[x]
     shape = _shape(graph, x)
@@ -257,7 +261,7 @@ def _lower_one(graph: Graph, node: Node, readers: list[Node]) -> tuple[list[Node
     gamma = graph.constant_data(node.inputs[1]).astype(np.float64).reshape(-1)
     eps = float(node.attrs.get("epsilon", 1e-5))
     fresh = graph.unique_name
-    names = {key: fresh(f"{y}/{key}") for key in ("rows", "row", "words", "normal")}
+    names = {key: fresh(f"{y}/{key}") for key in ("rows", "row", "words", "normal", "negated_mean", "centred")}
     taken = set(names.values())
 
     def unique(base: str) -> str:
@@ -276,14 +280,25 @@ def _lower_one(graph: Graph, node: Node, readers: list[Node]) -> tuple[list[Node
                Tensor(names["row"], (None, 1, channels), source.dtype, rows=rows),
                Tensor(names["words"], (None, 1, 1), np.dtype(np.float32), rows=rows),
                Tensor(names["normal"], (None, channels), source.dtype, rows=rows)]
-    nodes = [
-        Node(unique(f"{node.name}/to_rows"), Kind.RESHAPE, [x, shapes["rows"].name], [names["rows"]], {}),
-        Node(unique(f"{node.name}/to_row"), Kind.RESHAPE, [names["rows"], shapes["row"].name], [names["row"]], {}),
+    nodes = [Node(unique(f"{node.name}/to_rows"), Kind.RESHAPE, [x, shapes["rows"].name], [names["rows"]], {})]
+    stream = names["rows"]
+    if not centred:
+        mean_weight = constant(unique(f"{node.name}/mean_weight"), np.full((1, channels), -1 / channels, np.float32))
+        mean_bias = constant(unique(f"{node.name}/mean_bias"), np.zeros(1, np.float32))
+        tensors += [mean_weight, mean_bias, Tensor(names["negated_mean"], (None, 1), source.dtype, rows=rows),
+                    Tensor(names["centred"], (None, channels), source.dtype, rows=rows)]
+        nodes += [Node(unique(f"{node.name}/row_mean"), Kind.DENSE_GEMM, [stream, mean_weight.name, mean_bias.name],
+                       [names["negated_mean"]], {"output_stage": NO_OUTPUT_STAGE}),
+                  Node(unique(f"{node.name}/centre"), Kind.ADD_GEMM, [stream, names["negated_mean"]],
+                       [names["centred"]], {"output_stage": NO_OUTPUT_STAGE})]
+        stream = names["centred"]
+    nodes += [
+        Node(unique(f"{node.name}/to_row"), Kind.RESHAPE, [stream, shapes["row"].name], [names["row"]], {}),
         Node(unique(f"{node.name}/sum_of_squares"), Kind.MATMUL_GEMM, [names["row"], names["row"]], [names["words"]],
              {"transpose_a": 0, "transpose_b": 1, "row_sum_bias": channels * eps,
               "output_stage": OutputStage((RowReciprocal("rsqrt"),))}),
         Node(unique(f"{node.name}/normalize"), Kind.DENSE_GEMM,
-             [names["rows"], weight.name, bias.name, names["words"]], [names["normal"]],
+             [stream, weight.name, bias.name, names["words"]], [names["normal"]],
              {"output_stage": NO_OUTPUT_STAGE}),
         Node(unique(f"{node.name}/from_rows"), Kind.RESHAPE, [names["normal"], shapes["back"].name], [y], {})]
     replaced = {}
@@ -299,9 +314,10 @@ def _lower_one(graph: Graph, node: Node, readers: list[Node]) -> tuple[list[Node
 
 
 def lower_layernorms(graph: Graph) -> Graph:
-    """Centre the residual streams that allow it (`_Stream`), then lower each LayerNormalization on a centred stream
-    whose beta can move into its readers' biases into the sum of squares and the normalizing GEMM (module
-    docstring); any other LayerNormalization stays a host op (`host_reason` says why: `layernorm_refusal`)."""
+    """Centre the residual streams that allow it (`_Stream`), then lower each LayerNormalization whose beta can move
+    into its readers' biases into the sum of squares and the normalizing GEMM (module docstring), after the row
+    mean's subtraction where its stream is not centred; any other LayerNormalization stays a host op (`host_reason`
+    says why: `layernorm_refusal`)."""
     candidates = {node.name for node in graph.nodes if _is_candidate(graph, node)}
     centred: set[str] = set()
     for node in graph.nodes:
@@ -310,14 +326,14 @@ def lower_layernorms(graph: Graph) -> Graph:
             if not stream.refusal:
                 graph = centre_stream(graph, stream)
                 centred |= stream.layernorms
-    for name in sorted(centred, key=[n.name for n in graph.nodes].index):
+    for name in [n.name for n in graph.nodes if n.name in candidates]:
         node = next(n for n in graph.nodes if n.name == name)
         shape = _shape(graph, node.outputs[0])
         readers = _beta_readers(graph, node.outputs[0], len(shape) - 1, graph.consumers())
         beta = graph.constant_data(node.inputs[2]) if len(node.inputs) > 2 and node.inputs[2] else None
         if readers is None and beta is not None and np.any(beta):
             continue
-        nodes, tensors, replaced = _lower_one(graph, node, readers or [])
+        nodes, tensors, replaced = _lower_one(graph, node, readers or [], name in centred)
         graph = graph.with_nodes(graph.nodes, tensors)
         rebuilt = []
         for n in graph.nodes:
@@ -331,12 +347,6 @@ def layernorm_refusal(graph: Graph, node: Node) -> str:
     if not _is_candidate(graph, node):
         return (f"node '{node.name}' (LayerNormalization): only a LayerNormalization over the last axis with "
                 f"constant scale and bias runs on the GEMM unit")
-    candidates = {n.name for n in graph.nodes if _is_candidate(graph, n)}
-    stream = _Stream(graph, node.inputs[0], candidates)
-    if stream.refusal:
-        return (f"node '{node.name}' (LayerNormalization): its input stream cannot be centred at compile time "
-                f"({stream.refusal}), and the non-centred form (the row mean subtracted by an AddGemm) is not "
-                f"written yet")
     return (f"node '{node.name}' (LayerNormalization): its output is read by something other than Linear layers "
             f"(through reshapes, Transposes, Gathers), which beta cannot be folded into")
 
