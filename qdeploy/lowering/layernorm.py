@@ -1,7 +1,7 @@
 """LayerNormalization on the integer unit (docs/design.md section 3, "Integer LayerNorm"; issue 30).
 
 A LayerNormalization over the last axis (C channels), y = gamma * (x - mean) / sqrt(var + eps) + beta, becomes two
-instructions when its input stream is centred (each row's mean 0):
+instructions when its input stream is centred (each row's mean 0), four when not (the row mean subtracted first):
 
   sum of squares   r_i = 1 / sqrt(sum_c x_ic^2 + C eps)        a MatMulGemm of the row with itself, (1 x C).(C x 1)
                                                                per row; its stage is the row-reciprocal store
