@@ -172,7 +172,8 @@ class _Stream:
     def _downward(self, name: str, axis: int) -> list:
         graph, work = self.graph, []
         for node in self.consumers.get(name, []):
-            if node.op == "LayerNormalization" and node.name in self.candidates and node.inputs[0] == name:
+            if node.op == "LayerNormalization" and node.name in self.candidates and node.inputs[0] == name and \
+                    axis == len(_shape(graph, name)) - 1:  # it normalizes over the channels the centring is on
                 self.layernorms.add(node.name)
             elif node.op == Kind.ADD_GEMM and output_stage(node) == NO_OUTPUT_STAGE or \
                     node.op in ("Add", "Sub") and len(node.inputs) == 2:
