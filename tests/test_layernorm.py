@@ -200,3 +200,34 @@ def test_a_sum_of_squares_past_32_bits_is_refused_in_one_line(tmp_path):
     with pytest.raises(Unsupported, match=r"node 'LayerNormalization_5/sum_of_squares' \(MatMulGemm\): its row sum "
                                           r"can reach \d+ .*more than the 32-bit register"):
         _program(path)
+
+
+def test_a_layernorm_over_another_axis_than_the_linears_channels_is_not_centred(tmp_path):
+    """x W1 + b1 (channels last), transposed to (1, 16, 4), LayerNormalization over the 4 tokens: the axis it
+    normalizes is not the one the Linear writes as channels, so centring the Linear's weights would not cancel; the
+    stream is refused ('cannot be made zero-mean' through the Transpose) and the row-mean form lowers it, equal to
+    ONNX Runtime."""
+    from qdeploy import api
+
+    rng = np.random.default_rng(8)
+    inits = [numpy_helper.from_array(a.astype(np.float32), n) for n, a in (
+        ("w1", rng.normal(0, 0.4, (C_IN, C))), ("b1", rng.normal(0.5, 0.3, C)), ("gamma", rng.normal(1, 0.5, TOKENS)),
+        ("beta", np.zeros(TOKENS)))]
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["m"]), helper.make_node("Add", ["m", "b1"], ["a"]),
+             helper.make_node("Transpose", ["a"], ["t"], perm=[0, 2, 1]),
+             helper.make_node("LayerNormalization", ["t", "gamma", "beta"], ["y"], axis=-1, epsilon=1e-5)]
+    graph = helper.make_graph(nodes, "tokens", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, TOKENS, C_IN])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, C, TOKENS])], inits)
+    path = tmp_path / "tokens.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    lowering = api.lower_model(path)
+    names = {i.name.rsplit("/", 1)[-1] for i in lowering.instructions}
+    assert {"row_mean", "centre", "sum_of_squares", "normalize"} <= names
+    assert not any(t.endswith("_centred") for n in lowering.graph.nodes for t in n.inputs)
+    x = _inputs(7, 6)
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    expected = np.concatenate([session.run(None, {"x": x[i:i + 1]})[0] for i in range(len(x))])
+    np.testing.assert_allclose(api.run(path, x, lowered=True)["y"], expected, rtol=0,
+                               atol=1e-5 * np.abs(expected).max())
