@@ -38,8 +38,8 @@ from isa.output_stage import NO_OUTPUT_STAGE, OutputStage, RowReciprocal
 from qdeploy.ir import Graph, Node, Tensor, constant
 from qdeploy.lowering.nodes import output_stage
 
-# Nodes a stream passes through unchanged but for the axis its channels are on (the token layout while it is still
-# on the host: h30layout's addressing replaces these by layout kinds).
+# Nodes a stream passes through unchanged but for the axis its channels are on: the layout kinds, and the token
+# layout's Transpose and zero Pad while they are host ops.
 _STREAM_LAYOUT = RESHAPE_KINDS | {"Transpose", "Pad"}
 
 
