@@ -175,7 +175,7 @@ def check_row_scale(program: ProgramView, instr: dict, where: str, words: tuple,
     """The row-scale operand of a MatMulGemm or a DenseGemm: its last input, int32 words, one per output row."""
     name = instr["inputs"][-1]
     if instr["row_scale"] != name:
-        raise InvalidRecord(f"{where}: row_scale names {json.dumps(instr['row_scale'])[:40]}, not its third input "
+        raise InvalidRecord(f"{where}: row_scale names {json.dumps(instr['row_scale'])[:40]}, not its last input "
                             f"'{name}'")
     if program.tensors[name]["dtype"] != "int32" or math.prod(words) != math.prod(out[:-1]):
         raise InvalidRecord(f"{where}: the row scale '{name}' must hold one int32 word per output row "

@@ -383,7 +383,11 @@ class MatMulGemm(ArrayInstruction):
 
     transpose_a: bool
     transpose_b: bool
+    # An int32 constant added in the accumulator before a row-reciprocal store: a LayerNorm's round(C eps / s_acc)
+    # on its sum of squares (lowering/layernorm.py). Absent (None) otherwise.
+    bias: str | None = None
 
+    OMITTED_WHEN_NONE: ClassVar[tuple[str, ...]] = ("bias",)
     HAS_WINDOW_FIELD: ClassVar[bool] = False
     ARITY: ClassVar[int | None] = None  # the operands, and a row scale's words as a third input (checked below)
 
@@ -411,6 +415,10 @@ class MatMulGemm(ArrayInstruction):
             raise InvalidRecord(f"{where}: k = {instr['k']} is not the contraction length {a[-1]}")
         if "row_scale" in instr:
             check_row_scale(program, instr, where, in_shapes[2], a[:-1] + b[-1:])
+        if "bias" in instr:
+            if "row_reciprocal" not in instr:
+                raise InvalidRecord(f"{where}: a MatMulGemm's bias comes only with a row-reciprocal store")
+            array_of(program, instr, "bias", where, "int32", (1,))
         return a[:-1] + b[-1:]
 
     def gemm_shape(self, in_shapes: list, out_shape: list, batch: int, stored: int) -> GemmShape:

@@ -483,11 +483,15 @@ def _add_gemm(b: _Builder, instr: Instruction) -> str:
 def _requantize_acc(b: _Builder, instr: Instruction, acc: str) -> str:
     """int32 accumulators -> the output stage: Cast to float32, Mul by scale_f32 (with a row scale, by each row's
     scale': qdeploy/export_onnx_rows.py), QuantizeLinear with scale 1 (rne, saturated to the output dtype), then
-    the output stage's later steps; or, for a row-reciprocal store, Cast to int64 and the store."""
+    the output stage's later steps; or, for a row-reciprocal store, Cast to int64, the bias added, and the store."""
     name = instr.name
     if instr.stage.step(RowReciprocal) is not None:
-        return b.output_stage(instr, b.node("Cast", [acc], f"{name}/acc_int64", f"{name}/Cast_acc",
-                                            to=TensorProto.INT64))
+        acc = b.node("Cast", [acc], f"{name}/acc_int64", f"{name}/Cast_acc", to=TensorProto.INT64)
+        bias = instr.stage.step(Bias)  # a MatMulGemm's bias before the store (a LayerNorm's C eps)
+        if bias is not None:
+            acc = b.node("Add", [acc, b.constant(f"{name}/bias", b.program.arrays[bias.array].astype(np.int64))],
+                         f"{name}/acc_biased", f"{name}/Add_bias")
+        return b.output_stage(instr, acc)
     value = b.node("Cast", [acc], f"{name}/acc_f32", f"{name}/Cast_acc", to=TensorProto.FLOAT)
     scale = b.constant(f"{name}/scale_f32", np.float32(b.program.arrays[instr.stage.requantize.scale_f32].reshape(-1)[0]))
     if instr.stage.requantize.row_scale:  # one word per output row, shaped (..., rows, 1) to broadcast over columns

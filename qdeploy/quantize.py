@@ -485,10 +485,19 @@ class _Compiler:
         s_b_scaled = s_b * node.attrs.get("product_scale", 1.0)  # a folded constant scale c: M = c s_a s_b / s_out
         store = output_stage(node).step(RowReciprocal)
         words = node.inputs[2] if len(node.inputs) > 2 else ""
+        bias = ""
         if store is not None:  # row sums of products (a LayerNorm's sum of squares): their words, s_out = f(s_acc)
-            row_scales.check_row_accumulator(node, f"the row sum of products of '{a}' and '{b}' (K = {k})", bound,
+            # `row_sum_bias` (a LayerNorm's C eps) joins the sum in the accumulator: round(C eps / s_acc) codes.
+            q_bias = int(np.round(float(node.attrs.get("row_sum_bias", 0.0))
+                                  / row_scales.accumulator_scale(node, scales.scale)))
+            bound += abs(q_bias)
+            row_scales.check_row_accumulator(node, f"the row sum of products of '{a}' and '{b}' (K = {k})"
+                                                   f"{f' plus its bias {q_bias}' if q_bias else ''}", bound,
                                              self.target.arithmetic.acc_bits)
-            stage = OutputStage((store,))
+            if q_bias and node.op != Kind.MATMUL_GEMM:
+                raise Unsupported(f"node '{node.name}' ({node.op}): only a MatMulGemm adds a bias to its row sum")
+            bias = self.array(index, "bias", np.array([q_bias], np.int32)) if q_bias else ""
+            stage = OutputStage(((Bias(bias),) if bias else ()) + (store,))
         else:
             lo, hi = _clamp_bounds(node, s_out, scales.range(y))
             if words:  # a row scale (P.V of an integer softmax): M = c s_a s_b s_words / s_out, times each row's word
@@ -500,6 +509,8 @@ class _Compiler:
         record = {"stage": stage, "acc_bound_bits": _bits_for(bound), "k": k}
         if node.op == Kind.MATMUL_GEMM:
             record.update(transpose_a=bool(node.attrs["transpose_a"]), transpose_b=bool(node.attrs["transpose_b"]))
+        if bias:
+            record["bias"] = bias
         self._report(node, record, s_a, np.array([s_b_scaled]), s_out, 0)
         return record
 

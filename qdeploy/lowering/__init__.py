@@ -77,7 +77,7 @@ def _output_stage(node: Node) -> dict:
     """The output stage as the description shows it: `bias` (a weighted GEMM's), `clamp` unless unbounded, a
     product's constant `scale`, and the steps clamp_hi, lookup and window_max when present."""
     stage = output_stage(node)
-    result = {"bias": node.op in WEIGHTED_GEMM_KINDS}
+    result = {"bias": node.op in WEIGHTED_GEMM_KINDS or "row_sum_bias" in node.attrs}
     if stage.clamp is None:  # the row-reciprocal store (lowering/rows.py): int32 words, no clamp
         return {**result, "row_reciprocal": stage.steps[-1].function}
     if stage.clamp.lo != float("-inf") or stage.clamp.hi != float("inf"):
@@ -125,6 +125,10 @@ def host_reason(graph: Graph, node: Node, lookups: bool = True) -> str:
         return f"node '{node.name}' ({node.op}): attributes or operands do not fit the GEMM output stage"
     from qdeploy.lowering.lookup import FUNCTIONS
 
+    if node.op == "LayerNormalization":
+        from qdeploy.lowering.layernorm import layernorm_refusal
+
+        return layernorm_refusal(graph, node)
     if node.op == Kind.CONCAT:
         return (f"node '{node.name}' (Concat): along axis {node.attrs.get('axis')} to shape "
                 f"{graph.tensors[node.outputs[0]].shape}; a Concat in the program joins float activations along "

@@ -20,6 +20,7 @@ from isa.kinds import ACTIVATION_GEMM_KINDS, WEIGHTED_GEMM_KINDS, Kind
 from isa.instructions import RECORDS
 from isa.output_stage import NO_OUTPUT_STAGE, Clamp, Step, WindowMax
 from qdeploy.lowering.nodes import INSTRUCTION_OPS, is_buffer_concat, output_stage
+from qdeploy.lowering.layernorm import lower_layernorms
 from qdeploy.lowering.lookup import fuse_lookups, recognise_functions
 from qdeploy.lowering.softmax import lower_softmax
 from qdeploy.lowering.rules import (LOWERING, OUTPUT_STAGE_OPS, affine_of, batchnorm_scale_shift,
@@ -408,6 +409,7 @@ LOWER: list[Pass] = [
     fold_constant_affine,  # Mul/Div/Add/Sub by a per-channel constant after a GEMM -> weights and bias
     lower_remaining_ops,  # standalone BN/affine, residual Add, average pooling -> GEMMs
     lower_softmax,  # Softmax read by P.V MatMuls -> row max, exp table, row-sum words; P.V reads the words
+    lower_layernorms,  # LayerNorm on a stream centred at compile time -> sum of squares + normalizing GEMM
     split_to_slices,  # a Split left on the host -> one host Slice per output (a host step writes one tensor)
     fuse_output_stages,  # Relu/Clip/MaxPool -> output stage of their producer
     fuse_lookups,  # Sigmoid, SiLU, GELU, ... -> a lookup table in their producer's (or an identity GEMM's) output stage

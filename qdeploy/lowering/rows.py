@@ -11,6 +11,13 @@ dk, L), R = d1 * ... * dk rows of L elements per sample.
   row_sum_words(x)    the row-scale words of 1/S or 1/sqrt(S) for S = sum of each row: a DenseGemm with a row of
                       ones on the view (N * R, L) whose store is the row-reciprocal store (isa/row_scale.py), viewed
                       as (N, d1, ..., dk, 1). A MatMulGemm reads the words as its third input (row scale).
+  row_square_words(x, bias)  the words of 1/sqrt(S), S = the sum of squares of each row plus `bias` (a LayerNorm's
+                      C eps): a MatMulGemm of each row with itself on the view (N * R, 1, L), the bias in its
+                      accumulator before the row-reciprocal store, viewed as (N, d1, ..., dk, 1).
+  negated_row_mean(x) -mean of each row, (N, d1, ..., dk, 1): a DenseGemm with the row -1/L on the view (N * R, L),
+                      an int8 output with its own calibrated scale; row_add(x, it) subtracts the mean with an
+                      AddGemm that adds (one that subtracts has no bit-exact ONNX export).
+  row_view(x, shape)  a free layout Reshape (none when x has that shape already).
 
 Node attributes these add (read by the float reference, qdeploy/reference/ops/accelerator.py, and by the compiler,
 qdeploy/row_scales.py):
@@ -18,7 +25,10 @@ qdeploy/row_scales.py):
                         (the compiler does not requantize a row of ones to 127s: the row sum is the exact sum)
   output_scale = rule   the output's scale is not calibrated but follows from the input's (row_scales.RULES)
   negate_b = 1          an AddGemm computes a - b
-  MatMulGemm inputs [a, b, words]: the product of each output row times that row's word (1/S)."""
+  row_sum_bias = b      a MatMulGemm whose store is the row-reciprocal store adds b (float, in the product's units)
+                        to each row sum; the compiler writes round(b / s_acc) as its int32 `bias`
+  MatMulGemm inputs [a, b, words]: the product of each output row times that row's word (1/S).
+  DenseGemm inputs [x, weight, bias, words]: each output row times that row's word (a LayerNorm's 1/sqrt)."""
 
 from __future__ import annotations
 
@@ -49,6 +59,16 @@ def _view(graph: Graph, name: str, source: str, shape: tuple, dtype, rows: int =
     out = Tensor(graph.unique_name(name), shape, dtype, rows=rows)
     target = constant(graph.unique_name(f"{name}_shape"), np.array([-1, *shape[1:]], np.int64))
     return Node(graph.unique_name(f"{name}/view"), Kind.RESHAPE, [source, target.name], [out.name], {}), [out, target]
+
+
+def row_view(graph: Graph, name: str, source: str, shape: tuple, rows: int) -> tuple[Lowered, str]:
+    """(the view, its output): `source` as `shape` (batch first, free; `rows` rows per image), a layout Reshape
+    writing a new tensor named after `name`, or nothing and `source` itself when it has that shape already."""
+    tensor = graph.tensors[source]
+    if tuple(tensor.shape[1:]) == tuple(shape[1:]) and tensor.rows == rows:
+        return Lowered([]), source
+    node, tensors = _view(graph, name, source, shape, tensor.dtype, rows)
+    return Lowered([node], tensors), node.outputs[0]
 
 
 def _grown(graph: Graph, nodes: list[Node], tensors: list[Tensor]) -> Graph:
@@ -108,6 +128,42 @@ def row_sum_words(graph: Graph, node: Node, x: str, function: str) -> tuple[Lowe
     back, back_tensors = _view(graph, f"{node.name}/words", sums.name, (*shape[:-1], 1), np.dtype(np.float32),
                                per_image)
     return Lowered([to_rows, instr, back], [*view_tensors, sums, *gemm.tensors, *back_tensors]), back.outputs[0]
+
+
+def row_square_words(graph: Graph, node: Node, x: str, bias: float = 0.0) -> tuple[Lowered, str]:
+    """(instructions, the words (N, ..., 1) of 1/sqrt(S), S = sum_j x_ij^2 + `bias` for each row i of `x`): see the
+    module docstring."""
+    rows, length = row_shape(graph, node, x)
+    shape, per_image = graph.tensors[x].shape, graph.tensors[x].rows
+    to_row, row = row_view(graph, f"{x}/row", x, (shape[0], 1, length), rows * per_image)
+    graph = _grown(graph, to_row.nodes, to_row.tensors)
+    squares = Tensor(graph.unique_name(f"{node.name}/square_words"), (shape[0], 1, 1), np.dtype(np.float32),
+                     rows=rows * per_image)
+    attrs = {"transpose_a": 0, "transpose_b": 1, "output_stage": OutputStage((RowReciprocal("rsqrt"),))}
+    if bias:
+        attrs["row_sum_bias"] = float(bias)
+    instr = Node(graph.unique_name(f"{node.name}/sum_of_squares"), Kind.MATMUL_GEMM, [row, row], [squares.name],
+                 attrs)
+    graph = _grown(graph, [instr], [squares])
+    back, words = row_view(graph, f"{node.name}/words", squares.name, (*shape[:-1], 1), per_image)
+    return Lowered([*to_row.nodes, instr, *back.nodes], [*to_row.tensors, squares, *back.tensors]), words
+
+
+def negated_row_mean(graph: Graph, node: Node, x: str) -> tuple[Lowered, str]:
+    """(instructions, -mean_j x_ij (N, ..., 1) for each row i of `x`): see the module docstring."""
+    rows, length = row_shape(graph, node, x)
+    tensor = graph.tensors[x]
+    shape, per_image = tensor.shape, tensor.rows
+    to_rows, flat = row_view(graph, f"{x}/row_major", x, (shape[0], length), rows * per_image)
+    graph = _grown(graph, to_rows.nodes, to_rows.tensors)
+    mean = Tensor(graph.unique_name(f"{node.name}/negated_mean"), (shape[0], 1), tensor.dtype, rows=rows * per_image)
+    name = graph.unique_name(f"{node.name}/row_mean")
+    gemm = dense_gemm(graph, Node(name, node.op, [], [mean.name], {}), flat, np.full((1, length), -1.0 / length),
+                      np.zeros(1))
+    graph = _grown(graph, gemm.nodes, [mean, *gemm.tensors])
+    back, out = row_view(graph, f"{node.name}/negated_mean_rows", mean.name, (*shape[:-1], 1), per_image)
+    return (Lowered([*to_rows.nodes, *gemm.nodes, *back.nodes], [*to_rows.tensors, mean, *gemm.tensors,
+                                                                  *back.tensors]), out)
 
 
 def with_row_scale(node: Node, words: str) -> Node:

@@ -47,9 +47,10 @@ def _window_max(step: WindowMax, value: tuple) -> tuple:
 
 def _row_reciprocal(step: RowReciprocal, value: tuple) -> tuple:
     """The row-reciprocal store's float meaning: 1/S or 1/sqrt(S) of each row sum S (the integer unit stores the
-    word of the same value of its integer sum, isa/row_scale.py)."""
+    word of the same value of its integer sum, isa/row_scale.py); an all-zero row reads as the smallest float32,
+    as the store reads S < 1 as 1, so no row is infinite."""
     y, pre = value
-    y = y.astype(np.float64)
+    y = np.maximum(y.astype(np.float64), np.finfo(np.float32).tiny)
     return (1.0 / y if step.function == "reciprocal" else 1.0 / np.sqrt(y)), pre
 
 
@@ -120,7 +121,7 @@ def ChannelPermute(x, *, perm):
 def AddGemm(a, b, *, negate_b=0, output_scale=None, output_stage=NO_OUTPUT_STAGE):
     """y = output_stage(a + b), or a - b with `negate_b`: the GEMM with K = 2 per channel, [a b] . [1 +-1]^T; b
     is a's shape, or a per-row operand (a's shape with 1 as its last axis: a row max, a row mean) read once per
-    element of its row (qdeploy/row_ops.py)."""
+    element of its row (qdeploy/lowering/rows.py)."""
     return _output_stage(a - b if negate_b else a + b, output_stage)
 
 
@@ -134,12 +135,17 @@ def MulGemm(a, b, *, product_scale=None, output_stage=NO_OUTPUT_STAGE):
     return _output_stage(_scaled(a * b, product_scale), output_stage)
 
 
-def MatMulGemm(a, b, rows=None, *, transpose_a=0, transpose_b=0, product_scale=None, output_stage=NO_OUTPUT_STAGE):
-    """y = output_stage(c * (a @ b) * rows), a or b transposed (last two axes) with transpose_a / transpose_b:
-    one GEMM per leading index; `rows`, a row-scale operand (a row-reciprocal store's 1/S: qdeploy/row_ops.py),
-    one value per output row. numpy.matmul runs one GEMM per leading index, so a sample's result does not depend
-    on its batch."""
+def MatMulGemm(a, b, rows=None, *, transpose_a=0, transpose_b=0, product_scale=None, row_sum_bias=None,
+               output_stage=NO_OUTPUT_STAGE):
+    """y = output_stage(c * (a @ b) * rows + row_sum_bias), a or b transposed (last two axes) with transpose_a /
+    transpose_b: one GEMM per leading index; `rows`, a row-scale operand (a row-reciprocal store's 1/S:
+    qdeploy/lowering/rows.py), one value per output row; `row_sum_bias`, a constant added before a row-reciprocal
+    store (a LayerNorm's C eps on its sum of squares, lowering/layernorm.py). numpy.matmul runs one GEMM per
+    leading index, so a sample's result does not depend on its batch."""
     y = np.matmul(np.swapaxes(a, -1, -2) if transpose_a else a, np.swapaxes(b, -1, -2) if transpose_b else b)
     if rows is not None:
         y = (y * rows.reshape(y.shape[:-1] + (1,))).astype(np.float32)
-    return _output_stage(_scaled(y, product_scale), output_stage)
+    y = _scaled(y, product_scale)
+    if row_sum_bias is not None:
+        y = y + np.float32(row_sum_bias)
+    return _output_stage(y, output_stage)
