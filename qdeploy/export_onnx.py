@@ -484,13 +484,17 @@ def _layout(b: _Builder, instr: Instruction) -> str:
 def _channel_slice(b: _Builder, instr: Instruction) -> str:
     start, name = instr.start, instr.name
     bounds = [b.constant(f"{name}/{key}", np.array([value], np.int64))
-              for key, value in (("starts", start), ("ends", start + instr.count), ("axes", 1))]
+              for key, value in (("starts", start), ("ends", start + instr.count), ("axes", instr.sliced_axis))]
     return b.node("Slice", [b.names[instr.inputs[0]], *bounds], b.names[instr.output], name)
 
 
 def _channel_permute(b: _Builder, instr: Instruction) -> str:
     order = b.constant(f"{instr.name}/perm", np.array(list(instr.perm), np.int64))
     return b.node("Gather", [b.names[instr.inputs[0]], order], b.names[instr.output], instr.name, axis=1)
+
+
+def _axis_permute(b: _Builder, instr: Instruction) -> str:
+    return b.node("Transpose", [b.names[instr.inputs[0]]], b.names[instr.output], instr.name, perm=list(instr.perm))
 
 
 def _concat(b: _Builder, instr: Instruction) -> str:
@@ -507,7 +511,7 @@ def _host(b: _Builder, instr: Instruction) -> str:
 EXPORTERS = {Kind.CONV_GEMM: _conv_gemm, Kind.DENSE_GEMM: _dense_gemm, Kind.ADD_GEMM: _add_gemm,
              Kind.MUL_GEMM: _mul_gemm, Kind.MATMUL_GEMM: _matmul_gemm,
              Kind.CONCAT: _concat, **{kind: _layout for kind in RESHAPE_KINDS}, Kind.CHANNEL_SLICE: _channel_slice,
-             Kind.CHANNEL_PERMUTE: _channel_permute, Kind.HOST: _host}
+             Kind.CHANNEL_PERMUTE: _channel_permute, Kind.AXIS_PERMUTE: _axis_permute, Kind.HOST: _host}
 
 
 def _value_info(name: str, elem_type: int, shape: list) -> onnx.ValueInfoProto:

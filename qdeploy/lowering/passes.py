@@ -21,6 +21,7 @@ from isa.instructions import RECORDS
 from isa.output_stage import NO_OUTPUT_STAGE, Clamp, Step, WindowMax
 from qdeploy.lowering.nodes import INSTRUCTION_OPS, is_buffer_concat, output_stage
 from qdeploy.lowering.lookup import fuse_lookups, recognise_functions
+from qdeploy.lowering.tokens import fold_operand_scales, merge_constant_adds
 from qdeploy.lowering.rules import (LOWERING, OUTPUT_STAGE_OPS, affine_of, batchnorm_scale_shift,
                                     finite_weights, identity_gemm)
 
@@ -404,7 +405,9 @@ LOWER: list[Pass] = [
     lower_gemm_ops,  # Conv -> ConvGemm (im2col), Gemm/MatMul -> DenseGemm
     fold_batchnorm,  # BN after a GEMM -> its weight rows and bias
     recognise_functions,  # an exporter's multi-op SiLU/GELU/Mish/Softplus -> one node of that ONNX op
+    merge_constant_adds,  # Add(Add(x, c1), c2) -> Add(x, c1 + c2): class token + position embedding, one operand
     fold_constant_affine,  # Mul/Div/Add/Sub by a per-channel constant after a GEMM -> weights and bias
+    fold_operand_scales,  # a positive scalar Mul on a product's operand (attention's q, k) -> its product_scale
     lower_remaining_ops,  # standalone BN/affine, residual Add, average pooling -> GEMMs
     split_to_slices,  # a Split left on the host -> one host Slice per output (a host step writes one tensor)
     fuse_output_stages,  # Relu/Clip/MaxPool -> output stage of their producer
