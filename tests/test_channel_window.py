@@ -2,7 +2,7 @@
 channel shuffle (Reshape -> Transpose -> Reshape) to ChannelPermute, a reordering by addressing (no copy, no
 arithmetic): every opset's form of the ops, checked against ONNX Runtime on the same file; the compiled
 program is bit-exact with ONNX Runtime through export-onnx and equal to the Python-int twins; what is not a
-channel window or permutation stays on the host; a Split whose sizes do not add up is a one-line error."""
+channel window or permutation stays on the host (a Transpose that is not a channel shuffle: an AxisPermute); a Split whose sizes do not add up is a one-line error."""
 
 import numpy as np
 import onnxruntime as ort
@@ -120,8 +120,9 @@ def test_a_slice_that_is_not_a_channel_window_stays_on_the_host(tmp_path):
     assert "output 'y' is not a window of the input's channels" in lowering.host_ops[0].reason
 
 
-def test_a_transpose_that_moves_more_than_channels_stays_on_the_host(tmp_path):
-    """Reshape -> Transpose -> Reshape that swaps H and W inside each channel is not a channel permutation."""
+def test_a_transpose_that_moves_more_than_channels_is_an_axis_permutation(tmp_path):
+    """Reshape -> Transpose -> Reshape that swaps H and W inside each channel is not a channel permutation: the
+    Transpose stays a Transpose, an AxisPermute (tests/test_token_layout.py)."""
     nodes = [helper.make_node("Conv", ["x", "W", "B"], ["c"], name="conv"),
              helper.make_node("Reshape", ["c", "s5"], ["r5"], name="split_channels"),
              helper.make_node("Transpose", ["r5"], ["t5"], name="swap_hw", perm=[0, 1, 2, 4, 3]),
@@ -130,7 +131,9 @@ def test_a_transpose_that_moves_more_than_channels_stays_on_the_host(tmp_path):
                        {"W": rng_weights(0, 4, 3, 1, 1), "B": rng_weights(1, 4),
                         "s5": np.array([0, 2, 2, 4, 4], np.int64), "s4": np.array([0, 4, 4, 4], np.int64)})
     lowering = api.lower_model(save(model, tmp_path / "swap.onnx"))
-    assert [h.op for h in lowering.host_ops] == ["Transpose"]
+    assert lowering.host_ops == []
+    (permute,) = [n for n in lowering.graph.nodes if n.op in (Kind.CHANNEL_PERMUTE, Kind.AXIS_PERMUTE)]
+    assert permute.op == Kind.AXIS_PERMUTE and permute.attrs["perm"] == [0, 1, 2, 4, 3]
 
 
 def test_a_split_whose_sizes_do_not_add_up_is_one_line(tmp_path):
