@@ -476,7 +476,8 @@ def _matmul_gemm(b: _Builder, instr: Instruction) -> str:
 
 
 def _layout(b: _Builder, instr: Instruction) -> str:
-    shape = np.array([0, *instr.shape[1:]], np.int64)  # 0: copy the (free) batch dimension
+    # -1: the free first axis takes the rest (the batch, or the batch times the rows of batch_one.py's row form)
+    shape = np.array([-1, *instr.shape[1:]], np.int64)
     return b.node("Reshape", [b.names[instr.inputs[0]], b.constant(f"{instr.name}/shape", shape)],
                   b.names[instr.output], instr.name)
 
@@ -514,8 +515,10 @@ EXPORTERS = {Kind.CONV_GEMM: _conv_gemm, Kind.DENSE_GEMM: _dense_gemm, Kind.ADD_
              Kind.CHANNEL_PERMUTE: _channel_permute, Kind.AXIS_PERMUTE: _axis_permute, Kind.HOST: _host}
 
 
-def _value_info(name: str, elem_type: int, shape: list) -> onnx.ValueInfoProto:
-    return helper.make_tensor_value_info(name, elem_type, ["N" if d is None else d for d in shape])
+def _value_info(name: str, elem_type: int, shape: list, free: str | None = "N") -> onnx.ValueInfoProto:
+    """`free`: the name of the free first axis (an inner tensor's is left unnamed: in batch_one.py's row form it
+    holds the batch times the image's rows, not the batch)."""
+    return helper.make_tensor_value_info(name, elem_type, [free if d is None else d for d in shape])
 
 
 def _warnings(program: Program) -> list[str]:
@@ -582,7 +585,7 @@ def export_program(program: Program, *, float_outputs: bool = False,
         for tensor in [*program.inputs, *(i["output"] for i in program.instructions)]:
             if names[tensor] not in listed:
                 record = program.tensors[tensor]
-                graph_outputs.append(_value_info(names[tensor], _ONNX_TYPE[record["dtype"]], record["shape"]))
+                graph_outputs.append(_value_info(names[tensor], _ONNX_TYPE[record["dtype"]], record["shape"], None))
                 listed.add(names[tensor])
     opset = [helper.make_opsetid("", OPSET)]
     graph = helper.make_graph(b.nodes, str(program.manifest.get("model") or "qdeploy_program"), graph_inputs,

@@ -65,12 +65,13 @@ def test_a_dense_prediction_model_runs_its_upsampling_on_the_gemm_unit(tmp_path,
 def test_a_vision_transformer_runs_end_to_end_with_host_fallback(tmp_path, name, exporter):
     """torchvision's ViT (nn.MultiheadAttention: the batch inside its Reshape targets; a class token) and a
     DeiT-style model (class and distillation tokens), exported at batch 1 (random weights, 32x32, 2 layers): the
-    lowered float graph equals ONNX Runtime image by image; LayerNormalization, Softmax and the token layout
-    stay on the host (Gelu is a lookup table, the MatMuls between activations are MatMulGemms); with
+    lowered float graph equals ONNX Runtime image by image; at most LayerNormalization and Softmax stay on the host
+    (the token layout is addressing: tests/test_token_layout.py; Gelu is a lookup table, the MatMuls between
+    activations are MatMulGemms); with
     --allow-host-fallback they calibrate, compile and run at batch 3."""
     row = user_models.check(name, exporter, tmp_path)
     assert row["relative_error"] < 1e-4  # measured 4.4e-7 (ViT), 5.4e-7 (DeiT)
-    assert {"LayerNormalization", "Softmax"} <= set(row["host_ops"])
+    assert set(row["host_ops"]) <= {"LayerNormalization", "Softmax"}
     assert row["gemm_share"] > 0.9  # the projections and MLPs are GEMMs (passes/matmul_rows.py): 0.934, 0.985
     assert row["ran_batch"] == 3
-    assert row["sqnr_db"] > 12, row["sqnr_db"]  # measured 18.2 dB (ViT), 17.5 dB (DeiT): 4 calibration images
+    assert row["sqnr_db"] > 12, row["sqnr_db"]  # measured 21.3 dB (ViT), 17.3 dB (DeiT): 4 calibration images

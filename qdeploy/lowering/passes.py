@@ -277,12 +277,12 @@ def lower_standalone_output_stages(graph: Graph) -> Graph:
         except Unsupported:
             nodes.append(node)
             continue
-        (instr,) = lowered.nodes
+        (instr,) = [n for n in lowered.nodes if n.op in INSTRUCTION_OPS]  # with its views for a rank other than 2, 4
         merged = output_stage(instr).joined(step)
         if merged is None:  # Clip with min > max: no clamp interval; stays a host op
             nodes.append(node)
             continue
-        nodes.append(instr.replace(attrs={**instr.attrs, "output_stage": merged}))
+        nodes.extend(n.replace(attrs={**n.attrs, "output_stage": merged}) if n is instr else n for n in lowered.nodes)
         tensors.extend(lowered.tensors)
         graph = graph.with_nodes(graph.nodes, lowered.tensors)
     return graph.with_nodes(nodes, tensors)
