@@ -57,6 +57,21 @@ def gathered_token(tmp_path):
     return save(model, tmp_path / "gathered.onnx")
 
 
+def sliced_tokens(tmp_path):
+    """(N, T, F) -> Linear -> the patch tokens x[:, 1:] (Slice along the tokens) -> Split of the features in two
+    (a fused projection's halves) -> Linear on one half."""
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["m1"], name="linear1"),
+             helper.make_node("Slice", ["m1", "starts", "ends", "axes"], ["patches"], name="patch_tokens"),
+             helper.make_node("Split", ["patches", "halves"], ["a", "b"], name="halves", axis=2),
+             helper.make_node("MatMul", ["b", "w2"], ["y"], name="linear2")]
+    model = make_model(nodes, [("x", ["N", TOKENS, FEATURES])], [("y", ["N", TOKENS - 1, 3]),
+                                                                   ("a", ["N", TOKENS - 1, FEATURES // 2])],
+                       {"w1": rng_weights(0, FEATURES, FEATURES), "starts": np.array([1], np.int64),
+                        "ends": np.array([TOKENS], np.int64), "axes": np.array([1], np.int64),
+                        "halves": np.array([FEATURES // 2] * 2, np.int64), "w2": rng_weights(1, FEATURES // 2, 3)})
+    return save(model, tmp_path / "sliced.onnx")
+
+
 def class_token(tmp_path):
     """A ViT's stem at batch 1: (1, T, F) -> Linear -> Concat(class token, x) + position embedding -> Linear
     (batch_one.py maps it over the batch: Pad + Add of the token; the two constants join)."""
@@ -99,6 +114,7 @@ def scaled_attention(tmp_path):
 CASES = {  # builder, batch of the file's input, the layout kinds it must use, its GEMM kinds' count
     "transpose": (transposed_tokens, None, {Kind.AXIS_PERMUTE: 2}),
     "gather": (gathered_token, None, {Kind.CHANNEL_SLICE: 2}),
+    "slice": (sliced_tokens, None, {Kind.CHANNEL_SLICE: 3}),
     "class_token": (class_token, 1, {Kind.CONV_GEMM: 2}),  # the padding read, the per-element constant
     # + c, * s (one per-element GEMM each) and the Relu's identity GEMM (it reads a view: no producer to fuse into)
     "element_constants": (element_constants, None, {Kind.CONV_GEMM: 3}),

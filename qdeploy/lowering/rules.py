@@ -642,10 +642,11 @@ def lower_average_pool(graph: Graph, node: Node) -> Lowered:
 
 
 def lower_channel_window(graph: Graph, node: Node) -> Lowered:
-    """Split, or Slice, along the channels -> one ChannelSlice per output: the consumer reads a window of the
-    producer's channels at an offset, with no copy and no arithmetic. Which window each output is comes from
-    running the op itself (the float executor, ONNX semantics of every opset) on a tensor holding each
-    element's own index: an output is a window exactly when it equals input[:, start:start + count]."""
+    """Split, or Slice, along one axis past the batch (the channels, the tokens) -> one ChannelSlice per output:
+    the consumer reads a window of the producer's buffer at an offset, with no copy and no arithmetic. Which
+    window each output is comes from running the op itself (the float executor, ONNX semantics of every opset)
+    on a tensor holding each element's own index: an output is a window exactly when it equals
+    input[:, ..., start:start + count] along the one axis whose size it changed."""
     x = node.inputs[0]
     shape = graph.tensors[x].shape
     if shape is None or len(shape) < 2 or None in shape[1:]:
@@ -660,14 +661,19 @@ def lower_channel_window(graph: Graph, node: Node) -> Lowered:
     for name, part in zip(node.outputs, run_node(node, [index, *operands], graph.opset)):
         if not name:
             continue
-        count = part.shape[1] if part.ndim == index.ndim else 0
-        start = int(part.reshape(-1)[0]) // prod(shape[2:]) if part.size else 0
-        if count == 0 or part.shape[0] != 1 or not np.array_equal(part, index[:, start:start + count]):
-            raise Unsupported(f"node '{node.name}' ({node.op}): output '{name}' is not a window of the input's "
-                              f"channels")
-        windows.append((name, start, count))
+        # the axis it cuts: the first whose size changed (the channels when none did)
+        axis = next((a for a in range(1, index.ndim) if part.ndim == index.ndim and part.shape[a] != index.shape[a]),
+                    1)
+        count = part.shape[axis] if part.ndim == index.ndim else 0
+        start = int(part.reshape(-1)[0]) // prod(shape[axis + 1:]) % shape[axis] if part.size else 0
+        window = index[(slice(None),) * axis + (slice(start, start + count),)]
+        if count == 0 or part.shape[0] != 1 or not np.array_equal(part, window):
+            raise Unsupported(f"node '{node.name}' ({node.op}): output '{name}' is not a window of the input "
+                              f"along one axis")
+        windows.append((name, start, count, axis))
     nodes = [Node(node.name if len(windows) == 1 else f"{node.name}/{i}", Kind.CHANNEL_SLICE, [x], [name],
-                  {"start": start, "count": count}) for i, (name, start, count) in enumerate(windows)]
+                  {"start": start, "count": count, **({} if axis == 1 else {"axis": axis})})
+             for i, (name, start, count, axis) in enumerate(windows)]
     return Lowered(nodes)
 
 
