@@ -150,9 +150,9 @@ def test_a_split_whose_sizes_do_not_add_up_is_one_line(tmp_path):
     assert message.endswith("split [3, 4] does not add up to the size 8 of axis 1"), message
 
 
-def test_a_split_along_h_runs_on_the_host_as_slices(tmp_path):
-    """A Split that is not along the channels stays on the host; as one Slice per output (a compiled host step
-    writes one tensor), it compiles with host fallback and the program follows the float model."""
+def test_a_split_along_h_is_two_windows_along_h(tmp_path):
+    """A Split along H (not the channels) is one ChannelSlice per output along axis 2 (a read offset); the program
+    follows the float model."""
     nodes = [helper.make_node("Conv", ["x", "W", "B"], ["c"], name="conv", pads=[1, 1, 1, 1]),
              helper.make_node("Split", ["c", "sizes"], ["top", "bottom"], name="split_h", axis=2),
              helper.make_node("Add", ["top", "bottom"], ["y"], name="add")]
@@ -160,14 +160,16 @@ def test_a_split_along_h_runs_on_the_host_as_slices(tmp_path):
                        {"W": rng_weights(0, 4, 3, 3, 3), "B": rng_weights(1, 4), "sizes": np.array([3, 3], np.int64)})
     path = save(model, tmp_path / "split_h.onnx")
     lowering = api.lower_model(path)
-    assert sorted(h.op for h in lowering.host_ops) == ["Slice", "Slice"]
+    assert lowering.host_ops == []
+    windows = [n.attrs for n in lowering.graph.nodes if n.op == Kind.CHANNEL_SLICE]
+    assert windows == [{"start": 0, "count": 3, "axis": 2}, {"start": 3, "count": 3, "axis": 2}]
     x = images(4)[:, :, :6, :5]
     expected = run_onnxruntime(path, {"x": x})[0]
     names = [n for n, t in lowering.graph.tensors.items() if not t.is_constant]
     values = run_graph(lowering.graph, {"x": x}, names)
     table = CalibrationTable({n: TensorRecord(n, "max", float(np.max(np.abs(v)))) for n, v in values.items()},
                              "max", 0)
-    program = api.compile(path, table, EXACT, allow_host_fallback=True).program
+    program = api.compile(path, table, EXACT).program
     y = api.run(program, x, dequantize=True)["y"]
     assert np.max(np.abs(y - expected)) <= 3 * program.tensors["y"]["scale"]  # int8 rounding of 3 steps
 
