@@ -43,16 +43,16 @@ def transposed_tokens(tmp_path):
 
 
 def gathered_token(tmp_path):
-    """(N, T, F) -> Linear -> x[:, 0] (Gather of index 0 along the tokens) and x[:, -1:] (a 1-D index) ->
-    Linear heads."""
+    """(N, T, F) -> Linear -> x[:, 0] (Gather of index 0 along the tokens) and x[:, [[-2, -1]]] (indices counting
+    up, negative, of shape (1, 2)) -> Linear heads."""
     nodes = [helper.make_node("MatMul", ["x", "w1"], ["m1"], name="linear1"),
              helper.make_node("Gather", ["m1", "first"], ["cls"], name="class_token", axis=1),
              helper.make_node("Gather", ["m1", "last"], ["dist"], name="last_token", axis=-2),
              helper.make_node("Gemm", ["cls", "w2"], ["y"], name="head", transB=1),
              helper.make_node("MatMul", ["dist", "w3"], ["z"], name="dist_head")]
-    model = make_model(nodes, [("x", ["N", TOKENS, FEATURES])], [("y", ["N", 3]), ("z", ["N", 1, 2])],
+    model = make_model(nodes, [("x", ["N", TOKENS, FEATURES])], [("y", ["N", 3]), ("z", ["N", 1, 2, 2])],
                        {"w1": rng_weights(0, FEATURES, FEATURES), "first": np.array(0, np.int64),
-                        "last": np.array([-1], np.int64), "w2": rng_weights(1, 3, FEATURES),
+                        "last": np.array([[-2, -1]], np.int64), "w2": rng_weights(1, 3, FEATURES),
                         "w3": rng_weights(2, FEATURES, 2)})
     return save(model, tmp_path / "gathered.onnx")
 
@@ -213,3 +213,16 @@ def test_vision_transformers_keep_only_layernorm_and_softmax_on_the_host(tmp_pat
             (path.name, [(h.op, h.reason) for h in lowering.host_ops])
         kinds = [n.op for n in lowering.graph.nodes]
         assert Kind.AXIS_PERMUTE in kinds and Kind.CHANNEL_SLICE in kinds
+
+
+def test_what_is_not_a_window_or_keeps_the_batch_moving_stays_on_the_host(tmp_path):
+    """A Gather of indices out of order and a Transpose that moves the batch: host ops, each with its reason."""
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["m1"], name="linear1"),
+             helper.make_node("Gather", ["m1", "shuffled"], ["g"], name="shuffled_tokens", axis=1),
+             helper.make_node("Transpose", ["g"], ["y"], name="batch_last", perm=[1, 2, 0])]
+    model = make_model(nodes, [("x", ["N", TOKENS, FEATURES])], [("y", [2, FEATURES, "N"])],
+                       {"w1": rng_weights(0, FEATURES, FEATURES), "shuffled": np.array([2, 0], np.int64)})
+    lowering = api.lower_model(save(model, tmp_path / "not_windows.onnx"))
+    reasons = {h.op: h.reason for h in lowering.host_ops}
+    assert "indices counting up by one" in reasons["Gather"] and "(2,)" in reasons["Gather"]
+    assert "perm [1, 2, 0] moves the batch" in reasons["Transpose"]

@@ -730,34 +730,38 @@ def _shape_constant(graph: Graph, node: Node) -> list[Tensor]:
 
 
 def lower_gather(graph: Graph, node: Node) -> Lowered:
-    """Gather of one constant index i along an axis a past the batch -> ChannelSlice [i, i + 1) along a (a read
-    offset) and, for a scalar index, a Reshape dropping the axis (ONNX Gather: the output's axis a is the
-    index's shape)."""
+    """Gather along an axis a past the batch of constant indices that count up by one, [i, i + n) (one index:
+    a transformer's q/k/v selection, its class token x[:, 0]; every index in order: dynamo's as_strided) ->
+    ChannelSlice [i, i + n) along a (a read offset; none when it is the whole axis) and a Reshape to the output's
+    shape when the indices' shape is not (n,) (ONNX Gather: the output's axis a becomes the indices' shape)."""
     x, indices = node.inputs[:2]
     shape = _per_image_shape(graph, node, x)
     index = graph.constant_data(indices)
     rank = len(shape) + 1
     axis = int(node.attrs.get("axis", 0))
     axis = axis + rank if axis < 0 else axis
-    if index is None or index.size != 1 or index.ndim > 1 or not 1 <= axis < rank:
-        raise Unsupported(f"node '{node.name}' (Gather): only one constant index along an axis past the batch is a "
-                          f"read window (indices {'computed at run time' if index is None else index.shape}, "
-                          f"axis {axis})")
-    size = shape[axis - 1]
-    start = int(index.reshape(-1)[0])
-    start = start + size if start < 0 else start
-    if not 0 <= start < size:
-        raise Unsupported(f"node '{node.name}' (Gather): index {start} is outside axis {axis} of size {size}")
-    attrs = {"start": start, "count": 1, "axis": axis}
-    if index.ndim == 1:
-        return Lowered([Node(node.name, Kind.CHANNEL_SLICE, [x], [node.outputs[0]], attrs)])
+    size = shape[axis - 1] if 1 <= axis < rank else 0
+    flat = None if index is None or not index.size else np.where(index < 0, index + size, index).reshape(-1)
+    if flat is None or not 1 <= axis < rank or not np.array_equal(flat, np.arange(flat[0], flat[0] + flat.size)) or \
+            not 0 <= flat[0] <= flat[-1] < size:
+        raise Unsupported(f"node '{node.name}' (Gather): only constant indices counting up by one inside an axis "
+                          f"past the batch are a read window (indices "
+                          f"{'computed at run time' if index is None else tuple(index.shape)}, axis {axis})")
+    start, count = int(flat[0]), int(flat.size)
     source = graph.tensors[x]
-    window = Tensor(graph.unique_name(f"{node.name}/window"),
-                    (None, *shape[:axis - 1], 1, *shape[axis:]), source.dtype, rows=source.rows)
-    target = _shape_constant(graph, node)
-    return Lowered([Node(graph.unique_name(f"{node.name}/slice"), Kind.CHANNEL_SLICE, [x], [window.name], attrs),
-                    Node(node.name, Kind.RESHAPE, [window.name, target[0].name], [node.outputs[0]], {})],
-                   [window, *target])
+    window_shape = (*shape[:axis - 1], count, *shape[axis:])
+    out_shape = tuple(graph.tensors[node.outputs[0]].shape[1:])
+    nodes, tensors, window = [], [], x
+    if count != size:
+        window = node.outputs[0] if out_shape == window_shape else graph.unique_name(f"{node.name}/window")
+        nodes.append(Node(node.name if window == node.outputs[0] else graph.unique_name(f"{node.name}/slice"),
+                          Kind.CHANNEL_SLICE, [x], [window], {"start": start, "count": count, "axis": axis}))
+        if window != node.outputs[0]:
+            tensors.append(Tensor(window, (None, *window_shape), source.dtype, rows=source.rows))
+    if window != node.outputs[0]:
+        tensors.extend(_shape_constant(graph, node))
+        nodes.append(Node(node.name, Kind.RESHAPE, [window, tensors[-1].name], [node.outputs[0]], {}))
+    return Lowered(nodes, tensors)
 
 
 def _pad_along_axis(graph: Graph, node: Node) -> Lowered:
