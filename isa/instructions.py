@@ -485,6 +485,9 @@ class ChannelSlice(Instruction):
     def sliced_axis(self) -> int:
         return 1 if self.axis is None else self.axis
 
+    def describe(self, arrays: dict) -> str:
+        return f"window [{self.start}, {self.start + self.count}) of axis {self.sliced_axis}"
+
     @classmethod
     def check(cls, instr: dict, where: str, in_shapes: list, out_dtype: str, program: ProgramView
               ) -> tuple[int, ...]:
@@ -522,6 +525,9 @@ class AxisPermute(Instruction):
     """Output axis a is input axis perm[a] (a Transpose; perm[0] = 0: the batch stays first)."""
 
     perm: tuple[int, ...]
+
+    def describe(self, arrays: dict) -> str:
+        return f"perm {list(self.perm)}"
 
     @classmethod
     def check(cls, instr: dict, where: str, in_shapes: list, out_dtype: str, program: ProgramView
