@@ -497,20 +497,36 @@ class Reshape(Instruction):
 
 @dataclass(frozen=True, kw_only=True)
 class ChannelSlice(Instruction):
-    """Channels [start, start + count) of the input."""
+    """Indices [start, start + count) of the input along `axis` (counted with the batch, never it): the channels
+    (axis 1, written as no field, as before axes other than the channels were sliced) unless it says."""
 
     start: int
     count: int
+    axis: int | None = None
+
+    OMITTED_WHEN_NONE: ClassVar[tuple[str, ...]] = ("axis",)
+
+    @property
+    def sliced_axis(self) -> int:
+        return 1 if self.axis is None else self.axis
+
+    def describe(self, arrays: dict) -> str:
+        return f"window [{self.start}, {self.start + self.count}) of axis {self.sliced_axis}"
 
     @classmethod
     def check(cls, instr: dict, where: str, in_shapes: list, out_dtype: str, program: ProgramView
               ) -> tuple[int, ...]:
         x = in_shapes[0]
         if not x:
-            raise InvalidRecord(f"{where}: slices the channels of a tensor without a channel axis")
-        start = ints([field_of(instr, "start", where)], f"{where}: start", 1, 0, x[0] - 1)[0]
-        count = ints([field_of(instr, "count", where)], f"{where}: count", 1, 1, x[0] - start)[0]
-        return (count,) + tuple(x[1:])
+            raise InvalidRecord(f"{where}: slices a tensor with no axis past the batch")
+        axis = instr.get("axis", 1)
+        if not is_int(axis) or not 1 <= axis <= len(x):
+            raise InvalidRecord(f"{where}: axis = {json.dumps(axis)[:20]}, expected an axis in [1, {len(x)}] "
+                                f"(not the batch)")
+        k = axis - 1  # the shapes here leave out the batch
+        start = ints([field_of(instr, "start", where)], f"{where}: start", 1, 0, x[k] - 1)[0]
+        count = ints([field_of(instr, "count", where)], f"{where}: count", 1, 1, x[k] - start)[0]
+        return tuple(x[:k]) + (count,) + tuple(x[k + 1:])
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -527,6 +543,26 @@ class ChannelPermute(Instruction):
         if not x or sorted(perm) != list(range(x[0])):
             raise InvalidRecord(f"{where}: perm is not a permutation of the input's {x[0] if x else 0} channels")
         return tuple(x)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AxisPermute(Instruction):
+    """Output axis a is input axis perm[a] (a Transpose; perm[0] = 0: the batch stays first)."""
+
+    perm: tuple[int, ...]
+
+    def describe(self, arrays: dict) -> str:
+        return f"perm {list(self.perm)}"
+
+    @classmethod
+    def check(cls, instr: dict, where: str, in_shapes: list, out_dtype: str, program: ProgramView
+              ) -> tuple[int, ...]:
+        x = in_shapes[0]
+        perm = ints(field_of(instr, "perm", where), f"{where}: perm", None, 0)
+        if sorted(perm) != list(range(len(x) + 1)) or perm[0] != 0:
+            raise InvalidRecord(f"{where}: perm {perm} is not a permutation of the input's {len(x) + 1} axes that "
+                                f"keeps the batch first")
+        return tuple(x[p - 1] for p in perm[1:])
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -594,7 +630,7 @@ RECORDS: dict[Kind, type[Instruction]] = {
     Kind.CONV_GEMM: ConvGemm, Kind.DENSE_GEMM: DenseGemm, Kind.ADD_GEMM: AddGemm, Kind.MUL_GEMM: MulGemm,
     Kind.MATMUL_GEMM: MatMulGemm, Kind.CONCAT: Concat,
     **{kind: Reshape for kind in RESHAPE_KINDS}, Kind.CHANNEL_SLICE: ChannelSlice,
-    Kind.CHANNEL_PERMUTE: ChannelPermute, Kind.HOST: Host}
+    Kind.CHANNEL_PERMUTE: ChannelPermute, Kind.AXIS_PERMUTE: AxisPermute, Kind.HOST: Host}
 
 
 def row_scale_words(records) -> set[str]:

@@ -531,7 +531,8 @@ def _matmul_gemm(b: _Builder, instr: Instruction) -> str:
 
 
 def _layout(b: _Builder, instr: Instruction) -> str:
-    shape = np.array([0, *instr.shape[1:]], np.int64)  # 0: copy the (free) batch dimension
+    # -1: the free first axis takes the rest (the batch, or the batch times the rows of batch_one.py's row form)
+    shape = np.array([-1, *instr.shape[1:]], np.int64)
     return b.node("Reshape", [b.names[instr.inputs[0]], b.constant(f"{instr.name}/shape", shape)],
                   b.names[instr.output], instr.name)
 
@@ -539,13 +540,17 @@ def _layout(b: _Builder, instr: Instruction) -> str:
 def _channel_slice(b: _Builder, instr: Instruction) -> str:
     start, name = instr.start, instr.name
     bounds = [b.constant(f"{name}/{key}", np.array([value], np.int64))
-              for key, value in (("starts", start), ("ends", start + instr.count), ("axes", 1))]
+              for key, value in (("starts", start), ("ends", start + instr.count), ("axes", instr.sliced_axis))]
     return b.node("Slice", [b.names[instr.inputs[0]], *bounds], b.names[instr.output], name)
 
 
 def _channel_permute(b: _Builder, instr: Instruction) -> str:
     order = b.constant(f"{instr.name}/perm", np.array(list(instr.perm), np.int64))
     return b.node("Gather", [b.names[instr.inputs[0]], order], b.names[instr.output], instr.name, axis=1)
+
+
+def _axis_permute(b: _Builder, instr: Instruction) -> str:
+    return b.node("Transpose", [b.names[instr.inputs[0]]], b.names[instr.output], instr.name, perm=list(instr.perm))
 
 
 def _concat(b: _Builder, instr: Instruction) -> str:
@@ -562,11 +567,13 @@ def _host(b: _Builder, instr: Instruction) -> str:
 EXPORTERS = {Kind.CONV_GEMM: _conv_gemm, Kind.DENSE_GEMM: _dense_gemm, Kind.ADD_GEMM: _add_gemm,
              Kind.MUL_GEMM: _mul_gemm, Kind.MATMUL_GEMM: _matmul_gemm,
              Kind.CONCAT: _concat, **{kind: _layout for kind in RESHAPE_KINDS}, Kind.CHANNEL_SLICE: _channel_slice,
-             Kind.CHANNEL_PERMUTE: _channel_permute, Kind.HOST: _host}
+             Kind.CHANNEL_PERMUTE: _channel_permute, Kind.AXIS_PERMUTE: _axis_permute, Kind.HOST: _host}
 
 
-def _value_info(name: str, elem_type: int, shape: list) -> onnx.ValueInfoProto:
-    return helper.make_tensor_value_info(name, elem_type, ["N" if d is None else d for d in shape])
+def _value_info(name: str, elem_type: int, shape: list, free: str | None = "N") -> onnx.ValueInfoProto:
+    """`free`: the name of the free first axis (an inner tensor's is left unnamed: in batch_one.py's row form it
+    holds the batch times the image's rows, not the batch)."""
+    return helper.make_tensor_value_info(name, elem_type, [free if d is None else d for d in shape])
 
 
 def _warnings(program: Program) -> list[str]:
@@ -633,7 +640,7 @@ def export_program(program: Program, *, float_outputs: bool = False,
         for tensor in [*program.inputs, *(i["output"] for i in program.instructions)]:
             if names[tensor] not in listed:
                 record = program.tensors[tensor]
-                graph_outputs.append(_value_info(names[tensor], _ONNX_TYPE[record["dtype"]], record["shape"]))
+                graph_outputs.append(_value_info(names[tensor], _ONNX_TYPE[record["dtype"]], record["shape"], None))
                 listed.add(names[tensor])
     opset = [helper.make_opsetid("", OPSET)]
     graph = helper.make_graph(b.nodes, str(program.manifest.get("model") or "qdeploy_program"), graph_inputs,

@@ -606,11 +606,18 @@ class _Compiler:
         return {"axis": int(node.attrs["axis"]) % len(shape)}  # node_kind: never the batch axis
 
     def _channel_slice(self, index: int, node: Node) -> dict:
-        """Channels [start, start + count) of the input: the consumer reads at an offset (no copy, no arithmetic)."""
-        return {"start": int(node.attrs["start"]), "count": int(node.attrs["count"])}
+        """Indices [start, start + count) along an axis (the channels: no field): the consumer reads at an offset
+        (no copy, no arithmetic)."""
+        axis = int(node.attrs.get("axis", 1))
+        return {"start": int(node.attrs["start"]), "count": int(node.attrs["count"]),
+                **({} if axis == 1 else {"axis": axis})}
 
     def _channel_permute(self, index: int, node: Node) -> dict:
         """Output channel c is input channel perm[c]: the hardware reads (or writes) with permuted strides."""
+        return {"perm": [int(p) for p in node.attrs["perm"]]}
+
+    def _axis_permute(self, index: int, node: Node) -> dict:
+        """Output axis a is input axis perm[a]: the consumer reads (or the producer writes) with permuted strides."""
         return {"perm": [int(p) for p in node.attrs["perm"]]}
 
     def _reshape(self, index: int, node: Node) -> dict:
@@ -626,7 +633,7 @@ COMPILERS = {Kind.CONV_GEMM: _Compiler.gemm, Kind.DENSE_GEMM: _Compiler.gemm, Ki
              Kind.MUL_GEMM: _Compiler.product, Kind.MATMUL_GEMM: _Compiler.product,
              Kind.CONCAT: _Compiler._concat, **{kind: _Compiler._reshape for kind in RESHAPE_KINDS},
              Kind.CHANNEL_SLICE: _Compiler._channel_slice, Kind.CHANNEL_PERMUTE: _Compiler._channel_permute,
-             Kind.HOST: _Compiler._host}
+             Kind.AXIS_PERMUTE: _Compiler._axis_permute, Kind.HOST: _Compiler._host}
 
 def compile_graph(lowered: LoweringResult, thresholds: dict[str, float], target: Target,
                   options: CompileOptions | None = None,

@@ -299,12 +299,17 @@ class Machine:
         return np.concatenate(args, axis=instr.axis), None, None
 
     def channel_slice(self, instr: Instruction, args: list[np.ndarray]):
-        """The hardware reads the producer's buffer at a channel offset; the model copies the window."""
-        return np.ascontiguousarray(args[0][:, instr.start:instr.start + instr.count]), None, None
+        """The hardware reads the producer's buffer at an offset along the axis; the model copies the window."""
+        window = (slice(None),) * instr.sliced_axis + (slice(instr.start, instr.start + instr.count),)
+        return np.ascontiguousarray(args[0][window]), None, None
 
     def channel_permute(self, instr: Instruction, args: list[np.ndarray]):
         """Output channel c is input channel perm[c] (the hardware: permuted strides)."""
         return np.ascontiguousarray(args[0][:, list(instr.perm)]), None, None
+
+    def axis_permute(self, instr: Instruction, args: list[np.ndarray]):
+        """Output axis a is input axis perm[a] (the hardware: permuted strides); the model copies."""
+        return np.ascontiguousarray(args[0].transpose(instr.perm)), None, None
 
     def reshape(self, instr: Instruction, args: list[np.ndarray]):
         """A relabelling of the buffer: every axis but the first is static, the first takes the rest (the batch,
@@ -597,7 +602,7 @@ KERNELS = {Kind.CONV_GEMM: Machine.conv_gemm, Kind.DENSE_GEMM: Machine.dense_gem
            Kind.MUL_GEMM: Machine.mul_gemm, Kind.MATMUL_GEMM: Machine.matmul_gemm,
            Kind.CONCAT: Machine.concat, **{kind: Machine.reshape for kind in RESHAPE_KINDS},
            Kind.CHANNEL_SLICE: Machine.channel_slice, Kind.CHANNEL_PERMUTE: Machine.channel_permute,
-           Kind.HOST: Machine.host_op}
+           Kind.AXIS_PERMUTE: Machine.axis_permute, Kind.HOST: Machine.host_op}
 
 def add_float32_rne(a: np.ndarray, b: np.ndarray, ratio: np.ndarray, lo: int, hi: int
                     ) -> tuple[np.ndarray, np.ndarray]:

@@ -45,7 +45,8 @@ from qdeploy.lowering.rows import negated_row_mean, row_add, row_square_words, r
 from qdeploy.lowering.rules import Lowered, dense_gemm
 
 # Nodes a stream passes through unchanged but for the axis its channels are on: the layout kinds, and the token
-# layout's Transpose and zero Pad while they are host ops.
+# layout's Transpose and zero Pad (lower_layernorms runs before the rules that make them AxisPermutes and padded
+# reads: lowering/passes.py LOWER).
 _STREAM_LAYOUT = RESHAPE_KINDS | {"Transpose", "Pad"}
 
 

@@ -108,9 +108,15 @@ def DenseGemm(x, w, b, rows=None, *, output_stage=NO_OUTPUT_STAGE, integer_weigh
     return _output_stage(y, output_stage)
 
 
-def ChannelSlice(x, *, start: int, count: int):
-    """y = x[:, start:start + count]: a window of the channels (a Split or channel Slice, lowered)."""
-    return x[:, start:start + count]
+def ChannelSlice(x, *, start: int, count: int, axis: int = 1):
+    """y = x[..., start:start + count, ...] along `axis` (the channels by default): a window (a Split, Slice or
+    Gather of one index, lowered)."""
+    return x[(slice(None),) * axis + (slice(start, start + count),)]
+
+
+def AxisPermute(x, *, perm):
+    """y = x.transpose(perm), perm[0] = 0: the axes reordered (a Transpose, lowered)."""
+    return np.transpose(x, perm)
 
 
 def ChannelPermute(x, *, perm):
