@@ -192,4 +192,28 @@ function automatic int reciprocal_index(input logic [31:0] s, input int n);
   return {24'b0, shifted[7:0]};
 endfunction
 
+// (12) the row-reciprocal store of an accumulator (a row sum; below 1 read as 1, above 2^31 - 1 as 2^31 - 1):
+// row_table_address gives the entry of its table to read (1/x: RECIPROCAL[i], i in 0..255; 1/sqrt x: RSQRT[n % 2][i]
+// at (n % 2) * 256 + i), row_reciprocal_word the word e << 16 | m from that entry m.
+function automatic logic [31:0] row_sum(input wide_t acc);
+  if (acc < 1) return 32'd1;
+  if (acc > pow2(31) - 1) return 32'h7fffffff;
+  return acc[31:0];
+endfunction
+
+function automatic int row_table_address(input wide_t acc, input bit rsqrt);
+  logic [31:0] s;
+  int n;
+  s = row_sum(acc);
+  n = leading_one(s);
+  return (rsqrt ? (n % 2) * 256 : 0) + reciprocal_index(s, n);
+endfunction
+
+function automatic logic [31:0] row_reciprocal_word(input wide_t acc, input bit rsqrt, input logic [15:0] mantissa);
+  int n, e;
+  n = leading_one(row_sum(acc));
+  e = rsqrt ? 16 + n / 2 : 16 + n;
+  return (e << 16) | mantissa;
+endfunction
+
 `endif

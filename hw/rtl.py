@@ -5,8 +5,9 @@
     python hw/rtl.py VECTORS_DIR DUMP_DIR [--rtl MY_TILE.sv ...] [--rounding MODE]
 
 builds the testbench once for the vectors' target (its header from `isa/header.py`), runs it on every
-layer whose output stage the RTL implements, and writes acc.hex and out.hex (and stored.hex after a fused
-window-max) under DUMP_DIR/layers/<dir>/. `--rtl` (the `sources` of `run`) takes a team's own tile in place of
+layer whose output stage the RTL implements, and writes acc.hex and out.hex (32-bit words after a row-reciprocal
+store; stored.hex too after a fused window-max) under DUMP_DIR/layers/<dir>/.
+`--rtl` (the `sources` of `run`) takes a team's own tile in place of
 qdeploy_gemm_tile.sv: their files must define a module `qdeploy_gemm_tile` with its parameters and ports (the
 testbench instantiates it); they may `include "accel_params.svh"` (the target's header, written for the run) and
 "qdeploy_arith.svh".
@@ -28,6 +29,7 @@ from typing import Callable
 
 from isa.output_stage import (STEP_ORDER, Bias, Clamp, ClampHi, Lookup, Requantize, RowReciprocal, WindowMax,
                               fold)
+from isa.row_scale import ROW_FUNCTIONS
 
 HW = Path(__file__).resolve().parent
 TILE, TESTBENCH = HW / "qdeploy_gemm_tile.sv", HW / "tb_layer.sv"
@@ -80,14 +82,23 @@ def why_not(layer: dict) -> str | None:
 
 
 def _read_from_files(step: type, args: list[str], layer: dict) -> list[str]:
-    """Bias, Requantize: the testbench reads bias.hex, mult.hex and shift.hex of every layer (the rounding mode
-    is the build's); no plusarg."""
+    """Bias: the testbench reads bias.hex of every layer; no plusarg."""
     return args
 
 
+def requantize_args(step: type, args: list[str], layer: dict) -> list[str]:
+    """The testbench reads mult.hex, shift.hex and scale_f32.hex of every layer (the rounding mode is the
+    build's); a per-row scale (the vectors' row_scale.hex) takes +ROW_SCALE=1."""
+    return [*args, "+ROW_SCALE=1"] if "row_scale" in layer.get("files", {}) else args
+
+
 def row_reciprocal_args(step: type, args: list[str], layer: dict) -> list[str]:
-    """The testbench has no row-reciprocal store (the vectors refuse to write one; issue 30)."""
-    raise RtlError(f"layer {layer['dir']}: the reference RTL has no row-reciprocal store")
+    """The row-reciprocal store (row_table.hex): +ROW_RECIPROCAL=0 for 1/x, 1 for 1/sqrt x."""
+    function = layer.get("row_reciprocal")
+    if function not in ROW_FUNCTIONS:
+        raise RtlError(f"layer {layer['dir']}: the row-reciprocal store's function is {function!r}, expected one "
+                       f"of {list(ROW_FUNCTIONS)}")
+    return [*args, f"+ROW_RECIPROCAL={ROW_FUNCTIONS.index(function)}"]
 
 
 def clamp_args(step: type, args: list[str], layer: dict) -> list[str]:
@@ -135,7 +146,7 @@ def output_stage_args(layer: dict, table: dict | None = None) -> list[str]:
 
 
 # The reference RTL runner's evaluator of each output-stage step (isa/output_stage.py): the plusargs it adds.
-STEP_ARGS = {Bias: _read_from_files, RowReciprocal: row_reciprocal_args, Requantize: _read_from_files,
+STEP_ARGS = {Bias: _read_from_files, RowReciprocal: row_reciprocal_args, Requantize: requantize_args,
              Clamp: clamp_args, ClampHi: clamp_hi_args, Lookup: lookup_args, WindowMax: window_max_args}
 
 

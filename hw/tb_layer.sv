@@ -4,9 +4,12 @@
 // geometry comes as plusargs (hw/rtl.py reads them from the vectors manifest):
 //   +dir=<layer dir> +dump=<dump layer dir> +G=<groups> +M=<m> +N=<n> +K=<k> +WBITS=<8|16> +INBITS=<8|16>
 //   +UNSIGNED=<0|1>
-//   +LO=<clamp lo> +HI=<clamp hi> +SIGNED_OUT=<0|1>
+//   +SIGNED_OUT=<0|1> and, for the Clamp step, +LO=<clamp lo> +HI=<clamp hi>
 // and, for per-channel upper bounds (the ClampHi step, clamp_hi.hex), +CLAMP_HI=1
 // and, for an output-stage lookup table (lookup_table.hex, 256 entries), +LOOKUP_OFFSET=<128 for int8 codes|0>
+// and, for a Requantize with a per-row scale (row_scale.hex, one word per output row), +ROW_SCALE=1
+// and, for the row-reciprocal store (row_table.hex; out.hex then holds 32-bit words),
+//   +ROW_RECIPROCAL=<0 for 1/x | 1 for 1/sqrt x>
 // and, for a fused MaxPool (the window-max on store, writing stored.hex), +WINDOW_MAX=1 with the output grid
 // +NB=<batch> +OH +OW, the window +KH +KW +SH +SW +PT +PL +PB +PR +DH +DW and the pooled size +POH +POW.
 // ROUNDING defaults to the target's; overriding it (iverilog -Ptb_layer.ROUNDING=n) simulates a wrong design.
@@ -28,6 +31,9 @@ module tb_layer;
   logic [C*AB-1:0]  acc_mem   [0:MAX_WORDS-1];
   logic [C*8-1:0]   out_mem   [0:MAX_WORDS-1];
   logic [C*8-1:0]   stored_mem [0:MAX_WORDS-1];
+  logic [C*32-1:0]  row_scale_mem [0:MAX_WORDS-1];  // (11) line g*M + m: the word of row m of group g, element 0
+  logic [C*16-1:0]  row_table_mem [0:511];  // (12) the store's table: entry e at word e / C, lane e % C
+  logic [C*32-1:0]  words_mem [0:MAX_WORDS-1];  // (12) the store's words, in place of out_mem
 
   logic [R*17-1:0]   x;
   logic [R*C*17-1:0] w;
@@ -36,7 +42,7 @@ module tb_layer;
 
   string dir, dump;
   int G, M, N, K, WBITS, INBITS, UNSIGNED, LO, HI, HAS_CLAMP_HI, SIGNED_OUT;
-  int LOOKUP_OFFSET;
+  int LOOKUP_OFFSET, ROW_SCALE, ROW_RECIPROCAL;
   int WINDOW_MAX, NB, OH, OW, KH, KW, SH, SW, PT, PL, PB, PR, DH, DW, POH, POW;
 
   // one value of the `out` matrix (row, channel) as a signed integer
@@ -96,18 +102,18 @@ module tb_layer;
   endfunction
 
   initial begin
-    wide_t acc, y;
-    logic [31:0] scale;
-    int shift, found;
+    wide_t acc, y, mult;
+    logic [31:0] scale, word;
+    int shift, found, address;
     int channel, hi_channel, k_words, n_words, gn_words;
     if (!$value$plusargs("dir=%s", dir) || !$value$plusargs("dump=%s", dump) || !$value$plusargs("G=%d", G) ||
         !$value$plusargs("M=%d", M) || !$value$plusargs("N=%d", N) || !$value$plusargs("K=%d", K) ||
         !$value$plusargs("WBITS=%d", WBITS) || !$value$plusargs("INBITS=%d", INBITS) ||
-        !$value$plusargs("UNSIGNED=%d", UNSIGNED) ||
-        !$value$plusargs("LO=%d", LO) || !$value$plusargs("HI=%d", HI) ||
-        !$value$plusargs("SIGNED_OUT=%d", SIGNED_OUT)) begin
+        !$value$plusargs("UNSIGNED=%d", UNSIGNED) || !$value$plusargs("SIGNED_OUT=%d", SIGNED_OUT)) begin
       $display("tb_layer: missing plusargs"); $finish;
     end
+    if (!$value$plusargs("LO=%d", LO)) LO = -2147483647 - 1;  // no Clamp step (a row-reciprocal store)
+    if (!$value$plusargs("HI=%d", HI)) HI = 2147483647;
     k_words = words(K, R); n_words = words(N, C); gn_words = words(G * N, C);
     if (INBITS == 16) $readmemh({dir, "/input.hex"}, input16); else $readmemh({dir, "/input.hex"}, input_mem);
     if (WBITS == 16) $readmemh({dir, "/weight.hex"}, weight16); else $readmemh({dir, "/weight.hex"}, weight8);
@@ -119,6 +125,10 @@ module tb_layer;
     if (HAS_CLAMP_HI) $readmemh({dir, "/clamp_hi.hex"}, clamp_hi_mem);
     if (!$value$plusargs("LOOKUP_OFFSET=%d", LOOKUP_OFFSET)) LOOKUP_OFFSET = -1;
     if (LOOKUP_OFFSET >= 0) $readmemh({dir, "/lookup_table.hex"}, table_mem);
+    if (!$value$plusargs("ROW_SCALE=%d", ROW_SCALE)) ROW_SCALE = 0;
+    if (ROW_SCALE) $readmemh({dir, "/row_scale.hex"}, row_scale_mem);
+    if (!$value$plusargs("ROW_RECIPROCAL=%d", ROW_RECIPROCAL)) ROW_RECIPROCAL = -1;
+    if (ROW_RECIPROCAL >= 0) $readmemh({dir, "/row_table.hex"}, row_table_mem);
     for (int g = 0; g < G; g++)
       for (int nt = 0; nt < n_words; nt++)
         for (int i = 0; i < M; i++) begin
@@ -149,9 +159,21 @@ module tb_layer;
             acc = acc_add(acc, element32(0, channel), ACCEL_ACC_BITS,
                           ACCEL_OVERFLOW == ACCEL_OVERFLOW_SATURATE);  // the bias, added last
             hi_channel = HAS_CLAMP_HI ? $signed(clamp_hi_mem[channel / C][(channel % C)*16 +: 16]) : HI;
+            mult = element32(1, channel);
             shift = element32(2, channel);
             scale = element32(3, channel);
-            y = output_stage(acc, element32(1, channel), shift, scale, ROUNDING, LO, HI, hi_channel);
+            if (ROW_SCALE) begin  // (11) the row's word scales the channel's multiplier
+              word = row_scale_mem[g*M + i][31:0];
+              mult = row_scaled_mult(mult, word);
+              shift = row_scaled_shift(shift, word);
+              scale = row_scaled_scale(scale, word);
+            end
+            if (ROW_RECIPROCAL >= 0) begin  // (12) the row-reciprocal store ends the stage: a 32-bit word
+              address = row_table_address(acc, ROW_RECIPROCAL);
+              words_mem[i*gn_words + channel / C][(channel % C)*32 +: 32] =
+                row_reciprocal_word(acc, ROW_RECIPROCAL, row_table_mem[address / C][(address % C)*16 +: 16]);
+            end
+            y = output_stage(acc, mult, shift, scale, ROUNDING, LO, HI, hi_channel);
             if (LOOKUP_OFFSET >= 0)  // the Lookup step: the clamped code indexes the table
               y = table_mem[(y + LOOKUP_OFFSET) / C][((y + LOOKUP_OFFSET) % C)*8 +: 8];
             acc_mem[i*gn_words + channel / C][(channel % C)*AB +: AB] = acc[AB-1:0];
@@ -162,10 +184,12 @@ module tb_layer;
       for (int lane = 0; lane < C; lane++) if ((i % gn_words)*C + lane >= G*N) begin
         acc_mem[i][lane*AB +: AB] = '0;
         out_mem[i][lane*8 +: 8] = '0;
+        words_mem[i][lane*32 +: 32] = '0;
       end
     end
     $writememh({dump, "/acc.hex"}, acc_mem, 0, M*gn_words - 1);
-    $writememh({dump, "/out.hex"}, out_mem, 0, M*gn_words - 1);
+    if (ROW_RECIPROCAL >= 0) $writememh({dump, "/out.hex"}, words_mem, 0, M*gn_words - 1);
+    else $writememh({dump, "/out.hex"}, out_mem, 0, M*gn_words - 1);
     if ($value$plusargs("WINDOW_MAX=%d", WINDOW_MAX) && WINDOW_MAX) begin
       found = 1;
       found = found & $value$plusargs("NB=%d", NB); found = found & $value$plusargs("OH=%d", OH); found = found & $value$plusargs("OW=%d", OW);

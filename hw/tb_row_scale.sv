@@ -20,16 +20,12 @@ module tb_row_scale;
   string dir;
   int count;
 
-  // the row-reciprocal store: the word of 1/s (rsqrt = 0) or 1/sqrt(s) (rsqrt = 1); s < 1 is read as 1
+  // the row-reciprocal store: the word of 1/s (rsqrt = 0) or 1/sqrt(s) (rsqrt = 1); the tables as one memory,
+  // RECIPROCAL then RSQRT
   function automatic logic [31:0] row_reciprocal(input logic [31:0] sum, input bit rsqrt);
-    logic [31:0] s;
-    int n, i, e;
-    s = $signed(sum) < 1 ? 32'd1 : sum;
-    n = leading_one(s);
-    i = reciprocal_index(s, n);
-    if (!rsqrt) return ((16 + n) << 16) | table_mem[i];
-    e = 16 + n / 2;
-    return (e << 16) | table_mem[256 + (n % 2) * 256 + i];
+    wide_t acc;
+    acc = $signed(sum);
+    return row_reciprocal_word(acc, rsqrt, table_mem[(rsqrt ? 256 : 0) + row_table_address(acc, rsqrt)]);
   endfunction
 
   initial begin

@@ -121,8 +121,8 @@ def check_output_stage(program: ProgramView, instr: dict, channels: int, where: 
     256-entry table of the output's dtype, read by int8 or uint8 codes. The window-max is `window_of`'s. A row
     scale (isa/row_scale.py) is a MatMulGemm's (its record checks the operand); a row-reciprocal store ends the
     stage (`_check_row_reciprocal`)."""
-    if "row_scale" in instr and instr.get("kind") != Kind.MATMUL_GEMM:
-        raise InvalidRecord(f"{where}: a row scale is read by a MatMulGemm only")
+    if "row_scale" in instr and instr.get("kind") not in (Kind.MATMUL_GEMM, Kind.DENSE_GEMM):
+        raise InvalidRecord(f"{where}: a row scale is read by a MatMulGemm or a DenseGemm only")
     if "row_reciprocal" in instr:
         _check_row_reciprocal(instr, where, out_dtype)
         return
@@ -172,10 +172,10 @@ def _check_row_reciprocal(instr: dict, where: str, out_dtype: str) -> None:
 
 
 def check_row_scale(program: ProgramView, instr: dict, where: str, words: tuple, out: tuple) -> None:
-    """A MatMulGemm's row-scale operand: its third input, int32 words, one per output row."""
-    name = instr["inputs"][2]
+    """The row-scale operand of a MatMulGemm or a DenseGemm: its last input, int32 words, one per output row."""
+    name = instr["inputs"][-1]
     if instr["row_scale"] != name:
-        raise InvalidRecord(f"{where}: row_scale names {json.dumps(instr['row_scale'])[:40]}, not its third input "
+        raise InvalidRecord(f"{where}: row_scale names {json.dumps(instr['row_scale'])[:40]}, not its last input "
                             f"'{name}'")
     if program.tensors[name]["dtype"] != "int32" or math.prod(words) != math.prod(out[:-1]):
         raise InvalidRecord(f"{where}: the row scale '{name}' must hold one int32 word per output row "

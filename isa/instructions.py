@@ -113,6 +113,19 @@ class ArrayInstruction(Instruction):
 
     HAS_WINDOW_FIELD: ClassVar[bool] = True  # the manifest holds "window_max" (null when none)
 
+    def row_scale_words(self, args: list, out_shape: tuple):
+        """The row-scale operand (the last input, when the Requantize step names one: isa/row_scale.py; a
+        MatMulGemm's third, a DenseGemm's second) as one word per output row, (rows, 1) for rows =
+        prod(out_shape[:-1]) (out_shape with the batch); None without one. ValueError when the operand does not
+        hold one word per row."""
+        requant = self.stage.requantize
+        if requant is None or not requant.row_scale:
+            return None
+        if len(args) != len(self.inputs) or len(args) < 2 or args[-1].size != math.prod(out_shape[:-1]):
+            raise ValueError(f"instruction '{self.name}': the row scale '{requant.row_scale}' needs one word per "
+                             f"output row ({math.prod(out_shape[:-1])}), as its last input")
+        return args[-1].reshape(-1, 1)
+
     def describe(self, arrays: dict) -> str:
         stage = self.stage
         if stage.step(RowReciprocal) is not None:
@@ -241,13 +254,22 @@ class DenseGemm(ArrayInstruction):
     weight_scale: str
 
     HAS_WINDOW_FIELD: ClassVar[bool] = False
+    ARITY: ClassVar[int | None] = None  # x, and a row scale's words as a second input (checked below)
 
     @classmethod
     def check(cls, instr: dict, where: str, in_shapes: list, out_dtype: str, program: ProgramView
               ) -> tuple[int, ...]:
+        """x (K,) per row; with a row scale, its words (one per row: (1,)) as the second input (a LayerNorm's
+        normalizing requantize, qdeploy/row_scales.py)."""
+        arity = 2 if "row_scale" in instr else 1
+        if len(in_shapes) != arity:
+            raise InvalidRecord(f"{where} has {len(in_shapes)} inputs, expected {arity}"
+                                f"{' (x and the row scale)' if arity == 2 else ''}")
         channels, k, x = _check_weighted_gemm(instr, where, in_shapes, out_dtype, program)
         if x != (k,):
             raise InvalidRecord(f"{where}: input of shape {x} does not fit weight (M={channels}, K={k})")
+        if "row_scale" in instr:
+            check_row_scale(program, instr, where, in_shapes[1], (channels,))
         return (channels,)
 
     def gemm_shape(self, in_shapes: list, out_shape: list, batch: int, stored: int) -> GemmShape:
@@ -263,8 +285,10 @@ class DenseGemm(ArrayInstruction):
 
 @dataclass(frozen=True, kw_only=True)
 class AddGemm(ArrayInstruction):
-    """The residual add: acc = a * w_a + b * w_b (16-bit pre-scale weights on the scale add_scale), or in
-    float32_rne the float32 add with the ratios add_ratio_f32 (qdeploy/quantize.py eq. 6-7)."""
+    """The residual add: acc = a * w_a + b * w_b (16-bit pre-scale weights on the scale add_scale; w_b < 0
+    subtracts), or in float32_rne the float32 add with the ratios add_ratio_f32 (qdeploy/quantize.py eq. 6-7).
+    b is a's shape, or a per-row operand: a's shape with 1 as its last axis, read once per element of its row
+    (a row max or a row mean, qdeploy/lowering/rows.py)."""
 
     add_weights: tuple[int, int]
     add_scale: float
@@ -275,10 +299,15 @@ class AddGemm(ArrayInstruction):
     @classmethod
     def check(cls, instr: dict, where: str, in_shapes: list, out_dtype: str, program: ProgramView
               ) -> tuple[int, ...]:
-        """Two inputs of one shape, the pre-scale weights in the 16-bit operand, the scales, the stage."""
-        if in_shapes[0] != in_shapes[1]:
-            raise InvalidRecord(f"{where}: adds tensors of shapes {in_shapes[0]} and {in_shapes[1]}")
-        ints(field_of(instr, "add_weights", where), f"{where}: add_weights", 2, 0, ADD_WEIGHT_MAX)
+        """Two inputs of one shape (or the second per row), the pre-scale weights in the 16-bit operand (the
+        first >= 0), the scales, the stage."""
+        if in_shapes[0] != in_shapes[1] and in_shapes[1] != in_shapes[0][:-1] + (1,):
+            raise InvalidRecord(f"{where}: adds tensors of shapes {in_shapes[0]} and {in_shapes[1]} (the second "
+                                f"one's shape, or a per-row operand: the first's with 1 as its last axis)")
+        weights = field_of(instr, "add_weights", where)
+        ints(weights, f"{where}: add_weights", 2, -ADD_WEIGHT_MAX, ADD_WEIGHT_MAX)
+        if weights[0] < 0:
+            raise InvalidRecord(f"{where}: add_weights[0] = {weights[0]} is negative (only b is subtracted)")
         add_scale = field_of(instr, "add_scale", where)
         if not is_positive_number(add_scale):
             raise InvalidRecord(f"{where}: add_scale must be a finite number > 0, got {json.dumps(add_scale)[:40]}")
@@ -354,7 +383,11 @@ class MatMulGemm(ArrayInstruction):
 
     transpose_a: bool
     transpose_b: bool
+    # An int32 constant added in the accumulator before a row-reciprocal store: a LayerNorm's round(C eps / s_acc)
+    # on its sum of squares (lowering/layernorm.py). Absent (None) otherwise.
+    bias: str | None = None
 
+    OMITTED_WHEN_NONE: ClassVar[tuple[str, ...]] = ("bias",)
     HAS_WINDOW_FIELD: ClassVar[bool] = False
     ARITY: ClassVar[int | None] = None  # the operands, and a row scale's words as a third input (checked below)
 
@@ -382,6 +415,10 @@ class MatMulGemm(ArrayInstruction):
             raise InvalidRecord(f"{where}: k = {instr['k']} is not the contraction length {a[-1]}")
         if "row_scale" in instr:
             check_row_scale(program, instr, where, in_shapes[2], a[:-1] + b[-1:])
+        if "bias" in instr:
+            if "row_reciprocal" not in instr:
+                raise InvalidRecord(f"{where}: a MatMulGemm's bias comes only with a row-reciprocal store")
+            array_of(program, instr, "bias", where, "int32", (1,))
         return a[:-1] + b[-1:]
 
     def gemm_shape(self, in_shapes: list, out_shape: list, batch: int, stored: int) -> GemmShape:
@@ -404,18 +441,6 @@ class MatMulGemm(ArrayInstruction):
         first, second = (f"{name}^T" if flag else name
                          for name, flag in zip(self.inputs, (self.transpose_a, self.transpose_b)))
         return f"{super().describe(arrays)}, operands {first} by {second}"
-
-    def row_scale_words(self, args: list, out_shape: tuple):
-        """The row-scale operand (a third input, when the Requantize step names one: isa/row_scale.py) as one word
-        per output row, (rows, 1) for rows = prod(out_shape[:-1]); None without one. ValueError when the operand
-        does not hold one word per row."""
-        requant = self.stage.requantize
-        if requant is None or not requant.row_scale:
-            return None
-        if len(args) != 3 or args[2].size != math.prod(out_shape[:-1]):
-            raise ValueError(f"instruction '{self.name}': the row scale '{requant.row_scale}' needs one word per "
-                             f"output row ({math.prod(out_shape[:-1])}), as the third input")
-        return args[2].reshape(-1, 1)
 
     def grouped_operands(self, a, b) -> tuple:
         """(a, b) as the array reads them, (G, M, K) and (G, K, P) with one group per sample and leading index:
@@ -472,20 +497,36 @@ class Reshape(Instruction):
 
 @dataclass(frozen=True, kw_only=True)
 class ChannelSlice(Instruction):
-    """Channels [start, start + count) of the input."""
+    """Indices [start, start + count) of the input along `axis` (counted with the batch, never it): the channels
+    (axis 1, written as no field, as before axes other than the channels were sliced) unless it says."""
 
     start: int
     count: int
+    axis: int | None = None
+
+    OMITTED_WHEN_NONE: ClassVar[tuple[str, ...]] = ("axis",)
+
+    @property
+    def sliced_axis(self) -> int:
+        return 1 if self.axis is None else self.axis
+
+    def describe(self, arrays: dict) -> str:
+        return f"window [{self.start}, {self.start + self.count}) of axis {self.sliced_axis}"
 
     @classmethod
     def check(cls, instr: dict, where: str, in_shapes: list, out_dtype: str, program: ProgramView
               ) -> tuple[int, ...]:
         x = in_shapes[0]
         if not x:
-            raise InvalidRecord(f"{where}: slices the channels of a tensor without a channel axis")
-        start = ints([field_of(instr, "start", where)], f"{where}: start", 1, 0, x[0] - 1)[0]
-        count = ints([field_of(instr, "count", where)], f"{where}: count", 1, 1, x[0] - start)[0]
-        return (count,) + tuple(x[1:])
+            raise InvalidRecord(f"{where}: slices a tensor with no axis past the batch")
+        axis = instr.get("axis", 1)
+        if not is_int(axis) or not 1 <= axis <= len(x):
+            raise InvalidRecord(f"{where}: axis = {json.dumps(axis)[:20]}, expected an axis in [1, {len(x)}] "
+                                f"(not the batch)")
+        k = axis - 1  # the shapes here leave out the batch
+        start = ints([field_of(instr, "start", where)], f"{where}: start", 1, 0, x[k] - 1)[0]
+        count = ints([field_of(instr, "count", where)], f"{where}: count", 1, 1, x[k] - start)[0]
+        return tuple(x[:k]) + (count,) + tuple(x[k + 1:])
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -502,6 +543,26 @@ class ChannelPermute(Instruction):
         if not x or sorted(perm) != list(range(x[0])):
             raise InvalidRecord(f"{where}: perm is not a permutation of the input's {x[0] if x else 0} channels")
         return tuple(x)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AxisPermute(Instruction):
+    """Output axis a is input axis perm[a] (a Transpose; perm[0] = 0: the batch stays first)."""
+
+    perm: tuple[int, ...]
+
+    def describe(self, arrays: dict) -> str:
+        return f"perm {list(self.perm)}"
+
+    @classmethod
+    def check(cls, instr: dict, where: str, in_shapes: list, out_dtype: str, program: ProgramView
+              ) -> tuple[int, ...]:
+        x = in_shapes[0]
+        perm = ints(field_of(instr, "perm", where), f"{where}: perm", None, 0)
+        if sorted(perm) != list(range(len(x) + 1)) or perm[0] != 0:
+            raise InvalidRecord(f"{where}: perm {perm} is not a permutation of the input's {len(x) + 1} axes that "
+                                f"keeps the batch first")
+        return tuple(x[p - 1] for p in perm[1:])
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -569,7 +630,19 @@ RECORDS: dict[Kind, type[Instruction]] = {
     Kind.CONV_GEMM: ConvGemm, Kind.DENSE_GEMM: DenseGemm, Kind.ADD_GEMM: AddGemm, Kind.MUL_GEMM: MulGemm,
     Kind.MATMUL_GEMM: MatMulGemm, Kind.CONCAT: Concat,
     **{kind: Reshape for kind in RESHAPE_KINDS}, Kind.CHANNEL_SLICE: ChannelSlice,
-    Kind.CHANNEL_PERMUTE: ChannelPermute, Kind.HOST: Host}
+    Kind.CHANNEL_PERMUTE: ChannelPermute, Kind.AXIS_PERMUTE: AxisPermute, Kind.HOST: Host}
+
+
+def row_scale_words(records) -> set[str]:
+    """The program's tensors of int32 row-scale words (isa/row_scale.py): each row-reciprocal store's output and the
+    views (reshapes) of it, not quantized activations."""
+    words: set[str] = set()
+    for record in records:
+        stage = getattr(record, "stage", None)
+        if (stage is not None and stage.step(RowReciprocal)) or (record.kind in RESHAPE_KINDS
+                                                                 and set(record.inputs) & words):
+            words.add(record.output)
+    return words
 
 
 def from_manifest(record: dict) -> Instruction:

@@ -26,8 +26,9 @@ class Kind(StrEnum):
     FLATTEN = "Flatten"
     SQUEEZE = "Squeeze"
     UNSQUEEZE = "Unsqueeze"
-    CHANNEL_SLICE = "ChannelSlice"  # a window of the input's channels (Split, Slice on axis 1): a read offset
+    CHANNEL_SLICE = "ChannelSlice"  # a window along one axis, the channels unless `axis` says (Split, Slice, Gather)
     CHANNEL_PERMUTE = "ChannelPermute"  # the input's channels reordered (channel shuffle): strided addressing
+    AXIS_PERMUTE = "AxisPermute"  # the input's axes reordered (Transpose, the batch kept first): strided addressing
     # Not an accelerator instruction: an ONNX op run in float on the host (--allow-host-fallback).
     HOST = "Host"
 
@@ -40,7 +41,7 @@ ARRAY_KINDS = WEIGHTED_GEMM_KINDS | {Kind.ADD_GEMM} | ACTIVATION_GEMM_KINDS  # o
 # Array kinds whose output stage may hold a lookup table (a table after a product runs in an identity GEMM)
 LOOKUP_KINDS = WEIGHTED_GEMM_KINDS | {Kind.ADD_GEMM}
 RESHAPE_KINDS = frozenset({Kind.RESHAPE, Kind.FLATTEN, Kind.SQUEEZE, Kind.UNSQUEEZE})  # a view with a new shape
-VIEW_KINDS = RESHAPE_KINDS | {Kind.CHANNEL_SLICE, Kind.CHANNEL_PERMUTE}  # one input's data (or part, or reordered), its scale
+VIEW_KINDS = RESHAPE_KINDS | {Kind.CHANNEL_SLICE, Kind.CHANNEL_PERMUTE, Kind.AXIS_PERMUTE}  # one input's data (or part, or reordered), its scale
 LAYOUT_KINDS = VIEW_KINDS | {Kind.CONCAT}  # move or relabel data only
 # Instructions that act on each image of a batch separately (the host executor may not be thread-safe).
 PER_IMAGE_KINDS = ARRAY_KINDS | LAYOUT_KINDS

@@ -83,6 +83,26 @@ def word_value(word: int) -> float:
     return math.ldexp(m, -e)
 
 
+def word_values(words: np.ndarray) -> np.ndarray:
+    """`word_value` of every word (float64): s = m * 2^-e, exact."""
+    m, e = unpack(np.asarray(words, np.int64))
+    return np.ldexp(m.astype(np.float64), -e.astype(np.int64))
+
+
+def scale_words(values: np.ndarray) -> np.ndarray:
+    """`scale_word` of every value (int64 words), where the word's exponent cannot hold it the nearest word there is
+    (the largest for a value >= 2, 0 below 2^-63): how a host writes real row scales as words."""
+    v = np.maximum(np.nan_to_num(np.asarray(values, np.float64), nan=0.0, posinf=2.0), 0.0)
+    mantissa, exponent = np.frexp(v)
+    m = np.floor(mantissa * (1 << MANTISSA_BITS) + 0.5).astype(np.int64)
+    e = MANTISSA_BITS - exponent.astype(np.int64)
+    carry = m == 1 << MANTISSA_BITS
+    m, e = np.where(carry, m >> 1, m), np.where(carry, e - 1, e)
+    top = (1 << EXPONENT_BITS) - 1
+    m = np.where(e < 0, (1 << MANTISSA_BITS) - 1, np.where(e > top, 0, m))
+    return np.where((v == 0) | (e > top), 0, pack(m, np.clip(e, 0, top))).astype(np.int64)
+
+
 def row_reciprocal_words(sums: np.ndarray, function: str) -> np.ndarray:
     """The row-reciprocal store, vectorised: the word of 1/S or 1/sqrt(S) for every row sum (int64 words)."""
     if function not in ROW_FUNCTIONS:

@@ -27,6 +27,13 @@ How each instruction is exported (x = the input tensor, y = the output; s_x, s_y
   table's input p (its own scale `input_scale`), [-> Clip(lo, hi)], then Cast(p, int32) -> Add(128 for int8
   codes) -> Gather(table, index) with the 256-entry table as an int8/uint8 initializer [-> MaxPool]: integer
   ops only, so exactly the program's table read.
+- a per-row scale (a MatMulGemm's Requantize with `row_scale`): the Mul by scale_f32 above is by each output row's
+  scale' = f32(scale_f32 * m * 2^-e) of its word, computed from the int32 words with integer ops, a 64-entry float32
+  table of 2^-e and one float32 Mul (qdeploy/export_onnx_rows.py): exactly the program's `float32_rne` (11).
+- a row-reciprocal store (a DenseGemm, a 1x1 ConvGemm or a MatMulGemm whose stage ends with `RowReciprocal`): the
+  accumulators in int64 (Cast -> MatMul by the weight -> Add the bias; MatMulGemm: MatMulInteger -> Cast), then the
+  words with integer ops (the leading one counted by Greater against the powers of two, the 8-bit index by Div, the
+  table by Gather), int32 (qdeploy/export_onnx_rows.py): exactly the program's (12) in every rounding mode.
 - Reshape, Flatten, Squeeze, Unsqueeze: Reshape(x, [0, d1, ...]) (0 copies the free batch dimension).
 - Concat: Concat(axis=1); the inputs share the output's scale.
 - outputs: the int8 tensors; with `float_outputs`, DequantizeLinear(y, s_y, 0).
@@ -98,12 +105,13 @@ from qdeploy_base.fileio import atomic_write
 from qdeploy.program import Program
 from isa.geometry import BORDER_FILLS, ReadFill
 from isa.target import Rounding, target_from_dict
-from isa.instructions import Instruction
+from isa.instructions import Instruction, row_scale_words
 from isa.output_stage import Bias, Clamp, ClampHi, Lookup, Requantize, RowReciprocal, WindowMax, fold
 from isa.kinds import RESHAPE_KINDS, Kind, handler
+from qdeploy.export_onnx_rows import row_reciprocal_words, row_scaled_scale
 
 OPSET = 13  # per-axis QuantizeLinear/DequantizeLinear; int8 Clip and MaxPool need 12
-_ONNX_TYPE = {"int8": TensorProto.INT8, "uint8": TensorProto.UINT8}
+_ONNX_TYPE = {"int8": TensorProto.INT8, "uint8": TensorProto.UINT8, "int32": TensorProto.INT32}  # int32: row words
 _DTYPE_RANGE = {"int8": (-128, 127), "uint8": (0, 255)}
 
 
@@ -244,11 +252,9 @@ class _Builder:
 
 def _in_the_requantizing_op(step, value: str, b: _Builder, instr: Instruction) -> str:
     """Bias and Requantize: computed by the kind's requantizing op (QLinearConv's bias and output scale,
-    QLinearAdd's QuantizeLinear, Cast-Mul-QuantizeLinear of int32 accumulators), which saturates to the dtype;
-    nothing more to write."""
-    if isinstance(step, Requantize) and step.row_scale:
-        raise Unsupported(f"instruction '{instr.name}' ({instr.kind}): a per-row scale (operand "
-                          f"'{step.row_scale}') has no ONNX Runtime int8 op")
+    QLinearAdd's QuantizeLinear, Cast-Mul-QuantizeLinear of int32 accumulators, with a row scale's multiplier:
+    _requantize_acc), which saturates to the dtype, or before a row-reciprocal store by its accumulators
+    (_store_accumulators); nothing more to write."""
     return value
 
 
@@ -266,7 +272,8 @@ def _clamp_hi(step: ClampHi, value: str, b: _Builder, instr: Instruction) -> str
 
 
 def _row_reciprocal(step: RowReciprocal, value: str, b: _Builder, instr: Instruction) -> str:
-    raise Unsupported(f"instruction '{instr.name}' ({instr.kind}): the row-reciprocal store has no ONNX Runtime op")
+    """The store's int32 words of the int64 accumulators (qdeploy/export_onnx_rows.py)."""
+    return row_reciprocal_words(b, instr, value)
 
 
 def _gather(step: Lookup, value: str, b: _Builder, instr: Instruction) -> str:
@@ -401,7 +408,36 @@ def _upsampled_read(b: _Builder, instr: Instruction, x: str) -> tuple[str, list[
     return x, pads
 
 
+def _store_accumulators(b: _Builder, instr: Instruction, x: str) -> str:
+    """The int64 accumulators, bias added, of a GEMM whose stage is a row-reciprocal store (no requantizing op
+    gives them): x (N, K) or, for a 1x1 convolution, x (N, K, H, W) read as the rows (N, H, W, K), by the weight
+    (M, K) transposed: Cast to int64, MatMul (exact: no sum of a 32-bit accumulator reaches 2^63), Add the bias; laid
+    out as the output, (N, M) or NCHW."""
+    name = instr.name
+    image = instr.kind == Kind.CONV_GEMM
+    if image and (tuple(instr.kernel) != (1, 1) or tuple(instr.strides) != (1, 1) or any(instr.pads)
+                  or tuple(instr.dilations) != (1, 1) or instr.group != 1 or instr.upsample is not None
+                  or instr.pad_fill is not None):
+        raise Unsupported(f"instruction '{name}' (ConvGemm): a row-reciprocal store is exported after a plain 1x1 "
+                          f"convolution or a DenseGemm only, not after kernel {list(instr.kernel)}, strides "
+                          f"{list(instr.strides)}, pads {list(instr.pads)}, group {instr.group}")
+    if image:
+        x = b.node("Transpose", [x], f"{name}/rows", f"{name}/Transpose_rows", perm=[0, 2, 3, 1])
+    x = b.node("Cast", [x], f"{name}/input_int64", f"{name}/Cast_input", to=TensorProto.INT64)
+    weight = b.constant(f"{name}/weight_t", b.program.arrays[instr.weight].astype(np.int64).T)
+    acc = b.node("MatMul", [x, weight], f"{name}/acc_rows", f"{name}/MatMul")
+    bias = instr.stage.step(Bias)
+    if bias is not None:
+        acc = b.node("Add", [acc, b.constant(f"{name}/bias", b.program.arrays[bias.array].astype(np.int64))],
+                     f"{name}/acc_biased", f"{name}/Add_bias")
+    if image:
+        acc = b.node("Transpose", [acc], f"{name}/acc", f"{name}/Transpose_acc", perm=[0, 3, 1, 2])
+    return acc
+
+
 def _conv_gemm(b: _Builder, instr: Instruction) -> str:
+    if instr.stage.step(RowReciprocal) is not None:
+        return b.output_stage(instr, _store_accumulators(b, instr, b.names[instr.inputs[0]]))
     x, pads = _upsampled_read(b, instr, b.names[instr.inputs[0]])
     y = _qlinear_conv(b, instr, x, list(instr.kernel),
                       {"strides": list(instr.strides), "pads": pads, "dilations": list(instr.dilations),
@@ -415,6 +451,8 @@ def _dense_gemm(b: _Builder, instr: Instruction) -> str:
     if len(shape) != 2:
         raise Unsupported(f"instruction '{name}' (DenseGemm): input '{x}' has shape {shape}; the ONNX export "
                           f"handles (N, K) inputs")
+    if instr.stage.step(RowReciprocal) is not None:
+        return b.output_stage(instr, _store_accumulators(b, instr, b.names[x]))
     k, m = shape[1], b.program.arrays[instr.weight].shape[0]
     as_image = b.node("Reshape", [b.names[x], b.constant(f"{name}/shape_in", np.array([0, k, 1, 1], np.int64))],
                       f"{name}/input_nchw", f"{name}/Reshape_in")
@@ -428,6 +466,9 @@ def _add_gemm(b: _Builder, instr: Instruction) -> str:
     """DequantizeLinear -> Add -> QuantizeLinear; ONNX Runtime fuses it into QLinearAdd (module docstring).
     The program's first input is the Add's first input (the fused kernel treats A and B differently)."""
     name = instr.name
+    if instr.add_weights[1] < 0:  # ONNX Runtime fuses no Sub into QLinearAdd: its float Sub would round otherwise
+        raise Unsupported(f"instruction '{name}': an AddGemm that subtracts (a - b, the per-row operand of an "
+                          f"integer softmax or LayerNorm) has no ONNX export that ONNX Runtime computes bit-exactly")
     floats = []
     for side, tensor in zip("ab", instr.inputs):
         scale, zero = b.qparams(tensor)
@@ -440,11 +481,25 @@ def _add_gemm(b: _Builder, instr: Instruction) -> str:
 
 
 def _requantize_acc(b: _Builder, instr: Instruction, acc: str) -> str:
-    """int32 accumulators -> the output stage: Cast to float32, Mul by scale_f32, QuantizeLinear with scale 1
-    (rne, saturated to the output dtype), then the output stage's later steps."""
+    """int32 accumulators -> the output stage: Cast to float32, Mul by scale_f32 (with a row scale, by each row's
+    scale': qdeploy/export_onnx_rows.py), QuantizeLinear with scale 1 (rne, saturated to the output dtype), then
+    the output stage's later steps; or, for a row-reciprocal store, Cast to int64, the bias added, and the store."""
     name = instr.name
+    if instr.stage.step(RowReciprocal) is not None:
+        acc = b.node("Cast", [acc], f"{name}/acc_int64", f"{name}/Cast_acc", to=TensorProto.INT64)
+        bias = instr.stage.step(Bias)  # a MatMulGemm's bias before the store (a LayerNorm's C eps)
+        if bias is not None:
+            acc = b.node("Add", [acc, b.constant(f"{name}/bias", b.program.arrays[bias.array].astype(np.int64))],
+                         f"{name}/acc_biased", f"{name}/Add_bias")
+        return b.output_stage(instr, acc)
     value = b.node("Cast", [acc], f"{name}/acc_f32", f"{name}/Cast_acc", to=TensorProto.FLOAT)
     scale = b.constant(f"{name}/scale_f32", np.float32(b.program.arrays[instr.stage.requantize.scale_f32].reshape(-1)[0]))
+    if instr.stage.requantize.row_scale:  # one word per output row, shaped (..., rows, 1) to broadcast over columns
+        rows = b.constant(f"{name}/row_scale/shape", np.array([0, *b.program.tensors[instr.output]["shape"][1:-1], 1],
+                                                                np.int64))
+        rows = b.node("Reshape", [b.names[instr.stage.requantize.row_scale], rows], f"{name}/row_scale/rows",
+                      f"{name}/row_scale/Reshape")
+        scale = row_scaled_scale(b, instr, scale, rows)
     value = b.node("Mul", [value, scale], f"{name}/scaled", f"{name}/Mul_scale")
     one = b.constant(f"{name}/unit_scale", np.array(1.0, np.float32))
     zero = b.constant(f"{name}/zero_point", np.zeros((), np.dtype(b.dtype(instr.output))))
@@ -476,7 +531,8 @@ def _matmul_gemm(b: _Builder, instr: Instruction) -> str:
 
 
 def _layout(b: _Builder, instr: Instruction) -> str:
-    shape = np.array([0, *instr.shape[1:]], np.int64)  # 0: copy the (free) batch dimension
+    # -1: the free first axis takes the rest (the batch, or the batch times the rows of batch_one.py's row form)
+    shape = np.array([-1, *instr.shape[1:]], np.int64)
     return b.node("Reshape", [b.names[instr.inputs[0]], b.constant(f"{instr.name}/shape", shape)],
                   b.names[instr.output], instr.name)
 
@@ -484,13 +540,17 @@ def _layout(b: _Builder, instr: Instruction) -> str:
 def _channel_slice(b: _Builder, instr: Instruction) -> str:
     start, name = instr.start, instr.name
     bounds = [b.constant(f"{name}/{key}", np.array([value], np.int64))
-              for key, value in (("starts", start), ("ends", start + instr.count), ("axes", 1))]
+              for key, value in (("starts", start), ("ends", start + instr.count), ("axes", instr.sliced_axis))]
     return b.node("Slice", [b.names[instr.inputs[0]], *bounds], b.names[instr.output], name)
 
 
 def _channel_permute(b: _Builder, instr: Instruction) -> str:
     order = b.constant(f"{instr.name}/perm", np.array(list(instr.perm), np.int64))
     return b.node("Gather", [b.names[instr.inputs[0]], order], b.names[instr.output], instr.name, axis=1)
+
+
+def _axis_permute(b: _Builder, instr: Instruction) -> str:
+    return b.node("Transpose", [b.names[instr.inputs[0]]], b.names[instr.output], instr.name, perm=list(instr.perm))
 
 
 def _concat(b: _Builder, instr: Instruction) -> str:
@@ -507,11 +567,13 @@ def _host(b: _Builder, instr: Instruction) -> str:
 EXPORTERS = {Kind.CONV_GEMM: _conv_gemm, Kind.DENSE_GEMM: _dense_gemm, Kind.ADD_GEMM: _add_gemm,
              Kind.MUL_GEMM: _mul_gemm, Kind.MATMUL_GEMM: _matmul_gemm,
              Kind.CONCAT: _concat, **{kind: _layout for kind in RESHAPE_KINDS}, Kind.CHANNEL_SLICE: _channel_slice,
-             Kind.CHANNEL_PERMUTE: _channel_permute, Kind.HOST: _host}
+             Kind.CHANNEL_PERMUTE: _channel_permute, Kind.AXIS_PERMUTE: _axis_permute, Kind.HOST: _host}
 
 
-def _value_info(name: str, elem_type: int, shape: list) -> onnx.ValueInfoProto:
-    return helper.make_tensor_value_info(name, elem_type, ["N" if d is None else d for d in shape])
+def _value_info(name: str, elem_type: int, shape: list, free: str | None = "N") -> onnx.ValueInfoProto:
+    """`free`: the name of the free first axis (an inner tensor's is left unnamed: in batch_one.py's row form it
+    holds the batch times the image's rows, not the batch)."""
+    return helper.make_tensor_value_info(name, elem_type, [free if d is None else d for d in shape])
 
 
 def _warnings(program: Program) -> list[str]:
@@ -543,7 +605,7 @@ def export_program(program: Program, *, float_outputs: bool = False,
     names.update({t: f"{t}_quantized" for t in program.inputs})
     if float_outputs:
         names.update({t: f"{t}_quantized" for t in program.outputs})
-    words = {r.output for r in program.records if getattr(r, "stage", None) and r.stage.step(RowReciprocal)}
+    words = row_scale_words(program.records)
     wide = [name for name, record in program.tensors.items() if record["dtype"] == "int32" and name not in words]
     if wide:
         raise Unsupported(f"tensor '{wide[0]}' is an int32 output (a pre-quantized model left it in float); the "
@@ -578,7 +640,7 @@ def export_program(program: Program, *, float_outputs: bool = False,
         for tensor in [*program.inputs, *(i["output"] for i in program.instructions)]:
             if names[tensor] not in listed:
                 record = program.tensors[tensor]
-                graph_outputs.append(_value_info(names[tensor], _ONNX_TYPE[record["dtype"]], record["shape"]))
+                graph_outputs.append(_value_info(names[tensor], _ONNX_TYPE[record["dtype"]], record["shape"], None))
                 listed.add(names[tensor])
     opset = [helper.make_opsetid("", OPSET)]
     graph = helper.make_graph(b.nodes, str(program.manifest.get("model") or "qdeploy_program"), graph_inputs,

@@ -81,6 +81,10 @@ def format_output_stage(stage: dict) -> str:
     if "window_max" in stage:
         window = stage["window_max"]
         parts.append(f"maxpool{window['kernel'][0]}x{window['kernel'][1]}/{window['strides'][0]}")
+    if "row_scale" in stage:  # each output row times a word of 1/S (an integer softmax's P.V)
+        parts.append(f"row-scale[{stage['row_scale']}]")
+    if "row_reciprocal" in stage:  # the row-reciprocal store: int32 words of 1/S or 1/sqrt(S)
+        parts.append(f"row-{stage['row_reciprocal']}")
     return " ".join(parts)
 
 

@@ -226,6 +226,7 @@ def validate_program(program: Program) -> None:
     defined = {name: tuple(manifest["tensors"][name]["shape"][1:]) for name in manifest["inputs"]}
     rows = {name: Fraction(1) for name in manifest["inputs"]}  # rows of the free first axis per sample
     names = set()
+    words = set()  # row-scale words: the output of a row-reciprocal store, and views of it
     for index, instr in enumerate(manifest["instructions"]):
         if not isinstance(instr, dict):
             raise InvalidRecord(f"instruction {index} must be an object")
@@ -240,10 +241,13 @@ def validate_program(program: Program) -> None:
         if not isinstance(inputs, list) or not all(isinstance(i, str) and i in defined for i in inputs):
             raise InvalidRecord(f"{where} reads {json.dumps(inputs)[:60]}: not all of them are defined before it")
         wide = [i for i in inputs if manifest["tensors"][i]["dtype"] == "int32"
-                and not (instr.get("kind") == Kind.MATMUL_GEMM and i == instr.get("row_scale"))]
+                and not (instr.get("kind") in (Kind.MATMUL_GEMM, Kind.DENSE_GEMM) and i == instr.get("row_scale"))
+                and not (instr.get("kind") in RESHAPE_KINDS and i in words)]
         if wide:
             raise InvalidRecord(f"{where} reads the int32 tensor '{wide[0]}': int32 tensors are outputs only (and "
-                                f"row-scale words)")
+                                f"row-scale words, read as a row scale or viewed)")
+        if "row_reciprocal" in instr or (instr.get("kind") in RESHAPE_KINDS and set(inputs) & words):
+            words.add(output)
         if not isinstance(output, str) or output in defined or output not in manifest["tensors"]:
             raise InvalidRecord(f"{where} writes {json.dumps(output)[:60]}: not a new tensor with a record")
         shape = _instruction_shape(instr, where, defined, view)

@@ -52,7 +52,7 @@ shared buffer, so every producer takes the Concat's output scale.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -63,9 +63,11 @@ from qdeploy.ir import Graph, Node
 from qdeploy.lowering import LoweringResult
 from isa.kinds import RESHAPE_KINDS, VIEW_KINDS, WEIGHTED_GEMM_KINDS, Kind, handler
 from isa.instructions import RECORDS
-from isa.output_stage import Bias, Clamp, ClampHi, Lookup, OutputStage, Requantize
+from isa.output_stage import Bias, Clamp, ClampHi, Lookup, OutputStage, Requantize, RowReciprocal
 from qdeploy.lowering.nodes import INSTRUCTION_OPS, is_buffer_concat, node_kind, output_stage
 from qdeploy.lowering.lookup import NON_NEGATIVE
+from qdeploy.lowering.rows import is_row_words
+from qdeploy import row_scales
 from qdeploy.reference.ops.activation import evaluate
 from qdeploy.prequantized import ModelQuantization, model_bias, model_weights
 from qdeploy.program import Program
@@ -141,6 +143,13 @@ class _Scales:
             if self._left_in_float(node, thresholds, consumers):
                 self.wide.add(out)
                 self.unsigned[out] = False
+            elif node.op in INSTRUCTION_OPS and is_row_words(node):  # int32 row-scale words (row_scales.py)
+                self.wide.add(out)
+                self.unsigned[out] = False
+                function = output_stage(node).steps[-1].function
+                self.scale[out] = row_scales.words_scale(function, row_scales.accumulator_scale(node, self.scale))
+            elif node.op in INSTRUCTION_OPS and "output_scale" in node.attrs:
+                self._ruled(node)
             elif node.op in INSTRUCTION_OPS:
                 # A Concat's buffer is signed (its other slices may be negative), so are the slices' writers.
                 stage = output_stage(node)
@@ -154,12 +163,28 @@ class _Scales:
                 self._assign(out, thresholds, unsigned, override=concat_scale.get(out))
             elif node.op in VIEW_KINDS:
                 self.scale[out], self.unsigned[out] = self.scale[node.inputs[0]], self.unsigned[node.inputs[0]]
+                if node.inputs[0] in self.wide:  # a view of int32 words
+                    self.wide.add(out)
             else:  # a channel Concat's buffer, or a host op's output (requantized on the host)
                 if not np.issubdtype(graph.tensors[out].dtype, np.floating):
                     raise Unsupported(f"node '{node.name}' ({node.op}) computes the integer tensor '{out}' on the "
                                       f"host (shape arithmetic on an activation's run-time shape); a program "
                                       f"carries int8 activations only, so this model cannot be compiled yet")
                 self._assign(out, thresholds, unsigned=False)
+
+    def _ruled(self, node: Node) -> None:
+        """The scales of an instruction with an `output_scale` rule (qdeploy/row_scales.py): from its input's,
+        not from a threshold."""
+        x, out, rule = node.inputs[0], node.outputs[0], node.attrs["output_scale"]
+        if rule == "input":
+            self.scale[out], self.unsigned[out] = self.scale[x], self.unsigned[x]
+        elif rule == "exp_table":
+            s_d, s_e, unsigned = row_scales.exp_table_scales(self.scale[x],
+                                                             self.target.arithmetic.unsigned_activations)
+            self.lookup_input[out] = (s_d, False)
+            self.scale[out], self.unsigned[out] = s_e, unsigned
+        else:
+            raise Unsupported(f"node '{node.name}' ({node.op}): unknown output_scale rule '{rule}'")
 
     def _left_in_float(self, node: Node, thresholds: dict[str, float], consumers) -> bool:
         """A pre-quantized model's output that it leaves in float (NNCF's logits) and no table fills: the GEMM
@@ -287,7 +312,10 @@ class _Compiler:
         bias = graph.constant_data(node.inputs[2]).astype(np.float64)
         rows = weight.reshape(weight.shape[0], -1)  # (M, C/g*kh*kw): the GEMM's weight matrix, k = (c, kh, kw)
         stated = self.stated_weights.get(node.name)
-        if stated is not None:  # a pre-quantized model's integers and scales (qdeploy/prequantized.py)
+        if node.attrs.get("integer_weights"):  # stored as they are (lowering/rows.py): an exact row sum or max
+            q_w, s_w = row_scales.integer_weights(node, rows), np.ones(rows.shape[0])
+            q_bias = rne(bias / s_in)
+        elif stated is not None:  # a pre-quantized model's integers and scales (qdeploy/prequantized.py)
             q_w, s_w = model_weights(rows, stated, node.name)
             q_bias = model_bias(bias, stated, s_in, s_w)
             q_bias = rne(bias / (s_in * s_w)) if q_bias is None else q_bias.astype(np.float64)
@@ -300,19 +328,31 @@ class _Compiler:
             if correction is not None:
                 bias = bias + correction
             q_bias = rne(bias / (s_in * s_w))
-        if y in scales.wide:  # eq. (4b): s_out = max_c s_in s_w[c] (float32, not below), so every M[c] <= 1
+        if y in scales.wide and not is_row_words(node):  # eq. (4b): s_out = max_c s_in s_w[c] (float32, not below)
             widest = np.float32(np.max(s_in * s_w))
             scales.scale[y] = float(widest if widest >= np.max(s_in * s_w) else np.nextafter(widest, np.float32(np.inf)))
         s_out, q_range = scales.requantized(y)
         saturated = int(np.sum((q_bias < INT32_MIN) | (q_bias > INT32_MAX)))
         q_bias = np.clip(q_bias, INT32_MIN, INT32_MAX).astype(np.int32)
-        lo, hi = _clamp_bounds(node, s_out, q_range)
+        lo, hi = _clamp_bounds(node, s_out, q_range) if output_stage(node).clamp is not None else (0, 0)
         x_lo, x_hi = scales.range(x)
         k = rows.shape[1]
         bound = k * max(abs(x_lo), abs(x_hi)) * int(np.max(np.abs(q_w), initial=0)) + \
             int(np.max(np.abs(q_bias.astype(np.int64)), initial=0))
         bias_array = self.array(index, "bias", q_bias)
-        steps = [Bias(bias_array), self._requant(index, s_in, s_w, s_out), Clamp(lo, hi)]
+        store = output_stage(node).step(RowReciprocal)
+        if store is not None:  # the row-reciprocal store: the exact row sum becomes its word (row_scales.py)
+            row_scales.check_row_accumulator(node, f"the row sum of {k} codes of '{x}'", bound,
+                                             self.target.arithmetic.acc_bits)
+            steps = [Bias(bias_array), store]
+        elif len(node.inputs) > 3:  # a row scale (rows.py with_row_scale): M[c] = s_in s_w[c] s_words / s_out
+            words = node.inputs[3]
+            row_scales.check_row_accumulator(node, f"the GEMM of '{x}' (K = {k}) read with a row scale", bound,
+                                             self.target.arithmetic.acc_bits)
+            requant = self._requant(index, s_in, s_w * scales.scale[words], s_out)
+            steps = [Bias(bias_array), replace(requant, row_scale=words), Clamp(lo, hi)]
+        else:
+            steps = [Bias(bias_array), self._requant(index, s_in, s_w, s_out), Clamp(lo, hi)]
         clamp_hi = output_stage(node).clamp_hi
         if clamp_hi is not None:  # per-channel bounds of an equalized ReLU6 (lowering/equalize.py)
             channel_hi = np.clip(np.round(np.asarray(clamp_hi.hi) / s_out), lo, hi)
@@ -453,11 +493,13 @@ class _Compiler:
         y = node.outputs[0]
         (s_a, s_b), (s_out, q_range) = (scales.scale[a], scales.scale[b]), scales.requantized(y)
         s_acc = max(s_a, s_b) / 2 ** ADD_PRESCALE_BITS
-        w_a, w_b = int(np.round(s_a / s_acc)), int(np.round(s_b / s_acc))
+        sign = -1 if node.attrs.get("negate_b") else 1  # a - b: the weight of b negative (lowering/rows.py)
+        w_a, w_b = int(np.round(s_a / s_acc)), sign * int(np.round(s_b / s_acc))
         lo, hi = _clamp_bounds(node, s_out, q_range)
-        bound = 255 * (w_a + w_b)
+        bound = 255 * (w_a + abs(w_b))
         # float32_rne: eq. (6), the float32 scale ratios of ONNX Runtime's QLinearAdd.
-        ratio = np.array([np.float32(s_a) / np.float32(s_out), np.float32(s_b) / np.float32(s_out)], np.float32)
+        ratio = np.array([np.float32(s_a) / np.float32(s_out), sign * (np.float32(s_b) / np.float32(s_out))],
+                         np.float32)
         stage = self._stage(index, node, [self._requant(index, 1.0, np.array([s_acc]), s_out), Clamp(lo, hi)])
         record = {"add_weights": [w_a, w_b], "add_scale": s_acc,
                   "add_ratio_f32": self.array(index, "add_ratio_f32", ratio),
@@ -468,18 +510,41 @@ class _Compiler:
     def product(self, index: int, node: Node) -> dict:
         """Eq. (8): MulGemm and MatMulGemm, the product of two activations with the multiplier s_a * s_b / s_out."""
         scales = self.scales
-        (a, b), y = node.inputs, node.outputs[0]
+        (a, b), y = node.inputs[:2], node.outputs[0]
         s_a, s_b, s_out = scales.scale[a], scales.scale[b], scales.scale[y]
         from qdeploy.lowering import describe_instruction
 
         k = describe_instruction(self.graph, node).k
         bound = k * max(abs(v) for v in scales.range(a)) * max(abs(v) for v in scales.range(b))
-        lo, hi = _clamp_bounds(node, s_out, scales.range(y))
         s_b_scaled = s_b * node.attrs.get("product_scale", 1.0)  # a folded constant scale c: M = c s_a s_b / s_out
-        stage = OutputStage((self._requant(index, s_a, np.array([s_b_scaled]), s_out), Clamp(lo, hi)))
+        store = output_stage(node).step(RowReciprocal)
+        words = node.inputs[2] if len(node.inputs) > 2 else ""
+        bias = ""
+        if store is not None:  # row sums of products (a LayerNorm's sum of squares): their words, s_out = f(s_acc)
+            # `row_sum_bias` (a LayerNorm's C eps) joins the sum in the accumulator: round(C eps / s_acc) codes.
+            q_bias = int(np.round(float(node.attrs.get("row_sum_bias", 0.0))
+                                  / row_scales.accumulator_scale(node, scales.scale)))
+            bound += abs(q_bias)
+            row_scales.check_row_accumulator(node, f"the row sum of products of '{a}' and '{b}' (K = {k})"
+                                                   f"{f' plus its bias {q_bias}' if q_bias else ''}", bound,
+                                             self.target.arithmetic.acc_bits)
+            if q_bias and node.op != Kind.MATMUL_GEMM:
+                raise Unsupported(f"node '{node.name}' ({node.op}): only a MatMulGemm adds a bias to its row sum")
+            bias = self.array(index, "bias", np.array([q_bias], np.int32)) if q_bias else ""
+            stage = OutputStage(((Bias(bias),) if bias else ()) + (store,))
+        else:
+            lo, hi = _clamp_bounds(node, s_out, scales.range(y))
+            if words:  # a row scale (P.V of an integer softmax): M = c s_a s_b s_words / s_out, times each row's word
+                row_scales.check_row_accumulator(node, f"the product of '{a}' and '{b}' (K = {k}) read with a row "
+                                                       f"scale", bound, self.target.arithmetic.acc_bits)
+                s_b_scaled *= scales.scale[words]
+            requant = self._requant(index, s_a, np.array([s_b_scaled]), s_out)
+            stage = OutputStage((replace(requant, row_scale=words), Clamp(lo, hi)))
         record = {"stage": stage, "acc_bound_bits": _bits_for(bound), "k": k}
         if node.op == Kind.MATMUL_GEMM:
             record.update(transpose_a=bool(node.attrs["transpose_a"]), transpose_b=bool(node.attrs["transpose_b"]))
+        if bias:
+            record["bias"] = bias
         self._report(node, record, s_a, np.array([s_b_scaled]), s_out, 0)
         return record
 
@@ -509,7 +574,8 @@ class _Compiler:
 
         described = describe_instruction(self.graph, node)
         requant = record["stage"].requantize
-        mult, shift = self.arrays[requant.mult], self.arrays[requant.shift]
+        none = np.zeros(1, np.int64)  # a row-reciprocal store has no multiplier
+        mult, shift = (none, none) if requant is None else (self.arrays[requant.mult], self.arrays[requant.shift])
         report = LayerReport(node.name, node.op, described.m, described.n, described.k, described.groups,
                              s_in, float(np.min(s_w)), float(np.max(s_w)), s_out, int(mult.min()),
                              int(mult.max()), int(shift.min()), int(shift.max()),
@@ -529,7 +595,8 @@ class _Compiler:
             self.current = f"'{node.name}' ({node.op})"
             kind = node_kind(graph, node)
             fields = handler(COMPILERS, kind, "the compiler", f"node '{node.name}'")(self, index, node)
-            inputs = node.inputs[:1] if kind in WEIGHTED_GEMM_KINDS else node.inputs
+            # a weighted GEMM reads x (and a row scale's words, after its weight and bias: lowering/rows.py)
+            inputs = [*node.inputs[:1], *node.inputs[3:]] if kind in WEIGHTED_GEMM_KINDS else node.inputs
             record = RECORDS[kind](kind=kind, name=node.name, output=node.outputs[0], **fields,
                                    inputs=tuple(i for i in inputs if i and not graph.tensors[i].is_constant))
             instructions.append(record.to_manifest())  # the program is written from the typed records
@@ -574,11 +641,18 @@ class _Compiler:
         return {"axis": int(node.attrs["axis"]) % len(shape)}  # node_kind: never the batch axis
 
     def _channel_slice(self, index: int, node: Node) -> dict:
-        """Channels [start, start + count) of the input: the consumer reads at an offset (no copy, no arithmetic)."""
-        return {"start": int(node.attrs["start"]), "count": int(node.attrs["count"])}
+        """Indices [start, start + count) along an axis (the channels: no field): the consumer reads at an offset
+        (no copy, no arithmetic)."""
+        axis = int(node.attrs.get("axis", 1))
+        return {"start": int(node.attrs["start"]), "count": int(node.attrs["count"]),
+                **({} if axis == 1 else {"axis": axis})}
 
     def _channel_permute(self, index: int, node: Node) -> dict:
         """Output channel c is input channel perm[c]: the hardware reads (or writes) with permuted strides."""
+        return {"perm": [int(p) for p in node.attrs["perm"]]}
+
+    def _axis_permute(self, index: int, node: Node) -> dict:
+        """Output axis a is input axis perm[a]: the consumer reads (or the producer writes) with permuted strides."""
         return {"perm": [int(p) for p in node.attrs["perm"]]}
 
     def _reshape(self, index: int, node: Node) -> dict:
@@ -594,7 +668,7 @@ COMPILERS = {Kind.CONV_GEMM: _Compiler.gemm, Kind.DENSE_GEMM: _Compiler.gemm, Ki
              Kind.MUL_GEMM: _Compiler.product, Kind.MATMUL_GEMM: _Compiler.product,
              Kind.CONCAT: _Compiler._concat, **{kind: _Compiler._reshape for kind in RESHAPE_KINDS},
              Kind.CHANNEL_SLICE: _Compiler._channel_slice, Kind.CHANNEL_PERMUTE: _Compiler._channel_permute,
-             Kind.HOST: _Compiler._host}
+             Kind.AXIS_PERMUTE: _Compiler._axis_permute, Kind.HOST: _Compiler._host}
 
 def compile_graph(lowered: LoweringResult, thresholds: dict[str, float], target: Target,
                   options: CompileOptions | None = None,

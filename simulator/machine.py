@@ -39,7 +39,8 @@ from simulator.kernels.requantize import PlaneParameters, output_dtype, plane_pa
 from simulator.kernels.upsample import upsampled_read
 from simulator.kernels.window_max import window_max
 from isa.geometry import conv_output_size
-from isa.row_scale import row_reciprocal_words, row_scaled_float32, row_scaled_multipliers
+from isa.row_scale import (row_reciprocal_words, row_scaled_float32, row_scaled_multipliers, scale_words,
+                           word_values)
 from qdeploy_base.threads import blas_threads_limitable, one_blas_thread, usable_cpus
 
 
@@ -107,11 +108,20 @@ def check_input_values(program: Program, name: str, x: np.ndarray) -> None:
         raise ProgramInputError(f"input '{name}' contains NaN or Inf")
 
 
+def is_row_words(program: Program, name: str) -> bool:
+    """The tensor holds int32 row-scale words (isa/row_scale.py): an int32 tensor is a program output (a GEMM result a
+    pre-quantized model leaves in float) or row-scale words, which no program outputs (qdeploy/program.py)."""
+    return program.tensors[name]["dtype"] == "int32" and name not in program.outputs
+
+
 def _quantized(program: Program, name: str, x: np.ndarray) -> np.ndarray:
-    """quantize_input's arithmetic on a checked x: one float32 buffer, divided, rounded and clipped in place."""
+    """quantize_input's arithmetic on a checked x: one float32 buffer, divided, rounded and clipped in place. Row-scale
+    words: the word of x / scale (qdeploy/row_scales.py: a word w stands for word_value(w) * scale)."""
     dtype = np.dtype(program.tensors[name]["dtype"])
     if x.dtype == dtype:
         return x
+    if is_row_words(program, name):
+        return scale_words(x.astype(np.float64) / program.tensors[name]["scale"]).astype(np.int32)
     arithmetic = Arithmetic(**program.manifest["target"]["arithmetic"])
     lo, hi = (0, 255) if dtype == np.uint8 else (arithmetic.act_min, arithmetic.act_max)
     with np.errstate(over="ignore"):  # |x| / scale beyond float32 is +-inf: it saturates like any large value
@@ -122,6 +132,9 @@ def _quantized(program: Program, name: str, x: np.ndarray) -> np.ndarray:
 
 
 def dequantize(program: Program, name: str, q: np.ndarray) -> np.ndarray:
+    """q * scale; row-scale words: the value each word stands for, word_value(w) * scale."""
+    if is_row_words(program, name):
+        return (word_values(q) * program.tensors[name]["scale"]).astype(np.float32)
     return (q.astype(np.float32) * np.float32(program.tensors[name]["scale"])).astype(np.float32)
 
 
@@ -286,12 +299,17 @@ class Machine:
         return np.concatenate(args, axis=instr.axis), None, None
 
     def channel_slice(self, instr: Instruction, args: list[np.ndarray]):
-        """The hardware reads the producer's buffer at a channel offset; the model copies the window."""
-        return np.ascontiguousarray(args[0][:, instr.start:instr.start + instr.count]), None, None
+        """The hardware reads the producer's buffer at an offset along the axis; the model copies the window."""
+        window = (slice(None),) * instr.sliced_axis + (slice(instr.start, instr.start + instr.count),)
+        return np.ascontiguousarray(args[0][window]), None, None
 
     def channel_permute(self, instr: Instruction, args: list[np.ndarray]):
         """Output channel c is input channel perm[c] (the hardware: permuted strides)."""
         return np.ascontiguousarray(args[0][:, list(instr.perm)]), None, None
+
+    def axis_permute(self, instr: Instruction, args: list[np.ndarray]):
+        """Output axis a is input axis perm[a] (the hardware: permuted strides); the model copies."""
+        return np.ascontiguousarray(args[0].transpose(instr.perm)), None, None
 
     def reshape(self, instr: Instruction, args: list[np.ndarray]):
         """A relabelling of the buffer: every axis but the first is static, the first takes the rest (the batch,
@@ -417,18 +435,20 @@ class Machine:
         return self._output_stage(instr, acc, layout, steps), acc, events  # y in acc's memory order, then NCHW
 
     def dense_gemm(self, instr: Instruction, args: list[np.ndarray]):
-        """(y (N, M), acc (N, M), events): the planar GEMM of w (M, K) with x^T, requantized in that layout."""
-        (x,) = args
+        """(y (N, M), acc (N, M), events): the planar GEMM of w (M, K) with x^T, requantized in that layout; with a
+        row scale, row n of acc requantized with word n (the second input)."""
+        x = args[0]
         plan = self.plans[instr.name]
         bias, steps = self._accumulated(instr.stage)
+        words = instr.row_scale_words(args, (x.shape[0], 1))  # (N, 1), broadcast along the row
         if plan.method != "planar":
             result = gemm(x, plan.weight[0], self.arithmetic.acc_bits, self.arithmetic.overflow, bias=bias)
-            return self._output_stage(instr, result.acc, _as_is, steps), result.acc, result.events
+            return self._output_stage(instr, result.acc, _as_is, steps, words), result.acc, result.events
         result = gemm_planar(plan.weight, np.ascontiguousarray(x.T)[None], self.arithmetic.acc_bits,
                              self.arithmetic.overflow, bias=bias, w_float=plan.weight_f32,
                              w_max_abs=plan.weight_max, scratch=self._scratch(), packed=plan.packed)
         acc = result.acc[0].T  # (N, M) view of (M, N) memory
-        y = self._output_stage(instr, acc, np.ascontiguousarray, steps)
+        y = self._output_stage(instr, acc, np.ascontiguousarray, steps, words)
         return y, np.ascontiguousarray(acc), result.events
 
     def _acc_dtype(self, bound: int) -> type:
@@ -441,6 +461,7 @@ class Machine:
         """acc = a * w_a + b * w_b: a K = 2 GEMM per element, [a b] . [w_a w_b]^T, in the accumulator.
         With rounding float32_rne: the float32 output-stage add of ONNX Runtime's QLinearAdd (add_float32_rne)."""
         a, b = args
+        b = np.broadcast_to(b, a.shape)  # a per-row operand is read once per element of its row
         steps = instr.stage.steps
         if self.arithmetic.rounding == Rounding.FLOAT32_RNE:  # Requantize and Clamp in the float32 add
             _require_prefix(instr, steps, ADD_FLOAT32_STEPS)
@@ -581,7 +602,7 @@ KERNELS = {Kind.CONV_GEMM: Machine.conv_gemm, Kind.DENSE_GEMM: Machine.dense_gem
            Kind.MUL_GEMM: Machine.mul_gemm, Kind.MATMUL_GEMM: Machine.matmul_gemm,
            Kind.CONCAT: Machine.concat, **{kind: Machine.reshape for kind in RESHAPE_KINDS},
            Kind.CHANNEL_SLICE: Machine.channel_slice, Kind.CHANNEL_PERMUTE: Machine.channel_permute,
-           Kind.HOST: Machine.host_op}
+           Kind.AXIS_PERMUTE: Machine.axis_permute, Kind.HOST: Machine.host_op}
 
 def add_float32_rne(a: np.ndarray, b: np.ndarray, ratio: np.ndarray, lo: int, hi: int
                     ) -> tuple[np.ndarray, np.ndarray]:

@@ -446,16 +446,22 @@ def _conv_gemm(instr: Instruction, args: list[np.ndarray], arrays: dict, arithme
 
 
 def _dense_gemm(instr: Instruction, args: list[np.ndarray], arrays: dict, arithmetic: Arithmetic, dtype) -> np.ndarray:
-    """(1) x (N, K) . W^T, then the output stage (the bias first)."""
-    (x,) = args
+    """(1) x (N, K) . W^T, then the output stage (the bias first); with a row scale, row n reads word n."""
+    x = args[0]
     acc, _ = gemm(x, arrays[instr.weight].T, arithmetic.acc_bits, arithmetic.overflow)
-    return _output_stage(instr.stage.steps, acc, lambda y: y.astype(dtype), arrays, arithmetic)
+    words = instr.row_scale_words(args, (x.shape[0], 1))
+    rows = None if words is None else np.array([[int(w)] for w in words[:, 0]], dtype=object)
+    plane = fold(instr.stage.steps, STEP_EVALUATORS, "the Python-int twins",
+                 _Plane(np.asarray(acc, dtype=object), lambda y: y.astype(dtype), rows), arrays, arithmetic)
+    return plane.layout(plane.values)
 
 
 def _add_gemm(instr: Instruction, args: list[np.ndarray], arrays: dict, arithmetic: Arithmetic, dtype) -> np.ndarray:
     """acc = accumulate([a * w_a, b * w_b]) per element and the output stage; in float32_rne the float32 add of
-    qdeploy/quantize.py eq. (6)-(7): rne(f32(a * r_a + f32(b * r_b))), computed exactly with Fractions."""
+    qdeploy/quantize.py eq. (6)-(7): rne(f32(a * r_a + f32(b * r_b))), computed exactly with Fractions. A per-row b
+    (a's shape with 1 as its last axis) is read once per element of its row."""
     a, b = args
+    b = np.broadcast_to(b, a.shape)
     steps = instr.stage.steps
 
     def layout(y: np.ndarray) -> np.ndarray:
@@ -506,12 +512,26 @@ def _concat(instr: Instruction, args: list[np.ndarray], arrays: dict, arithmetic
 
 
 def _channel_slice(instr: Instruction, args: list[np.ndarray], arrays: dict, arithmetic: Arithmetic, dtype) -> np.ndarray:
-    return args[0][:, instr.start:instr.start + instr.count].copy()
+    x = args[0]
+    return np.stack([np.take(x, i, axis=instr.sliced_axis) for i in range(instr.start, instr.start + instr.count)],
+                    axis=instr.sliced_axis)
 
 
 def _channel_permute(instr: Instruction, args: list[np.ndarray], arrays: dict, arithmetic: Arithmetic, dtype) -> np.ndarray:
     x = args[0]
     return np.stack([x[:, source] for source in instr.perm], axis=1)
+
+
+def _axis_permute(instr: Instruction, args: list[np.ndarray], arrays: dict, arithmetic: Arithmetic, dtype) -> np.ndarray:
+    """Element by element: y[i] = x[i permuted back], i over the output's indices."""
+    x = args[0]
+    y = np.empty(tuple(x.shape[p] for p in instr.perm), x.dtype)
+    for index in np.ndindex(*y.shape):
+        source = [0] * x.ndim
+        for out_axis, in_axis in enumerate(instr.perm):
+            source[in_axis] = index[out_axis]
+        y[index] = x[tuple(source)]
+    return y
 
 
 def _reshape(instr: Instruction, args: list[np.ndarray], arrays: dict, arithmetic: Arithmetic, dtype) -> np.ndarray:
@@ -522,7 +542,7 @@ def _reshape(instr: Instruction, args: list[np.ndarray], arrays: dict, arithmeti
 TWINS = {Kind.CONV_GEMM: _conv_gemm, Kind.DENSE_GEMM: _dense_gemm, Kind.ADD_GEMM: _add_gemm, Kind.MUL_GEMM: _mul_gemm,
          Kind.MATMUL_GEMM: _matmul_gemm, Kind.CONCAT: _concat,
          **{kind: _reshape for kind in RESHAPE_KINDS}, Kind.CHANNEL_SLICE: _channel_slice,
-         Kind.CHANNEL_PERMUTE: _channel_permute,
+         Kind.CHANNEL_PERMUTE: _channel_permute, Kind.AXIS_PERMUTE: _axis_permute,
          Kind.HOST: "a float op on the host: no integer twin"}
 
 

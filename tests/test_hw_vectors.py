@@ -23,6 +23,7 @@ from simulator import twins
 from isa.target import target_from_dict
 from simulator.kernels.gemm import gemm
 from simulator.kernels.requantize import requantize
+from isa.row_scale import row_reciprocal_words, row_scaled_float32, row_scaled_multipliers
 
 runner = CliRunner()
 
@@ -349,7 +350,7 @@ def test_stress_vectors_hit_the_edges_and_match_the_kernels(tmp_path, name):
     a = target.arithmetic
     cases = {layer["name"]: layer for layer in manifest["layers"]}
     assert {"rounding_ties", "clamp_act_range", "clamp_relu6", "accumulator_limits", "extreme_multipliers_high",
-            "extreme_multipliers_low"} <= set(cases)
+            "extreme_multipliers_low", "row_reciprocal_edges", "row_rsqrt_edges", "row_scale_words"} <= set(cases)
     for case in cases.values():
         read = {key: read_hex(vec / record["hex"], record) for key, record in case["files"].items()}
         x, w = read["input"], read["weight"]
@@ -359,15 +360,26 @@ def test_stress_vectors_hit_the_edges_and_match_the_kernels(tmp_path, name):
         # The simulator's kernels (not the twins the generator used) give the expected files.
         acc = gemm(x.astype(np.int8), w.astype(np.int8), a.acc_bits, a.overflow, bias=bias).acc
         assert np.array_equal(acc, read["acc"]), case["name"]
-        out = requantize(acc, mult, shift, a.rounding, lo, hi, scale=scale) if a.rounding != "float32_rne" else \
-            requantize(acc, mode=a.rounding, lo=lo, hi=hi, scale=scale)
-        assert np.array_equal(out, read["out"]), case["name"]
-        if case["name"] == "rounding_ties":  # exact ties of both signs
-            value = [[Fraction(int(v)) * (Fraction(float(scale[c])) if a.rounding == "float32_rne" else
-                                          Fraction(int(mult[c]), 2 ** int(shift[c]))) for c, v in enumerate(row)]
-                     for row in read["acc"]]
-            ties = [v for row in value for v in row if v.denominator == 2]
-            assert any(v > 0 for v in ties) and any(v < 0 for v in ties)
+        if "row_reciprocal" in case:  # the store: the simulator's words of the sums, every power of two +-1
+            assert np.array_equal(row_reciprocal_words(acc, case["row_reciprocal"]), read["out"]), case["name"]
+            powers = [(1 << k) + d for k in range(1, min(a.acc_bits, 32) - 1) for d in (-1, 0, 1)]
+            assert set(powers) <= set(acc.reshape(-1).tolist())
+            continue
+        # one multiplier per element: the column's, scaled by the row's word under a row scale (isa/row_scale.py)
+        mult, shift, scale = (np.broadcast_to(v, acc.shape).reshape(-1) for v in (mult, shift, scale))
+        if "row_scale" in read:
+            words = np.broadcast_to(read["row_scale"], acc.shape).reshape(-1)
+            (mult, shift), scale = row_scaled_multipliers(mult, shift, words), row_scaled_float32(scale, words)
+        flat = acc.reshape(1, -1)
+        out = requantize(flat, mult, shift, a.rounding, lo, hi, scale=scale) if a.rounding != "float32_rne" else \
+            requantize(flat, mode=a.rounding, lo=lo, hi=hi, scale=scale)
+        assert np.array_equal(out.reshape(acc.shape), read["out"]), case["name"]
+        if case["name"] in ("rounding_ties", "row_scale_words"):  # exact ties of both signs
+            value = [Fraction(int(v)) * (Fraction(float(scale[i])) if a.rounding == "float32_rne" else
+                                         Fraction(int(mult[i]), 2 ** int(shift[i])))
+                     for i, v in enumerate(acc.reshape(-1))]
+            ties = [v for v in value if v.denominator == 2]
+            assert any(v > 0 for v in ties) and any(v < 0 for v in ties), case["name"]
         if case["name"].startswith("clamp_"):
             assert (read["out"] == hi).any() and (read["out"] == lo).any()
         if case["name"] == "accumulator_limits":

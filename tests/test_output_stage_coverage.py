@@ -229,7 +229,7 @@ def test_dry_run_a_kind_on_a_datapath_inherits_its_record_methods():
     view = ProgramView(arrays, {}, 32, "double", lambda *args: None)
     assert MinGemm.ARITY == AddGemm.ARITY == 2
     assert MinGemm.check(record, "m", [(4, 3, 5)] * 2, "int8", view) == (4, 3, 5)
-    with pytest.raises(InvalidRecord, match=r"^m: add_weights = \[16384, 40000\] is out of range \[0, 32767\]$"):
+    with pytest.raises(InvalidRecord, match=r"^m: add_weights = \[16384, 40000\] is out of range \[-32767, 32767\]$"):
         MinGemm.check({**record, "add_weights": [16384, 40000]}, "m", [(4, 3, 5)] * 2, "int8", view)
 
 

@@ -1,7 +1,8 @@
 """The per-row scale of the Requantize step and the row-reciprocal store (isa/row_scale.py): the simulator's
 vectorised arithmetic against the Python-int twins (simulator/twins.py), exactly, on random data with the
 extremes, in every rounding mode; the store on 2^20 sampled sums and every power of two +-1; the backends that
-cannot run a row scale refuse it in one line."""
+run them (the vectors, the reference RTL, the ONNX export) have their own tests (tests/test_rtl_row_scale.py,
+tests/test_export_onnx_rows.py)."""
 
 import sys
 from pathlib import Path
@@ -110,22 +111,6 @@ def test_the_row_reciprocal_store_is_accurate():
     assert RSQRT.min() >= 1 << 15 and RSQRT.max() < 1 << 16
 
 
-def test_the_backends_without_a_row_scale_format_refuse_it():
-    from qdeploy.export_onnx import STEP_EXPORTERS
-    from qdeploy_base.errors import Unsupported
-    from simulator.vectors.codec import VectorError
-    from simulator.vectors.export import STEP_VECTORS
-
-    step = Requantize("m", "s", "f", row_scale="pv/rows")
-    instr = SimpleNamespace(name="pv", kind="MatMulGemm")
-    with pytest.raises(Unsupported, match="instruction 'pv' .*per-row scale .*'pv/rows'"):
-        STEP_EXPORTERS[Requantize](step, "y", None, instr)
-    with pytest.raises(VectorError, match="instruction 'pv': a per-row scale .*'pv/rows'"):
-        STEP_VECTORS[Requantize](step, None, SimpleNamespace(instr=instr, arrays={}))
-    assert OutputStage.of({**step.to_manifest(), "clamp": [-128, 127]}).requantize == step
-    assert "row_scale" not in Requantize("m", "s", "f").to_manifest()
-
-
 @pytest.mark.parametrize("function", ["reciprocal", "rsqrt"])
 def test_the_row_reciprocal_step_is_the_twins(function):
     """Bias then the row-reciprocal store, folded by the machine (the Bias fused into the GEMM or not) and by the
@@ -150,24 +135,20 @@ def test_the_row_reciprocal_step_is_the_twins(function):
         np.testing.assert_array_equal(got.y, expected, err_msg=f"fused={fused}")
 
 
-def test_the_row_reciprocal_store_ends_the_stage_and_is_refused_where_it_has_no_format():
+def test_the_row_reciprocal_store_ends_the_stage_and_the_rtl_runs_it():
+    """A step after the store is refused; the RTL runner's plusarg names the store's function and refuses an unknown
+    one in one line (the vectors, the RTL and the ONNX export run it: tests/test_rtl_row_scale.py,
+    tests/test_export_onnx_rows.py)."""
     import rtl
-    from qdeploy.export_onnx import STEP_EXPORTERS
-    from qdeploy_base.errors import Unsupported
-    from simulator.vectors.codec import VectorError
-    from simulator.vectors.export import STEP_VECTORS
 
     with pytest.raises(ValueError, match="the row-reciprocal store ends the stage"):
         OutputStage((RowReciprocal("rsqrt"), Clamp(0, 1)))
     step = RowReciprocal("reciprocal")
     assert OutputStage.of(step.to_manifest()).steps == (step,)
-    instr = SimpleNamespace(name="sum", kind="DenseGemm")
-    with pytest.raises(Unsupported, match="instruction 'sum' .*row-reciprocal store"):
-        STEP_EXPORTERS[RowReciprocal](step, "y", None, instr)
-    with pytest.raises(VectorError, match="instruction 'sum': the row-reciprocal store"):
-        STEP_VECTORS[RowReciprocal](step, None, SimpleNamespace(instr=instr, arrays={}))
-    with pytest.raises(rtl.RtlError, match="layer 003_sum: the reference RTL has no row-reciprocal store"):
-        rtl.output_stage_args({"dir": "003_sum", "output_stage": ["Bias", "RowReciprocal"]})
+    layer = {"dir": "003_sum", "output_stage": ["Bias", "RowReciprocal"], "row_reciprocal": "rsqrt"}
+    assert rtl.output_stage_args(layer) == ["+ROW_RECIPROCAL=1"]  # the RTL's store (tests/test_rtl_row_scale.py)
+    with pytest.raises(rtl.RtlError, match="layer 003_sum: the row-reciprocal store's function is 'log'"):
+        rtl.output_stage_args({**layer, "row_reciprocal": "log"})
 
 
 @pytest.mark.parametrize("rounding", ROUNDINGS)
@@ -321,7 +302,8 @@ def test_a_program_with_the_store_and_the_row_scale_runs_as_its_twins(tmp_path, 
     (lambda m: m["instructions"][0].update(row_reciprocal="log"), "row_reciprocal is \"log\", expected one of"),
     (lambda m: m["instructions"][0].update(clamp=[0, 1]),
      "ends the output stage, but the instruction also has 'clamp'"),
-    (lambda m: m["instructions"][0].update(row_scale="words"), "a row scale is read by a MatMulGemm only"),
+    (lambda m: m["instructions"][0].update(row_scale="words"), "'sum' .*has 1 inputs, expected 2 \\(x and the row "
+                                                               "scale\\)"),
 ])
 def test_the_program_checks_refuse_a_wrong_row_scale_in_one_line(tmp_path, change, message):
     from qdeploy_base.errors import BadInput
@@ -332,22 +314,6 @@ def test_the_program_checks_refuse_a_wrong_row_scale_in_one_line(tmp_path, chang
     with pytest.raises(BadInput, match=message):
         write_program(program, tmp_path / "bad.qdp")
         read_program(tmp_path / "bad.qdp")
-
-
-def test_the_vectors_of_a_program_with_the_store_are_refused_in_one_line(tmp_path):
-    """`qdeploy vectors export` names the instruction and the missing format (exit 2), writing nothing."""
-    from typer.testing import CliRunner
-
-    from qdeploy.cli import app
-    from qdeploy.program import write_program
-
-    write_program(softmax_tail_program(), tmp_path / "tail.qdp")
-    np.savez(tmp_path / "in.npz", e=np.full((1, 7), 0.5, np.float32), v=np.zeros((1, 7, 5), np.float32))
-    result = CliRunner().invoke(app, ["vectors", "export", str(tmp_path / "tail.qdp"), "-i", str(tmp_path / "in.npz"),
-                                      "-o", str(tmp_path / "vectors")])
-    assert result.exit_code == 2
-    assert "instruction 'sum': the row-reciprocal store has no golden-vector format yet" in result.output
-    assert not (tmp_path / "vectors").exists()
 
 
 def test_integer_softmax_and_layernorm_keep_the_float_host_programs_fidelity():

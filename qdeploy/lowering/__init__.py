@@ -77,11 +77,15 @@ def _output_stage(node: Node) -> dict:
     """The output stage as the description shows it: `bias` (a weighted GEMM's), `clamp` unless unbounded, a
     product's constant `scale`, and the steps clamp_hi, lookup and window_max when present."""
     stage = output_stage(node)
-    result = {"bias": node.op in WEIGHTED_GEMM_KINDS}
+    result = {"bias": node.op in WEIGHTED_GEMM_KINDS or "row_sum_bias" in node.attrs}
+    if stage.clamp is None:  # the row-reciprocal store (lowering/rows.py): int32 words, no clamp
+        return {**result, "row_reciprocal": stage.steps[-1].function}
     if stage.clamp.lo != float("-inf") or stage.clamp.hi != float("inf"):
         result["clamp"] = [stage.clamp.lo, stage.clamp.hi]
     if "product_scale" in node.attrs:  # a constant scale folded into a product of two activations
         result["scale"] = node.attrs["product_scale"]
+    if len(node.inputs) > {Kind.MATMUL_GEMM: 2, Kind.DENSE_GEMM: 3}.get(node.op, 9):  # rows times words (rows.py)
+        result["row_scale"] = node.inputs[-1]
     if stage.clamp_hi is not None:
         result["clamp_hi"] = list(stage.clamp_hi.hi)
     if stage.lookup is not None:
@@ -113,10 +117,18 @@ def host_reason(graph: Graph, node: Node, lookups: bool = True) -> str:
             rule(graph, node)
         except QdeployError as error:
             return str(error)
+    if node.op == "Softmax":
+        from qdeploy.lowering.softmax import softmax_host_reason
+
+        return softmax_host_reason(graph, node, lookups)
     if node.op in ("Relu", "Clip", "LeakyRelu", "MaxPool"):
         return f"node '{node.name}' ({node.op}): attributes or operands do not fit the GEMM output stage"
     from qdeploy.lowering.lookup import FUNCTIONS
 
+    if node.op == "LayerNormalization":
+        from qdeploy.lowering.layernorm import layernorm_refusal
+
+        return layernorm_refusal(graph, node)
     if node.op == Kind.CONCAT:
         return (f"node '{node.name}' (Concat): along axis {node.attrs.get('axis')} to shape "
                 f"{graph.tensors[node.outputs[0]].shape}; a Concat in the program joins float activations along "
@@ -144,7 +156,10 @@ def lower(graph: Graph, equalize: bool = False, lookups: bool = True) -> Lowerin
     from qdeploy.lowering.passes import LOWER
     from qdeploy.simplify.pipeline import run_pipeline
 
-    passes = [p for p in LOWER if lookups or p is not fuse_lookups]  # recognised functions: one host op each
+    from qdeploy.lowering.softmax import lower_softmax
+
+    # Without lookup tables, recognised functions stay one host op each, and so does a Softmax (its exp is a table).
+    passes = [p for p in LOWER if lookups or p not in (fuse_lookups, lower_softmax)]
     lowered, records = run_pipeline(graph, passes + ([equalize_cross_layer] if equalize else []))
     instructions, layout, host_ops = [], [], []
     host_macs = 0

@@ -20,7 +20,10 @@ from isa.kinds import ACTIVATION_GEMM_KINDS, WEIGHTED_GEMM_KINDS, Kind
 from isa.instructions import RECORDS
 from isa.output_stage import NO_OUTPUT_STAGE, Clamp, Step, WindowMax
 from qdeploy.lowering.nodes import INSTRUCTION_OPS, is_buffer_concat, output_stage
+from qdeploy.lowering.layernorm import lower_layernorms
 from qdeploy.lowering.lookup import fuse_lookups, recognise_functions
+from qdeploy.lowering.softmax import lower_softmax
+from qdeploy.lowering.tokens import fold_operand_scales, merge_constant_adds
 from qdeploy.lowering.rules import (LOWERING, OUTPUT_STAGE_OPS, affine_of, batchnorm_scale_shift,
                                     finite_weights, identity_gemm)
 
@@ -276,12 +279,12 @@ def lower_standalone_output_stages(graph: Graph) -> Graph:
         except Unsupported:
             nodes.append(node)
             continue
-        (instr,) = lowered.nodes
+        (instr,) = [n for n in lowered.nodes if n.op in INSTRUCTION_OPS]  # with its views for a rank other than 2, 4
         merged = output_stage(instr).joined(step)
         if merged is None:  # Clip with min > max: no clamp interval; stays a host op
             nodes.append(node)
             continue
-        nodes.append(instr.replace(attrs={**instr.attrs, "output_stage": merged}))
+        nodes.extend(n.replace(attrs={**n.attrs, "output_stage": merged}) if n is instr else n for n in lowered.nodes)
         tensors.extend(lowered.tensors)
         graph = graph.with_nodes(graph.nodes, lowered.tensors)
     return graph.with_nodes(nodes, tensors)
@@ -404,8 +407,14 @@ LOWER: list[Pass] = [
     lower_gemm_ops,  # Conv -> ConvGemm (im2col), Gemm/MatMul -> DenseGemm
     fold_batchnorm,  # BN after a GEMM -> its weight rows and bias
     recognise_functions,  # an exporter's multi-op SiLU/GELU/Mish/Softplus -> one node of that ONNX op
+    merge_constant_adds,  # Add(Add(x, c1), c2) -> Add(x, c1 + c2): class token + position embedding, one operand
     fold_constant_affine,  # Mul/Div/Add/Sub by a per-channel constant after a GEMM -> weights and bias
-    lower_remaining_ops,  # standalone BN/affine, residual Add, average pooling -> GEMMs
+    fold_operand_scales,  # a positive scalar Mul on a product's operand (attention's q, k) -> its product_scale
+    # LayerNorm on a stream centred at compile time -> sum of squares + normalizing GEMM; before the token layout's
+    # rules, so that the stream's Transposes, Pads, Gathers and constant Adds are still the ONNX ops it follows
+    lower_layernorms,
+    lower_remaining_ops,  # standalone BN/affine, residual Add, token layout, average pooling -> GEMMs
+    lower_softmax,  # Softmax read by P.V MatMuls -> row max, exp table, row-sum words; P.V reads the words
     split_to_slices,  # a Split left on the host -> one host Slice per output (a host step writes one tensor)
     fuse_output_stages,  # Relu/Clip/MaxPool -> output stage of their producer
     fuse_lookups,  # Sigmoid, SiLU, GELU, ... -> a lookup table in their producer's (or an identity GEMM's) output stage

@@ -286,6 +286,8 @@ def lower_pad(graph: Graph, node: Node) -> Lowered:
     executor, every opset) gives the same numbers on a probe."""
     shape = graph.tensors[node.inputs[0]].shape
     mode = node.attrs.get("mode", "constant")
+    if shape is not None and len(shape) != 4:
+        return _pad_along_axis(graph, node)
     if shape is None or len(shape) != 4 or None in shape[1:] or mode not in ("constant", "edge", "reflect"):
         raise Unsupported(f"node '{node.name}' (Pad): only constant-0, edge and reflect padding of the spatial dims "
                           f"of a static NCHW tensor runs on the GEMM unit (mode '{mode}', input {shape})")
@@ -523,6 +525,9 @@ def lower_binary(graph: Graph, node: Node) -> Lowered:
     affine = affine_of(graph, node)
     if affine is not None:
         return channel_affine(graph, node, *affine)
+    elementwise = element_affine(graph, node)
+    if elementwise is not None:
+        return elementwise
     if node.op == "Mul" and constant_operand(graph, node) is None and all(node.inputs[:2]):
         return lower_activation_mul(graph, node)
     if node.op == "Add" and constant_operand(graph, node) is None:
@@ -637,10 +642,11 @@ def lower_average_pool(graph: Graph, node: Node) -> Lowered:
 
 
 def lower_channel_window(graph: Graph, node: Node) -> Lowered:
-    """Split, or Slice, along the channels -> one ChannelSlice per output: the consumer reads a window of the
-    producer's channels at an offset, with no copy and no arithmetic. Which window each output is comes from
-    running the op itself (the float executor, ONNX semantics of every opset) on a tensor holding each
-    element's own index: an output is a window exactly when it equals input[:, start:start + count]."""
+    """Split, or Slice, along one axis past the batch (the channels, the tokens) -> one ChannelSlice per output:
+    the consumer reads a window of the producer's buffer at an offset, with no copy and no arithmetic. Which
+    window each output is comes from running the op itself (the float executor, ONNX semantics of every opset)
+    on a tensor holding each element's own index: an output is a window exactly when it equals
+    input[:, ..., start:start + count] along the one axis whose size it changed."""
     x = node.inputs[0]
     shape = graph.tensors[x].shape
     if shape is None or len(shape) < 2 or None in shape[1:]:
@@ -655,15 +661,182 @@ def lower_channel_window(graph: Graph, node: Node) -> Lowered:
     for name, part in zip(node.outputs, run_node(node, [index, *operands], graph.opset)):
         if not name:
             continue
-        count = part.shape[1] if part.ndim == index.ndim else 0
-        start = int(part.reshape(-1)[0]) // prod(shape[2:]) if part.size else 0
-        if count == 0 or part.shape[0] != 1 or not np.array_equal(part, index[:, start:start + count]):
-            raise Unsupported(f"node '{node.name}' ({node.op}): output '{name}' is not a window of the input's "
-                              f"channels")
-        windows.append((name, start, count))
+        # the axis it cuts: the first whose size changed (the channels when none did)
+        axis = next((a for a in range(1, index.ndim) if part.ndim == index.ndim and part.shape[a] != index.shape[a]),
+                    1)
+        count = part.shape[axis] if part.ndim == index.ndim else 0
+        start = int(part.reshape(-1)[0]) // prod(shape[axis + 1:]) % shape[axis] if part.size else 0
+        window = index[(slice(None),) * axis + (slice(start, start + count),)]
+        if count == 0 or part.shape[0] != 1 or not np.array_equal(part, window):
+            raise Unsupported(f"node '{node.name}' ({node.op}): output '{name}' is not a window of the input "
+                              f"along one axis")
+        windows.append((name, start, count, axis))
     nodes = [Node(node.name if len(windows) == 1 else f"{node.name}/{i}", Kind.CHANNEL_SLICE, [x], [name],
-                  {"start": start, "count": count}) for i, (name, start, count) in enumerate(windows)]
+                  {"start": start, "count": count, **({} if axis == 1 else {"axis": axis})})
+             for i, (name, start, count, axis) in enumerate(windows)]
     return Lowered(nodes)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Token layout (design.md section 4, "Token layout"): a transformer's Transposes, one-index Gathers, token Pads and
+# constants that are not per channel, as addressing and constant operands (the passes that prepare them:
+# lowering/tokens.py).
+
+
+def _per_image_shape(graph: Graph, node: Node, name: str) -> tuple[int, ...]:
+    shape = graph.tensors[name].shape
+    if shape is None or len(shape) < 2 or None in shape[1:]:
+        raise Unsupported(f"node '{node.name}' ({node.op}): needs an input with static dims after the batch, got "
+                          f"{shape}")
+    return tuple(int(d) for d in shape[1:])
+
+
+def _on_view(graph: Graph, node: Node, x: str, view_shape: tuple[int, ...], out_view_shape: tuple[int, ...],
+             lower: Callable[[str, str], Lowered]) -> Lowered:
+    """`lower(view_in, view_out)` (a Lowered writing view_out from view_in) between Reshapes (relabellings, no data
+    moved) from `x` to (batch, *view_shape) and from (batch, *out_view_shape) back to the node's output; the
+    views keep x's rows per image. Names derive from the node's (unique: the tensors of other rules' nodes may not
+    be in `graph` yet)."""
+    source = graph.tensors[x]
+    views = [Tensor(graph.unique_name(f"{node.name}/view_{side}"), (None, *shape), source.dtype, rows=source.rows)
+             for side, shape in (("in", view_shape), ("out", out_view_shape))]
+    targets = [constant(graph.unique_name(f"{node.name}/view_{side}_shape"), np.array([0, *shape], np.int64))
+               for side, shape in (("in", view_shape), ("out", graph.tensors[node.outputs[0]].shape[1:]))]
+    inner = lower(views[0].name, views[1].name)
+    return Lowered([Node(graph.unique_name(f"{node.name}/to_view"), Kind.RESHAPE, [x, targets[0].name],
+                         [views[0].name], {}),
+                    *inner.nodes,
+                    Node(graph.unique_name(f"{node.name}/from_view"), Kind.RESHAPE, [views[1].name, targets[1].name],
+                         [node.outputs[0]], {})],
+                   [*views, *targets, *inner.tensors])
+
+
+def lower_transpose(graph: Graph, node: Node) -> Lowered:
+    """Transpose keeping the batch first -> AxisPermute (y = x.transpose(perm)): addresses only."""
+    x = node.inputs[0]
+    shape = _per_image_shape(graph, node, x)
+    rank = len(shape) + 1
+    perm = [int(p) % rank for p in (node.attrs.get("perm") or range(rank)[::-1])]
+    if perm[0] != 0 or graph.tensors[x].rows != 1:
+        raise Unsupported(f"node '{node.name}' (Transpose): perm {perm} moves the batch (axis 0"
+                          f"{'' if graph.tensors[x].rows == 1 else ', which holds several rows per image'})")
+    return Lowered([Node(node.name, Kind.AXIS_PERMUTE, [x], [node.outputs[0]], {"perm": perm})])
+
+
+def _shape_constant(graph: Graph, node: Node) -> list[Tensor]:
+    """The Reshape target [0, *output shape past the batch] of the node's output."""
+    return [constant(graph.unique_name(f"{node.name}_shape"),
+                     np.array([0, *graph.tensors[node.outputs[0]].shape[1:]], np.int64))]
+
+
+def lower_gather(graph: Graph, node: Node) -> Lowered:
+    """Gather along an axis a past the batch of constant indices that count up by one, [i, i + n) (one index:
+    a transformer's q/k/v selection, its class token x[:, 0]; every index in order: dynamo's as_strided) ->
+    ChannelSlice [i, i + n) along a (a read offset; none when it is the whole axis) and a Reshape to the output's
+    shape when the indices' shape is not (n,) (ONNX Gather: the output's axis a becomes the indices' shape)."""
+    x, indices = node.inputs[:2]
+    shape = _per_image_shape(graph, node, x)
+    index = graph.constant_data(indices)
+    rank = len(shape) + 1
+    axis = int(node.attrs.get("axis", 0))
+    axis = axis + rank if axis < 0 else axis
+    size = shape[axis - 1] if 1 <= axis < rank else 0
+    flat = None if index is None or not index.size else np.where(index < 0, index + size, index).reshape(-1)
+    if flat is None or not 1 <= axis < rank or not np.array_equal(flat, np.arange(flat[0], flat[0] + flat.size)) or \
+            not 0 <= flat[0] <= flat[-1] < size:
+        raise Unsupported(f"node '{node.name}' (Gather): only constant indices counting up by one inside an axis "
+                          f"past the batch are a read window (indices "
+                          f"{'computed at run time' if index is None else tuple(index.shape)}, axis {axis})")
+    start, count = int(flat[0]), int(flat.size)
+    source = graph.tensors[x]
+    window_shape = (*shape[:axis - 1], count, *shape[axis:])
+    out_shape = tuple(graph.tensors[node.outputs[0]].shape[1:])
+    nodes, tensors, window = [], [], x
+    if count != size:
+        window = node.outputs[0] if out_shape == window_shape else graph.unique_name(f"{node.name}/window")
+        nodes.append(Node(node.name if window == node.outputs[0] else graph.unique_name(f"{node.name}/slice"),
+                          Kind.CHANNEL_SLICE, [x], [window], {"start": start, "count": count, "axis": axis}))
+        if window != node.outputs[0]:
+            tensors.append(Tensor(window, (None, *window_shape), source.dtype, rows=source.rows))
+    if window != node.outputs[0]:
+        tensors.extend(_shape_constant(graph, node))
+        nodes.append(Node(node.name, Kind.RESHAPE, [window, tensors[-1].name], [node.outputs[0]], {}))
+    return Lowered(nodes, tensors)
+
+
+def _pad_along_axis(graph: Graph, node: Node) -> Lowered:
+    """Pad with zeros along one axis a past the batch of a tensor that is not NCHW (the class and distillation
+    tokens) -> lower_pad's identity depthwise ConvGemm on the view (N, outer, size_a, inner), padding its H
+    (outer: the product of the axes before a, the depthwise channels; inner: of those after it, W)."""
+    x = node.inputs[0]
+    shape = _per_image_shape(graph, node, x)
+    operands = [None if not name else graph.constant_data(name) for name in node.inputs[1:]]
+    if any(name and value is None for name, value in zip(node.inputs[1:], operands)):
+        raise Unsupported(f"node '{node.name}' (Pad): its pads or value are computed at run time")
+    pads = [int(p) for p in (operands[0] if operands and operands[0] is not None else node.attrs.get("pads", []))]
+    rank = len(shape) + 1
+    if len(operands) > 2 and operands[2] is not None:  # opset 18 axes: pads of those axes only
+        axes = [int(a) % rank for a in operands[2]]
+        full = [0] * (2 * rank)
+        for i, a in enumerate(axes):
+            full[a], full[rank + a] = pads[i], pads[len(axes) + i]
+        pads = full
+    value = operands[1] if len(operands) > 1 and operands[1] is not None else node.attrs.get("value", 0.0)
+    padded = [a for a in range(rank) if pads[a] or pads[rank + a]] if len(pads) == 2 * rank else None
+    if node.attrs.get("mode", "constant") != "constant" or np.any(np.asarray(value) != 0) or padded is None or \
+            len(padded) > 1 or (padded and padded[0] == 0) or min(pads) < 0:
+        raise Unsupported(f"node '{node.name}' (Pad): only zeros before or after one axis past the batch run on the "
+                          f"GEMM unit for a tensor that is not NCHW (pads {pads}, input {graph.tensors[x].shape})")
+    if not padded:
+        raise Unsupported(f"node '{node.name}' (Pad): pads nothing")
+    a = padded[0]
+    before, after = pads[a], pads[rank + a]
+    outer, size, inner = prod(shape[:a - 1]), shape[a - 1], prod(shape[a:])
+
+    def pad(view: str, out: str) -> Lowered:
+        return conv_gemm(graph, node, view, np.ones((outer, 1, 1, 1)), np.zeros(outer), group=outer, strides=[1, 1],
+                         pads=[before, 0, after, 0], dilations=[1, 1], output=out)
+
+    return _on_view(graph, node, x, (outer, size, inner), (outer, size + before + after, inner), pad)
+
+
+def element_affine(graph: Graph, node: Node) -> Lowered | None:
+    """Add/Sub/Mul/Div of an activation x and a constant c that broadcasts to x's shape but is not per channel
+    -> y = w * x + b element by element: the 1x1 depthwise ConvGemm on the view (N, E, 1, 1), E the elements of
+    one image's x, w and b broadcast from c (Mul: w = c, b = 0; Div: w = 1/c; Add: w = 1, b = c; Sub x - c:
+    b = -c; c - x: w = -1, b = c). None when it is none of these."""
+    operands = constant_operand(graph, node)
+    if operands is None or node.op not in ("Add", "Sub", "Mul", "Div"):
+        return None
+    x, value = operands
+    shape = _per_image_shape(graph, node, x)
+    value = np.asarray(value, np.float64)
+    if value.ndim > len(shape) + 1 or (value.ndim == len(shape) + 1 and value.shape[0] != 1):
+        return None
+    try:
+        full = np.broadcast_to(value.reshape(value.shape[-len(shape):] if value.ndim > len(shape) else value.shape),
+                               shape)
+    except ValueError:
+        return None  # c broadcasts x up: not an op on x's elements
+    ones = np.ones(shape)
+    constant_first = node.inputs[0] != x
+    if node.op == "Mul":
+        scale, shift = full, 0 * ones
+    elif node.op == "Div" and not constant_first and np.all(full != 0):
+        scale, shift = 1.0 / full, 0 * ones
+    elif node.op == "Add":
+        scale, shift = ones, full
+    elif node.op == "Sub":
+        scale, shift = (-ones, full) if constant_first else (ones, -full)
+    else:
+        return None
+    elements = prod(shape)
+
+    def affine(view: str, out: str) -> Lowered:
+        return conv_gemm(graph, node, view, scale.reshape(elements, 1, 1, 1), shift.reshape(elements),
+                         group=elements, strides=[1, 1], pads=[0, 0, 0, 0], dilations=[1, 1], output=out)
+
+    return _on_view(graph, node, x, (elements, 1, 1), (elements, 1, 1), affine)
 
 
 def identity_gemm(graph: Graph, node: Node) -> Lowered:
@@ -694,5 +867,7 @@ LOWERING: dict[str, LoweringRule] = {
     "ReduceSum": lower_spatial_reduce,
     "Split": lower_channel_window,  # along the channels: read windows of the producer's buffer
     "Slice": lower_channel_window,
+    "Transpose": lower_transpose,  # the batch kept first: AxisPermute (strided addressing)
+    "Gather": lower_gather,  # one constant index along an axis past the batch: a read window
 }
 OUTPUT_STAGE_OPS = {"Relu", "Clip", "LeakyRelu", "MaxPool"}

@@ -11,7 +11,8 @@ Hex files (`$readmemh`-ready; the same format is read back from RTL dumps):
   of a row is padded with zero elements;
 - per_line is the array's rows R for the input (the R values entering the array's rows in one cycle) and the
   array's cols C for everything indexed by output channel (weights: one row of PEs; biases, multipliers,
-  shifts, scales, accumulators, outputs: one value per array column).
+  shifts, scales, accumulators, outputs: one value per array column; also a per-row scale's words, one per line
+  in element 0, and a row-reciprocal store's table).
 
 Reading (RTL dumps) also accepts `//` comments, blank lines, `_` digit separators and lines with fewer digits
 (zero-extended on the left, as $readmemh does); `x`/`z` digits make that element unknown (a mismatch).

@@ -12,9 +12,11 @@ from typing import Sequence
 
 import numpy as np
 
+from isa.row_scale import SUM_MAX
 from isa.target import Rounding
 from qdeploy_base.errors import BadInput
 from qdeploy_base.fileio import read_npy
+from simulator.twins import row_scaled, row_scaled_float32
 from simulator.vectors.codec import (
     COMPARED,
     FORMAT,
@@ -113,13 +115,26 @@ def _near_tie(acc: int, mult: int, shift: int, scale: float, rounding: str) -> t
     return distance <= TIE_TOLERANCE, f"acc * M = {float(value):.6f}"
 
 
+def _row_reciprocal_detail(acc: int, function: str) -> str:
+    """Where a row-reciprocal store's word comes from: the sum, floor(log2 S) and the table entry it reads."""
+    s = min(max(acc, 1), SUM_MAX)
+    n = s.bit_length() - 1
+    index = (s >> (n - 8) if n >= 8 else s << (8 - n)) & 255
+    entry = index + (256 * (n % 2) if function == "rsqrt" else 0)
+    return (f"row sum S = {s}, floor(log2 S) = {n}, table entry {entry} of row_table.hex ({function}): compare the "
+            f"RTL's leading-one count, index and table with isa/row_scale.py")
+
+
 def classify(kind: str, layer: dict, expected: int | None, actual: int | None, c: int, acc: int | None,
-             params: dict) -> tuple[str, str]:
+             params: dict, word: int | None = None) -> tuple[str, str]:
     """The likely cause of one mismatch (docs/hardware.md): 'rounding-mode mismatch?' (off by one where acc*M
-    is near a tie), 'saturation mismatch?' (a value at the clamp or accumulator limit), 'unknown value (x/z)',
-    else 'data mismatch'."""
+    is near a tie, M scaled by the row's `word` under a row scale), 'saturation mismatch?' (a value at the clamp
+    or accumulator limit), 'row-reciprocal mismatch?' (a word of the row-reciprocal store), 'unknown value
+    (x/z)', else 'data mismatch'."""
     if actual is None:
         return "unknown value (x/z)", "the RTL wrote x or z digits"
+    if kind == "out" and "row_reciprocal" in layer and acc is not None:
+        return "row-reciprocal mismatch?", _row_reciprocal_detail(acc, layer["row_reciprocal"])
     if kind == "acc":
         lo, hi = -(1 << (layer["acc_bits"] - 1)), (1 << (layer["acc_bits"] - 1)) - 1
         if expected in (lo, hi) or actual in (lo, hi) or not lo <= actual <= hi:
@@ -135,8 +150,11 @@ def classify(kind: str, layer: dict, expected: int | None, actual: int | None, c
                                           f"lookup_input.hex")
     lo, hi = layer["clamp"]
     if abs(expected - actual) == 1 and acc is not None and "mult" in params:
-        tie, value = _near_tie(acc, int(params["mult"][c]), int(params["shift"][c]), params["scale_f32"][c],
-                               layer["rounding"])
+        mult, shift, scale = int(params["mult"][c]), int(params["shift"][c]), params["scale_f32"][c]
+        if word is not None:  # the multiplier this element was requantized with (isa/row_scale.py)
+            mult, shift = row_scaled(mult, shift, word)
+            scale = row_scaled_float32(scale, word)
+        tie, value = _near_tie(acc, mult, shift, scale, layer["rounding"])
         if tie:
             return "rounding-mode mismatch?", f"{value} is a rounding tie (rounding = {layer['rounding']})"
     if expected in (lo, hi) or actual in (lo, hi) or not lo <= actual <= hi:
@@ -234,8 +252,10 @@ def _compare_file(root: Path, dump: Path, layer: dict, key: str, record: dict, p
         a = None if unknown[r, c] else int(actual[r, c])
         acc_value = int(acc[row, col]) if acc is not None and key == "out" else None
         codes = params.get("lookup_input")
+        words = params.get("row_scale")  # one per row g*M + m of group g = col // n
+        word = int(words[(col // layer["n"]) * layer["m"] + row]) if words is not None and key == "out" else None
         label, detail = classify(key, layer, e, a, col, acc_value, params if codes is None or key != "out" else
-                                 {**params, "code": int(codes[row, col])})
+                                 {**params, "code": int(codes[row, col])}, word)
         classes[label] = classes.get(label, 0) + 1
         if n == 0:
             where = _tile_of(layer, row, col) if key != "stored" else None
@@ -253,6 +273,9 @@ def _compare_layer(root: Path, dump: Path, layer: dict) -> LayerComparison:
     acc = _expected(root, files["acc"]) if "acc" in files else None
     if "lookup_input" in files:
         params["lookup_input"] = _expected(root, files["lookup_input"])
+    if "row_scale" in files:  # the hex's order, line g*M + m (the npy is the operand tensor in its own shape)
+        record = files["row_scale"]
+        params["row_scale"] = read_hex_file(_inside(root, record["hex"], root / MANIFEST), record)[0].reshape(-1)
     compared = []
     for key in COMPARED:
         if key in files and (result := _compare_file(root, dump, layer, key, files[key], params, acc, None)):

@@ -15,9 +15,10 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from isa.geometry import ReadFill
-from isa.instructions import Instruction
+from isa.instructions import Instruction, row_scale_words
 from isa.kinds import LAYOUT_KINDS, Kind, handler
 from isa.output_stage import Bias, Clamp, ClampHi, Lookup, Requantize, RowReciprocal, WindowMax, fold
+from isa.row_scale import RECIPROCAL, RSQRT
 from isa.target import Target, acc_element_bytes, target_from_dict, target_to_dict
 from isa.tiling import GemmShape, Tiles, gemm_shape, tiles_of
 from simulator.kernels.im2col import im2col
@@ -97,6 +98,7 @@ def _dense_operands(instr: Instruction, args: list[np.ndarray], arrays: dict, in
 def _add_operands(instr: Instruction, args: list[np.ndarray], arrays: dict, info: dict) -> tuple[np.ndarray, np.ndarray]:
     """AddGemm: group c holds rows [a, b] of channel c, (C, N*H*W, 2); weights [w_a, w_b], (C, 2, 1)."""
     a, b = args
+    b = np.broadcast_to(b, a.shape)  # a per-row operand, read once per element of its row
     cols = np.stack([channels_last(a).T, channels_last(b).T], axis=2)  # (C, M, 2)
     w_a, w_b = instr.add_weights
     weight = np.broadcast_to(np.array([[w_a], [w_b]], np.int16), (cols.shape[0], 2, 1)).copy()
@@ -130,8 +132,8 @@ def _mul_operands(instr: Instruction, args: list[np.ndarray], arrays: dict, info
 def _matmul_operands(instr: Instruction, args: list[np.ndarray], arrays: dict, info: dict):
     """MatMulGemm: one group per sample and leading index, a as (G, M, K) and b as (G, K, P), as the array reads them
     (transposed from memory with transpose_a, transpose_b; b by _weight_operand). acc and out are (M, G*P): column
-    g*P + j."""
-    a, b = instr.grouped_operands(*args)
+    g*P + j. A row scale's words (a third input) are the Requantize step's (_requantize_vectors)."""
+    a, b = instr.grouped_operands(*args[:2])
     m, p = a.shape[1], b.shape[2]
 
     def to_matrix(y: np.ndarray) -> np.ndarray:
@@ -182,17 +184,37 @@ def _bias_vectors(step, v: _StageVectors, layer: _LayerRun) -> _StageVectors:
     return replace(v, bias=layer.arrays[step.array])
 
 
+def row_table_file(step: RowReciprocal) -> tuple:
+    """The extra file of a row-reciprocal store's table (isa/row_scale.py: 1/x, 1 x 256; 1/sqrt x, 1 x 512,
+    RSQRT[0] then RSQRT[1]) of 16-bit mantissas."""
+    table = RECIPROCAL if step.function == "reciprocal" else RSQRT.reshape(-1)
+    layout = ("the row-reciprocal store's table of 16-bit mantissas, entry i at word i / C, element i % C: "
+              + ("RECIPROCAL[i] (1/x)" if step.function == "reciprocal" else
+                 "RSQRT[0] (even floor(log2 S)) then RSQRT[1] (odd), 256 each (1/sqrt x)"))
+    return table.astype(np.uint16), table.reshape(1, -1), 16, False, "cols", layout
+
+
+def row_scale_file(words: np.ndarray) -> tuple:
+    """The extra file of a row scale's words (the operand tensor as it is), one line per output row g*M + m."""
+    layout = ("one row-scale word e << 16 | m (isa/row_scale.py) per output row, line g*M + m for row m of "
+              "group g, element 0 (the others zero); npy: the operand tensor")
+    return words, words.astype(np.int64).reshape(-1, 1), 32, True, "cols", layout
+
+
 def _row_reciprocal_vectors(step, v: _StageVectors, layer: _LayerRun) -> _StageVectors:
-    raise VectorError(f"instruction '{layer.instr.name}': the row-reciprocal store has no golden-vector format yet "
-                      f"(issue 30), so neither the vectors nor the reference RTL run it")
+    """The store's table (row_table_file); its out file holds the 32-bit words (Writer.layer)."""
+    return replace(v, extra={**v.extra, "row_table": row_table_file(step)}, info={**v.info, **step.to_manifest()})
 
 
 def _requantize_vectors(step, v: _StageVectors, layer: _LayerRun) -> _StageVectors:
-    if step.row_scale:  # the testbench's multiplier files are per channel (docs/hardware.md)
-        raise VectorError(f"instruction '{layer.instr.name}': a per-row scale (operand '{step.row_scale}') has no "
-                          f"golden-vector format yet (issue 30), so neither the vectors nor the reference RTL run it")
+    """The per-channel mult, shift and scale_f32; with a row scale, its words too (row_scale.hex, one line per output
+    row g*M + m: the row of acc and out, in group g), which the RTL multiplies into them (isa/row_scale.py)."""
     arrays = layer.arrays
-    return replace(v, mult=arrays[step.mult], shift=arrays[step.shift], scale_f32=arrays[step.scale_f32])
+    v = replace(v, mult=arrays[step.mult], shift=arrays[step.shift], scale_f32=arrays[step.scale_f32])
+    if not step.row_scale:
+        return v
+    return replace(v, extra={**v.extra, "row_scale": row_scale_file(np.asarray(layer.args[2]))},
+                   info={**v.info, "row_scale": step.row_scale})
 
 
 def _clamp_vectors(step, v: _StageVectors, layer: _LayerRun) -> _StageVectors:
@@ -350,9 +372,14 @@ class Writer:
                 f"sign-extended to {acc_bits}; row m (im2col row), col c = g*Ng + j")
         if vectors.out is not None:
             signed = vectors.out.dtype != np.uint8
-            put("out", vectors.out, vectors.out, 8, signed, cols,
-                "output stage result (requantize, clamp, lookup table if any) before window-max; row m, "
-                "col c = g*Ng + j")
+            if vectors.out.dtype == np.int32:  # a row-reciprocal store's words
+                put("out", vectors.out, vectors.out, 32, True, cols,
+                    "the row-reciprocal store's words e << 16 | m (isa/row_scale.py) of the biased accumulators; "
+                    "row m, col c = g*Ng + j")
+            else:
+                put("out", vectors.out, vectors.out, 8, signed, cols,
+                    "output stage result (requantize, clamp, lookup table if any) before window-max; row m, "
+                    "col c = g*Ng + j")
         if vectors.stored is not None:
             matrix = channels_last(vectors.stored)
             put("stored", vectors.stored, matrix, 8, vectors.stored.dtype != np.uint8, cols,
@@ -417,7 +444,8 @@ class Writer:
                                                  acc, bits, True, cols, "rows m0..m1, channels c0..c1")
                     if vectors.out is not None:
                         out = vectors.out[m0:m1, c0:c1]
-                        files["out"] = self.file(f"{base}_out", out, out, 8, out.dtype != np.uint8, cols,
+                        files["out"] = self.file(f"{base}_out", out, out, 32 if out.dtype == np.int32 else 8,
+                                                 out.dtype != np.uint8, cols,
                                                  "rows m0..m1, channels c0..c1, before window-max")
                     records.append({"index": index, "g": g, "m0": m0, "m1": m1, "n0": n0, "n1": n1,
                                     "c0": c0, "c1": c1, "k_tiles": [list(t) for t in k_tiles], "files": files})
@@ -505,7 +533,7 @@ def export_vectors(program, inputs: dict[str, np.ndarray], output: str | os.Path
                                   f"`qdeploy inspect PROGRAM.qdp` lists them)")
             selected.add(index)
 
-    words = {r.output for r in program.records if getattr(r, "stage", None) and r.stage.step(RowReciprocal)}
+    words = row_scale_words(program.records)
     wide = [name for name, record in program.tensors.items() if record["dtype"] == "int32" and name not in words]
     if wide:  # the vector files hold 8-bit elements (module docstring)
         raise VectorError(f"tensor '{wide[0]}' is an int32 output (a pre-quantized model left it in float); "

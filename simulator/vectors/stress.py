@@ -1,16 +1,18 @@
 """Stress cases for unit-level RTL tests of the output stage: rounding ties, extreme multipliers and shifts,
-overflow at every width."""
+overflow at every width, the row-reciprocal store on every power of two +-1 and the per-row scale at the word's
+extremes."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
 
-from isa.output_stage import Bias, Clamp, Requantize
+from isa.output_stage import Bias, Clamp, Requantize, RowReciprocal
+from isa.row_scale import ROW_FUNCTIONS, pack, row_reciprocal_words
 from isa.multiplier import quantize_multiplier
 from isa.target import Rounding, Target, target_to_dict
 from isa.tiling import GemmShape, choose_tiles
@@ -22,6 +24,8 @@ from simulator.vectors.export import (
     Writer,
     atomic_directory,
     hex_doc,
+    row_scale_file,
+    row_table_file,
     write_manifest,
 )
 
@@ -30,7 +34,9 @@ from simulator.vectors.export import (
 
 @dataclass
 class StressCase:
-    """One GEMM (M x K) . (K x N) + bias with per-column requantization: the inputs and why it is hard."""
+    """One GEMM (M x K) . (K x N) + bias with per-column requantization: the inputs and why it is hard. With
+    `row_reciprocal` its stage is the row-reciprocal store instead (isa/row_scale.py: 32-bit words out); with
+    `row_words` each row's requantization is scaled by its word."""
 
     name: str
     purpose: str
@@ -40,6 +46,8 @@ class StressCase:
     mult: np.ndarray  # (N,)
     shift: np.ndarray  # (N,)
     clamp: tuple[int, int]
+    row_reciprocal: str | None = None  # "reciprocal" or "rsqrt"
+    row_words: np.ndarray | None = None  # (M,) row-scale words
 
 
 def _scale_f32(mult: int, shift: int) -> np.float32:
@@ -136,6 +144,33 @@ def stress_cases(target: Target) -> tuple[list[StressCase], list[dict]]:
             name, f"(mult, shift) in {columns}; acc from bias {int(clip_bias([base])[0])} plus up to +-{full}",
             x.astype(np.int8), np.full((k, n), 127, np.int8), clip_bias([base] * n),
             np.array([m for m, _ in columns]), np.array([s for _, s in columns]), (lo, hi)))
+
+    # 6. The row-reciprocal store: acc = bias[j] + d for d in -1..1 with bias[j] = 2^k, every power of two +-1 the
+    #    accumulator holds (the leading one and the table index at each edge), sums below 1 (read as 1) and at the
+    #    top of the register (above 2^31 - 1 read as 2^31 - 1).
+    top = min(acc_max, int32[1]) - 1
+    bias = clip_bias([0, *(1 << k for k in range(min(b, 32) - 1) if (1 << k) < top), top])
+    n = len(bias)
+    d = np.array([-1, 0, 1], np.int64)
+    for function in ROW_FUNCTIONS:
+        cases.append(StressCase(
+            f"row_{function}_edges", f"the row-reciprocal store ({function}) of acc = bias[j] + d, d in -1..1, "
+            f"bias[j] in 0, 2^0 .. 2^{int(bias[-2]).bit_length() - 1}, {int(bias[-1])}: every power of two +-1",
+            np.repeat(d[:, None], n, axis=1).astype(np.int8), identity(n), bias, np.zeros(n, np.int64),
+            np.zeros(n, np.int64), (lo, hi), row_reciprocal=function))
+
+    # 7. The per-row scale: rounding_ties' columns, each row scaled by a word at the format's extremes: s = 1/2
+    #    exactly (m = 2^15, e = 16: the ties move to the scaled multiplier), s = 1, the largest and smallest
+    #    mantissas, and the words of sums from the store.
+    ties = cases[0]
+    extremes = [pack(1 << 15, 16), pack(1 << 15, 15), pack((1 << 16) - 1, 16), pack(1 << 15, 24),
+                pack((1 << 16) - 1, 30), *row_reciprocal_words(np.array([3, 1000, 77777]), "reciprocal"),
+                *row_reciprocal_words(np.array([5, 123456]), "rsqrt")]
+    rows = len(ties.x)
+    words = np.array([extremes[i % len(extremes)] for i in range(rows)], np.int64)
+    cases.append(replace(
+        ties, name="row_scale_words", purpose=f"{ties.purpose}; row i scaled by the word {len(extremes)} extremes "
+        "cycle through (s = 1/2 exactly, 1, the largest and smallest mantissas, store words)", row_words=words))
     return cases, skipped
 
 
@@ -144,16 +179,34 @@ STRESS_STAGE = [step.__name__ for step in (Bias, Requantize, Clamp)]
 
 
 def stress_expected(case: StressCase, target: Target) -> tuple[np.ndarray, np.ndarray]:
-    """(acc, out) of a stress case from the Python-int twins (simulator/twins.py eq. 1, 3-8)."""
+    """(acc, out) of a stress case from the Python-int twins (simulator/twins.py eq. 1, 3-8, 11-12)."""
     a = target.arithmetic
     acc, _ = twins.gemm(case.x, case.w, a.acc_bits, str(a.overflow), case.bias)
+    dtype = np.int32 if a.acc_bits <= 32 else np.int64
+    if case.row_reciprocal is not None:
+        words = [twins.row_reciprocal_word(int(value), case.row_reciprocal) for value in acc.reshape(-1)]
+        return acc.astype(dtype), np.array(words, np.int32).reshape(acc.shape)
     out = np.empty(acc.shape, np.int64)
     lo, hi = case.clamp
     for (i, j), value in np.ndenumerate(acc):
-        out[i, j] = twins.requantize(int(value), int(case.mult[j]), int(case.shift[j]), str(a.rounding), lo, hi,
-                                         scale=_scale_f32(case.mult[j], case.shift[j]))
-    dtype = np.int32 if a.acc_bits <= 32 else np.int64
+        mult, shift, scale = int(case.mult[j]), int(case.shift[j]), _scale_f32(case.mult[j], case.shift[j])
+        if case.row_words is not None:
+            word = int(case.row_words[i])
+            (mult, shift), scale = twins.row_scaled(mult, shift, word), twins.row_scaled_float32(scale, word)
+        out[i, j] = twins.requantize(int(value), mult, shift, str(a.rounding), lo, hi, scale=scale)
     return acc.astype(dtype), out.astype(np.uint8 if lo >= 0 and hi > 127 else np.int8)
+
+
+def _stage(case: StressCase) -> tuple[list[str], dict, dict]:
+    """A stress case's output stage (the vectors manifest's step names), its extra files and manifest entries:
+    Bias, Requantize, Clamp; the row-reciprocal store's table; the row-scale words."""
+    if case.row_reciprocal is not None:
+        step = RowReciprocal(case.row_reciprocal)
+        return [Bias.__name__, RowReciprocal.__name__], {"row_table": row_table_file(step)}, step.to_manifest()
+    if case.row_words is not None:
+        words = case.row_words.astype(np.int32)
+        return STRESS_STAGE, {"row_scale": row_scale_file(words)}, {"row_scale": "row_words"}
+    return STRESS_STAGE, {}, {}
 
 
 def export_stress(target: Target, output: str | os.PathLike) -> ExportResult:
@@ -171,10 +224,11 @@ def export_stress(target: Target, output: str | os.PathLike) -> ExportResult:
             m, k = case.x.shape
             shape = GemmShape(1, m, case.w.shape[1], k, out.size)
             tiles = choose_tiles(shape, target.array, target.arithmetic.acc_bits)
+            stage, extra, info = _stage(case)
             vectors = LayerVectors(
                 index, case.name, "StressGemm", case.x[None], case.w[None], case.bias, case.mult, case.shift,
                 np.array([_scale_f32(mm, s) for mm, s in zip(case.mult, case.shift)], np.float32), case.clamp,
-                tiles, acc, out, None, {"purpose": case.purpose, "output_stage": STRESS_STAGE})
+                tiles, acc, out, None, {"purpose": case.purpose, "output_stage": stage, **info}, extra)
             manifest["layers"].append(writer.layer(vectors, per_tile=False))
         write_manifest(root, manifest)
         return manifest

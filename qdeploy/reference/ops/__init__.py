@@ -78,9 +78,9 @@ __all__ = ["OPS", "OpFunction"]
 
 # The float meaning's handler table for the array kinds and the layout kinds that are not ONNX ops, so lowered
 # graphs run here too; a Host instruction runs its own ONNX op.
-from qdeploy.reference.ops.accelerator import (AddGemm, ChannelPermute, ChannelSlice, ConvGemm,  # noqa: E402
-                                               DenseGemm, MatMulGemm, MulGemm)
+from qdeploy.reference.ops.accelerator import (AddGemm, AxisPermute, ChannelPermute, ChannelSlice,  # noqa: E402
+                                               ConvGemm, DenseGemm, MatMulGemm, MulGemm)
 
 OPS.update({Kind.CONV_GEMM: ConvGemm, Kind.DENSE_GEMM: DenseGemm, Kind.ADD_GEMM: AddGemm,
             Kind.MUL_GEMM: MulGemm, Kind.MATMUL_GEMM: MatMulGemm,
-            Kind.CHANNEL_SLICE: ChannelSlice, Kind.CHANNEL_PERMUTE: ChannelPermute})
+            Kind.CHANNEL_SLICE: ChannelSlice, Kind.CHANNEL_PERMUTE: ChannelPermute, Kind.AXIS_PERMUTE: AxisPermute})

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from isa.output_stage import NO_OUTPUT_STAGE, Clamp, ClampHi, Lookup, OutputStage, WindowMax, fold
+from isa.output_stage import NO_OUTPUT_STAGE, Clamp, ClampHi, Lookup, OutputStage, RowReciprocal, WindowMax, fold
 from isa.geometry import BORDER_FILLS, ReadFill
 from qdeploy.reference.ops.activation import evaluate
 from qdeploy.reference.ops.conv import Conv
@@ -45,9 +45,19 @@ def _window_max(step: WindowMax, value: tuple) -> tuple:
                    dilations=list(step.dilations), ceil_mode=int(step.ceil_mode)), pre
 
 
+def _row_reciprocal(step: RowReciprocal, value: tuple) -> tuple:
+    """The row-reciprocal store's float meaning: 1/S or 1/sqrt(S) of each row sum S (the integer unit stores the
+    word of the same value of its integer sum, isa/row_scale.py); an all-zero row reads as the smallest float32,
+    as the store reads S < 1 as 1, so no row is infinite."""
+    y, pre = value
+    y = np.maximum(y.astype(np.float64), np.finfo(np.float32).tiny)
+    return (1.0 / y if step.function == "reciprocal" else 1.0 / np.sqrt(y)), pre
+
+
 # The float reference's evaluator of each output-stage step that the lowered graph holds, (step, (y, pre)) ->
 # (y, pre). Bias and Requantize come with the compiler (the bias is the GEMM's operand here).
-STEP_EVALUATORS = {Clamp: _clamp, ClampHi: _clamp_hi, Lookup: _lookup, WindowMax: _window_max}
+STEP_EVALUATORS = {Clamp: _clamp, ClampHi: _clamp_hi, Lookup: _lookup, WindowMax: _window_max,
+                   RowReciprocal: _row_reciprocal}
 
 
 def _output_stage(y: np.ndarray, stage: OutputStage):
@@ -78,7 +88,8 @@ def upsampled_read(x: np.ndarray, upsample=None, upsample_fill=None, pads=(0, 0,
 
 
 def ConvGemm(x, w, b, *, group=1, strides=(1, 1), pads=(0, 0, 0, 0), dilations=(1, 1),
-             upsample=None, upsample_fill=None, pad_fill=None, output_stage=NO_OUTPUT_STAGE):
+             upsample=None, upsample_fill=None, pad_fill=None, output_stage=NO_OUTPUT_STAGE, integer_weights=0,
+             output_scale=None):
     """y = output_stage(Conv(read(x), w, b)): im2col + GEMM per group, the read upsampled and edge-padded as
     `upsampled_read` says."""
     x, pads = upsampled_read(x, upsample, upsample_fill, pads, pad_fill)
@@ -86,17 +97,26 @@ def ConvGemm(x, w, b, *, group=1, strides=(1, 1), pads=(0, 0, 0, 0), dilations=(
     return _output_stage(y, output_stage)
 
 
-def DenseGemm(x, w, b, *, output_stage=NO_OUTPUT_STAGE):
-    """y = output_stage(x @ w^T + b) with w of shape (out, K). Row by row: BLAS sums a matrix product in an order
-    that depends on the number of rows, and a sample's result must not depend on the batch it came in
-    (calibration promises batch-size independence)."""
+def DenseGemm(x, w, b, rows=None, *, output_stage=NO_OUTPUT_STAGE, integer_weights=0):
+    """y = output_stage((x @ w^T + b) * rows) with w of shape (out, K) (`integer_weights`: the compiler stores w as it
+    is; `rows`: a row-scale operand, one value per row of x: qdeploy/lowering/rows.py). Row by row: BLAS sums a
+    matrix product in an order that depends on the number of rows, and a sample's result must not depend on the
+    batch it came in (calibration promises batch-size independence)."""
     y = np.stack([w @ row for row in x]) + b if len(x) else np.matmul(x, w.T) + b
+    if rows is not None:
+        y = (y * rows.reshape(-1, 1)).astype(np.float32)
     return _output_stage(y, output_stage)
 
 
-def ChannelSlice(x, *, start: int, count: int):
-    """y = x[:, start:start + count]: a window of the channels (a Split or channel Slice, lowered)."""
-    return x[:, start:start + count]
+def ChannelSlice(x, *, start: int, count: int, axis: int = 1):
+    """y = x[..., start:start + count, ...] along `axis` (the channels by default): a window (a Split, Slice or
+    Gather of one index, lowered)."""
+    return x[(slice(None),) * axis + (slice(start, start + count),)]
+
+
+def AxisPermute(x, *, perm):
+    """y = x.transpose(perm), perm[0] = 0: the axes reordered (a Transpose, lowered)."""
+    return np.transpose(x, perm)
 
 
 def ChannelPermute(x, *, perm):
@@ -104,9 +124,11 @@ def ChannelPermute(x, *, perm):
     return x[:, np.asarray(perm)]
 
 
-def AddGemm(a, b, *, output_stage=NO_OUTPUT_STAGE):
-    """y = output_stage(a + b): the GEMM with K = 2 per channel, [a b] . [1 1]^T."""
-    return _output_stage(a + b, output_stage)
+def AddGemm(a, b, *, negate_b=0, output_scale=None, output_stage=NO_OUTPUT_STAGE):
+    """y = output_stage(a + b), or a - b with `negate_b`: the GEMM with K = 2 per channel, [a b] . [1 +-1]^T; b
+    is a's shape, or a per-row operand (a's shape with 1 as its last axis: a row max, a row mean) read once per
+    element of its row (qdeploy/lowering/rows.py)."""
+    return _output_stage(a - b if negate_b else a + b, output_stage)
 
 
 def _scaled(y: np.ndarray, product_scale: float | None) -> np.ndarray:
@@ -119,9 +141,17 @@ def MulGemm(a, b, *, product_scale=None, output_stage=NO_OUTPUT_STAGE):
     return _output_stage(_scaled(a * b, product_scale), output_stage)
 
 
-def MatMulGemm(a, b, *, transpose_a=0, transpose_b=0, product_scale=None, output_stage=NO_OUTPUT_STAGE):
-    """y = output_stage(c * (a @ b)), a or b transposed (last two axes) with transpose_a / transpose_b:
-    one GEMM per leading index. numpy.matmul runs one GEMM per leading index, so a sample's result does not depend
-    on its batch."""
+def MatMulGemm(a, b, rows=None, *, transpose_a=0, transpose_b=0, product_scale=None, row_sum_bias=None,
+               output_stage=NO_OUTPUT_STAGE):
+    """y = output_stage(c * (a @ b) * rows + row_sum_bias), a or b transposed (last two axes) with transpose_a /
+    transpose_b: one GEMM per leading index; `rows`, a row-scale operand (a row-reciprocal store's 1/S:
+    qdeploy/lowering/rows.py), one value per output row; `row_sum_bias`, a constant added before a row-reciprocal
+    store (a LayerNorm's C eps on its sum of squares, lowering/layernorm.py). numpy.matmul runs one GEMM per
+    leading index, so a sample's result does not depend on its batch."""
     y = np.matmul(np.swapaxes(a, -1, -2) if transpose_a else a, np.swapaxes(b, -1, -2) if transpose_b else b)
-    return _output_stage(_scaled(y, product_scale), output_stage)
+    if rows is not None:
+        y = (y * rows.reshape(y.shape[:-1] + (1,))).astype(np.float32)
+    y = _scaled(y, product_scale)
+    if row_sum_bias is not None:
+        y = y + np.float32(row_sum_bias)
+    return _output_stage(y, output_stage)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from qdeploy.reference.ops._common import normalize_axis
+from qdeploy.reference.ops.elementwise import Exp
 
 
 def Relu(X: np.ndarray) -> np.ndarray:
@@ -166,7 +167,7 @@ def PRelu(X: np.ndarray, slope: np.ndarray) -> np.ndarray:
 # from here). An output-stage lookup table tabulates one of them (qdeploy/lowering/lookup.py FUNCTIONS).
 UNARY = {"Relu": Relu, "LeakyRelu": LeakyRelu, "Sigmoid": Sigmoid, "HardSigmoid": HardSigmoid,
          "HardSwish": HardSwish, "Tanh": Tanh, "Elu": Elu, "Erf": Erf, "Gelu": Gelu, "Softplus": Softplus,
-         "Mish": Mish, "Swish": Swish}
+         "Mish": Mish, "Swish": Swish, "Exp": Exp}  # Exp: an integer softmax's table (qdeploy/lowering/softmax.py)
 
 
 def evaluate(function: str, params: dict, x: np.ndarray) -> np.ndarray:

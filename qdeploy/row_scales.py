@@ -1,0 +1,73 @@
+"""The compiler's scales of the per-row instructions (qdeploy/lowering/rows.py; design.md section 3, (11)-(12)):
+tensors whose scale follows from their input's instead of a calibration threshold, and the row-scale words.
+
+Output-scale rules (a node's `output_scale` attribute), s_x the scale of the node's first input:
+  "input"       y has x's scale and signedness: the row max is one of x's own codes (M = 1, integer weight 1)
+  "exp_table"   an AddGemm d = x - m whose output stage is the table of exp (an integer softmax): the table's input
+                d <= 0 has the scale s_d = min(TABLE_RANGE, span s_x) / 128, span = 255 the most x's codes can
+                differ by (so d never saturates before exp(d) < 1/510), and the table writes e = exp(d) as uint8
+                codes of scale 1/255 (int8 codes of scale 1/127 on a target without unsigned activations)
+
+Row-scale words (the output of an instruction whose store is the row-reciprocal store, isa/row_scale.py): int32
+words, not quantized activations. A word w of the integer row sum S_q stands for f(S_q) (f = 1/x or 1/sqrt(x));
+the real row sum is S = s_acc S_q with s_acc the accumulator's scale (s_x * 1 for a row of integer weights, s_a s_b c
+for a product of activations), so f(S) = f(s_acc) f(S_q): the words tensor's scale is f(s_acc) (`words_scale`),
+and a Requantize that reads the words as its row scale multiplies its multiplier by that scale (quantize.py)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from isa.kinds import Kind
+from qdeploy.ir import Node
+from qdeploy_base.errors import Unsupported
+
+TABLE_RANGE = 8.0  # the exp table's input covers at most [-8, 0]: 255 exp(-8) < 1/2, a code below it is 0 anyway
+CODE_SPAN = 255  # the most two int8 (or two uint8) codes differ by
+
+
+def f32(value: float) -> float:
+    """The float32 value of `value`, as a program stores a scale."""
+    return float(np.float32(value))
+
+
+def exp_table_scales(s_x: float, unsigned_activations: bool) -> tuple[float, float, bool]:
+    """(s_d, s_e, e unsigned) of the "exp_table" rule (module docstring)."""
+    s_d = f32(min(TABLE_RANGE, CODE_SPAN * s_x) / 128)
+    return s_d, f32(1 / (255.0 if unsigned_activations else 127.0)), unsigned_activations
+
+
+def words_scale(function: str, s_acc: float) -> float:
+    """The scale of row-scale words of `function` ("reciprocal", "rsqrt") of sums of accumulator scale s_acc."""
+    return f32(1 / s_acc if function == "reciprocal" else 1 / math.sqrt(s_acc))
+
+
+def accumulator_scale(node: Node, scale: dict[str, float]) -> float:
+    """s_acc of the instruction `node` whose store is the row-reciprocal store: its input's scale for a GEMM of
+    integer weights (weight scale 1), s_a s_b c for a product of activations; Unsupported otherwise (a GEMM of
+    requantized float weights has a scale per output channel, not one of the row sum)."""
+    if node.op in (Kind.DENSE_GEMM, Kind.CONV_GEMM) and node.attrs.get("integer_weights"):
+        return scale[node.inputs[0]]
+    if node.op in (Kind.MATMUL_GEMM, Kind.MUL_GEMM):
+        return scale[node.inputs[0]] * scale[node.inputs[1]] * float(node.attrs.get("product_scale", 1.0))
+    raise Unsupported(f"node '{node.name}' ({node.op}): a row-reciprocal store needs a GEMM of integer weights or "
+                      f"a product of activations (one accumulator scale per row sum)")
+
+
+def integer_weights(node: Node, weight: np.ndarray) -> np.ndarray:
+    """The int8 weight rows of a GEMM with `integer_weights` (stored as they are, weight scale 1)."""
+    if not np.array_equal(weight, np.round(weight)) or np.abs(weight).max(initial=0) > 127:
+        raise Unsupported(f"node '{node.name}' ({node.op}): integer_weights, but its weights are not integers in "
+                          f"[-127, 127]")
+    return weight.astype(np.int8)
+
+
+def check_row_accumulator(node: Node, what: str, bound: int, acc_bits: int) -> None:
+    """Unsupported, naming the node, when the exact sum `what` (|.| <= bound) does not fit the acc_bits register:
+    the per-row sums (row sums of exp codes, E.V) must be exact, so the compiler refuses instead of warning."""
+    largest = (1 << (acc_bits - 1)) - 1
+    if bound > largest:
+        raise Unsupported(f"node '{node.name}' ({node.op}): {what} can reach {bound}, more than the {acc_bits}-bit "
+                          f"accumulator holds ({largest}); rows this long cannot be summed exactly")
