@@ -29,6 +29,9 @@ tables written before it was recorded. `compile` copies it into the program, and
 are the graph inputs' records (listed first): amax, the |x| histogram and the per-channel means.
 `equalization` says the tensors were measured on the cross-layer-equalized graph (qdeploy/lowering/equalize.py;
 `qdeploy calibrate --equalize`), so the compiler lowers the model the same way; absent means false.
+`float_softmax_layernorm` says Softmax and LayerNormalization were left in float on the host (`qdeploy calibrate
+--float-softmax-layernorm`), so the compiler lowers them the same way (a host op each); written only when true,
+absent means false.
 
 TensorRT's cache: a header line `TRT-<version>-<algorithm>` (e.g. `TRT-8601-EntropyCalibration2`), then one
 line `tensor_name: <hex>` per tensor, <hex> the bits of the float32 scale = T / 127, big-endian, without
@@ -96,6 +99,7 @@ class CalibrationTable:
     equalization: bool = False  # measured on the cross-layer-equalized graph (module docstring)
     extra: dict = field(default_factory=dict)  # unknown top-level keys of a read file, kept on rewrite
     preprocess: Preprocess | None = None  # how images became the input (module docstring); None: arrays/unknown
+    float_softmax_layernorm: bool = False  # Softmax and LayerNormalization left on the host (module docstring)
 
     @property
     def thresholds(self) -> dict[str, float]:
@@ -104,7 +108,8 @@ class CalibrationTable:
     # ---- JSON ------------------------------------------------------------------------------------------
     def to_text(self) -> str:
         head = {"format": FORMAT, "version": VERSION, "model": self.model, "method": self.method,
-                "samples": self.samples, "equalization": self.equalization, **self.extra}
+                "samples": self.samples, "equalization": self.equalization,
+                **({"float_softmax_layernorm": True} if self.float_softmax_layernorm else {}), **self.extra}
         if self.preprocess is not None:
             head["preprocess"] = self.preprocess.to_json()
         lines = ["{"] + [f"  {json.dumps(k)}: {json.dumps(v)}," for k, v in head.items()] + ['  "tensors": [']
@@ -143,10 +148,8 @@ class CalibrationTable:
         if samples < 0:
             raise BadInput(f"{source}: field \"samples\" must be >= 0, got {samples}")
         model = _typed(document, "model", (str, type(None)), source)
-        equalization = document.get("equalization", False)
-        if not isinstance(equalization, bool):
-            raise BadInput(f"{source}: field \"equalization\" must be true or false, got "
-                           f"{json.dumps(equalization)[:40]}")
+        equalization, float_softmax_layernorm = (_flag(document, key, source)
+                                                 for key in ("equalization", "float_softmax_layernorm"))
         tensors = _typed(document, "tensors", list, source)
         records: dict[str, TensorRecord] = {}
         for index, entry in enumerate(tensors):
@@ -157,9 +160,10 @@ class CalibrationTable:
         preprocess = document.get("preprocess")
         if preprocess is not None:
             preprocess = Preprocess.from_json(preprocess, source)
-        known = {"format", "version", "method", "samples", "model", "equalization", "tensors", "preprocess"}
+        known = {"format", "version", "method", "samples", "model", "equalization", "float_softmax_layernorm",
+                 "tensors", "preprocess"}
         extra = {k: v for k, v in document.items() if k not in known}
-        return cls(records, method, samples, model, equalization, extra, preprocess)
+        return cls(records, method, samples, model, equalization, extra, preprocess, float_softmax_layernorm)
 
     # ---- summaries -------------------------------------------------------------------------------------
     def summary_json(self) -> dict:
@@ -187,6 +191,14 @@ def _typed(mapping: dict, key: str, types, where: str):
         expected = types.__name__ if isinstance(types, type) else " or ".join(
             "null" if t is type(None) else t.__name__ for t in types)
         raise BadInput(f"{where}: field \"{key}\" must be {expected}, got {json.dumps(value)[:40]}")
+    return value
+
+
+def _flag(document: dict, key: str, source: str) -> bool:
+    """A true/false field; absent means false (tables written before it existed)."""
+    value = document.get(key, False)
+    if not isinstance(value, bool):
+        raise BadInput(f"{source}: field \"{key}\" must be true or false, got {json.dumps(value)[:40]}")
     return value
 
 

@@ -83,8 +83,9 @@ def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTabl
         raise BadInput(f"{calib}: the table was calibrated with --equalize, which rescales the weights of a "
                        f"model whose integers are fixed; calibrate without --equalize")
     equalize = table is not None and table.equalization
+    float_softmax_layernorm = table is not None and table.float_softmax_layernorm
     lowering = lower_graph(path, imported.graph, equalize,  # the graph it was calibrated on
-                           target.array.lookup_tables > 0)
+                           target.array.lookup_tables > 0, float_softmax_layernorm)
     require_lowered(lowering, allow_host_fallback)
     if table is None:
         table = CalibrationTable({}, "model", 0)
@@ -109,6 +110,8 @@ def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTabl
         raise type(error)(f"{path}: {error}") from error
     program.manifest["model"] = path.name
     program.manifest["options"]["equalization"] = table.equalization
+    if table.float_softmax_layernorm:  # written only when set: programs compiled without it keep their manifest
+        program.manifest["options"]["float_softmax_layernorm"] = True
     if table.preprocess is not None:  # run, report and vectors export preprocess images as calibration did
         program.manifest["preprocess"] = table.preprocess.to_json()
     written = write_program(program, output) if output is not None else None

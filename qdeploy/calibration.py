@@ -278,6 +278,7 @@ class ShardJob:
     equalize: bool
     data: object  # qdeploy.cluster.ShardData
     names: list[str]
+    float_softmax_layernorm: bool = False
 
 
 @dataclass
@@ -294,20 +295,22 @@ class ShardStats:
 _LOWERED: dict[tuple, Graph] = {}  # per worker process: the lowered graph of each model it calibrated
 
 
-def lowered_graph_of(model: str, input_shapes: InputShapes | None, equalize: bool) -> Graph:
+def lowered_graph_of(model: str, input_shapes: InputShapes | None, equalize: bool,
+                     float_softmax_layernorm: bool = False) -> Graph:
     """The lowered float graph of `model`, computed once per process (a cluster worker runs many shards)."""
     stat = os.stat(model)
-    key = (model, stat.st_mtime_ns, stat.st_size, repr(input_shapes), equalize)
+    key = (model, stat.st_mtime_ns, stat.st_size, repr(input_shapes), equalize, float_softmax_layernorm)
     if key not in _LOWERED:
         imported = import_onnx(model, input_shapes, widen_scales=True)
         _LOWERED.clear()
-        _LOWERED[key] = lower_graph(Path(model), imported.graph, equalize).graph
+        _LOWERED[key] = lower_graph(Path(model), imported.graph, equalize,
+                                    float_softmax_layernorm=float_softmax_layernorm).graph
     return _LOWERED[key]
 
 
 def calibrate_shard(job: ShardJob, window: tuple[int, int]) -> ShardStats:
     """Run the lowered graph over samples window[0]..window[1]-1, on a cluster worker."""
-    graph = lowered_graph_of(job.model, job.input_shapes, job.equalize)
+    graph = lowered_graph_of(job.model, job.input_shapes, job.equalize, job.float_softmax_layernorm)
     collector = _Collector(graph, job.names, keep_sample_sums=True)
     warnings: list[str] = []
     samples = _collect(collector, job.data.batches(graph, window, warnings), job.data.batch_size, None, None)
@@ -344,7 +347,8 @@ def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD,
               percentile: float = DEFAULT_PERCENTILE, preprocess: Preprocess | None = None, strict: bool = False,
               tensorrt_cache: str | os.PathLike | None = None, input_shapes: InputShapes | None = None,
               equalize: bool = False, progress: Progress | None = None,
-              cluster: str | None = None, threads: int | None = None) -> CalibrationResult:
+              cluster: str | None = None, threads: int | None = None,
+              float_softmax_layernorm: bool = False) -> CalibrationResult:
     """Choose an activation threshold |T| for every tensor the int8 program of `model` quantizes.
 
     data: a folder of images (preprocessed per `preprocess`; H, W default to the model input's), a .npy/.npz
@@ -359,6 +363,9 @@ def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD,
       of the tensors it names (records get method "tensorrt-cache"; amax and histogram still come from data).
     equalize: measure the cross-layer-equalized graph (qdeploy/lowering/equalize.py); the table records it and
       the compiler lowers the model the same way.
+    float_softmax_layernorm: leave Softmax and LayerNormalization in float on the host (not lowered to the
+      integer unit); the table records it and the compiler lowers the model the same way (its program then needs
+      host fallback).
     progress: called as progress(samples_done, samples_total) after each batch.
     threads: worker threads that run slices of each batch side by side (default: the CPUs this process may use);
       BLAS is held to one thread throughout. The result does not depend on it (_Collector.run_in_slices)."""
@@ -383,7 +390,8 @@ def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD,
         raise BadInput(f"{model}: --equalize rescales the weights, and this pre-quantized model's integer weights "
                        f"are fixed; calibrate without --equalize")
     with one_blas_thread():
-        lowering = lower_graph(Path(model), imported.graph, equalize)
+        lowering = lower_graph(Path(model), imported.graph, equalize,
+                               float_softmax_layernorm=float_softmax_layernorm)
     graph = lowering.graph
     names = calibration_tensors(graph)
     fan_in = consumer_fan_in(lowering)
@@ -411,7 +419,7 @@ def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD,
 
             shard_data = ShardData(data if isinstance(data, (np.ndarray, dict)) else str(data), source.samples,
                                    preprocess, strict, batch_size)
-            job = ShardJob(str(model), input_shapes, equalize, shard_data, names)
+            job = ShardJob(str(model), input_shapes, equalize, shard_data, names, float_softmax_layernorm)
             samples = _collect_on_cluster(cluster, job, collector, warnings, progress)
         histograms = collector.histograms
         channel_means = collector.channel_means()
@@ -459,7 +467,8 @@ def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD,
     table_method = TENSORRT_METHOD if data is None else method
     recorded = (resolved_preprocess(data, preprocess, graph.tensors[graph.inputs[0]].shape, graph.inputs[0])
                 if data is not None and len(graph.inputs) == 1 else None)
-    table = CalibrationTable(records, table_method, samples, Path(model).name, equalize, preprocess=recorded)
+    table = CalibrationTable(records, table_method, samples, Path(model).name, equalize, preprocess=recorded,
+                             float_softmax_layernorm=float_softmax_layernorm)
     pairs = len(equalizable_pairs(graph)) if equalize else 0
     return CalibrationResult(table, samples, time.perf_counter() - start, timings, warnings, pairs,
                              list(graph.inputs))

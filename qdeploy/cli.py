@@ -246,6 +246,10 @@ def calibrate(model: Path = typer.Argument(..., help="An .onnx model."),
                                             help="Cross-layer equalization of GEMM pairs joined by ReLU, ReLU6 or no "
                                                  "activation, before measuring (recorded in the table; compile "
                                                  "follows it)."),
+              float_softmax_layernorm: bool = typer.Option(
+                  False, "--float-softmax-layernorm/--no-float-softmax-layernorm",
+                  help="Leave Softmax and LayerNormalization in float on the host instead of lowering them to the "
+                       "integer unit (recorded in the table; compile follows it and needs --allow-host-fallback)."),
               input_shape: Optional[list[str]] = INPUT_SHAPE,
               cluster: Optional[str] = CLUSTER,
               json_output: bool = JSON, verbose: bool = VERBOSE, quiet: bool = QUIET) -> None:
@@ -276,7 +280,8 @@ def calibrate(model: Path = typer.Argument(..., help="An .onnx model."),
                                  preprocess=preprocess, strict=strict,
                                  tensorrt_cache=import_tensorrt_cache,
                                  input_shapes=parse_input_shapes(input_shape), equalize=equalize,
-                                 progress=progress, cluster=cluster)
+                                 progress=progress, cluster=cluster,
+                                 float_softmax_layernorm=float_softmax_layernorm)
     finally:
         progress.close()
     for warning in result.warnings:

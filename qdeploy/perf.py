@@ -121,9 +121,9 @@ def fused_ops_of(instr: Instruction, tensors: dict, arithmetic, arrays: dict | N
         ops.append("BiasAdd")
     dtype = tensors[instr.output]["dtype"]
     full = {"uint8": (0, 255), "int32": (-(2 ** 31 - 1), 2 ** 31 - 1)}.get(dtype, (arithmetic.act_min, arithmetic.act_max))
-    lo, hi = instr.stage.clamp.lo, instr.stage.clamp.hi
-    if (lo, hi) != tuple(full) or dtype == "uint8":
-        ops.append("Relu" if hi == full[1] else "Clip")
+    clamp = instr.stage.clamp  # None: the row-reciprocal store (int32 words, no clamp; lowering/rows.py)
+    if clamp is not None and ((clamp.lo, clamp.hi) != tuple(full) or dtype == "uint8"):
+        ops.append("Relu" if clamp.hi == full[1] else "Clip")
     if instr.stage.lookup is not None:
         ops.append(instr.stage.lookup.function)
     if instr.stage.window_max is not None:

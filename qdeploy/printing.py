@@ -134,6 +134,9 @@ def print_calibration(result, output: Path, verbose: bool) -> None:
     if table.equalization:
         typer.echo(f"  on the cross-layer-equalized graph: {result.equalized_pairs} GEMM pairs rescaled "
                    f"(compile follows the table)")
+    if table.float_softmax_layernorm:
+        typer.echo("  Softmax and LayerNormalization left in float on the host (compile follows the table: "
+                   "--allow-host-fallback)")
     preprocess = table.preprocess
     if preprocess is not None:
         typer.echo(f"  preprocessing recorded (run, report and vectors export apply it to images): size "

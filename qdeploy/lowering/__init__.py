@@ -147,11 +147,18 @@ def host_reason(graph: Graph, node: Node, lookups: bool = True) -> str:
             f"(lowered: {', '.join(sorted(LOWERING))}, Relu, Clip, MaxPool; layout: {', '.join(sorted(LAYOUT_OPS))})")
 
 
-def lower(graph: Graph, equalize: bool = False, lookups: bool = True) -> LoweringResult:
+FLOAT_SOFTMAX_LAYERNORM_OPS = ("Softmax", "LayerNormalization")
+
+
+def lower(graph: Graph, equalize: bool = False, lookups: bool = True,
+          float_softmax_layernorm: bool = False) -> LoweringResult:
     """Run the LOWER passes on a simplified graph (then cross-layer equalization, with `equalize`) and describe
     the result. `lookups`: the target's output stage has lookup tables (`lookup_tables` > 0); without, the
-    activations they compute stay host ops."""
+    activations they compute stay host ops. `float_softmax_layernorm`: Softmax and LayerNormalization stay host
+    ops in float (`calibrate --float-softmax-layernorm`: the float-host program the integer ones are measured
+    against)."""
     from qdeploy.lowering.equalize import equalize_cross_layer
+    from qdeploy.lowering.layernorm import lower_layernorms
     from qdeploy.lowering.lookup import fuse_lookups
     from qdeploy.lowering.passes import LOWER
     from qdeploy.simplify.pipeline import run_pipeline
@@ -160,6 +167,8 @@ def lower(graph: Graph, equalize: bool = False, lookups: bool = True) -> Lowerin
 
     # Without lookup tables, recognised functions stay one host op each, and so does a Softmax (its exp is a table).
     passes = [p for p in LOWER if lookups or p not in (fuse_lookups, lower_softmax)]
+    if float_softmax_layernorm:
+        passes = [p for p in passes if p not in (lower_softmax, lower_layernorms)]
     lowered, records = run_pipeline(graph, passes + ([equalize_cross_layer] if equalize else []))
     instructions, layout, host_ops = [], [], []
     host_macs = 0
@@ -169,19 +178,22 @@ def lower(graph: Graph, equalize: bool = False, lookups: bool = True) -> Lowerin
         elif node.op in LAYOUT_OPS and (node.op != Kind.CONCAT or is_buffer_concat(lowered, node)):
             layout.append({"kind": node.op, "name": node.name, "inputs": node.inputs, "output": node.outputs[0]})
         else:
-            host_ops.append(HostOp(node.name, node.op, host_reason(lowered, node, lookups), node_macs(lowered, node),
-                                   node_elements(lowered, node)))
+            reason = (f"node '{node.name}' ({node.op}): kept in float on the host (--float-softmax-layernorm)"
+                      if float_softmax_layernorm and node.op in FLOAT_SOFTMAX_LAYERNORM_OPS
+                      else host_reason(lowered, node, lookups))
+            host_ops.append(HostOp(node.name, node.op, reason, node_macs(lowered, node), node_elements(lowered, node)))
             host_macs += host_ops[-1].macs
     gemm_macs = sum(i.macs for i in instructions)
     fraction = gemm_macs / (gemm_macs + host_macs) if gemm_macs + host_macs else 1.0
     return LoweringResult(lowered, records, instructions, layout, host_ops, fraction)
 
 
-def lower_graph(path: Path, graph: Graph, equalize: bool, lookups: bool = True) -> LoweringResult:
+def lower_graph(path: Path, graph: Graph, equalize: bool, lookups: bool = True,
+                float_softmax_layernorm: bool = False) -> LoweringResult:
     """`lower` for an imported graph of the model at `path` (errors name the file); `lookups`: the target has
     lookup tables (isa/target.py `lookup_tables`)."""
     try:
-        return lower(graph, equalize, lookups)
+        return lower(graph, equalize, lookups, float_softmax_layernorm)
     except BadInput as error:
         raise BadInput(f"{path}: {error}") from error
 

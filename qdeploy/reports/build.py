@@ -461,8 +461,9 @@ def _lowered(model: Path, program: Program, program_source: str, input_shapes):
     try:
         imported = import_onnx(model, input_shapes)
         lookups = target_from_dict(program.manifest["target"]).array.lookup_tables > 0
-        lowering = lower(imported.graph, bool(program.manifest.get("options", {}).get("equalization", False)),
-                         lookups)
+        options = program.manifest.get("options", {})
+        lowering = lower(imported.graph, bool(options.get("equalization", False)), lookups,
+                         bool(options.get("float_softmax_layernorm", False)))
     except BadInput as error:
         if str(error).startswith(str(model)):
             raise
