@@ -3,7 +3,7 @@ fidelity on the held-out digits and on a shifted copy of them, against the same 
 against ONNX Runtime's and NNCF's int8, in one run.
 
     python examples/digits/vit.py [--out OUTDIR] [--report REPORT_DIR] [--exporter dynamo|torchscript]...
-                                  [--no-peer] [--retrain]
+                                  [--no-peer] [--retrain] [--limit N]
         (defaults: out/digits_vit for the models, arrays, programs and the peers' models; reports/digits_vit for
         the reports and summary.md; both exporters)
 
@@ -16,6 +16,8 @@ Data (examples/digits/train.py): scikit-learn's 8 x 8 digits upsampled to 16 x 1
 training images, 450 held out); the first 512 training images calibrate (`qdeploy calibrate`'s default count),
 ours and the peers alike. The shifted copy (`shifted_copy`): each held-out image moved by each (dy, dx) in
 {-2, 0, 2}^2 pixels of the 16 x 16 input (one pixel of the 8 x 8 original), background fill: 9 x 450 = 4,050.
+--limit N evaluates the first N held-out images and the shifted copy of those (9 N) instead, calibration unchanged
+(tests/test_digits_vit.py: the whole run takes about 20 minutes on 2 cores; reports/digits_vit is a full run).
 
 Training (`train`): train.py's loop (`fit`: AdamW, cosine schedule, batches of 64, seeded and deterministic on one
 thread) for EPOCHS epochs at LEARNING_RATE, weight decay WEIGHT_DECAY, without the CNN's shift augmentation
@@ -30,9 +32,10 @@ dynamic_axes=...)`, opset 17, so LayerNormalization stays one node).
 
 Per exporter, the `qdeploy` commands a user would type, each printed: calibrate (KL); compile as a user would:
 with no flag when the lowering leaves no host op, else with --allow-host-fallback (the host ops are listed); when
-the default program is fully integer, the same model compiled with Softmax, LayerNormalization and the layout
-ops left in float on the host (FLOAT_HOST_FLAGS of `qdeploy compile`; while the default program has host ops it
-is that program, measured once) and `run` on the held-out digits and the shifted copy; ONNX Runtime's
+the default program is fully integer, the same model calibrated and compiled with Softmax and LayerNormalization
+left in float on the host (FLOAT_HOST_FLAGS of `qdeploy calibrate`, then `compile --allow-host-fallback`; while
+the default program has host ops it is that program, measured once) and `run` on the held-out digits and the
+shifted copy; ONNX Runtime's
 quantize_static (QDQ, per-channel, symmetric int8; ORT_METHODS) and NNCF's defaults on the same calibration
 images (examples/efficientnet_lite0/ort_peer.py: both keep Softmax, LayerNormalization and GELU in float); then
 `qdeploy report` per data set (it runs the program on the simulator), with the labels, the peers (`--peer`) and
@@ -72,10 +75,10 @@ SHIFT_AUGMENTATION = False
 SHIFTS = (-2, 0, 2)  # pixels of the 16 x 16 input, each of dy and dx
 EXPORTERS = ("dynamo", "torchscript")
 DATA_SETS = {"heldout": "held-out digits", "shifted": "shifted copy"}
-# `qdeploy compile` flags that keep Softmax, LayerNormalization and the token layout in float on the host, for the
-# float-host column once the default program is fully integer. None: no such switch in this version, and the
-# default program (today: --allow-host-fallback) is itself the float-host one whenever it has host ops.
-FLOAT_HOST_FLAGS: tuple[str, ...] | None = None
+# `qdeploy calibrate` flags that keep Softmax and LayerNormalization in float on the host (the table records them
+# and compile follows), for the float-host column once the default program is fully integer; while the default
+# program has host ops (--allow-host-fallback) it is itself the float-host one. None: measure no float-host program.
+FLOAT_HOST_FLAGS: tuple[str, ...] | None = ("--float-softmax-layernorm",)
 # ONNX Runtime's calibration methods measured: Entropy is left out, its thresholds are MinMax's (quantize_static's
 # 128 histogram bins leave its entropy search one candidate, the whole range: ort_peer.py) and it costs minutes.
 ORT_METHODS = ("MinMax", "Percentile")
@@ -195,11 +198,13 @@ def _ablation_file(folder: Path, logits: Path, samples: slice) -> Path:
     values = np.load(logits)[samples]
     np.save(folder / f"float_host_{samples.start}.npy", values)
     document = {"name": "qdeploy, float host ops",
-                "description": "the same model, calibration table and target compiled with its Softmax, "
-                               "LayerNormalization and token-layout ops left in float on the host "
-                               f"(`qdeploy compile {' '.join(FLOAT_HOST_FLAGS or ())}`)",
+                "description": "the same model, calibration data and target, calibrated and compiled with its "
+                               "Softmax and LayerNormalization left in float on the host "
+                               f"(`qdeploy calibrate {' '.join(FLOAT_HOST_FLAGS or ())}`, "
+                               "`qdeploy compile --allow-host-fallback`)",
                 "entries": [{"label": "float host ops", "logits": f"float_host_{samples.start}.npy",
-                             "settings": {"compile": " ".join(FLOAT_HOST_FLAGS or ())}}]}
+                             "settings": {"calibrate": " ".join(FLOAT_HOST_FLAGS or ()),
+                                          "compile": "--allow-host-fallback"}}]}
     path = folder / f"float_host_{samples.start}.json"
     path.write_text(json.dumps(document, indent=1) + "\n")
     return path
@@ -245,8 +250,10 @@ def run_exporter(model, exporter: str, out: Path, report_dir: Path, arrays: dict
     np.save(evaluation, np.concatenate([np.load(arrays["heldout"]), np.load(arrays["shifted"])]))
     ablation_logits = None
     if not result.host_ops and FLOAT_HOST_FLAGS is not None:
-        float_host = folder / f"{MODEL_NAME}_float_host.qdp"
-        qdeploy("compile", onnx_path, "--calib", calib, "-o", float_host, *FLOAT_HOST_FLAGS)
+        float_host, float_host_calib = folder / f"{MODEL_NAME}_float_host.qdp", folder / "calib_float_host.json"
+        qdeploy("calibrate", onnx_path, "--data", arrays["train"], "--method", "kl", "-o", float_host_calib,
+                *FLOAT_HOST_FLAGS)
+        qdeploy("compile", onnx_path, "--calib", float_host_calib, "-o", float_host, "--allow-host-fallback")
         ablation_logits = folder / "logits_float_host.npy"
         qdeploy("run", float_host, "--input", evaluation, "--dequantize", "-o", ablation_logits)
         result.float_host_measured = True
@@ -315,8 +322,9 @@ def summary_markdown(results: list[ExporterResult], float_accuracy: dict[str, fl
              f"{_percent(float_accuracy['shifted'])}. Calibration: the first 512 training images (KL; the peers the same images). Made by "
              f"`python examples/digits/vit.py` in {seconds:.0f} s.", "",
              "The int8 columns measure the program `qdeploy compile` makes by default, on the simulator (with "
-             "--allow-host-fallback while host ops remain: they run in float); 'float host' is the same model with Softmax, LayerNormalization and the "
-             "token layout left in float on the host, when that is a different program. ONNX Runtime (the best "
+             "--allow-host-fallback while host ops remain: they run in float); 'float host' is the same model calibrated "
+             "and compiled with Softmax and LayerNormalization left in float on the host (`calibrate "
+             "--float-softmax-layernorm`), when that is a different program. ONNX Runtime (the best "
              "of quantize_static's MinMax and Percentile, QDQ) and NNCF keep Softmax, LayerNormalization "
              "and GELU in float. Agreement and SQNR are against the float model on the same samples.", "",
              "| exporter | data | samples | float acc | int8 acc (drop) | top-1 agr. | logits SQNR | host ops | "
@@ -348,28 +356,31 @@ def summary_markdown(results: list[ExporterResult], float_accuracy: dict[str, fl
 
 
 def main(out: Path, report_dir: Path, exporters: tuple[str, ...] = EXPORTERS, peer: bool = True, seed: int = 0,
-         epochs: int = EPOCHS, retrain: bool = False, weights: Path = WEIGHTS) -> dict:
-    """Train (or reuse), export, calibrate, compile, run and report; returns summary.json's content."""
+         epochs: int = EPOCHS, retrain: bool = False, weights: Path = WEIGHTS, limit: int | None = None) -> dict:
+    """Train (or reuse), export, calibrate, compile, run and report; returns summary.json's content. `limit`: only
+    the first `limit` held-out images and their shifted copy are evaluated (module docstring)."""
     start = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     data = digits.load_data()
     print(f"digits ViT: {len(data.train_x)} training images (seed {seed}), {len(data.test_x)} held out", flush=True)
     model = train(data, seed, epochs, weights, retrain)
-    shifted = shifted_copy(data.test_x)
-    shifted_labels = np.tile(data.test_y, len(SHIFTS) ** 2)
-    float_accuracy = {"heldout": digits.accuracy(model, data.test_x, data.test_y),
+    test_x, test_y = data.test_x[:limit], data.test_y[:limit]
+    shifted = shifted_copy(test_x)
+    shifted_labels = np.tile(test_y, len(SHIFTS) ** 2)
+    float_accuracy = {"heldout": digits.accuracy(model, test_x, test_y),
                       "shifted": digits.accuracy(model, shifted, shifted_labels)}
     print(f"  torch accuracy: held out {_percent(float_accuracy['heldout'])}, shifted copy "
           f"{_percent(float_accuracy['shifted'])} ({time.perf_counter() - start:.0f} s)", flush=True)
     arrays = {"train": out / "train_x.npy", "heldout": out / "test_x.npy", "heldout_labels": out / "test_labels.npy",
               "shifted": out / "shifted_x.npy", "shifted_labels": out / "shifted_labels.npy"}
-    for key, array in (("train", data.train_x), ("heldout", data.test_x), ("heldout_labels", data.test_y),
+    for key, array in (("train", data.train_x), ("heldout", test_x), ("heldout_labels", test_y),
                        ("shifted", shifted), ("shifted_labels", shifted_labels)):
         np.save(arrays[key], array)
-    sizes = {"heldout": len(data.test_x), "shifted": len(shifted)}
+    sizes = {"heldout": len(test_x), "shifted": len(shifted)}
     results = [run_exporter(model, exporter, out, report_dir, arrays, sizes, peer) for exporter in exporters]
     seconds = time.perf_counter() - start
     summary = {"settings": _settings(seed, epochs), "float_accuracy": float_accuracy, "seconds": round(seconds),
+               "samples": sizes,
                "exporters": {r.exporter: {"refused": r.refused, "host_ops": r.host_ops,
                                           "instructions": r.instructions,
                                           "float_host_measured": r.float_host_measured,
@@ -391,6 +402,8 @@ if __name__ == "__main__":
     parser.add_argument("--no-peer", dest="peer", action="store_false",
                         help="skip ONNX Runtime's and NNCF's quantization")
     parser.add_argument("--retrain", action="store_true", help="train again even if OUTDIR holds the weights")
+    parser.add_argument("--limit", type=int, default=None,
+                        help="evaluate only the first N held-out images and their shifted copy")
     arguments = parser.parse_args()
     main(arguments.out, arguments.report, tuple(arguments.exporter or EXPORTERS), arguments.peer,
-         retrain=arguments.retrain)
+         retrain=arguments.retrain, limit=arguments.limit)
