@@ -232,3 +232,27 @@ def test_a_layernorm_over_another_axis_than_the_linears_channels_is_not_centred(
     expected = np.concatenate([session.run(None, {"x": x[i:i + 1]})[0] for i in range(len(x))])
     np.testing.assert_allclose(api.run(path, x, lowered=True)["y"], expected, rtol=0,
                                atol=1e-5 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("extra_reader", [False, True])
+def test_the_onnx_export_of_a_compiled_layernorm_is_bit_exact(tmp_path, extra_reader):
+    """float32_rne: the exported model (the sum of squares' int64 accumulators with the C eps bias and the rsqrt
+    store, the row-scaled DenseGemm as MatMulInteger with each row's scale', the centred or row-mean form) gives
+    ONNX Runtime the machine's int8 outputs exactly; eps = 0.5 makes the MatMulGemm's bias non-zero."""
+    import onnxruntime as ort
+
+    from isa.target import Arithmetic, Target
+    from qdeploy import api
+    from simulator.machine import Machine
+
+    path = _model(tmp_path / "block.onnx", extra_reader=extra_reader, seed=3, epsilon=0.5)
+    program = _program(path, Target(arithmetic=Arithmetic(rounding="float32_rne")))
+    assert any(i["kind"] == "MatMulGemm" and "bias" in i for i in program.instructions)
+    api.export_onnx(program, tmp_path / "block_int8.onnx")
+    x = _inputs(4, 6)
+    session = ort.InferenceSession(str(tmp_path / "block_int8.onnx"), providers=["CPUExecutionProvider"])
+    exported = dict(zip([o.name for o in session.get_outputs()], session.run(None, {"x": x})))
+    run = Machine(program).run({"x": x})
+    assert set(exported) == set(program.outputs)
+    for name in program.outputs:
+        np.testing.assert_array_equal(exported[name], run.outputs[name], err_msg=name)
