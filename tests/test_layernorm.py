@@ -256,3 +256,28 @@ def test_the_onnx_export_of_a_compiled_layernorm_is_bit_exact(tmp_path, extra_re
     assert set(exported) == set(program.outputs)
     for name in program.outputs:
         np.testing.assert_array_equal(exported[name], run.outputs[name], err_msg=name)
+
+
+@pytest.mark.parametrize("extra_reader", [False, True])
+def test_the_reference_rtl_runs_a_compiled_layernorm_from_its_vectors(tmp_path, extra_reader):
+    """The golden vectors of the compiled block (the sum of squares with its C eps bias in the accumulator and the
+    rsqrt store, the DenseGemm reading the words as its row scale, the row-mean form's per-row AddGemm) run on the
+    reference RTL equal to the simulator, file for file (half_up; eps = 0.5 makes the bias non-zero)."""
+    import sys
+
+    from isa.target import Arithmetic, Target
+    from simulator.vectors import compare_vectors, export_vectors
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "hw"))
+    import rtl  # hw/rtl.py, as tests/test_rtl.py imports it
+
+    if not rtl.icarus_available():
+        pytest.skip("Icarus Verilog is not installed (apt-get install iverilog)")
+    path = _model(tmp_path / "block.onnx", extra_reader=extra_reader, seed=3, epsilon=0.5)
+    program = _program(path, Target(arithmetic=Arithmetic(rounding="half_up")))
+    export_vectors(program, {"x": _inputs(4, 3)}, tmp_path / "vectors")
+    rtl.run(tmp_path / "vectors", tmp_path / "dump")
+    report = compare_vectors(tmp_path / "vectors", tmp_path / "dump")
+    layers = {layer["name"].rsplit("/", 1)[-1] for layer in report.to_json()["layers"]}
+    assert {"sum_of_squares", "normalize"} <= layers
+    assert report.ok, report.to_json()
