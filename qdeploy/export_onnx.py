@@ -453,6 +453,11 @@ def _dense_gemm(b: _Builder, instr: Instruction) -> str:
                           f"handles (N, K) inputs")
     if instr.stage.step(RowReciprocal) is not None:
         return b.output_stage(instr, _store_accumulators(b, instr, b.names[x]))
+    if instr.stage.requantize.row_scale:  # int32 accumulators, bias added, then each row's scale' (_requantize_acc)
+        weight = b.constant(f"{name}/weight_t", np.ascontiguousarray(b.program.arrays[instr.weight].T))
+        acc = b.node("MatMulInteger", [b.names[x], weight], f"{name}/acc_rows", f"{name}/MatMulInteger")
+        bias = b.constant(f"{name}/bias", b.program.arrays[instr.stage.step(Bias).array].astype(np.int32))
+        return _requantize_acc(b, instr, b.node("Add", [acc, bias], f"{name}/acc", f"{name}/Add_bias"))
     k, m = shape[1], b.program.arrays[instr.weight].shape[0]
     as_image = b.node("Reshape", [b.names[x], b.constant(f"{name}/shape_in", np.array([0, k, 1, 1], np.int64))],
                       f"{name}/input_nchw", f"{name}/Reshape_in")
@@ -493,7 +498,8 @@ def _requantize_acc(b: _Builder, instr: Instruction, acc: str) -> str:
                          f"{name}/acc_biased", f"{name}/Add_bias")
         return b.output_stage(instr, acc)
     value = b.node("Cast", [acc], f"{name}/acc_f32", f"{name}/Cast_acc", to=TensorProto.FLOAT)
-    scale = b.constant(f"{name}/scale_f32", np.float32(b.program.arrays[instr.stage.requantize.scale_f32].reshape(-1)[0]))
+    scales = b.program.arrays[instr.stage.requantize.scale_f32].reshape(-1).astype(np.float32)
+    scale = b.constant(f"{name}/scale_f32", scales if scales.size > 1 else scales[0])  # per channel: a DenseGemm's
     if instr.stage.requantize.row_scale:  # one word per output row, shaped (..., rows, 1) to broadcast over columns
         rows = b.constant(f"{name}/row_scale/shape", np.array([0, *b.program.tensors[instr.output]["shape"][1:-1], 1],
                                                                 np.int64))

@@ -493,11 +493,13 @@ class Machine:
         (M x K) . (K x P) into the acc_bits register (kernels.gemm), then the output stage. acc has the output's
         shape."""
         a, b = instr.grouped_operands(*args[:2])
+        bias, steps = self._accumulated(instr.stage)  # a bias before a row-reciprocal store (a LayerNorm's C eps)
         result = gemm(np.ascontiguousarray(a), np.ascontiguousarray(b), self.arithmetic.acc_bits,
-                      self.arithmetic.overflow)
+                      self.arithmetic.overflow,
+                      bias=None if bias is None else np.broadcast_to(bias, (a.shape[0], b.shape[2])).copy())
         shape = args[0].shape[:-2] + (a.shape[1], b.shape[2])
         words = instr.row_scale_words(args, shape)  # (rows, 1); element r * P + p of acc reads word r
-        y = self._output_stage(instr, result.acc.reshape(-1, 1), _reshaped(shape), instr.stage.steps,
+        y = self._output_stage(instr, result.acc.reshape(-1, 1), _reshaped(shape), steps,
                                None if words is None else np.repeat(words, shape[-1], axis=0))
         return y, result.acc.reshape(shape), result.events
 

@@ -232,3 +232,52 @@ def test_a_layernorm_over_another_axis_than_the_linears_channels_is_not_centred(
     expected = np.concatenate([session.run(None, {"x": x[i:i + 1]})[0] for i in range(len(x))])
     np.testing.assert_allclose(api.run(path, x, lowered=True)["y"], expected, rtol=0,
                                atol=1e-5 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("extra_reader", [False, True])
+def test_the_onnx_export_of_a_compiled_layernorm_is_bit_exact(tmp_path, extra_reader):
+    """float32_rne: the exported model (the sum of squares' int64 accumulators with the C eps bias and the rsqrt
+    store, the row-scaled DenseGemm as MatMulInteger with each row's scale', the centred or row-mean form) gives
+    ONNX Runtime the machine's int8 outputs exactly; eps = 0.5 makes the MatMulGemm's bias non-zero."""
+    import onnxruntime as ort
+
+    from isa.target import Arithmetic, Target
+    from qdeploy import api
+    from simulator.machine import Machine
+
+    path = _model(tmp_path / "block.onnx", extra_reader=extra_reader, seed=3, epsilon=0.5)
+    program = _program(path, Target(arithmetic=Arithmetic(rounding="float32_rne")))
+    assert any(i["kind"] == "MatMulGemm" and "bias" in i for i in program.instructions)
+    api.export_onnx(program, tmp_path / "block_int8.onnx")
+    x = _inputs(4, 6)
+    session = ort.InferenceSession(str(tmp_path / "block_int8.onnx"), providers=["CPUExecutionProvider"])
+    exported = dict(zip([o.name for o in session.get_outputs()], session.run(None, {"x": x})))
+    run = Machine(program).run({"x": x})
+    assert set(exported) == set(program.outputs)
+    for name in program.outputs:
+        np.testing.assert_array_equal(exported[name], run.outputs[name], err_msg=name)
+
+
+@pytest.mark.parametrize("extra_reader", [False, True])
+def test_the_reference_rtl_runs_a_compiled_layernorm_from_its_vectors(tmp_path, extra_reader):
+    """The golden vectors of the compiled block (the sum of squares with its C eps bias in the accumulator and the
+    rsqrt store, the DenseGemm reading the words as its row scale, the row-mean form's per-row AddGemm) run on the
+    reference RTL equal to the simulator, file for file (half_up; eps = 0.5 makes the bias non-zero)."""
+    import sys
+
+    from isa.target import Arithmetic, Target
+    from simulator.vectors import compare_vectors, export_vectors
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "hw"))
+    import rtl  # hw/rtl.py, as tests/test_rtl.py imports it
+
+    if not rtl.icarus_available():
+        pytest.skip("Icarus Verilog is not installed (apt-get install iverilog)")
+    path = _model(tmp_path / "block.onnx", extra_reader=extra_reader, seed=3, epsilon=0.5)
+    program = _program(path, Target(arithmetic=Arithmetic(rounding="half_up")))
+    export_vectors(program, {"x": _inputs(4, 3)}, tmp_path / "vectors")
+    rtl.run(tmp_path / "vectors", tmp_path / "dump")
+    report = compare_vectors(tmp_path / "vectors", tmp_path / "dump")
+    layers = {layer["name"].rsplit("/", 1)[-1] for layer in report.to_json()["layers"]}
+    assert {"sum_of_squares", "normalize"} <= layers
+    assert report.ok, report.to_json()

@@ -213,7 +213,7 @@ def _requantize_vectors(step, v: _StageVectors, layer: _LayerRun) -> _StageVecto
     v = replace(v, mult=arrays[step.mult], shift=arrays[step.shift], scale_f32=arrays[step.scale_f32])
     if not step.row_scale:
         return v
-    return replace(v, extra={**v.extra, "row_scale": row_scale_file(np.asarray(layer.args[2]))},
+    return replace(v, extra={**v.extra, "row_scale": row_scale_file(np.asarray(layer.args[-1]))},
                    info={**v.info, "row_scale": step.row_scale})
 
 
