@@ -36,7 +36,7 @@ from calib.table import (MIN_THRESHOLD, TENSORRT_METHOD, CalibrationTable, Tenso
                          threshold_from_tensorrt_scale)
 from qdeploy.onnx_import import InputShapes, import_onnx
 from qdeploy.binding import bind_inputs
-from qdeploy.cluster import runs_in_process
+from qdeploy.cluster import runs_in_process, starting
 from qdeploy_base.errors import BadInput
 from qdeploy.ir import Graph, topological_order
 from qdeploy.lowering.equalize import equalizable_pairs
@@ -292,19 +292,36 @@ class ShardStats:
     warnings: list[str]
 
 
-_LOWERED: dict[tuple, Graph] = {}  # per worker process: the lowered graph of each model it calibrated
+_LOWERED: dict[tuple, Graph] = {}  # per worker process: the lowered graph of the job it last ran
+
+
+def lowered_key(model: str, *options) -> tuple:
+    """The key of `model`'s lowered graph under `options` (what lowered it, and how) in a worker's _LOWERED: the
+    file's path, modification time and size name the model."""
+    stat = os.stat(model)
+    return (model, stat.st_mtime_ns, stat.st_size, *map(repr, options))
+
+
+def install_lowered(key: tuple, graph: Graph) -> None:
+    """Keep `graph` as this process's lowered graph under `key` (qdeploy/cluster.py `install`: the client sends
+    the graph it lowered, so a worker does not lower the model again)."""
+    _LOWERED.clear()
+    _LOWERED[key] = graph
+
+
+def installed_graph(key: tuple) -> Graph | None:
+    return _LOWERED.get(key)
 
 
 def lowered_graph_of(model: str, input_shapes: InputShapes | None, equalize: bool,
                      float_softmax_layernorm: bool = False) -> Graph:
-    """The lowered float graph of `model`, computed once per process (a cluster worker runs many shards)."""
-    stat = os.stat(model)
-    key = (model, stat.st_mtime_ns, stat.st_size, repr(input_shapes), equalize, float_softmax_layernorm)
+    """The lowered float graph of `model` as calibration lowers it, computed once per process (a cluster worker
+    runs many shards) unless the client installed it (install_lowered)."""
+    key = lowered_key(model, "calibrate", input_shapes, equalize, float_softmax_layernorm)
     if key not in _LOWERED:
         imported = import_onnx(model, input_shapes, widen_scales=True)
-        _LOWERED.clear()
-        _LOWERED[key] = lower_graph(Path(model), imported.graph, equalize,
-                                    float_softmax_layernorm=float_softmax_layernorm).graph
+        install_lowered(key, lower_graph(Path(model), imported.graph, equalize,
+                                         float_softmax_layernorm=float_softmax_layernorm).graph)
     return _LOWERED[key]
 
 
@@ -317,11 +334,14 @@ def calibrate_shard(job: ShardJob, window: tuple[int, int]) -> ShardStats:
     return ShardStats(collector.histograms, collector.sample_sums, collector.channel_counts, samples, warnings)
 
 
-def _collect_on_cluster(spec: str, job: ShardJob, collector: _Collector, warnings: list[str],
+def _collect_on_cluster(client, job: ShardJob, graph: Graph, collector: _Collector, warnings: list[str],
                         progress: Progress | None) -> int:
-    """Calibrate shard by shard on the cluster `spec`, merging into `collector` in sample order."""
-    from qdeploy.cluster import run_sharded
+    """Calibrate shard by shard on the cluster of `client`, merging into `collector` in sample order. The workers
+    get `graph` (this process lowered it) instead of lowering the model again."""
+    from qdeploy.cluster import install, run_sharded
 
+    install(client, install_lowered, lowered_key(job.model, "calibrate", job.input_shapes, job.equalize,
+                                                 job.float_softmax_layernorm), graph)
     samples = 0
 
     def fold(stats: ShardStats) -> None:
@@ -332,7 +352,7 @@ def _collect_on_cluster(spec: str, job: ShardJob, collector: _Collector, warning
         if progress is not None:
             progress(samples, job.data.samples)
 
-    run_sharded(spec, calibrate_shard, job, fold)
+    run_sharded(client, calibrate_shard, job, fold)
     return samples
 
 
@@ -383,48 +403,53 @@ def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD,
                        f"rescales them; use one or the other")
     cache = read_tensorrt_cache(tensorrt_cache) if tensorrt_cache is not None else None
 
-    with one_blas_thread():  # the import's shape probe runs batch-1 GEMMs, too small for BLAS threads to pay
-        imported = import_onnx(model, input_shapes, widen_scales=True)  # only the float graph is calibrated here
-    stated = imported.quantization
-    if equalize and stated is not None:
-        raise BadInput(f"{model}: --equalize rescales the weights, and this pre-quantized model's integer weights "
-                       f"are fixed; calibrate without --equalize")
-    with one_blas_thread():
-        lowering = lower_graph(Path(model), imported.graph, equalize,
-                               float_softmax_layernorm=float_softmax_layernorm)
-    graph = lowering.graph
-    names = calibration_tensors(graph)
-    fan_in = consumer_fan_in(lowering)
-    timings = {"lower": time.perf_counter() - start}
-    warnings: list[str] = []
+    with contextlib.ExitStack() as cluster_stack:
+        # a cluster starts (its workers import qdeploy) while this process imports and lowers the model
+        client_of = (None if data is None or runs_in_process(cluster)
+                     else cluster_stack.enter_context(starting(cluster)))
+        with one_blas_thread():  # the import's shape probe runs batch-1 GEMMs, too small for BLAS threads to pay
+            imported = import_onnx(model, input_shapes, widen_scales=True)  # only the float graph is calibrated
+        stated = imported.quantization
+        if equalize and stated is not None:
+            raise BadInput(f"{model}: --equalize rescales the weights, and this pre-quantized model's integer "
+                           f"weights are fixed; calibrate without --equalize")
+        with one_blas_thread():
+            lowering = lower_graph(Path(model), imported.graph, equalize,
+                                   float_softmax_layernorm=float_softmax_layernorm)
+        graph = lowering.graph
+        names = calibration_tensors(graph)
+        fan_in = consumer_fan_in(lowering)
+        timings = {"lower": time.perf_counter() - start}
+        warnings: list[str] = []
 
-    histograms: dict[str, StreamingHistogram] = {}
-    channel_means: dict[str, np.ndarray] = {}
-    channel_spreads: dict[str, np.ndarray] = {}
-    samples = 0
-    if data is not None:
-        source = open_data(data, num_samples=num_samples, input_names=graph.inputs,
-                           input_shapes=[graph.tensors[n].shape for n in graph.inputs], preprocess=preprocess,
-                           strict=strict)
-        collector = _Collector(graph, names)
-        collect_start = time.perf_counter()
-        if runs_in_process(cluster):
-            with contextlib.closing(source.batches(batch_size)) as batches:
-                samples = _collect(collector, ((batch.start, batch.size, bind_inputs(graph, batch.arrays, source.source))
-                                              for batch in batches), batch_size, threads,
-                                   None if progress is None else lambda done: progress(done, source.samples))
-            warnings += source.warnings
-        else:
-            from qdeploy.cluster import ShardData
+        histograms: dict[str, StreamingHistogram] = {}
+        channel_means: dict[str, np.ndarray] = {}
+        channel_spreads: dict[str, np.ndarray] = {}
+        samples = 0
+        if data is not None:
+            source = open_data(data, num_samples=num_samples, input_names=graph.inputs,
+                               input_shapes=[graph.tensors[n].shape for n in graph.inputs], preprocess=preprocess,
+                               strict=strict)
+            collector = _Collector(graph, names)
+            collect_start = time.perf_counter()
+            if runs_in_process(cluster):
+                with contextlib.closing(source.batches(batch_size)) as batches:
+                    feeds = ((batch.start, batch.size, bind_inputs(graph, batch.arrays, source.source))
+                             for batch in batches)
+                    samples = _collect(collector, feeds, batch_size, threads,
+                                       None if progress is None else lambda done: progress(done, source.samples))
+                warnings += source.warnings
+            else:
+                from qdeploy.cluster import ShardData
 
-            shard_data = ShardData(data if isinstance(data, (np.ndarray, dict)) else str(data), source.samples,
-                                   preprocess, strict, batch_size)
-            job = ShardJob(str(model), input_shapes, equalize, shard_data, names, float_softmax_layernorm)
-            samples = _collect_on_cluster(cluster, job, collector, warnings, progress)
-        histograms = collector.histograms
-        channel_means = collector.channel_means()
-        channel_spreads = collector.channel_spreads()
-        timings["collect"] = time.perf_counter() - collect_start
+                shard_data = ShardData(data if isinstance(data, (np.ndarray, dict)) else str(data), source.samples,
+                                       preprocess, strict, batch_size)
+                job = ShardJob(str(model), input_shapes, equalize, shard_data, names, float_softmax_layernorm)
+                samples = _collect_on_cluster(client_of(), job, graph, collector, warnings, progress)
+            histograms = collector.histograms
+            channel_means = collector.channel_means()
+            channel_spreads = collector.channel_spreads()
+            timings["collect"] = time.perf_counter() - collect_start
 
     cached: dict[str, float] = {}
     if cache is not None:

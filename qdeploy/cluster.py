@@ -255,12 +255,38 @@ def shard_windows(samples: int, batch_size: int, workers: int = 1) -> list[tuple
     return [(start, min(start + step, samples)) for start in range(0, samples, step)]
 
 
-def run_sharded(spec: str, function: Callable, job: Any, fold: Callable[[Any], None]) -> None:
-    """On the cluster `spec`, run function(job, window) for every shard of whole batches of job.data (a
-    ShardData) and call fold(result) in sample order: the one walk that calibration and the report share."""
-    with connect(spec) as client:
-        workers = len(client.scheduler_info()["workers"])
-        map_in_order(client, function, shard_windows(job.data.samples, job.data.batch_size, workers), job, fold)
+@contextlib.contextmanager
+def starting(spec: str) -> Iterator[Callable[[], Any]]:
+    """connect(spec) entered in a background thread, so that the cluster starts (local worker processes import
+    qdeploy and load Numba's kernels) while this process imports and lowers the model; yields a function that
+    waits for the client and returns it (or raises connect's BadInput). On exit the cluster is closed, after its
+    start has finished, whatever the caller raised."""
+    from concurrent.futures import ThreadPoolExecutor, wait
+
+    stack = contextlib.ExitStack()
+    pool = ThreadPoolExecutor(1, thread_name_prefix="qdeploy-cluster-start")
+    started = pool.submit(stack.enter_context, connect(spec))
+    pool.shutdown(wait=False)
+    try:
+        yield started.result
+    finally:
+        wait([started])  # a start that failed holds its error in `started` and entered nothing into the stack
+        stack.close()
+
+
+def install(client, function: Callable, *args) -> None:
+    """Run function(*args) once on every worker now: what the client computed and each worker would otherwise
+    compute again before its first shard (the lowered graph: qdeploy/calibration.py `install_lowered`). A worker
+    that joins later (a dead one's replacement) computes it itself, so this only saves time."""
+    client.run(function, *args)
+
+
+def run_sharded(client, function: Callable, job: Any, fold: Callable[[Any], None]) -> None:
+    """On the cluster of `client` (from `starting` or `connect`), run function(job, window) for every shard of
+    whole batches of job.data (a ShardData) and call fold(result) in sample order: the one walk that calibration
+    and the report share."""
+    workers = len(client.scheduler_info()["workers"])
+    map_in_order(client, function, shard_windows(job.data.samples, job.data.batch_size, workers), job, fold)
 
 
 def map_in_order(client, function: Callable, windows: list[tuple[int, int]], job: Any,

@@ -54,7 +54,7 @@ from isa.kinds import Kind
 from qdeploy import __version__
 from qdeploy_base.errors import BadInput
 from qdeploy.calibration import consumer_fan_in
-from qdeploy.cluster import runs_in_process
+from qdeploy.cluster import runs_in_process, starting
 from qdeploy.program import Program, read_program
 from qdeploy.reports import DEFAULT_BATCH_SIZE, metrics
 from qdeploy.reports.evaluate import Evaluator, check_original
@@ -329,12 +329,23 @@ class WalkJob:
 _EVALUATORS: dict[tuple, Evaluator] = {}  # per worker process: the evaluator of the job it last walked
 
 
+def report_graph_key(job: WalkJob) -> tuple:
+    """The key of the graph the client lowered for the report's walks (qdeploy/calibration.py lowered_key): the
+    program's options (equalization, lookups, float softmax and LayerNorm) decide the lowering."""
+    from qdeploy.calibration import lowered_key
+
+    return lowered_key(job.model, "report", job.input_shapes, job.program.manifest.get("options", {}),
+                       job.program.manifest.get("target"))
+
+
 def walk_shard(job: WalkJob, window: tuple[int, int]) -> list[tuple[int, list]]:
     """The walks of each batch of samples window[0]..window[1]-1, on a cluster worker: [(batch start, walks)]."""
-    from qdeploy.calibration import lowered_graph_of
+    from qdeploy.calibration import installed_graph, lowered_graph_of
 
-    equalized = bool(job.program.manifest.get("options", {}).get("equalization", False))
-    graph = lowered_graph_of(job.model, job.input_shapes, equalized)  # lowered once per worker process
+    graph = installed_graph(report_graph_key(job))  # the client's (_walk_on_cluster)
+    if graph is None:  # a worker that joined after the start lowers the model itself, once
+        equalized = bool(job.program.manifest.get("options", {}).get("equalization", False))
+        graph = lowered_graph_of(job.model, job.input_shapes, equalized)
     # the manifest records every array's SHA-256, so it names the program
     key = (id(graph), json.dumps(job.program.manifest, sort_keys=True, default=str), job.output)
     if key not in _EVALUATORS:
@@ -346,16 +357,20 @@ def walk_shard(job: WalkJob, window: tuple[int, int]) -> list[tuple[int, list]]:
     return [(start, evaluator.walk_batch(feeds)) for start, _, feeds in job.data.batches(graph, window, [])]
 
 
-def _walk_on_cluster(spec: str, job: WalkJob, evaluator: Evaluator, added) -> None:
-    """Walk shard by shard on the cluster `spec`, adding each batch's walks to `evaluator` in data order."""
-    from qdeploy.cluster import run_sharded
+def _walk_on_cluster(client, job: WalkJob, graph, evaluator: Evaluator, added) -> None:
+    """Walk shard by shard on the cluster of `client`, adding each batch's walks to `evaluator` in data order. The
+    workers get `graph` (this process lowered it) instead of lowering the model again."""
+    from qdeploy.calibration import install_lowered
+    from qdeploy.cluster import install, run_sharded
+
+    install(client, install_lowered, report_graph_key(job), graph)
 
     def fold(batches: list[tuple[int, list]]) -> None:
         for start, walks in batches:
             float_logits, _ = evaluator.add_walks(walks, start)
             added(None, float_logits)
 
-    run_sharded(spec, walk_shard, job, fold)
+    run_sharded(client, walk_shard, job, fold)
 
 
 def build_report(model: str | os.PathLike, program: str | os.PathLike | Program, data, output: str | os.PathLike,
@@ -385,11 +400,14 @@ def build_report(model: str | os.PathLike, program: str | os.PathLike | Program,
     _check_destination(output, batch_size, num_samples)
     program_source = str(program) if not isinstance(program, Program) else "program"
     program = program if isinstance(program, Program) else read_program(program)
-    imported, lowering = _lowered(model, program, program_source, input_shapes)
-    inputs = _read_inputs(data, program, program_source, lowering.graph, labels, calib, peer, ablation, num_samples,
-                          preprocess, output_name)
-    evaluator, lowering_error, walk_seconds = _walk(model, program, imported, lowering.graph, data, inputs,
-                                                    input_shapes, batch_size, progress, cluster)
+    with contextlib.ExitStack() as cluster_stack:
+        # a cluster starts (its workers import qdeploy) while this process imports and lowers the model
+        client_of = None if runs_in_process(cluster) else cluster_stack.enter_context(starting(cluster))
+        imported, lowering = _lowered(model, program, program_source, input_shapes)
+        inputs = _read_inputs(data, program, program_source, lowering.graph, labels, calib, peer, ablation,
+                              num_samples, preprocess, output_name)
+        evaluator, lowering_error, walk_seconds = _walk(model, program, imported, lowering.graph, data, inputs,
+                                                        input_shapes, batch_size, progress, client_of)
     if evaluator.samples == 0:
         raise BadInput(f"{inputs.source.source}: no samples to evaluate")
     warnings = list(inputs.source.warnings)
@@ -539,10 +557,10 @@ def _read_inputs(data, program: Program, program_source: str, graph, labels, cal
 
 
 def _walk(model: Path, program: Program, imported, graph, data, inputs: _Inputs, input_shapes, batch_size: int,
-          progress: Progress | None, cluster: str | None) -> tuple[Evaluator, float | None, float]:
-    """Stream the data through the float graph and the program (here, or shard by shard on `cluster`): (the
-    evaluator holding every sum, the lowered graph's error against the original model on the first samples,
-    seconds)."""
+          progress: Progress | None, client_of: Callable | None) -> tuple[Evaluator, float | None, float]:
+    """Stream the data through the float graph and the program (here, or shard by shard on the cluster whose client
+    client_of() returns: qdeploy/cluster.py `starting`): (the evaluator holding every sum, the lowered graph's
+    error against the original model on the first samples, seconds)."""
     from qdeploy.binding import bind_inputs
 
     source = inputs.source
@@ -565,7 +583,7 @@ def _walk(model: Path, program: Program, imported, graph, data, inputs: _Inputs,
             progress(evaluator.samples, source.samples)
 
     with contextlib.closing(evaluator):
-        if runs_in_process(cluster):
+        if client_of is None:
             with contextlib.closing(source.batches(batch_size)) as batches:
                 for batch in batches:
                     feeds = bind_inputs(graph, batch.arrays, source.source)
@@ -577,7 +595,7 @@ def _walk(model: Path, program: Program, imported, graph, data, inputs: _Inputs,
             shard_data = ShardData(data if isinstance(data, (np.ndarray, dict)) else str(data), source.samples,
                                    inputs.preprocess, source_strict(inputs.labels, inputs.compared), batch_size)
             job = WalkJob(str(model), program, input_shapes, shard_data, evaluator.output.name)
-            _walk_on_cluster(cluster, job, evaluator, added)
+            _walk_on_cluster(client_of(), job, graph, evaluator, added)
     return evaluator, lowering_error, time.perf_counter() - walk_start
 
 
