@@ -148,8 +148,9 @@ def connect(spec: str) -> Iterator[Any]:
         raise BadInput(f"--cluster {spec}: Dask is not installed (pip install 'qdeploy[distributed]')") from None
     cluster = None
     if parsed.workers is not None:
-        cluster = LocalCluster(n_workers=parsed.workers, threads_per_worker=1, processes=True, host="127.0.0.1",
-                               scheduler_port=0, dashboard_address=None, silence_logs=logging.ERROR)
+        with _glibc_malloc_defaults():
+            cluster = LocalCluster(n_workers=parsed.workers, threads_per_worker=1, processes=True, host="127.0.0.1",
+                                   scheduler_port=0, dashboard_address=None, silence_logs=logging.ERROR)
         address = cluster
     else:
         _probe_scheduler(parsed)
@@ -172,6 +173,17 @@ def connect(spec: str) -> Iterator[Any]:
     finally:
         if cluster is not None:
             cluster.close()
+
+
+def _glibc_malloc_defaults() -> contextlib.AbstractContextManager:
+    """Dask's nanny starts each worker process with MALLOC_TRIM_THRESHOLD_=65536 (its pre-spawn-environ), and glibc
+    then keeps its mmap threshold at 128 KiB: every array above it is mapped fresh and unmapped when freed, so each
+    of a walk's thousands of arrays page-faults its memory in again (measured: a report worker spent 14 s of
+    system time on 32 images, 0.4 s per image, against 0.11 in one process). The local workers start with glibc's
+    own defaults, as the single process runs."""
+    import dask
+
+    return dask.config.set({"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None})
 
 
 def _check_workers(client, spec: str) -> None:
