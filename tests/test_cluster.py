@@ -280,3 +280,55 @@ def test_cluster_local_is_this_process_and_starts_no_dask(lite0, tmp_path, monke
                  "-o", tmp_path / "local.json")
     assert result.exit_code == 0, result.output
     assert (tmp_path / "local.json").read_bytes() == lite0["table"].read_bytes()
+
+
+def test_local_workers_start_with_glibc_malloc_defaults(monkeypatch):
+    """Dask's nanny would start each worker with MALLOC_TRIM_THRESHOLD_=65536, which pins glibc's mmap threshold
+    at 128 KiB, so every array of a walk is mapped and page-faulted fresh (a report worker spent 3x the single
+    process's system time); qdeploy's local workers start without it (qdeploy/cluster.py)."""
+    from qdeploy.cluster import connect
+
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
+    with connect("local:1") as client:
+        values = client.run(os.environ.get, "MALLOC_TRIM_THRESHOLD_")
+    assert list(values.values()) == [None], values
+
+
+def test_a_worker_walks_the_graph_the_client_sent_and_lowers_nothing(lite0, monkeypatch):
+    """The client sends its lowered graph to every worker (qdeploy/cluster.py install), so a worker neither
+    imports nor lowers the model again; a worker without it (a later replacement) lowers the model itself."""
+    import qdeploy.calibration as calibration
+    from qdeploy.cluster import ShardData
+    from qdeploy.program import read_program
+    from qdeploy.reports import build
+
+    model = str(lite0["model"])
+    x = np.load(lite0["data"])[:4]
+    graph = calibration.lowered_graph_of(model, None, False)
+    names = calibration.calibration_tensors(graph)
+    job = calibration.ShardJob(model, None, False, ShardData(x, 4, None, False, 2), names)
+    expected = calibration.calibrate_shard(job, (0, 4))
+    calibration._LOWERED.clear()
+
+    def no_lowering(*args, **kwargs):
+        raise AssertionError("a worker lowered the model again")
+
+    monkeypatch.setattr(calibration, "import_onnx", no_lowering)
+    calibration.install_lowered(calibration.lowered_key(model, "calibrate", None, False, False), graph)
+    got = calibration.calibrate_shard(job, (0, 4))
+    for name in names:
+        empty = np.zeros(0)
+        assert got.sample_sums.get(name, empty).tobytes() == expected.sample_sums.get(name, empty).tobytes(), name
+        a, b = got.histograms[name].result(), expected.histograms[name].result()
+        assert (a is None and b is None) or (a.amax == b.amax and np.array_equal(a.counts, b.counts)), name
+
+    walk = build.WalkJob(model, read_program(lite0["program"]), None, ShardData(x, 4, None, False, 2))
+    calibration.install_lowered(build.report_graph_key(walk), graph)
+    assert calibration.installed_graph(build.report_graph_key(walk)) is graph
+    assert [start for start, _ in build.walk_shard(walk, (0, 4))] == [0, 2]
+    for evaluator in build._EVALUATORS.values():
+        evaluator.close()
+    build._EVALUATORS.clear()
+    calibration._LOWERED.clear()
+    with pytest.raises(AssertionError, match="lowered the model again"):
+        build.walk_shard(walk, (0, 2))
