@@ -16,8 +16,11 @@ shards; results that finish early wait for their turn (at most `IN_FLIGHT_PER_WO
 submitted ahead). A worker that dies loses nothing: Dask recomputes its unfinished shards on another worker (the
 tasks are pure).
 
-What a worker pays once, not per shard: its imports, Numba's kernels (from the on-disk cache), the lowered graph
-and the report's evaluator (module-level caches in qdeploy/calibration.py and qdeploy/reports/build.py). Each
+What a worker pays once, not per shard: its imports, Numba's kernels (from the on-disk cache) and the report's
+evaluator (module-level caches in qdeploy/calibration.py and qdeploy/reports/build.py). The lowered graph it does
+not compute at all: the cluster starts while the client imports and lowers the model (`starting`), and the client
+sends its graph to every worker (`install`); only a worker that joins later lowers the model itself. Local
+workers start with glibc's malloc defaults (`_glibc_malloc_defaults`), as the single process runs. Each
 worker runs one shard at a time with as many threads as it has CPUs (`threads.usable_cpus`), so the cluster to
 run is one worker per machine (`dask worker --nthreads 1`), and a shard is at least `BATCHES_PER_SHARD` batches
 (more when the data is large: about `SHARDS_PER_WORKER` shards per worker, so the job is shipped few times yet the
