@@ -487,3 +487,29 @@ def test_report_is_bit_identical_across_thread_counts_and_batch_splits(resnet_ca
         documents.append(recorded.replace(f'"batch_size": {batch},', '"batch_size": B,'))
     assert documents[0] == documents[1], "1 thread against 3"
     assert documents[0] == documents[2], "batches of 16 against 8"
+
+
+def test_the_fused_fake_quantization_equals_quantize_then_dequantize(resnet_case):
+    """The activations-only walk's one-pass fake quantization (qdeploy/reports/evaluate.py fake_quantized) gives
+    the bits of quantize_input then dequantize for every int8 / uint8 tensor: ties to even, saturation, huge
+    values, zero's sign; a NaN or Inf raises quantize_input's error as before."""
+    from qdeploy.reports.evaluate import fake_quantized
+    from simulator.machine import ProgramInputError, dequantize, quantize_input
+
+    program = read_program(resnet_case["program"])
+    names = [name for name, tensor in program.tensors.items() if tensor["dtype"] in ("int8", "uint8")]
+    assert names
+    rng = np.random.default_rng(0)
+    for name in names:
+        scale = np.float32(program.tensors[name]["scale"])
+        y = (rng.standard_normal((2, 3, 5, 7)) * 150 * scale).astype(np.float32)
+        y.flat[:40] = (np.arange(-20, 20, dtype=np.float32) + np.float32(0.5)) * scale  # ties
+        y.flat[40:44] = [3e38, -3e38, -0.0, -0.4 * scale]
+        strided = y[:, :, ::2]
+        for x in (y, strided):
+            assert fake_quantized(program, name, x).tobytes() == \
+                dequantize(program, name, quantize_input(program, name, x)).tobytes(), name
+    y = np.ones((1, 4), np.float32)
+    y[0, 2] = np.nan
+    with pytest.raises(ProgramInputError, match="NaN or Inf"):
+        fake_quantized(program, names[0], y)

@@ -44,6 +44,7 @@ from qdeploy.program import Program
 from qdeploy.reference.executor import run_node
 from qdeploy.reports.metrics import SqnrAccumulator, as_logits, cosine_per_sample, sample_energies, top_k
 from simulator.machine import Machine, dequantize, quantize_input
+from numba import njit
 from qdeploy_base.threads import blas_threads_limitable, one_blas_thread, usable_cpus
 
 
@@ -121,6 +122,36 @@ class OutputStats:
 
     def concatenated(self, parts: list[np.ndarray]) -> np.ndarray:
         return np.concatenate(parts) if parts else np.zeros((0, 1), np.int64)
+
+
+@njit(cache=True, nogil=True)
+def _fake_quantize_kernel(y, scale, lo, hi, out) -> bool:
+    """out = float32(clamp(rne(y / scale), lo, hi)) * scale, all in float32 as quantize_input then dequantize
+    compute it (the same bits), in one pass; False (out unfinished) at the first NaN or Inf."""
+    for i in range(y.size):
+        v = y[i]
+        if not np.isfinite(v):
+            return False
+        q = np.rint(np.float32(v / scale))  # Numba may divide in float64: its rounding to float32 is exact
+        out[i] = (np.float32(min(max(q, lo), hi)) + np.float32(0.0)) * scale  # -0.0 as the integer 0: +0.0
+    return True
+
+
+def fake_quantized(program: Program, name: str, y: np.ndarray) -> np.ndarray:
+    """dequantize(program, name, quantize_input(program, name, y)) without the integer array between: one pass
+    for a float32 y of an int8 or uint8 tensor (the activations-only walk's every layer), else those two calls
+    (which also raise quantize_input's error for a NaN or Inf)."""
+    dtype = np.dtype(program.tensors[name]["dtype"])
+    if y.dtype == np.float32 and dtype in (np.int8, np.uint8):
+        arithmetic = program.manifest["target"]["arithmetic"]
+        lo, hi = (0, 255) if dtype == np.uint8 else (arithmetic["act_min"], arithmetic["act_max"])
+        out = np.empty_like(y, order="C")
+        scale = np.float32(program.tensors[name]["scale"])
+        with np.errstate(over="ignore"):
+            if _fake_quantize_kernel(np.ascontiguousarray(y).reshape(-1), scale, np.float32(lo), np.float32(hi),
+                                     out.reshape(-1)):
+                return out
+    return dequantize(program, name, quantize_input(program, name, y))
 
 
 def _clipped(reference: np.ndarray, program: Program, name: str) -> int:
@@ -306,8 +337,7 @@ class Evaluator:
             float_env[instr.output], int_env[instr.output] = reference, output
             weights_env[instr.output] = self._run_float(node, weights_env, self.dequantized.get(node.name))
             y = self._run_float(node, acts_env)
-            acts_env[instr.output] = dequantize(program, instr.output,
-                                                   quantize_input(program, instr.output, y))
+            acts_env[instr.output] = fake_quantized(program, instr.output, y)
             for name in dict.fromkeys(instr.inputs):
                 if self.last_use.get(name) == step and name not in keep:
                     for env in (float_env, int_env, weights_env, acts_env):
