@@ -42,7 +42,7 @@ from qdeploy.ir import Graph, topological_order
 from qdeploy.lowering.equalize import equalizable_pairs
 from isa.kinds import LAYOUT_KINDS, VIEW_KINDS
 from qdeploy.lowering import LoweringResult, lower_graph
-from qdeploy.lowering.rows import is_row_words
+from qdeploy.lowering.rows import stores_row_words
 from qdeploy.reference.executor import run_node
 from qdeploy_base.threads import blas_threads_limitable, one_blas_thread, usable_cpus
 
@@ -74,7 +74,7 @@ def calibration_tensors(graph: Graph) -> list[str]:
     """The tensors of a lowered graph that the int8 program quantizes (module docstring), in graph order."""
     names = list(graph.inputs)
     for node in topological_order(graph):
-        if node.op in VIEW_KINDS or is_row_words(node):
+        if node.op in VIEW_KINDS or stores_row_words(node):
             continue  # a view keeps its producer's scale; row-scale words are int32 words (qdeploy/row_scales.py)
         names += [out for out in node.outputs if out and np.issubdtype(graph.tensors[out].dtype, np.floating)]
     return list(dict.fromkeys(names))

@@ -66,7 +66,7 @@ from isa.instructions import RECORDS
 from isa.output_stage import Bias, Clamp, ClampHi, Lookup, OutputStage, Requantize, RowReciprocal
 from qdeploy.lowering.nodes import INSTRUCTION_OPS, is_buffer_concat, node_kind, output_stage
 from qdeploy.lowering.lookup import NON_NEGATIVE
-from qdeploy.lowering.rows import is_row_words
+from qdeploy.lowering.rows import row_scale_input, stores_row_words
 from qdeploy import row_scales
 from qdeploy.reference.ops.activation import evaluate
 from qdeploy.prequantized import ModelQuantization, model_bias, model_weights
@@ -143,7 +143,7 @@ class _Scales:
             if self._left_in_float(node, thresholds, consumers):
                 self.wide.add(out)
                 self.unsigned[out] = False
-            elif node.op in INSTRUCTION_OPS and is_row_words(node):  # int32 row-scale words (row_scales.py)
+            elif node.op in INSTRUCTION_OPS and stores_row_words(node):  # int32 row-scale words (row_scales.py)
                 self.wide.add(out)
                 self.unsigned[out] = False
                 function = output_stage(node).steps[-1].function
@@ -328,7 +328,7 @@ class _Compiler:
             if correction is not None:
                 bias = bias + correction
             q_bias = rne(bias / (s_in * s_w))
-        if y in scales.wide and not is_row_words(node):  # eq. (4b): s_out = max_c s_in s_w[c] (float32, not below)
+        if y in scales.wide and not stores_row_words(node):  # eq. (4b): s_out = max_c s_in s_w[c] (float32, not below)
             widest = np.float32(np.max(s_in * s_w))
             scales.scale[y] = float(widest if widest >= np.max(s_in * s_w) else np.nextafter(widest, np.float32(np.inf)))
         s_out, q_range = scales.requantized(y)
@@ -345,8 +345,8 @@ class _Compiler:
             row_scales.check_row_accumulator(node, f"the row sum of {k} codes of '{x}'", bound,
                                              self.target.arithmetic.acc_bits)
             steps = [Bias(bias_array), store]
-        elif len(node.inputs) > 3:  # a row scale (rows.py with_row_scale): M[c] = s_in s_w[c] s_words / s_out
-            words = node.inputs[3]
+        elif row_scale_input(node):  # a row scale (rows.py with_row_scale): M[c] = s_in s_w[c] s_words / s_out
+            words = row_scale_input(node)
             row_scales.check_row_accumulator(node, f"the GEMM of '{x}' (K = {k}) read with a row scale", bound,
                                              self.target.arithmetic.acc_bits)
             requant = self._requant(index, s_in, s_w * scales.scale[words], s_out)
@@ -518,7 +518,7 @@ class _Compiler:
         bound = k * max(abs(v) for v in scales.range(a)) * max(abs(v) for v in scales.range(b))
         s_b_scaled = s_b * node.attrs.get("product_scale", 1.0)  # a folded constant scale c: M = c s_a s_b / s_out
         store = output_stage(node).step(RowReciprocal)
-        words = node.inputs[2] if len(node.inputs) > 2 else ""
+        words = row_scale_input(node)
         bias = ""
         if store is not None:  # row sums of products (a LayerNorm's sum of squares): their words, s_out = f(s_acc)
             # `row_sum_bias` (a LayerNorm's C eps) joins the sum in the accumulator: round(C eps / s_acc) codes.

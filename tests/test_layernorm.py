@@ -281,3 +281,12 @@ def test_the_reference_rtl_runs_a_compiled_layernorm_from_its_vectors(tmp_path, 
     layers = {layer["name"].rsplit("/", 1)[-1] for layer in report.to_json()["layers"]}
     assert {"sum_of_squares", "normalize"} <= layers
     assert report.ok, report.to_json()
+
+
+def test_layernorm_lowering_runs_before_the_token_layout_rules():
+    """lower_layernorms follows a stream through the ONNX Transposes and Pads of the token layout
+    (layernorm.py _STREAM_LAYOUT), which lower_remaining_ops turns into instructions: it must run first."""
+    from qdeploy.lowering.layernorm import lower_layernorms
+    from qdeploy.lowering.passes import LOWER, lower_remaining_ops
+
+    assert LOWER.index(lower_layernorms) < LOWER.index(lower_remaining_ops)

@@ -15,6 +15,7 @@ from qdeploy.ir import Graph, Node
 from isa.instructions import RECORDS
 from isa.kinds import WEIGHTED_GEMM_KINDS, Kind, handler
 from qdeploy.lowering.nodes import INSTRUCTION_OPS, LAYOUT_OPS, is_buffer_concat, node_kind, output_stage
+from qdeploy.lowering.rows import row_scale_input
 from qdeploy.lowering.rules import LOWERING, identity_gemm
 from qdeploy.summary import node_elements, node_macs
 
@@ -84,8 +85,8 @@ def _output_stage(node: Node) -> dict:
         result["clamp"] = [stage.clamp.lo, stage.clamp.hi]
     if "product_scale" in node.attrs:  # a constant scale folded into a product of two activations
         result["scale"] = node.attrs["product_scale"]
-    if len(node.inputs) > {Kind.MATMUL_GEMM: 2, Kind.DENSE_GEMM: 3}.get(node.op, 9):  # rows times words (rows.py)
-        result["row_scale"] = node.inputs[-1]
+    if row_scale_input(node):  # rows times words (rows.py)
+        result["row_scale"] = row_scale_input(node)
     if stage.clamp_hi is not None:
         result["clamp_hi"] = list(stage.clamp_hi.hi)
     if stage.lookup is not None:

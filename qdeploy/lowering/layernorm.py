@@ -46,7 +46,7 @@ from qdeploy.lowering.rules import Lowered, dense_gemm
 
 # Nodes a stream passes through unchanged but for the axis its channels are on: the layout kinds, and the token
 # layout's Transpose and zero Pad (lower_layernorms runs before the rules that make them AxisPermutes and padded
-# reads: lowering/passes.py LOWER).
+# reads: lowering/passes.py LOWER; tests/test_layernorm.py holds that order).
 _STREAM_LAYOUT = RESHAPE_KINDS | {"Transpose", "Pad"}
 
 

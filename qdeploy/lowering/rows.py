@@ -171,14 +171,23 @@ def with_row_scale(node: Node, words: str) -> Node:
     times that row's word of `words` (one per output row): y = (a @ b) * w, or (x W^T + b) * w, the bias included.
     The compiler multiplies the Requantize's multiplier by the words' scale and names the words as its row scale
     (qdeploy/quantize.py); the words are the instruction's last input."""
-    inputs = {Kind.MATMUL_GEMM: 2, Kind.DENSE_GEMM: 3}.get(node.op)
-    if inputs is None or len(node.inputs) != inputs:
+    if node.op not in _INPUTS_BEFORE_ROW_SCALE or row_scale_input(node):
         raise Unsupported(f"node '{node.name}' ({node.op}): only a MatMulGemm or a DenseGemm reads a row scale, "
                           f"once")
     return node.replace(inputs=[*node.inputs, words])
 
 
-def is_row_words(node: Node) -> bool:
+# The inputs of a kind that reads a row scale before its words: a MatMulGemm's a and b, a DenseGemm's x, W and b.
+_INPUTS_BEFORE_ROW_SCALE = {Kind.MATMUL_GEMM: 2, Kind.DENSE_GEMM: 3}
+
+
+def row_scale_input(node: Node) -> str:
+    """The tensor of row-scale words the instruction `node` reads (with_row_scale), or "" when it reads none."""
+    inputs = _INPUTS_BEFORE_ROW_SCALE.get(node.op)
+    return node.inputs[inputs] if inputs is not None and len(node.inputs) > inputs else ""
+
+
+def stores_row_words(node: Node) -> bool:
     """The node is an instruction whose store is the row-reciprocal store: its output is int32 row-scale words,
     not a quantized activation (calibration does not measure it; the compiler gives it its scale)."""
     stage = node.attrs.get("output_stage")
