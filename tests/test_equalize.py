@@ -16,7 +16,8 @@ from calib.table import CalibrationTable
 from qdeploy import api
 from qdeploy.cli import app
 from qdeploy_base.errors import BadInput
-from qdeploy.lowering.equalize import _input_channel_ranges, equalizable_pairs
+from qdeploy.lowering.equalize import (MIN_CHANNEL_RATIO, _input_channel_ranges, depthwise_pairs, equalizable_pairs,
+                                     widen_narrow_channels)
 from qdeploy.reference.executor import run_graph
 from builders import make_model, one_line_error, read_hex, rng_weights, run_onnxruntime, save
 
@@ -268,3 +269,30 @@ def test_per_channel_bounds_on_a_depthwise_producer(tmp_path):
     bounds = program.arrays[depthwise["clamp_hi"]].reshape(1, -1, 1, 1)
     assert np.array_equal(run.tensors[depthwise["output"]], np.minimum(free, bounds))
     assert np.any((free > bounds) & (bounds < depthwise["clamp"][1]))
+
+
+@pytest.mark.parametrize("group", [8, 1])
+def test_widen_narrow_channels_keeps_the_function_and_fills_the_range(tmp_path, group):
+    """Per-channel scales of a depthwise-only tensor as a rescaling (docs/design.md): the float graph is unchanged,
+    and every channel of the rescaled tensor reaches the widest channel's threshold (unless its ratio hit the
+    1/16 floor); a pair whose reader is not depthwise is left alone."""
+    path = _conv_pair_model(tmp_path / "m.onnx", "relu6", group)
+    x = rng_weights(5, 4, 3, 12, 12, scale=1.0)
+    plain = api.lower_model(path).graph
+    assert len(depthwise_pairs(plain)) == (1 if group == 8 else 0)
+    (a_node,) = [n for n in plain.nodes if n.name == equalizable_pairs(plain)[0][0]]
+    a = a_node.outputs[0]
+    before = run_graph(plain, {"x": x}, [a, "y"])
+    thresholds = np.abs(before[a]).max(axis=(0, 2, 3)).astype(np.float64)
+    widened = widen_narrow_channels(plain, {a: thresholds})
+    after = run_graph(widened, {"x": x}, [a, "y"])
+    assert np.max(np.abs(after["y"] - before["y"])) <= 1e-5 * np.max(np.abs(before["y"]))
+    if group == 1:
+        assert widened is plain
+        return
+    ratio = thresholds / thresholds.max()
+    assert ratio.min() < 0.5  # the model's channel ranges differ, so the rule has work to do
+    reached = np.abs(after[a]).max(axis=(0, 2, 3))
+    full = ratio >= MIN_CHANNEL_RATIO
+    np.testing.assert_allclose(reached[full], thresholds.max(), rtol=1e-5)
+    np.testing.assert_allclose(reached[~full], thresholds[~full] / MIN_CHANNEL_RATIO, rtol=1e-5)

@@ -30,6 +30,7 @@ from qdeploy.lowering.nodes import output_stage
 
 EQUALIZE_SWEEPS = 20
 SETTLED = 1e-3  # stop when every |log s_i| of a sweep is below this (ranges equal to 0.1%)
+MIN_CHANNEL_RATIO = 1 / 16  # widen_narrow_channels: a channel's step at most 16x finer than the tensor's
 GEMM_OPS = WEIGHTED_GEMM_KINDS
 
 
@@ -104,6 +105,43 @@ def equalize_cross_layer(graph: Graph) -> Graph:
             largest = max(largest, float(np.max(np.abs(np.log(scale)))))
         if largest < SETTLED:
             break
+    return _rewritten(graph, nodes, weights, total_scale)
+
+
+def depthwise_pairs(graph: Graph) -> list[tuple[str, str]]:
+    """The equalizable pairs (A, B) whose B is depthwise (each output channel reads its own input channel only):
+    A's output may then carry one scale per channel at no cost (docs/design.md, per-channel activation scales)."""
+    nodes = {node.name: node for node in graph.nodes}
+    return [(a, b) for a, b in equalizable_pairs(graph)
+            if graph.constant_data(nodes[b].inputs[1]).shape[1] == 1
+            and int(nodes[b].attrs.get("group", 1)) == graph.constant_data(nodes[a].inputs[1]).shape[0]]
+
+
+def widen_narrow_channels(graph: Graph, channel_thresholds: dict[str, np.ndarray]) -> Graph:
+    """Per-channel activation scales of depthwise-only tensors as a rescaling: for each depthwise pair (A, B) whose
+    output x = A's output has per-channel thresholds T[c] in `channel_thresholds`, r[c] = clip(T[c] / max_c T[c],
+    MIN_CHANNEL_RATIO, 1) and x'[c] = x[c] / r[c] (W_A[c], b_A[c] and a ReLU6 bound divided by r[c], W_B[c]
+    multiplied by r[c]). Quantizing x' with one scale s is quantizing x with s_x[c] = r[c] s: a narrow channel
+    gets a finer step. A channel with T[c] = 0 (dead on the data) keeps r = 1."""
+    nodes = {node.name: node for node in graph.nodes}
+    weights, total_scale = {}, {}
+    for a, b in depthwise_pairs(graph):
+        thresholds = channel_thresholds.get(nodes[a].outputs[0])
+        if thresholds is None or not np.max(thresholds, initial=0.0) > 0:
+            continue
+        thresholds = np.asarray(thresholds, np.float64)
+        ratio = np.where(thresholds > 0, np.clip(thresholds / thresholds.max(), MIN_CHANNEL_RATIO, 1.0), 1.0)
+        w_a = graph.constant_data(nodes[a].inputs[1]).astype(np.float64)
+        w_b = graph.constant_data(nodes[b].inputs[1]).astype(np.float64)
+        weights[a] = w_a / ratio.reshape((-1,) + (1,) * (w_a.ndim - 1))
+        weights[b] = _scale_input_channels(w_b, int(nodes[b].attrs.get("group", 1)), ratio)
+        total_scale[a] = ratio
+    return _rewritten(graph, nodes, weights, total_scale) if weights else graph
+
+
+def _rewritten(graph: Graph, nodes: dict[str, Node], weights: dict[str, np.ndarray],
+               total_scale: dict[str, np.ndarray]) -> Graph:
+    """The graph with the rescaled weights, A's biases and ReLU6 bounds divided by s (as float32)."""
     replaced, tensors = {}, []
     for name, weight in weights.items():
         node = nodes[name]
