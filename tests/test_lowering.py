@@ -187,3 +187,26 @@ def test_an_align_corners_bilinear_resize_is_two_gemms_of_its_interpolation_matr
             instr, args, program.arrays, Target().arithmetic, program.tensors[instr["output"]]["dtype"]))
     y = api.run(program, x, dequantize=True)["y"]
     assert 10 * np.log10(np.sum(expected ** 2) / np.sum((y - expected) ** 2)) > 30
+
+
+@pytest.mark.parametrize("kernel, stride, pads, ceil, out", [([3, 3], [1, 1], [1, 1, 1, 1], 0, [8, 8]),
+                                                            ([3, 2], [2, 2], [1, 0, 1, 0], 1, [5, 4]),
+                                                            ([3, 3], [2, 2], [0, 0, 0, 0], 1, [4, 4])])
+def test_average_pool_without_the_padding_divides_the_border_by_its_count(tmp_path, kernel, stride, pads, ceil,
+                                                                           out):
+    """PoolFormer's token mixer x - AveragePool(x) (3x3/1, pads 1, count_include_pad=0): border windows divide
+    by the elements they cover. The pool is the pooling ConvGemm (the full-window mean) then a per-element
+    rescale GEMM by kh*kw / count; the Sub an AddGemm of x and its negation: no host op, ONNX Runtime's
+    values (an asymmetric, strided, ceil_mode case too)."""
+    nodes = [helper.make_node("AveragePool", ["x"], ["p"], name="pool", kernel_shape=kernel, strides=stride,
+                              pads=pads, ceil_mode=ceil, count_include_pad=0)]
+    if out == [8, 8]:
+        nodes.append(helper.make_node("Sub", ["p", "x"], ["y"], name="mix"))
+    else:
+        nodes[0].output[0] = "y"
+    model = make_model(nodes, [("x", ["N", 3, 8, 8])], [("y", ["N", 3, *out])])
+    result = lowered_and_checked(tmp_path, model)
+    require_lowered(result, False)
+    assert {i.kind for i in result.instructions} <= {"ConvGemm", "AddGemm"}
+    rescale = [i for i in result.instructions if i.kind == "ConvGemm" and i.k == 1]
+    assert rescale, kinds(result)
