@@ -210,3 +210,19 @@ def test_average_pool_without_the_padding_divides_the_border_by_its_count(tmp_pa
     assert {i.kind for i in result.instructions} <= {"ConvGemm", "AddGemm"}
     rescale = [i for i in result.instructions if i.kind == "ConvGemm" and i.k == 1]
     assert rescale, kinds(result)
+
+
+@pytest.mark.parametrize("op, keepdims", [("ReduceSum", 1), ("ReduceMean", 0)])
+def test_a_reduction_over_the_last_axis_is_a_dense_gemm_of_ones(tmp_path, op, keepdims):
+    """MobileViT-v2's linear attention sums over the tokens, the last axis: a DenseGemm with one output row of
+    ones (1/L for the mean) on the row-major view; no host op, ONNX Runtime's values."""
+    nodes = [helper.make_node("Conv", ["x", "W"], ["c"], name="conv"),
+             helper.make_node(op, ["c", "axes"], ["y"], name="reduce", keepdims=keepdims)]
+    out = [4, 8, 1] if keepdims else [4, 8]
+    opset = 18
+    model = make_model(nodes, [("x", ["N", 3, 8, 8])], [("y", ["N", *out])],
+                       {"W": rng_weights(3, 4, 3, 1, 1), "axes": np.array([-1], np.int64)}, opset=opset)
+    result = lowered_and_checked(tmp_path, model)
+    require_lowered(result, False)
+    gemms = [i for i in result.instructions if i.kind == "DenseGemm"]
+    assert len(gemms) == 1 and gemms[0].k == 8
