@@ -226,3 +226,18 @@ def test_a_reduction_over_the_last_axis_is_a_dense_gemm_of_ones(tmp_path, op, ke
     require_lowered(result, False)
     gemms = [i for i in result.instructions if i.kind == "DenseGemm"]
     assert len(gemms) == 1 and gemms[0].k == 8
+
+
+def test_an_expand_read_by_a_product_is_the_products_broadcast(tmp_path):
+    """MobileViT-v2's relu(v) * context.expand_as(v): Mul broadcasts by itself, so the Mul reads the context
+    (N, C, H, 1) directly as the MulGemm's repeated operand; the Expand is gone, no host op."""
+    nodes = [helper.make_node("Conv", ["x", "W"], ["c"], name="conv"),
+             helper.make_node("ReduceSum", ["c", "axes"], ["s"], name="reduce", keepdims=1),
+             helper.make_node("Expand", ["s", "shape"], ["e"], name="expand"),
+             helper.make_node("Mul", ["c", "e"], ["y"], name="mul")]
+    model = make_model(nodes, [("x", ["N", 3, 8, 8])], [("y", ["N", 4, 8, 8])],
+                       {"W": rng_weights(3, 4, 3, 1, 1), "axes": np.array([-1], np.int64),
+                        "shape": np.array([1, 4, 8, 8], np.int64)}, opset=18)
+    result = lowered_and_checked(tmp_path, model)
+    require_lowered(result, False)
+    assert [i.kind for i in result.instructions if i.name == "mul"] == ["MulGemm"]
