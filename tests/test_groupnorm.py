@@ -60,3 +60,22 @@ def test_a_groupnorm_runs_on_the_unit_and_follows_onnx_runtime(tmp_path, groups,
     sqnr = _sqnr(expected, api.run(program, x, dequantize=True)["y"])
     print(f"groups {groups} dynamo {dynamo}: int8 SQNR {sqnr:.1f} dB")
     assert sqnr >= 25.0, sqnr
+
+
+def test_a_sum_of_squares_past_32_bits_is_refused_in_one_line(tmp_path):
+    """L eps in the sum of squares' accumulator units, with eps = 1e6, does not fit the 32-bit register of the
+    row-reciprocal store: the compiler refuses, naming the GroupNorm's node, instead of a wrong program."""
+    from qdeploy import api
+    from qdeploy.calibration import calibrate
+    from qdeploy_base.errors import Unsupported
+
+    path = tmp_path / "eps.onnx"
+    block = _Block(2).eval()
+    block.norm.eps = 1e6
+    torch.onnx.export(block, (torch.randn(1, 3, 8, 8),), str(path), input_names=["x"], output_names=["y"],
+                      dynamo=False, opset_version=17)
+    calibration = np.random.default_rng(1).standard_normal((8, 3, 8, 8)).astype(np.float32)
+    table = calibrate(path, calibration, "kl", num_samples=8, batch_size=8).table
+    with pytest.raises(Unsupported, match=r"node '[^']*/sum_of_squares' \(MatMulGemm\): .* more than the 32-bit "
+                                          r"accumulator holds"):
+        api.compile(path, table, None, allow_host_fallback=False)
