@@ -79,3 +79,20 @@ def test_a_sum_of_squares_past_32_bits_is_refused_in_one_line(tmp_path):
     with pytest.raises(Unsupported, match=r"node '[^']*/sum_of_squares' \(MatMulGemm\): .* more than the 32-bit "
                                           r"accumulator holds"):
         api.compile(path, table, None, allow_host_fallback=False)
+
+
+def test_an_instance_norm_with_its_own_affine_stays_on_the_host_with_the_reason(tmp_path):
+    """InstanceNorm1d(affine=True) exports its scale and bias inside the InstanceNormalization: not lowered (only
+    GroupNorm's form, scale 1 and bias 0, is), and the host op says why."""
+    from qdeploy import api
+
+    path = tmp_path / "in.onnx"
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), torch.nn.Flatten(2),
+                                torch.nn.InstanceNorm1d(4, affine=True)).eval()
+    with torch.no_grad():
+        model[2].weight.fill_(2.0)
+    torch.onnx.export(model, (torch.randn(1, 3, 4, 4),), str(path), input_names=["x"], output_names=["y"],
+                      dynamo=False, opset_version=17)
+    lowering = api.lower_model(path)
+    assert [op.op for op in lowering.host_ops] == ["InstanceNormalization"]
+    assert "(InstanceNormalization): only scale 1 and bias 0" in lowering.host_ops[0].reason
