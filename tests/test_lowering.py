@@ -187,3 +187,57 @@ def test_an_align_corners_bilinear_resize_is_two_gemms_of_its_interpolation_matr
             instr, args, program.arrays, Target().arithmetic, program.tensors[instr["output"]]["dtype"]))
     y = api.run(program, x, dequantize=True)["y"]
     assert 10 * np.log10(np.sum(expected ** 2) / np.sum((y - expected) ** 2)) > 30
+
+
+@pytest.mark.parametrize("kernel, stride, pads, ceil, out", [([3, 3], [1, 1], [1, 1, 1, 1], 0, [8, 8]),
+                                                            ([3, 2], [2, 2], [1, 0, 1, 0], 1, [5, 4]),
+                                                            ([3, 3], [2, 2], [0, 0, 0, 0], 1, [4, 4])])
+def test_average_pool_without_the_padding_divides_the_border_by_its_count(tmp_path, kernel, stride, pads, ceil,
+                                                                           out):
+    """PoolFormer's token mixer x - AveragePool(x) (3x3/1, pads 1, count_include_pad=0): border windows divide
+    by the elements they cover. The pool is the pooling ConvGemm (the full-window mean) then a per-element
+    rescale GEMM by kh*kw / count; the Sub an AddGemm of x and its negation: no host op, ONNX Runtime's
+    values (an asymmetric, strided, ceil_mode case too)."""
+    nodes = [helper.make_node("AveragePool", ["x"], ["p"], name="pool", kernel_shape=kernel, strides=stride,
+                              pads=pads, ceil_mode=ceil, count_include_pad=0)]
+    if out == [8, 8]:
+        nodes.append(helper.make_node("Sub", ["p", "x"], ["y"], name="mix"))
+    else:
+        nodes[0].output[0] = "y"
+    model = make_model(nodes, [("x", ["N", 3, 8, 8])], [("y", ["N", 3, *out])])
+    result = lowered_and_checked(tmp_path, model)
+    require_lowered(result, False)
+    assert {i.kind for i in result.instructions} <= {"ConvGemm", "AddGemm"}
+    rescale = [i for i in result.instructions if i.kind == "ConvGemm" and i.k == 1]
+    assert rescale, kinds(result)
+
+
+@pytest.mark.parametrize("op, keepdims", [("ReduceSum", 1), ("ReduceMean", 0)])
+def test_a_reduction_over_the_last_axis_is_a_dense_gemm_of_ones(tmp_path, op, keepdims):
+    """MobileViT-v2's linear attention sums over the tokens, the last axis: a DenseGemm with one output row of
+    ones (1/L for the mean) on the row-major view; no host op, ONNX Runtime's values."""
+    nodes = [helper.make_node("Conv", ["x", "W"], ["c"], name="conv"),
+             helper.make_node(op, ["c", "axes"], ["y"], name="reduce", keepdims=keepdims)]
+    out = [4, 8, 1] if keepdims else [4, 8]
+    opset = 18
+    model = make_model(nodes, [("x", ["N", 3, 8, 8])], [("y", ["N", *out])],
+                       {"W": rng_weights(3, 4, 3, 1, 1), "axes": np.array([-1], np.int64)}, opset=opset)
+    result = lowered_and_checked(tmp_path, model)
+    require_lowered(result, False)
+    gemms = [i for i in result.instructions if i.kind == "DenseGemm"]
+    assert len(gemms) == 1 and gemms[0].k == 8
+
+
+def test_an_expand_read_by_a_product_is_the_products_broadcast(tmp_path):
+    """MobileViT-v2's relu(v) * context.expand_as(v): Mul broadcasts by itself, so the Mul reads the context
+    (N, C, H, 1) directly as the MulGemm's repeated operand; the Expand is gone, no host op."""
+    nodes = [helper.make_node("Conv", ["x", "W"], ["c"], name="conv"),
+             helper.make_node("ReduceSum", ["c", "axes"], ["s"], name="reduce", keepdims=1),
+             helper.make_node("Expand", ["s", "shape"], ["e"], name="expand"),
+             helper.make_node("Mul", ["c", "e"], ["y"], name="mul")]
+    model = make_model(nodes, [("x", ["N", 3, 8, 8])], [("y", ["N", 4, 8, 8])],
+                       {"W": rng_weights(3, 4, 3, 1, 1), "axes": np.array([-1], np.int64),
+                        "shape": np.array([1, 4, 8, 8], np.int64)}, opset=18)
+    result = lowered_and_checked(tmp_path, model)
+    require_lowered(result, False)
+    assert [i.kind for i in result.instructions if i.name == "mul"] == ["MulGemm"]

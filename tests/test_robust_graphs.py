@@ -161,7 +161,7 @@ def _pool(data, g: RandomCNN) -> None:
         ceil = data.draw(st.booleans(), label="ceil_mode")
         attrs["ceil_mode"] = int(ceil)
     else:
-        # count_include_pad=0 with padding is unsupported on the GEMM unit (border windows divide by fewer).
+        # count_include_pad=0 with padding: the pooling GEMM then a per-element rescale by kh*kw / count.
         attrs["count_include_pad"] = data.draw(st.sampled_from([1, 1, 1, 0]), label="count_include_pad")
     oh = _window_out(x.height, k, s, pads[0], pads[2], 1, ceil)
     ow = _window_out(x.width, k, s, pads[1], pads[3], 1, ceil)

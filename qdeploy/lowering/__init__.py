@@ -130,6 +130,10 @@ def host_reason(graph: Graph, node: Node, lookups: bool = True) -> str:
         from qdeploy.lowering.layernorm import layernorm_refusal
 
         return layernorm_refusal(graph, node)
+    if node.op == "InstanceNormalization":
+        from qdeploy.lowering.groupnorm import instance_norm_refusal
+
+        return instance_norm_refusal(graph, node) or f"node '{node.name}' (InstanceNormalization): not lowered"
     if node.op == Kind.CONCAT:
         return (f"node '{node.name}' (Concat): along axis {node.attrs.get('axis')} to shape "
                 f"{graph.tensors[node.outputs[0]].shape}; a Concat in the program joins float activations along "

@@ -20,8 +20,11 @@ from isa.kinds import ACTIVATION_GEMM_KINDS, WEIGHTED_GEMM_KINDS, Kind
 from isa.instructions import RECORDS
 from isa.output_stage import NO_OUTPUT_STAGE, Clamp, Step, WindowMax
 from qdeploy.lowering.nodes import INSTRUCTION_OPS, is_buffer_concat, output_stage
+from qdeploy.lowering.broadcast import drop_product_expands
+from qdeploy.lowering.groupnorm import lower_instance_norms
 from qdeploy.lowering.layernorm import lower_layernorms
 from qdeploy.lowering.lookup import fuse_lookups, recognise_functions
+from qdeploy.lowering.reduce import lower_row_reductions
 from qdeploy.lowering.softmax import lower_softmax
 from qdeploy.lowering.tokens import fold_operand_scales, merge_constant_adds
 from qdeploy.lowering.rules import (LOWERING, OUTPUT_STAGE_OPS, affine_of, batchnorm_scale_shift,
@@ -413,6 +416,9 @@ LOWER: list[Pass] = [
     # LayerNorm on a stream centred at compile time -> sum of squares + normalizing GEMM; before the token layout's
     # rules, so that the stream's Transposes, Pads, Gathers and constant Adds are still the ONNX ops it follows
     lower_layernorms,
+    lower_instance_norms,  # GroupNorm's InstanceNormalization (N, G, L) -> row mean, centre, rsqrt words, MulGemm
+    drop_product_expands,  # Mul(a, Expand(c)) -> Mul(a, c): the MulGemm reads c with repeats
+    lower_row_reductions,  # ReduceSum/ReduceMean over the last axis -> a DenseGemm of ones on the row-major view
     lower_remaining_ops,  # standalone BN/affine, residual Add, token layout, average pooling -> GEMMs
     lower_softmax,  # Softmax read by P.V MatMuls -> row max, exp table, row-sum words; P.V reads the words
     split_to_slices,  # a Split left on the host -> one host Slice per output (a host step writes one tensor)

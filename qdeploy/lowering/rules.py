@@ -620,11 +620,10 @@ def lower_average_pool(graph: Graph, node: Node) -> Lowered:
     pads = list(node.attrs.get("pads") or [0] * 4)
     if len(kernel) != 2 or _rank(graph, node.inputs[0]) != 4:
         raise Unsupported(f"node '{node.name}' (AveragePool): only 2-D pooling on NCHW is supported")
-    if any(pads) and not node.attrs.get("count_include_pad", 0):
-        raise Unsupported(f"node '{node.name}' (AveragePool): count_include_pad=0 with padding divides border "
-                          f"windows by fewer elements; not expressible with constant weights")
     strides = list(node.attrs.get("strides") or [1, 1])
     dilations = list(node.attrs.get("dilations") or [1, 1])
+    if (any(pads) or node.attrs.get("ceil_mode", 0)) and not node.attrs.get("count_include_pad", 0):
+        return _average_pool_of_valid_elements(graph, node, kernel, strides, pads, dilations)
     if node.attrs.get("ceil_mode", 0):
         # ceil_mode only adds a last, partial window where floor((size + pads - extent) / stride) leaves input
         # over; where it leaves none (ResNet-D's 2x2/2 shortcut on an even size) the two modes are one pooling.
@@ -639,6 +638,60 @@ def lower_average_pool(graph: Graph, node: Node) -> Lowered:
     weight = np.full((channels, 1, *kernel), 1.0 / prod(kernel), np.float32)
     return conv_gemm(graph, node, node.inputs[0], weight, np.zeros(channels, np.float32), group=channels,
                      strides=strides, pads=pads, dilations=dilations)
+
+
+def _valid_counts(size: int, out: int, kernel: int, stride: int, pad: int, dilation: int) -> np.ndarray:
+    """Per output position along one axis, how many of its window's taps k read an input element:
+    #{k < kernel : 0 <= o * stride - pad + k * dilation < size}."""
+    taps = np.arange(out)[:, None] * stride - pad + np.arange(kernel)[None, :] * dilation
+    return ((taps >= 0) & (taps < size)).sum(axis=1)
+
+
+def _average_pool_of_valid_elements(graph: Graph, node: Node, kernel: list[int], strides: list[int],
+                                    pads: list[int], dilations: list[int]) -> Lowered:
+    """AveragePool with count_include_pad=0 and pads (PoolFormer's 3x3/1 pad 1 token mixer): each window divides
+    by the number of input elements it covers, count[i, j] = rows(i) * cols(j) (the axes count apart), fewer at
+    the border. Exact in two GEMMs: the pooling ConvGemm with weights 1/(kh*kw) (zero padding), whose output is
+    the mean over the full window, then the per-element affine GEMM y = m[i, j] * p with the constant map
+    m = kh*kw / count (1 inside, up to kh*kw at a corner) on the view (N, C*H'*W', 1, 1), as element_affine
+    does for a constant operand: p * kh*kw / count = sum / count. ceil_mode's partial last window is the same
+    border (the ConvGemm's end padding grows to reach it)."""
+    x, y = node.inputs[0], node.outputs[0]
+    in_shape, out_shape = graph.tensors[x].shape, graph.tensors[y].shape
+    if in_shape is None or out_shape is None or None in in_shape[1:] or None in out_shape[1:]:
+        raise Unsupported(f"node '{node.name}' (AveragePool): count_include_pad=0 with pads needs static NCHW "
+                          f"input and output shapes, got {in_shape} -> {out_shape}")
+    channels, out_h, out_w = (int(d) for d in out_shape[1:])
+    rows, cols = (_valid_counts(int(in_shape[2 + a]), int(out_shape[2 + a]), kernel[a], strides[a], pads[a],
+                                dilations[a]) for a in range(2))
+    # ceil_mode's partial last window: the ConvGemm's end padding grows until its (floor) output reaches it
+    pads = [*pads[:2], *(max(pads[2 + a], (int(out_shape[2 + a]) - 1) * strides[a]
+                              + dilations[a] * (kernel[a] - 1) + 1 - int(in_shape[2 + a]) - pads[a])
+                         for a in range(2))]
+    count = rows[:, None] * cols[None, :]
+    if np.any(count == 0):
+        raise Unsupported(f"node '{node.name}' (AveragePool): a window covers no input element")
+    ratio = np.broadcast_to(prod(kernel) / count, (channels, out_h, out_w)).astype(np.float64)
+    source = graph.tensors[x]
+    pooled = Tensor(graph.unique_name(f"{y}/window_mean"), (None, channels, out_h, out_w), source.dtype)
+    weight = np.full((channels, 1, *kernel), 1.0 / prod(kernel), np.float32)
+    # its own name, so that its constants' names differ from the rescale's (neither is in `graph` yet)
+    mean = conv_gemm(graph, node.replace(name=graph.unique_name(f"{node.name}/mean")), x, weight,
+                     np.zeros(channels, np.float32), group=channels, strides=strides, pads=pads,
+                     dilations=dilations, output=pooled.name)
+    elements = channels * out_h * out_w
+    views = [Tensor(graph.unique_name(f"{node.name}/view_{side}"), (None, elements, 1, 1), source.dtype)
+             for side in ("in", "out")]
+    targets = [constant(graph.unique_name(f"{node.name}/view_{side}_shape"), np.array([0, *shape], np.int64))
+               for side, shape in (("in", (elements, 1, 1)), ("out", (channels, out_h, out_w)))]
+    rescale = conv_gemm(graph, node, views[0].name, ratio.reshape(elements, 1, 1, 1), np.zeros(elements),
+                        group=elements, strides=[1, 1], pads=[0, 0, 0, 0], dilations=[1, 1], output=views[1].name)
+    nodes = [*mean.nodes,
+             Node(graph.unique_name(f"{node.name}/to_view"), Kind.RESHAPE, [pooled.name, targets[0].name],
+                  [views[0].name], {}),
+             *rescale.nodes,
+             Node(graph.unique_name(f"{node.name}/from_view"), Kind.RESHAPE, [views[1].name, targets[1].name], [y], {})]
+    return Lowered(nodes, [*mean.tensors, pooled, *views, *targets, *rescale.tensors])
 
 
 def lower_channel_window(graph: Graph, node: Node) -> Lowered:

@@ -1,0 +1,103 @@
+"""InstanceNormalization on the integer unit (issue 34: GroupNorm as torch exports it, Reshape (N, G, -1) ->
+InstanceNormalization -> Reshape -> per-channel Mul/Add; PoolFormer's and MobileViT-v2's GroupNorm(1, C), FPN's
+GroupNorm(32, C)).
+
+Layout: the input x of shape (N, G, L) (the torch export's Reshape, a free view of the NCHW buffer) has one row
+per (sample, group), its L = C/G * H * W elements contiguous: rows.py's rows, with no copy. Statistics per row
+i: mean_i and var_i over its L elements; y_ij = (x_ij - mean_i) / sqrt(var_i + eps). The stream is not centred
+at compile time (the convolutions' outputs are read by the GroupNorm and by the residual Add: LayerNorm's
+row-mean form), so five instructions:
+
+  negated mean   m_i = -mean_j x_ij                           negated_row_mean: a DenseGemm (1 x L) of -1/L
+  centre         d_ij = x_ij + m_i                            row_add: an AddGemm with the per-row operand m
+  words          w_i = 1 / sqrt(sum_j d_ij^2 + L eps)         row_square_words: MatMulGemm, rsqrt row store
+  inverse std    s_i = sqrt(L) w_i = 1 / sqrt(var_i + eps)    a DenseGemm of integer weight 0 on m (K = 1) whose
+                                                              bias sqrt(L) is scaled by the row word w_i: its
+                                                              output is the int8 activation s (own scale)
+  normalize      y_ij = d_ij * s_i                            a MulGemm reading s with repeats along L
+
+LayerNorm's diagonal normalizing DenseGemm (L x L weights) is no option here: L is C/G * H * W. The 32-bit bound
+of the sum of squares (127^2 L plus L eps in the accumulator's units) is the compiler's check of the
+MatMulGemm's row sum: a row too long is refused in one line naming '<node>/sum_of_squares'. Only scale = 1 and
+B = 0 (torch's export: the GroupNorm's affine follows as per-channel Mul/Add of the NCHW tensor, a per-channel
+affine GEMM) are lowered; any other InstanceNormalization stays on the host with `instance_norm_refusal`'s
+reason."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from isa.kinds import Kind
+from qdeploy.ir import Graph, Node, Tensor
+from qdeploy.lowering.rows import negated_row_mean, row_add, row_square_words, row_view, with_row_scale
+from qdeploy.lowering.rules import Lowered, dense_gemm, no_output_stage
+
+
+def instance_norm_refusal(graph: Graph, node: Node) -> str:
+    """Why this InstanceNormalization cannot be lowered ("" when it can)."""
+    shape = graph.tensors[node.inputs[0]].shape
+    if shape is None or len(shape) != 3 or None in shape[1:]:
+        return (f"node '{node.name}' (InstanceNormalization): only a (N, groups, elements) input of static dims "
+                f"(torch's GroupNorm export) runs on the GEMM unit, got {shape}")
+    scale, bias = (graph.constant_data(name) for name in node.inputs[1:3])
+    if scale is None or bias is None or np.any(scale != 1) or np.any(bias != 0):
+        return (f"node '{node.name}' (InstanceNormalization): only scale 1 and bias 0 (the affine as the next "
+                f"per-channel Mul/Add) run on the GEMM unit")
+    return ""
+
+
+def _lower_one(graph: Graph, node: Node) -> tuple[list[Node], list[Tensor]]:
+    x, y = node.inputs[0], node.outputs[0]
+    source = graph.tensors[x]
+    groups, length = int(source.shape[1]), int(source.shape[2])
+    eps = float(node.attrs.get("epsilon", 1e-5))
+    nodes: list[Node] = []
+    tensors: list[Tensor] = []
+
+    def add(lowered: Lowered) -> None:
+        nonlocal graph
+        nodes.extend(lowered.nodes)
+        tensors.extend(lowered.tensors)
+        graph = graph.with_nodes([*graph.nodes, *lowered.nodes], lowered.tensors)  # unique_name() sees them
+
+    negated, mean = negated_row_mean(graph, node, x)
+    add(negated)
+    centred = Tensor(graph.unique_name(f"{y}/centred"), source.shape, source.dtype, rows=source.rows)
+    add(Lowered([row_add(graph.unique_name(f"{node.name}/centre"), x, mean, [centred.name], negate_b=False)],
+                [centred]))
+    squares, words = row_square_words(graph, node, centred.name, length * eps)
+    add(squares)
+    per_image = groups * source.rows
+    to_rows, flat_mean = row_view(graph, f"{mean}/row_major", mean, (source.shape[0], 1), per_image)
+    add(to_rows)
+    to_word_rows, flat_words = row_view(graph, f"{words}/row_major", words, (source.shape[0], 1), per_image)
+    add(to_word_rows)
+    inverse = Tensor(graph.unique_name(f"{y}/inverse_std_rows"), (source.shape[0], 1), source.dtype, rows=per_image)
+    gemm = dense_gemm(graph, Node(graph.unique_name(f"{node.name}/inverse_std"), node.op, [], [inverse.name], {}),
+                      flat_mean, np.zeros((1, 1)), np.full(1, math.sqrt(length)))
+    (instr,) = gemm.nodes
+    instr = with_row_scale(instr.replace(attrs={**instr.attrs, "integer_weights": 1}), flat_words)
+    add(Lowered([instr], [inverse, *gemm.tensors]))
+    back, inverse_std = row_view(graph, f"{y}/inverse_std", inverse.name, (source.shape[0], groups, 1), source.rows)
+    add(back)
+    nodes.append(Node(graph.unique_name(f"{node.name}/normalize"), Kind.MUL_GEMM, [centred.name, inverse_std],
+                      [y], no_output_stage()))
+    return nodes, tensors
+
+
+def lower_instance_norms(graph: Graph) -> Graph:
+    """Each InstanceNormalization that `instance_norm_refusal` allows -> the five instructions of the module
+    docstring, in its place."""
+    for name in [n.name for n in graph.nodes if n.op == "InstanceNormalization"]:
+        original = list(graph.nodes)
+        node = next(n for n in original if n.name == name)
+        if instance_norm_refusal(graph, node):
+            continue
+        nodes, tensors = _lower_one(graph, node)
+        graph = graph.with_nodes([m for n in original for m in (nodes if n.name == name else [n])], tensors)
+    return graph
+
+
+__all__ = ["instance_norm_refusal", "lower_instance_norms"]
