@@ -248,7 +248,7 @@ def calibrate(model: Path = typer.Argument(..., help="An .onnx model."),
                                                  "follows it)."),
               float_softmax_layernorm: bool = typer.Option(
                   False, "--float-softmax-layernorm/--no-float-softmax-layernorm",
-                  help="Leave Softmax and LayerNormalization in float on the host instead of lowering them to the "
+                  help="Leave Softmax, LayerNormalization and InstanceNormalization (GroupNorm) in float on the host instead of lowering them to the "
                        "integer unit (recorded in the table; compile follows it and needs --allow-host-fallback)."),
               input_shape: Optional[list[str]] = INPUT_SHAPE,
               cluster: Optional[str] = CLUSTER,

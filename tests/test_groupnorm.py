@@ -96,3 +96,17 @@ def test_an_instance_norm_with_its_own_affine_stays_on_the_host_with_the_reason(
     lowering = api.lower_model(path)
     assert [op.op for op in lowering.host_ops] == ["InstanceNormalization"]
     assert "(InstanceNormalization): only scale 1 and bias 0" in lowering.host_ops[0].reason
+
+
+def test_float_softmax_layernorm_keeps_the_groupnorm_in_float_on_the_host(tmp_path):
+    """`calibrate --float-softmax-layernorm` keeps the normalizations (InstanceNormalization, torch's GroupNorm, with
+    them) in float: the program a user falls back to where the integer GroupNorm loses (FPN, docs/library_models.md)."""
+    from qdeploy import api
+    from qdeploy.calibration import calibrate
+
+    path = _export(tmp_path / "gn.onnx", 2, False)
+    calibration = np.random.default_rng(1).standard_normal((16, 3, 8, 8)).astype(np.float32)
+    table = calibrate(path, calibration, "kl", num_samples=16, batch_size=16, float_softmax_layernorm=True).table
+    compiled = api.compile(path, table, None, allow_host_fallback=True)
+    hosts = [r for r in compiled.program.records if r.kind == "Host"]
+    assert [r.op for r in hosts] == ["InstanceNormalization"], hosts

@@ -152,17 +152,18 @@ def host_reason(graph: Graph, node: Node, lookups: bool = True) -> str:
             f"(lowered: {', '.join(sorted(LOWERING))}, Relu, Clip, MaxPool; layout: {', '.join(sorted(LAYOUT_OPS))})")
 
 
-FLOAT_SOFTMAX_LAYERNORM_OPS = ("Softmax", "LayerNormalization")
+FLOAT_SOFTMAX_LAYERNORM_OPS = ("Softmax", "LayerNormalization", "InstanceNormalization")  # the last: torch's GroupNorm
 
 
 def lower(graph: Graph, equalize: bool = False, lookups: bool = True,
           float_softmax_layernorm: bool = False) -> LoweringResult:
     """Run the LOWER passes on a simplified graph (then cross-layer equalization, with `equalize`) and describe
     the result. `lookups`: the target's output stage has lookup tables (`lookup_tables` > 0); without, the
-    activations they compute stay host ops. `float_softmax_layernorm`: Softmax and LayerNormalization stay host
-    ops in float (`calibrate --float-softmax-layernorm`: the float-host program the integer ones are measured
+    activations they compute stay host ops. `float_softmax_layernorm`: Softmax, LayerNormalization and
+    InstanceNormalization (torch's GroupNorm) stay host ops in float (`calibrate --float-softmax-layernorm`: the float-host program the integer ones are measured
     against)."""
     from qdeploy.lowering.equalize import equalize_cross_layer
+    from qdeploy.lowering.groupnorm import lower_instance_norms
     from qdeploy.lowering.layernorm import lower_layernorms
     from qdeploy.lowering.lookup import fuse_lookups
     from qdeploy.lowering.passes import LOWER
@@ -173,7 +174,7 @@ def lower(graph: Graph, equalize: bool = False, lookups: bool = True,
     # Without lookup tables, recognised functions stay one host op each, and so does a Softmax (its exp is a table).
     passes = [p for p in LOWER if lookups or p not in (fuse_lookups, lower_softmax)]
     if float_softmax_layernorm:
-        passes = [p for p in passes if p not in (lower_softmax, lower_layernorms)]
+        passes = [p for p in passes if p not in (lower_softmax, lower_layernorms, lower_instance_norms)]
     lowered, records = run_pipeline(graph, passes + ([equalize_cross_layer] if equalize else []))
     instructions, layout, host_ops = [], [], []
     host_macs = 0
