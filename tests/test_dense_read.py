@@ -272,3 +272,21 @@ def test_a_resize_nearest_before_a_conv_folds_into_its_read(tmp_path):
     (record,) = program.instructions
     expected = twins.run_instruction(record, [run.tensors["x"]], program.arrays, Arithmetic(), "int8")
     np.testing.assert_array_equal(run.tensors["y"], expected)
+
+
+def test_a_pad_of_nothing_on_tokens_is_an_identity_gemm(tmp_path):
+    """Swin's window Pad at a multiple of the window pads nothing on an (N, H, W, C) tensor: y = x on the GEMM
+    unit (no host op), the lowered float graph = ONNX Runtime, and the compiled pad's codes = its input's."""
+    tokens = np.random.default_rng(3).normal(size=(2, 4, 4, 8)).astype(np.float32)
+    nodes = [helper.make_node("Pad", ["x", "pads"], ["p"], name="pad"),
+             helper.make_node("Add", ["p", "x"], ["y"], name="add")]
+    model = make_model(nodes, [("x", ["N", 4, 4, 8])], [("y", ["N", 4, 4, 8])],
+                       {"pads": np.zeros(8, np.int64)})
+    path = save(model, tmp_path / "pad_nothing.onnx")
+    lowering = api.lower_model(path)
+    assert lowering.host_ops == []
+    for got, want in zip(api.run(path, tokens, lowered=True).values(), run_onnxruntime(path, {"x": tokens})):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * np.max(np.abs(want)))
+    program = api.compile(path, max_table(path, tokens)).program
+    run = Machine(program).run({"x": tokens}, dump=True)
+    np.testing.assert_array_equal(run.tensors["p"], run.tensors["x"])

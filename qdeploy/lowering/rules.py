@@ -840,9 +840,7 @@ def _pad_along_axis(graph: Graph, node: Node) -> Lowered:
             len(padded) > 1 or (padded and padded[0] == 0) or min(pads) < 0:
         raise Unsupported(f"node '{node.name}' (Pad): only zeros before or after one axis past the batch run on the "
                           f"GEMM unit for a tensor that is not NCHW (pads {pads}, input {graph.tensors[x].shape})")
-    if not padded:
-        raise Unsupported(f"node '{node.name}' (Pad): pads nothing")
-    a = padded[0]
+    a = padded[0] if padded else 1  # a Pad of nothing (Swin's window pad at a multiple of the window) is y = x
     before, after = pads[a], pads[rank + a]
     outer, size, inner = prod(shape[:a - 1]), shape[a - 1], prod(shape[a:])
 
