@@ -653,9 +653,9 @@ def _average_pool_of_valid_elements(graph: Graph, node: Node, kernel: list[int],
     by the number of input elements it covers, count[i, j] = rows(i) * cols(j) (the axes count apart), fewer at
     the border. Exact in two GEMMs: the pooling ConvGemm with weights 1/(kh*kw) (zero padding), whose output is
     the mean over the full window, then the per-element affine GEMM y = m[i, j] * p with the constant map
-    m = kh*kw / count (1 inside, up to kh*kw at a corner) on the view (N, C*H'*W', 1, 1), as element_affine
-    does for a constant operand: p * kh*kw / count = sum / count. ceil_mode's partial last window is the same
-    border (the ConvGemm's end padding grows to reach it)."""
+    m = kh*kw / count (1 inside, up to kh*kw at a corner) on the view (N, C*H'*W', 1, 1) (_on_view, as
+    element_affine does for a constant operand): p * kh*kw / count = sum / count. ceil_mode's partial last window
+    is the same border (the ConvGemm's end padding grows to reach it)."""
     x, y = node.inputs[0], node.outputs[0]
     in_shape, out_shape = graph.tensors[x].shape, graph.tensors[y].shape
     if in_shape is None or out_shape is None or None in in_shape[1:] or None in out_shape[1:]:
@@ -680,18 +680,14 @@ def _average_pool_of_valid_elements(graph: Graph, node: Node, kernel: list[int],
                      np.zeros(channels, np.float32), group=channels, strides=strides, pads=pads,
                      dilations=dilations, output=pooled.name)
     elements = channels * out_h * out_w
-    views = [Tensor(graph.unique_name(f"{node.name}/view_{side}"), (None, elements, 1, 1), source.dtype)
-             for side in ("in", "out")]
-    targets = [constant(graph.unique_name(f"{node.name}/view_{side}_shape"), np.array([0, *shape], np.int64))
-               for side, shape in (("in", (elements, 1, 1)), ("out", (channels, out_h, out_w)))]
-    rescale = conv_gemm(graph, node, views[0].name, ratio.reshape(elements, 1, 1, 1), np.zeros(elements),
-                        group=elements, strides=[1, 1], pads=[0, 0, 0, 0], dilations=[1, 1], output=views[1].name)
-    nodes = [*mean.nodes,
-             Node(graph.unique_name(f"{node.name}/to_view"), Kind.RESHAPE, [pooled.name, targets[0].name],
-                  [views[0].name], {}),
-             *rescale.nodes,
-             Node(graph.unique_name(f"{node.name}/from_view"), Kind.RESHAPE, [views[1].name, targets[1].name], [y], {})]
-    return Lowered(nodes, [*mean.tensors, pooled, *views, *targets, *rescale.tensors])
+
+    def rescale(view: str, out: str) -> Lowered:
+        return conv_gemm(graph, node, view, ratio.reshape(elements, 1, 1, 1), np.zeros(elements), group=elements,
+                         strides=[1, 1], pads=[0, 0, 0, 0], dilations=[1, 1], output=out)
+
+    with_mean = graph.with_nodes([*graph.nodes, *mean.nodes], [*mean.tensors, pooled])  # _on_view reads `pooled`
+    viewed = _on_view(with_mean, node, pooled.name, (elements, 1, 1), (elements, 1, 1), rescale)
+    return Lowered([*mean.nodes, *viewed.nodes], [*mean.tensors, pooled, *viewed.tensors])
 
 
 def lower_channel_window(graph: Graph, node: Node) -> Lowered:
