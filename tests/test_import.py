@@ -189,3 +189,21 @@ def test_a_reshape_whose_allowzero_target_holds_a_zero_is_left_as_written(tmp_pa
     with pytest.raises(BadInput):
         import_onnx(path)
 
+
+
+def test_gathernd_of_constants_folds_like_levits_attention_bias_table(tmp_path):
+    """The dynamo export of timm's LeViT indexes its attention-bias table with GatherND: both operands are
+    initializers, so the import folds the table lookup to a constant and nothing of it reaches the lowering."""
+    table = np.random.default_rng(0).standard_normal((4, 9)).astype(np.float32)  # (heads, offsets)
+    offsets = np.random.default_rng(1).integers(0, 9, size=(3, 3))  # (query, key) -> offset
+    indices = np.stack([np.broadcast_to(np.arange(4)[:, None, None], (4, 3, 3)),
+                        np.broadcast_to(offsets, (4, 3, 3))], axis=-1).astype(np.int64)
+    nodes = [helper.make_node("GatherND", ["table", "indices"], ["bias"]),
+             helper.make_node("Add", ["x", "bias"], ["y"])]
+    path = save(make_model(nodes, [("x", ["N", 4, 3, 3])], [("y", ["N", 4, 3, 3])],
+                           {"table": table, "indices": indices}), tmp_path / "m.onnx")
+    graph = import_onnx(path).graph
+    assert graph.op_counts() == {"Add": 1}
+    x = np.random.default_rng(2).standard_normal((2, 4, 3, 3)).astype(np.float32)
+    (expected,) = run_onnxruntime(path, {"x": x})
+    np.testing.assert_array_equal(run_graph(graph, {"x": x})["y"], expected)  # one float32 add per element

@@ -27,7 +27,7 @@ from qdeploy.reference.ops.pool import AveragePool, GlobalAveragePool, GlobalMax
 from qdeploy.reference.ops.reduce import (ReduceMax, ReduceMax_1, ReduceMean, ReduceMean_1, ReduceSum,
                                           ReduceSum_1)
 from qdeploy.reference.ops.tensor import (Concat, Constant, ConstantOfShape, Dropout, Dropout_7, Dropout_10,
-                                          Expand, Flatten, Gather, Identity, Pad, Pad_2, Range, Reshape, Shape,
+                                          Expand, Flatten, Gather, GatherND, Identity, Pad, Pad_2, Range, Reshape, Shape,
                                           DepthToSpace, Size, Slice, Slice_1, SpaceToDepth, Split, Split_2,
                                           Split_13, Squeeze, Squeeze_1, Tile, Transpose, Unsqueeze, Unsqueeze_1)
 
@@ -57,7 +57,7 @@ OPS: dict[str, OpFunction | dict[int, OpFunction]] = {
     # tensor.py
     # The layout kinds of isa/kinds.py named after these ONNX ops (Concat, Reshape, Flatten, Squeeze, Unsqueeze)
     # keep the op's float meaning in the lowered graph.
-    "Shape": Shape, "Size": Size, "Gather": Gather, "Concat": Concat, "Reshape": Reshape,
+    "Shape": Shape, "Size": Size, "Gather": Gather, "GatherND": GatherND, "Concat": Concat, "Reshape": Reshape,
     "Flatten": Flatten, "Transpose": Transpose, "Expand": Expand, "ConstantOfShape": ConstantOfShape,
     "Constant": Constant, "Range": Range, "Identity": Identity, "Tile": Tile,
     "DepthToSpace": DepthToSpace, "SpaceToDepth": SpaceToDepth,

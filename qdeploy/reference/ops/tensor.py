@@ -1,4 +1,4 @@
-"""Shape and data-movement ops: Shape, Size, Gather, Slice, Concat, Reshape, Flatten, Transpose, Squeeze,
+"""Shape and data-movement ops: Shape, Size, Gather, GatherND, Slice, Concat, Reshape, Flatten, Transpose, Squeeze,
 Unsqueeze, Expand, ConstantOfShape, Constant, Range, Identity, Dropout, Split, Pad, Tile.
 
 Results may be views of their inputs (Reshape, Transpose, Slice, ...): no op writes into an array it is
@@ -39,6 +39,33 @@ def Gather(data: np.ndarray, indices: np.ndarray, *, axis: int = 0) -> np.ndarra
         raise IndexError(f"an index of {indices.reshape(-1).tolist()[:8]} is outside [{-size}, {size - 1}] "
                          f"(axis {axis} has size {size})")
     return np.take(data, indices, axis=axis)
+
+
+def GatherND(data: np.ndarray, indices: np.ndarray, *, batch_dims: int = 0) -> np.ndarray:
+    """With b = batch_dims and k = indices.shape[-1]: output[i_0..i_{q-2}] = data[i_0..i_{b-1}, indices[i_0..
+    i_{q-2}, :]], a slice of rank r - b - k per index tuple, so output.shape = indices.shape[:-1] +
+    data.shape[b + k:]; an index in [-s, -1] counts from the back of its axis, anything outside [-s, s-1] is an
+    error. Spec: GatherND-13 (https://onnx.ai/onnx/operators/onnx__GatherND.html)."""
+    data, indices = np.asarray(data), np.asarray(indices)
+    if indices.dtype.kind not in "iu":
+        raise ValueError(f"indices must be int64, got {indices.dtype}")
+    if indices.ndim < 1 or not 0 <= batch_dims < min(data.ndim, indices.ndim):
+        raise ValueError(f"batch_dims {batch_dims} needs 0 <= batch_dims < min(rank of data {data.ndim}, rank of "
+                         f"indices {indices.ndim})")
+    depth = indices.shape[-1]
+    if data.shape[:batch_dims] != indices.shape[:batch_dims] or not 1 <= depth <= data.ndim - batch_dims:
+        raise ValueError(f"indices of shape {list(indices.shape)} do not index data of shape {list(data.shape)} "
+                         f"with batch_dims {batch_dims}")
+    sizes = np.array(data.shape[batch_dims:batch_dims + depth], dtype=np.int64)
+    if indices.size and (np.any(indices < -sizes) or np.any(indices >= sizes)):
+        raise IndexError(f"an index of {indices.reshape(-1).tolist()[:8]} is outside the axes of sizes "
+                         f"{sizes.tolist()}")
+    indices = np.where(indices < 0, indices + sizes, indices).astype(np.int64)
+    batch = int(np.prod(data.shape[:batch_dims], dtype=np.int64))
+    flat_data = data.reshape((batch, *data.shape[batch_dims:]))
+    flat_indices = indices.reshape((batch, -1, depth))
+    gathered = np.stack([flat_data[b][tuple(flat_indices[b].T)] for b in range(batch)])
+    return gathered.reshape(indices.shape[:-1] + data.shape[batch_dims + depth:])
 
 
 def _slice(data: np.ndarray, starts: list[int], ends: list[int], axes: list[int] | None,
