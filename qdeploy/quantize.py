@@ -321,8 +321,8 @@ class _Compiler:
         stated = self.stated_weights.get(node.name)
         if node.attrs.get("integer_weights"):  # stored as they are (lowering/rows.py): an exact row sum or max
             q_w, s_w = row_scales.integer_weights(node, rows), np.ones(rows.shape[0])
-            q_bias = row_scales.constant_bias_codes(bias, s_in) if node.attrs.get("output_scale") == "constant" \
-                else rne(bias / s_in)
+            constant = node.attrs.get("output_scale") == "constant"  # lowering/groupnorm.py's sqrt(L)
+            q_bias = row_scales.constant_bias_codes(node, bias, s_in) if constant else rne(bias / s_in)
         elif stated is not None:  # a pre-quantized model's integers and scales (qdeploy/prequantized.py)
             q_w, s_w = model_weights(rows, stated, node.name)
             q_bias = model_bias(bias, stated, s_in, s_w)

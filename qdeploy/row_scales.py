@@ -48,9 +48,15 @@ def constant_scale(bias: float) -> float:
     return f32(bias / 127)
 
 
-def constant_bias_codes(bias: np.ndarray, s_x: float) -> np.ndarray:
-    """The accumulator's bias of the "constant" rule (module docstring): ceil(2 b / s_x), float64."""
-    return np.ceil(2 * np.asarray(bias, np.float64) / s_x)
+def constant_bias_codes(node: Node, bias: np.ndarray, s_x: float) -> np.ndarray:
+    """The accumulator's bias of the "constant" rule (module docstring): ceil(2 b / s_x), float64; Unsupported,
+    naming the node, where that passes the int32 bias (an input scale below b / 2^30: a row mean that calibration saw
+    as zero)."""
+    codes = np.ceil(2 * np.asarray(bias, np.float64) / s_x)
+    if np.any(codes > (1 << 31) - 1):
+        raise Unsupported(f"node '{node.name}' ({node.op}): its constant {float(np.max(bias)):.6g} is more than 2^30 "
+                          f"codes of its input's scale {s_x:.6g}; the int32 bias cannot hold it")
+    return codes
 
 
 def words_scale(function: str, s_acc: float) -> float:
