@@ -228,3 +228,18 @@ def test_the_reference_rtl_runs_a_compiled_groupnorm_from_its_vectors(tmp_path):
     layers = {layer["name"].rsplit("/", 1)[-1] for layer in report.to_json()["layers"]}
     assert {"sum_of_squares", "sqrt_length", "normalize"} <= layers
     assert report.ok, report.to_json()
+
+
+def test_a_constant_past_the_int32_bias_is_refused_in_one_line():
+    """The "constant" rule's bias is ceil(2 b / s_x) codes of the input's scale: an input scale below b / 2^30 (a
+    row mean calibration saw as zero) cannot hold it, and the compiler says so naming the node instead of writing a
+    saturated bias whose output would not be the constant."""
+    from qdeploy import row_scales
+    from qdeploy.ir import Node
+    from qdeploy_base.errors import Unsupported
+
+    node = Node("gn/sqrt_length", "DenseGemm", [], [], {})
+    assert row_scales.constant_bias_codes(node, np.array([2.0]), 0.01).tolist() == [400.0]
+    with pytest.raises(Unsupported, match=r"^node 'gn/sqrt_length' \(DenseGemm\): its constant 2 is more than 2\^30 "
+                                          r"codes of its input's scale 1e-09; the int32 bias cannot hold it$"):
+        row_scales.constant_bias_codes(node, np.array([2.0]), 1e-9)
