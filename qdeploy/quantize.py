@@ -183,6 +183,13 @@ class _Scales:
                                                              self.target.arithmetic.unsigned_activations)
             self.lookup_input[out] = (s_d, False)
             self.scale[out], self.unsigned[out] = s_e, unsigned
+        elif rule == "constant":
+            bias = self.graph.constant_data(node.inputs[2])
+            if node.op != Kind.DENSE_GEMM or not node.attrs.get("integer_weights") or bias is None or \
+                    bias.size != 1 or not bias.item() > 0 or np.any(self.graph.constant_data(node.inputs[1])):
+                raise Unsupported(f"node '{node.name}' ({node.op}): the output_scale rule 'constant' needs a "
+                                  f"DenseGemm of integer weights 0 and one positive bias")
+            self.scale[out], self.unsigned[out] = row_scales.constant_scale(bias.item()), False
         else:
             raise Unsupported(f"node '{node.name}' ({node.op}): unknown output_scale rule '{rule}'")
 
@@ -314,7 +321,8 @@ class _Compiler:
         stated = self.stated_weights.get(node.name)
         if node.attrs.get("integer_weights"):  # stored as they are (lowering/rows.py): an exact row sum or max
             q_w, s_w = row_scales.integer_weights(node, rows), np.ones(rows.shape[0])
-            q_bias = rne(bias / s_in)
+            constant = node.attrs.get("output_scale") == "constant"  # lowering/groupnorm.py's sqrt(L)
+            q_bias = row_scales.constant_bias_codes(node, bias, s_in) if constant else rne(bias / s_in)
         elif stated is not None:  # a pre-quantized model's integers and scales (qdeploy/prequantized.py)
             q_w, s_w = model_weights(rows, stated, node.name)
             q_bias = model_bias(bias, stated, s_in, s_w)

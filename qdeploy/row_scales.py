@@ -7,6 +7,10 @@ Output-scale rules (a node's `output_scale` attribute), s_x the scale of the nod
                 d <= 0 has the scale s_d = min(TABLE_RANGE, span s_x) / 128, span = 255 the most x's codes can
                 differ by (so d never saturates before exp(d) < 1/510), and the table writes e = exp(d) as uint8
                 codes of scale 1/255 (int8 codes of scale 1/127 on a target without unsigned activations)
+  "constant"    a DenseGemm of integer weights 0 whose output is its bias b > 0 (a GroupNorm's sqrt(L) operand,
+                lowering/groupnorm.py): y has the scale b / 127 and the code 127 exactly, the accumulator's bias
+                being ceil(2 b / s_x) codes of s_x (>= 2 b: the requantize lands on 254 or more and the clamp
+                writes 127, whatever s_x), so the code is exact where rne(b / s_x) would be off by s_x / 2
 
 Row-scale words (the output of an instruction whose store is the row-reciprocal store, isa/row_scale.py): int32
 words, not quantized activations. A word w of the integer row sum S_q stands for f(S_q) (f = 1/x or 1/sqrt(x));
@@ -37,6 +41,22 @@ def exp_table_scales(s_x: float, unsigned_activations: bool) -> tuple[float, flo
     """(s_d, s_e, e unsigned) of the "exp_table" rule (module docstring)."""
     s_d = f32(min(TABLE_RANGE, CODE_SPAN * s_x) / 128)
     return s_d, f32(1 / (255.0 if unsigned_activations else 127.0)), unsigned_activations
+
+
+def constant_scale(bias: float) -> float:
+    """The scale of the "constant" rule's output (module docstring): its bias over the code 127."""
+    return f32(bias / 127)
+
+
+def constant_bias_codes(node: Node, bias: np.ndarray, s_x: float) -> np.ndarray:
+    """The accumulator's bias of the "constant" rule (module docstring): ceil(2 b / s_x), float64; Unsupported,
+    naming the node, where that passes the int32 bias (an input scale below b / 2^30: a row mean that calibration saw
+    as zero)."""
+    codes = np.ceil(2 * np.asarray(bias, np.float64) / s_x)
+    if np.any(codes > (1 << 31) - 1):
+        raise Unsupported(f"node '{node.name}' ({node.op}): its constant {float(np.max(bias)):.6g} is more than 2^30 "
+                          f"codes of its input's scale {s_x:.6g}; the int32 bias cannot hold it")
+    return codes
 
 
 def words_scale(function: str, s_acc: float) -> float:

@@ -41,7 +41,7 @@ from isa.kinds import RESHAPE_KINDS, Kind
 from isa.output_stage import NO_OUTPUT_STAGE
 from qdeploy.ir import Graph, Node, Tensor, constant
 from qdeploy.lowering.nodes import output_stage
-from qdeploy.lowering.rows import negated_row_mean, row_add, row_square_words, row_view, with_row_scale
+from qdeploy.lowering.rows import Emitter, negated_row_mean, row_add, row_square_words, row_view, with_row_scale
 from qdeploy.lowering.rules import Lowered, dense_gemm
 
 # Nodes a stream passes through unchanged but for the axis its channels are on: the layout kinds, and the token
@@ -267,49 +267,42 @@ def _lower_one(graph: Graph, node: Node, readers: list[Node], centred: bool
     per_image = math.prod(shape[1:-1]) * graph.tensors[x].rows  # the rows of one image
     gamma = graph.constant_data(node.inputs[1]).astype(np.float64).reshape(-1)
     eps = float(node.attrs.get("epsilon", 1e-5))
-    nodes: list[Node] = []
-    tensors: list[Tensor] = []
-
-    def add(lowered: Lowered) -> None:
-        nonlocal graph
-        nodes.extend(lowered.nodes)
-        tensors.extend(lowered.tensors)
-        graph = graph.with_nodes([*graph.nodes, *lowered.nodes], lowered.tensors)  # unique_name() sees them
-
-    to_rows, stream = row_view(graph, f"{y}/rows", x, (shape[0], channels), per_image)
-    add(to_rows)
+    out = Emitter(graph)
+    to_rows, stream = row_view(out.graph, f"{y}/rows", x, (shape[0], channels), per_image)
+    out.add(to_rows)
     if not centred:
-        negated, mean = negated_row_mean(graph, node, stream)
-        add(negated)
-        centred_rows = Tensor(graph.unique_name(f"{y}/centred"), graph.tensors[stream].shape,
-                              graph.tensors[stream].dtype, rows=per_image)
-        add(Lowered([row_add(graph.unique_name(f"{node.name}/centre"), stream, mean, [centred_rows.name],
-                             negate_b=False)], [centred_rows]))
+        negated, mean = negated_row_mean(out.graph, node, stream)
+        out.add(negated)
+        centred_rows = Tensor(out.graph.unique_name(f"{y}/centred"), out.graph.tensors[stream].shape,
+                              out.graph.tensors[stream].dtype, rows=per_image)
+        out.add(Lowered([row_add(out.graph.unique_name(f"{node.name}/centre"), stream, mean, [centred_rows.name],
+                                 negate_b=False)], [centred_rows]))
         stream = centred_rows.name
-    squares, words = row_square_words(graph, node, stream, channels * eps)
-    add(squares)
+    squares, words = row_square_words(out.graph, node, stream, channels * eps)
+    out.add(squares)
     flat = not to_rows.nodes  # x is its own row-major view: the normalizing GEMM writes y
-    normal = Tensor(y if flat else graph.unique_name(f"{y}/normal"), graph.tensors[stream].shape,
-                    graph.tensors[stream].dtype, rows=per_image)
-    normalize = dense_gemm(graph, Node(graph.unique_name(f"{node.name}/normalize"), node.op, [], [normal.name], {}),
+    normal = Tensor(y if flat else out.graph.unique_name(f"{y}/normal"), out.graph.tensors[stream].shape,
+                    out.graph.tensors[stream].dtype, rows=per_image)
+    normalize = dense_gemm(out.graph, Node(out.graph.unique_name(f"{node.name}/normalize"), node.op, [],
+                                           [normal.name], {}),
                            stream, np.diag(gamma * math.sqrt(channels)), np.zeros(channels))
     (instr,) = normalize.nodes
-    add(Lowered([with_row_scale(instr, words)], [*([] if flat else [normal]), *normalize.tensors]))
+    out.add(Lowered([with_row_scale(instr, words)], [*([] if flat else [normal]), *normalize.tensors]))
     if not flat:  # the normalized rows viewed as x's shape, written to the LayerNorm's output
-        back, out = row_view(graph, f"{y}/from_rows", normal.name, shape, graph.tensors[x].rows)
-        nodes += [view.replace(outputs=[y]) for view in back.nodes]
-        tensors += [t for t in back.tensors if t.name != out]
+        back, viewed = row_view(out.graph, f"{y}/from_rows", normal.name, shape, graph.tensors[x].rows)
+        out.add(Lowered([view.replace(outputs=[y]) for view in back.nodes],
+                        [t for t in back.tensors if t.name != viewed]))
     replaced = {}
     beta = graph.constant_data(node.inputs[2]) if len(node.inputs) > 2 and node.inputs[2] else None
     if beta is not None and np.any(beta):
         for reader in readers:
             w, b = (graph.constant_data(name).astype(np.float64) for name in reader.inputs[1:3])
-            folded = constant(graph.unique_name(f"{reader.name}_bias_beta"),
+            folded = constant(out.graph.unique_name(f"{reader.name}_bias_beta"),
                               (b + w @ beta.reshape(-1)).astype(np.float32))
-            tensors.append(folded)
+            out.tensors.append(folded)
             replaced[reader.name] = reader.replace(inputs=[reader.inputs[0], reader.inputs[1], folded.name,
                                                            *reader.inputs[3:]])
-    return nodes, tensors, replaced
+    return out.nodes, out.tensors, replaced
 
 
 def lower_layernorms(graph: Graph) -> Graph:

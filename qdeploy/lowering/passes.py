@@ -416,9 +416,9 @@ LOWER: list[Pass] = [
     # LayerNorm on a stream centred at compile time -> sum of squares + normalizing GEMM; before the token layout's
     # rules, so that the stream's Transposes, Pads, Gathers and constant Adds are still the ONNX ops it follows
     lower_layernorms,
-    lower_instance_norms,  # GroupNorm's InstanceNormalization (N, G, L) -> row mean, centre, rsqrt words, MulGemm
+    lower_instance_norms,  # GroupNorm (N, G, L) -> row mean, centring, words, row-scaled MatMulGemm
     drop_product_expands,  # Mul(a, Expand(c)) -> Mul(a, c): the MulGemm reads c with repeats
-    lower_row_reductions,  # ReduceSum/ReduceMean over the last axis -> a DenseGemm of ones on the row-major view
+    lower_row_reductions,  # ReduceSum/ReduceMean over the last axis or a block of middle axes -> a sum GEMM
     lower_remaining_ops,  # standalone BN/affine, residual Add, token layout, average pooling -> GEMMs
     lower_softmax,  # Softmax read by P.V MatMuls -> row max, exp table, row-sum words; P.V reads the words
     split_to_slices,  # a Split left on the host -> one host Slice per output (a host step writes one tensor)

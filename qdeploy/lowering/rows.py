@@ -71,6 +71,21 @@ def row_view(graph: Graph, name: str, source: str, shape: tuple, rows: int) -> t
     return Lowered([node], tensors), node.outputs[0]
 
 
+class Emitter:
+    """The nodes and tensors one lowering emits, in order, and the graph grown by them: `graph.unique_name()` then
+    sees every name already taken (a LayerNorm's or a GroupNorm's instructions, built one after another)."""
+
+    def __init__(self, graph: Graph):
+        self.graph = graph
+        self.nodes: list[Node] = []
+        self.tensors: list[Tensor] = []
+
+    def add(self, lowered: Lowered) -> None:
+        self.nodes.extend(lowered.nodes)
+        self.tensors.extend(lowered.tensors)
+        self.graph = _grown(self.graph, lowered.nodes, lowered.tensors)
+
+
 def _grown(graph: Graph, nodes: list[Node], tensors: list[Tensor]) -> Graph:
     """The graph with these nodes and tensors added, so that unique_name() stays honest."""
     return graph.with_nodes([*graph.nodes, *nodes], tensors)
