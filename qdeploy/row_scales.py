@@ -7,6 +7,9 @@ Output-scale rules (a node's `output_scale` attribute), s_x the scale of the nod
                 d <= 0 has the scale s_d = min(TABLE_RANGE, span s_x) / 128, span = 255 the most x's codes can
                 differ by (so d never saturates before exp(d) < 1/510), and the table writes e = exp(d) as uint8
                 codes of scale 1/255 (int8 codes of scale 1/127 on a target without unsigned activations)
+  "probability" a softmax's normalized probabilities p = e / S in [0, 1] (lowering/softmax.py, the normalize
+                form): uint8 codes of scale 1/255 (int8 of 1/127 without unsigned activations), the full range,
+                whatever x's scale
 
 Row-scale words (the output of an instruction whose store is the row-reciprocal store, isa/row_scale.py): int32
 words, not quantized activations. A word w of the integer row sum S_q stands for f(S_q) (f = 1/x or 1/sqrt(x));
@@ -37,6 +40,11 @@ def exp_table_scales(s_x: float, unsigned_activations: bool) -> tuple[float, flo
     """(s_d, s_e, e unsigned) of the "exp_table" rule (module docstring)."""
     s_d = f32(min(TABLE_RANGE, CODE_SPAN * s_x) / 128)
     return s_d, f32(1 / (255.0 if unsigned_activations else 127.0)), unsigned_activations
+
+
+def probability_scale(unsigned_activations: bool) -> tuple[float, bool]:
+    """(s_p, p unsigned) of the "probability" rule (module docstring)."""
+    return f32(1 / (255.0 if unsigned_activations else 127.0)), unsigned_activations
 
 
 def words_scale(function: str, s_acc: float) -> float:

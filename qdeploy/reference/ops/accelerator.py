@@ -97,7 +97,7 @@ def ConvGemm(x, w, b, *, group=1, strides=(1, 1), pads=(0, 0, 0, 0), dilations=(
     return _output_stage(y, output_stage)
 
 
-def DenseGemm(x, w, b, rows=None, *, output_stage=NO_OUTPUT_STAGE, integer_weights=0):
+def DenseGemm(x, w, b, rows=None, *, output_stage=NO_OUTPUT_STAGE, integer_weights=0, output_scale=None):
     """y = output_stage((x @ w^T + b) * rows) with w of shape (out, K) (`integer_weights`: the compiler stores w as it
     is; `rows`: a row-scale operand, one value per row of x: qdeploy/lowering/rows.py). Row by row: BLAS sums a
     matrix product in an order that depends on the number of rows, and a sample's result must not depend on the

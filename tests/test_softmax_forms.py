@@ -1,0 +1,148 @@
+"""Softmax forms beyond attention's P.V on the integer unit (issue 34; qdeploy/lowering/softmax.py, the normalize
+form): YOLOv8's DFL (a softmax over axis 1 of (N, 16, 4, A) read by a constant 1x1 Conv), YOLO11's C2PSA attention
+(V . P^T: the probabilities as a MatMul's right operand, transposed), a softmax over a middle axis of a 5-D tensor
+(CoaT's factorized attention) and a softmax that is a graph output. Each lowers with no host op, its lowered
+float graph is ONNX Runtime's, its int8 program is as close to ONNX Runtime as the same program with the softmax
+in float on the host (within a budget), and every instruction of it equals its Python-int twin in every
+rounding mode."""
+
+import numpy as np
+import pytest
+from onnx import helper
+
+from builders import make_model, max_calibration, run_onnxruntime, save
+from isa.kinds import Kind
+from isa.target import Arithmetic, Target
+from qdeploy import api
+from qdeploy.lowering import passes
+from qdeploy.lowering.softmax import lower_softmax
+from simulator import twins
+from simulator.machine import Machine
+
+BINS, SIDES, ANCHORS = 16, 4, 12
+HEADS, DIM, TOKENS = 2, 4, 9
+
+
+def dfl(tmp_path):
+    """YOLOv8's DFL as ultralytics exports it: (N, 64, A) -> (N, 4, 16, A) -> (N, 16, 4, A) -> softmax over the
+    16 bins (axis 1) -> the 1x1 Conv of weights 0..15 (the expected bin) -> (N, 4, A)."""
+    nodes = [helper.make_node("Reshape", ["x", "split"], ["x4"], name="split"),
+             helper.make_node("Transpose", ["x4"], ["xt"], name="bins_first", perm=[0, 2, 1, 3]),
+             helper.make_node("Softmax", ["xt"], ["p"], name="softmax", axis=1),
+             helper.make_node("Conv", ["p", "bins"], ["d"], name="expected_bin"),
+             helper.make_node("Reshape", ["d", "sides"], ["y"], name="sides")]
+    constants = {"split": np.array([-1, SIDES, BINS, ANCHORS], np.int64), "sides": np.array([-1, SIDES, ANCHORS],
+                                                                                           np.int64),
+                 "bins": np.arange(BINS, dtype=np.float32).reshape(1, BINS, 1, 1)}
+    model = make_model(nodes, [("x", ["N", SIDES * BINS, ANCHORS])], [("y", ["N", SIDES, ANCHORS])], constants)
+    return save(model, tmp_path / "dfl.onnx")
+
+
+def v_pt(tmp_path):
+    """YOLO11's C2PSA attention: p = softmax(q^T k d^-1/2) over the last axis, y = v . p^T on (N, HEADS, DIM,
+    TOKENS) q, k, v."""
+    nodes = [helper.make_node("Transpose", ["q"], ["qt"], name="qt", perm=[0, 1, 3, 2]),
+             helper.make_node("MatMul", ["qt", "k"], ["s0"], name="qk"),
+             helper.make_node("Mul", ["s0", "c"], ["s"], name="scale"),
+             helper.make_node("Softmax", ["s"], ["p"], name="softmax", axis=-1),
+             helper.make_node("Transpose", ["p"], ["pt"], name="pt", perm=[0, 1, 3, 2]),
+             helper.make_node("MatMul", ["v", "pt"], ["y"], name="vpt")]
+    shape = ["N", HEADS, DIM, TOKENS]
+    model = make_model(nodes, [(name, shape) for name in "qkv"], [("y", shape)], {"c": np.float32(DIM ** -0.5)})
+    return save(model, tmp_path / "v_pt.onnx")
+
+
+def five_d(tmp_path):
+    """A softmax over axis 3 of (N, 1, HEADS, TOKENS, DIM) (CoaT's factorized attention normalizes k over the
+    tokens), read by a MatMul k_softmax^T . v, and a graph output itself."""
+    nodes = [helper.make_node("Softmax", ["k"], ["p"], name="softmax", axis=3),
+             helper.make_node("Transpose", ["p"], ["pt"], name="pt", perm=[0, 1, 2, 4, 3]),
+             helper.make_node("MatMul", ["pt", "v"], ["y"], name="ktv")]
+    shape = ["N", 1, HEADS, TOKENS, DIM]
+    model = make_model(nodes, [("k", shape), ("v", shape)], [("y", ["N", 1, HEADS, DIM, DIM]), ("p", shape)])
+    return save(model, tmp_path / "five_d.onnx")
+
+
+def feeds(path, seed: int, batch: int) -> dict[str, np.ndarray]:
+    """Standard normal inputs, the softmax's input spread (some rows peaked, some flat)."""
+    import onnx
+
+    rng = np.random.default_rng(seed)
+    model = onnx.load(str(path))
+    result = {}
+    for value in model.graph.input:
+        shape = [batch] + [d.dim_value for d in value.type.tensor_type.shape.dim][1:]
+        result[value.name] = (rng.standard_normal(shape) * (2 if value.name in "xq" else 1)).astype(np.float32)
+    return result
+
+
+def sqnr(reference: np.ndarray, got: np.ndarray) -> float:
+    return float(10 * np.log10(np.sum(reference.astype(np.float64) ** 2) / np.sum((reference - got) ** 2)))
+
+
+FORMS = {"dfl": dfl, "v_pt": v_pt, "five_d": five_d}
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_a_softmax_outside_p_v_runs_on_the_integer_unit_as_close_as_a_float_one(tmp_path, monkeypatch, form):
+    """No host op; the normalizing DenseGemm (row scale 1/S) stores the probabilities; the lowered float graph
+    equals ONNX Runtime to float rounding; the int8 output is at least 25 dB from ONNX Runtime's and at most 1 dB
+    below the same model compiled with the softmax in float on the host.
+
+    Why these bars: the host program quantizes p to int8 with its calibrated scale, the integer one to the fixed
+    1/255 (p <= 1); on top, the integer softmax rounds each exp to 1/510 and the 1/S word to 2.1e-3 (the budget of
+    tests/test_integer_softmax.py, 1 dB). Measured: DFL 40.9 dB (host softmax 38.2), V . P^T 27.8 (27.8), 5-D 34.0
+    and its p 36.1 (33.5, 35.3); 25 dB sits below the lowest with the margin of a reseeded draw."""
+    path = FORMS[form](tmp_path)
+    lowering = api.lower_model(path)
+    assert lowering.host_ops == []
+    normalize = [i for i in lowering.instructions if i.name.endswith("/normalize")]
+    assert len(normalize) == 1 and normalize[0].output_stage.get("row_scale")
+    test = feeds(path, 1, 16)
+    expected = run_onnxruntime(path, test)
+    lowered = api.run(path, test, lowered=True)
+    for name, value in zip(lowered, expected):
+        np.testing.assert_allclose(lowered[name], value, rtol=0, atol=1e-5 * np.abs(value).max())
+
+    calibration = feeds(path, 0, 32)
+    program = api.compile(path, max_calibration(path, calibration)).program
+    assert not [i for i in program.instructions if i["kind"] == Kind.HOST]
+    integer = api.run(program, test, dequantize=True)
+
+    monkeypatch.setattr(passes, "LOWER", [p for p in passes.LOWER if p is not lower_softmax])
+    host_program = api.compile(path, max_calibration(path, calibration), allow_host_fallback=True).program
+    assert [i["op"] for i in host_program.instructions if i["kind"] == Kind.HOST] == ["Softmax"]
+    host = api.run(host_program, test, dequantize=True)
+    for name, value in zip(integer, expected):
+        assert sqnr(value, integer[name]) >= 25.0, name
+        assert sqnr(value, integer[name]) >= sqnr(value, host[name]) - 1.0, name
+
+
+@pytest.mark.parametrize("rounding", ["half_up", "float32_rne"])
+@pytest.mark.parametrize("unsigned", [True, False])
+@pytest.mark.parametrize("form", FORMS)
+def test_the_machine_runs_a_normalizing_softmax_as_the_twins(tmp_path, form, rounding, unsigned):
+    """Every instruction (the AxisPermute that moves the axis last, row max, exp, row-sum words, the normalizing
+    DenseGemm with its row scale, the view back, the readers): the machine's tensors are the twins', its fused
+    paths' its folded steps'; the probabilities' codes reach the full range at each row's largest entry."""
+    path = FORMS[form](tmp_path)
+    target = Target(arithmetic=Arithmetic(rounding=rounding, unsigned_activations=unsigned))
+    program = api.compile(path, max_calibration(path, feeds(path, 0, 8)), target).program
+    test = feeds(path, 2, 3)
+    run = Machine(program).run(test, dump=True)
+    for instr in program.instructions:
+        args = [run.tensors[name] for name in instr["inputs"]]
+        dtype = program.tensors[instr["output"]]["dtype"]
+        expected = twins.run_instruction(instr, args, program.arrays, target.arithmetic, dtype)
+        np.testing.assert_array_equal(run.tensors[instr["output"]], expected,
+                                      err_msg=f"{instr['name']} ({instr['kind']})")
+    folded = Machine(program, fused=False).run(test, dump=True)
+    for name, y in run.tensors.items():
+        np.testing.assert_array_equal(y, folded.tensors[name], err_msg=name)
+    normalize = next(i for i in program.instructions if i["name"].endswith("/normalize"))
+    p = run.tensors[normalize["output"]]
+    assert program.tensors[normalize["output"]]["scale"] == pytest.approx(1 / (255 if unsigned else 127))
+    assert p.dtype == (np.uint8 if unsigned else np.int8)
+    # each row sums to 1 within the codes' rounding and the word's 2.1e-3
+    total = p.astype(np.float64).sum(axis=-1) * program.tensors[normalize["output"]]["scale"]
+    np.testing.assert_allclose(total, 1.0, atol=p.shape[-1] / 2 / (255 if unsigned else 127) + 3e-3)
