@@ -11,17 +11,24 @@ host op), and its rows are the rows of x'. Per row of x' (design.md (10)-(12)):
                                       e = table[d] (uint8 codes, scale 1/255)
   3. w_i = 1 / sum_j e_ij             row_sum_words: the row sum as a GEMM with ones, the row-reciprocal store
 
-then the division p_ij = e_ij w_i, in one of two places:
+then the division p_ij = e_ij w_i, where it is exact: in the requantize of a reader whose output rows are the
+softmax's rows (a row scale, isa/row_scale.py), else by a normalizing step:
 
   P.V       a softmax over the last axis whose every reader is a MatMul of activations reading it as its left
             operand (P in P.V, not transposed): each reader reads w as its row scale, y = (e @ v) * w_i; the
             probabilities are never stored (four instructions)
-  normalize any other softmax (another axis, a Conv or a Transpose or a Mul reading it, P as the right operand,
-            a graph output): p = (e I) * w_i, a DenseGemm of the L x L identity on the rows of e with w as its row
-            scale, stored as int8 (uint8) probabilities of the fixed scale 1/127 (1/255): p <= 1, and its largest
-            entry is at least 1/L, so no calibration threshold can do better than the full range (output-scale rule
-            "probability", row_scales.py); then viewed back (the inverse AxisPermute) as the softmax's output,
-            which its readers read as any activation (five instructions)
+  V.P^T     a softmax over the last axis read only as the transposed right operand of a MatMul (YOLO11's C2PSA,
+            v @ p^T): the reader becomes (p v^T)^T, the MatMulGemm e . v^T with w as its row scale, then the
+            AxisPermute that swaps its last two axes (four instructions)
+  conv      a softmax over the channels of an NCHW tensor read only by a 1x1 Conv of zero bias (YOLOv8's DFL: the
+            expected bin, weights 0..15): the reader becomes the DenseGemm of the Conv's weights (C_out, L) on the
+            rows of e' (one per pixel), w its row scale, then the AxisPermute back to NCHW (four instructions)
+  normalize any other softmax (another reader, a Transpose or a Mul, a graph output): p = (e I) * w_i, a DenseGemm
+            of the L x L identity on the rows of e with w as its row scale, stored as uint8 (int8) probabilities
+            of the fixed scale 1/255 (1/127): p <= 1, and its largest entry is at least 1/L, so no calibration
+            threshold could do better than the full range (output-scale rule "probability", row_scales.py); then
+            viewed back (the inverse AxisPermute) as the softmax's output, which its readers read as any
+            activation (five instructions)
 
 In the lowered float graph these are the float ops they stand for, so the lowered graph is softmax(x) (and
 softmax(x) @ v) up to float rounding (it matches ONNX Runtime). A softmax over the batch axis, or of rows that are
@@ -36,6 +43,7 @@ from isa.output_stage import NO_OUTPUT_STAGE, Lookup
 from qdeploy.ir import Graph, Node, Tensor
 from qdeploy.lowering.rows import row_add, row_max, row_shape, row_sum_words, row_view, with_row_scale
 from qdeploy.lowering.rules import Lowered, dense_gemm
+from qdeploy.simplify.eliminate_dead import eliminate_dead_nodes
 from qdeploy_base.errors import Unsupported
 
 
@@ -51,18 +59,43 @@ def _axis(graph: Graph, node: Node) -> int:
     return axis % len(shape)
 
 
-def _pv_readers(graph: Graph, node: Node, axis: int, consumers: dict) -> list[Node] | None:
-    """The P.V MatMulGemms that read this softmax's output, when every reader is one (module docstring), else
-    None (the softmax normalizes)."""
+def _form(graph: Graph, node: Node, axis: int, consumers: dict) -> str:
+    """Where the softmax's division goes (module docstring): "P.V", "V.P^T", "conv" or "normalize"."""
     y = node.outputs[0]
     readers = consumers.get(y, [])
-    if axis != len(graph.tensors[y].shape) - 1 or y in graph.outputs or not readers:
-        return None
-    for reader in readers:
-        if (reader.op != Kind.MATMUL_GEMM or reader.inputs[0] != y or y in reader.inputs[1:]
-                or reader.attrs.get("transpose_a") or len(reader.inputs) != 2):
-            return None
-    return readers
+    rank = len(graph.tensors[y].shape)
+    if y in graph.outputs or not readers:
+        return "normalize"
+    if axis == rank - 1 and all(
+            reader.op == Kind.MATMUL_GEMM and reader.inputs[0] == y and y not in reader.inputs[1:]
+            and not reader.attrs.get("transpose_a") and len(reader.inputs) == 2 for reader in readers):
+        return "P.V"
+    if len(readers) != 1 or not _plain_stage(readers[0]):
+        return "normalize"
+    (reader,) = readers
+    if (axis == rank - 1 and reader.op == Kind.MATMUL_GEMM and len(reader.inputs) == 2 and reader.inputs[1] == y
+            and reader.inputs[0] != y and reader.attrs.get("transpose_b") and not reader.attrs.get("transpose_a")):
+        return "V.P^T"
+    if axis == 1 and rank == 4 and reader.op == Kind.CONV_GEMM and reader.inputs[0] == y and _pointwise(graph, reader):
+        return "conv"
+    return "normalize"
+
+
+def _plain_stage(reader: Node) -> bool:
+    """The reader's output stage is elementwise and writes one tensor (no window-max, no table)."""
+    stage = reader.attrs.get("output_stage")
+    return stage is not None and stage.window_max is None and stage.lookup is None
+
+
+def _pointwise(graph: Graph, conv: Node) -> bool:
+    """The ConvGemm is a 1x1 Conv of one group, stride 1, no padding, a plain read and zero bias: per pixel, a
+    DenseGemm of its weights (C_out, C) (a row scale would scale a bias too)."""
+    weight, bias = graph.constant_data(conv.inputs[1]), graph.constant_data(conv.inputs[2])
+    attrs = conv.attrs
+    return (weight is not None and bias is not None and weight.shape[2:] == (1, 1) and not np.any(bias)
+            and attrs.get("group", 1) == 1 and list(attrs.get("strides", [1, 1])) == [1, 1]
+            and not any(attrs.get("pads", [0, 0, 0, 0])) and list(attrs.get("dilations", [1, 1])) == [1, 1]
+            and not any(key in attrs for key in ("upsample", "upsample_fill", "pad_fill")))
 
 
 def softmax_host_reason(graph: Graph, node: Node, lookups: bool) -> str:
@@ -90,9 +123,10 @@ def _permuted(graph: Graph, node: Node, axis: int) -> tuple[Lowered, str, list[i
     return Lowered([permute], [out]), out.name, perm
 
 
-def _lower_one(graph: Graph, node: Node, axis: int, pv: bool) -> tuple[list[Node], list[Tensor], str]:
-    """(instructions, tensors, the row-scale words) of one softmax: the P.V form (exp written to the softmax's
-    output, the readers still to read the words) or the normalize form (module docstring)."""
+def _lower_one(graph: Graph, node: Node, axis: int, form: str, readers: list[Node]
+               ) -> tuple[list[Node], list[Tensor], dict[str, list[Node]]]:
+    """(instructions in the softmax's place, every new tensor, {reader: what replaces it}) of one softmax of the
+    given form (module docstring)."""
     y = node.outputs[0]
     nodes: list[Node] = []
     tensors: list[Tensor] = []
@@ -108,29 +142,35 @@ def _lower_one(graph: Graph, node: Node, axis: int, pv: bool) -> tuple[list[Node
     lowered_max, peak = row_max(graph, node, x)
     add(lowered_max)
     source = graph.tensors[x]
-    exp_out = y if pv else graph.unique_name(f"{y}/exp")
+    # e: the softmax's output itself when its readers read e (axis last), else a tensor in the read order of x'
+    exp_out = y if form in ("P.V", "V.P^T") else graph.unique_name(f"{y}/exp")
     difference = Tensor(graph.unique_name(f"{y}/difference"), source.shape, source.dtype, rows=source.rows)
     exp = row_add(graph.unique_name(f"{node.name}/exp"), x, peak, [exp_out, difference.name], negate_b=True,
                   stage=NO_OUTPUT_STAGE.with_step(Lookup("Exp", True)), output_scale="exp_table")
-    add(Lowered([exp], [difference] if pv else
+    add(Lowered([exp], [difference] if exp_out == y else
                 [difference, Tensor(exp_out, source.shape, source.dtype, rows=source.rows)]))
-    if pv:
+    if form in ("P.V", "V.P^T"):
         lowered_sum, words = row_sum_words(graph, node, y, "reciprocal")
         add(lowered_sum)
-        return nodes, tensors, words
+        if form == "P.V":
+            return nodes, tensors, {reader.name: [with_row_scale(reader, words)] for reader in readers}
+        product = _transposed_product(graph, readers[0], y, words)
+        return nodes, [*tensors, *product.tensors], {readers[0].name: product.nodes}
     rows, length = row_shape(graph, node, x)
     per_image = rows * source.rows
     to_rows, flat = row_view(graph, f"{exp_out}/row_major", exp_out, (source.shape[0], length), per_image)
     add(to_rows)
-    lowered_sum, words = row_sum_words(graph, node, flat, "reciprocal")
+    lowered_sum, words = row_sum_words(graph, node, flat, "reciprocal")  # (N, 1): a word per row of the view
     add(lowered_sum)
-    flat_words = words  # (N, 1): one word per row of the row-major view
+    if form == "conv":
+        pointwise = _pointwise_rows(graph, readers[0], flat, words, source)
+        return nodes, [*tensors, *pointwise.tensors], {readers[0].name: pointwise.nodes}
     probabilities = Tensor(graph.unique_name(f"{y}/probability_rows"), (source.shape[0], length), source.dtype,
                            rows=per_image)
     normalize = dense_gemm(graph, Node(graph.unique_name(f"{node.name}/normalize"), node.op, [],
                                        [probabilities.name], {}), flat, np.eye(length), np.zeros(length))
     (instr,) = normalize.nodes
-    instr = with_row_scale(instr.replace(attrs={**instr.attrs, "output_scale": "probability"}), flat_words)
+    instr = with_row_scale(instr.replace(attrs={**instr.attrs, "output_scale": "probability"}), words)
     add(Lowered([instr], [probabilities, *normalize.tensors]))
     back, permuted_p = row_view(graph, f"{y}/axis_last", probabilities.name, source.shape, source.rows)
     add(back)
@@ -138,26 +178,61 @@ def _lower_one(graph: Graph, node: Node, axis: int, pv: bool) -> tuple[list[Node
         inverse = [int(a) for a in np.argsort(perm)]
         nodes.append(Node(graph.unique_name(f"{node.name}/axis_back"), Kind.AXIS_PERMUTE, [permuted_p], [y],
                           {"perm": inverse}))
-    else:  # the view back writes the softmax's output itself
+    else:  # the last step (the view back, or the normalizing GEMM itself) writes the softmax's output
         nodes[-1] = nodes[-1].replace(outputs=[y])
         tensors = [t for t in tensors if t.name != permuted_p]
-    return nodes, tensors, words
+    return nodes, tensors, {}
+
+
+def _transposed_product(graph: Graph, reader: Node, e: str, words: str) -> Lowered:
+    """V.P^T (module docstring): the MatMulGemm v . e^T -> e . v^T with the row scale, then the swap of its last
+    two axes to the reader's output."""
+    out = graph.tensors[reader.outputs[0]]
+    shape = (*out.shape[:-2], out.shape[-1], out.shape[-2])
+    product = Tensor(graph.unique_name(f"{reader.outputs[0]}/transposed"), shape, out.dtype, rows=out.rows)
+    gemm = reader.replace(inputs=[e, reader.inputs[0], words], outputs=[product.name],
+                          attrs={**reader.attrs, "transpose_a": 0, "transpose_b": 1})
+    swap = [*range(len(shape) - 2), len(shape) - 1, len(shape) - 2]
+    return Lowered([gemm, Node(graph.unique_name(f"{reader.name}/swap"), Kind.AXIS_PERMUTE, [product.name],
+                               [reader.outputs[0]], {"perm": swap})], [product])
+
+
+def _pointwise_rows(graph: Graph, conv: Node, rows: str, words: str, source: Tensor) -> Lowered:
+    """The conv form (module docstring): the 1x1 ConvGemm on the softmax's NCHW output -> the DenseGemm of its
+    weights on the rows (N * H * W, C) of e', w its row scale, viewed (N, H, W, C_out) and permuted to NCHW."""
+    weight = graph.constant_data(conv.inputs[1])
+    out = graph.tensors[conv.outputs[0]]
+    channels = int(weight.shape[0])
+    flat = Tensor(graph.unique_name(f"{conv.outputs[0]}/rows"), (out.shape[0], channels), out.dtype,
+                  rows=graph.tensors[rows].rows)
+    gemm = dense_gemm(graph, Node(conv.name, conv.op, [], [flat.name], {}), rows, weight.reshape(channels, -1),
+                      np.zeros(channels))
+    (instr,) = gemm.nodes
+    instr = with_row_scale(instr.replace(attrs={**instr.attrs, "output_stage": conv.attrs["output_stage"]}), words)
+    graph = graph.with_nodes([*graph.nodes, instr], [flat, *gemm.tensors])  # unique_name() sees them
+    back, pixels = row_view(graph, f"{conv.outputs[0]}/pixels", flat.name, (*source.shape[:-1], channels),
+                            source.rows)
+    permute = Node(graph.unique_name(f"{conv.name}/channels_first"), Kind.AXIS_PERMUTE, [pixels],
+                   [conv.outputs[0]], {"perm": [0, 3, 1, 2]})
+    return Lowered([instr, *back.nodes, permute], [flat, *gemm.tensors, *back.tensors])
 
 
 def lower_softmax(graph: Graph) -> Graph:
-    """Each Softmax within a sample (`_axis`) -> the instructions of the module docstring, in its place; P.V
-    readers get the row-scale words as their third input."""
+    """Each Softmax within a sample (`_axis`) -> the instructions of the module docstring, in its place; its P.V
+    readers read the row-scale words, a V.P^T or conv reader is replaced by the instructions that take the
+    division."""
+    graph = eliminate_dead_nodes(graph)  # a Transpose the MatMul rule folded into its reader reads nothing now
     for name in [n.name for n in graph.nodes if n.op == "Softmax"]:
         node = next(n for n in graph.nodes if n.name == name)
         try:
             axis = _axis(graph, node)
         except Unsupported:
             continue
-        readers = _pv_readers(graph, node, axis, graph.consumers())
-        nodes, tensors, words = _lower_one(graph, node, axis, readers is not None)
-        replaced = {reader.name: with_row_scale(reader, words) for reader in readers or []}
+        consumers = graph.consumers()
+        form = _form(graph, node, axis, consumers)
+        nodes, tensors, replaced = _lower_one(graph, node, axis, form, consumers.get(node.outputs[0], []))
         graph = graph.with_nodes([m for n in graph.nodes
-                                  for m in (nodes if n.name == name else [replaced.get(n.name, n)])], tensors)
+                                  for m in (nodes if n.name == name else replaced.get(n.name, [n]))], tensors)
     return graph
 
 
