@@ -3,8 +3,11 @@ form): YOLOv8's DFL (a softmax over axis 1 of (N, 16, 4, A) read by a constant 1
 (V . P^T: the probabilities as a MatMul's right operand, transposed), a softmax over a middle axis of a 5-D tensor
 (CoaT's factorized attention) and a softmax that is a graph output. Each lowers with no host op, its lowered
 float graph is ONNX Runtime's, its int8 program is as close to ONNX Runtime as the same program with the softmax
-in float on the host (within a budget), and every instruction of it equals its Python-int twin in every
-rounding mode."""
+in float on the host (within a budget), every instruction of it equals its Python-int twin in every rounding
+mode, and the reference RTL computes its GEMM layers bit for bit."""
+
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,8 +19,10 @@ from isa.target import Arithmetic, Target
 from qdeploy import api
 from qdeploy.lowering import passes
 from qdeploy.lowering.softmax import lower_softmax
+from qdeploy_base.errors import Unsupported
 from simulator import twins
 from simulator.machine import Machine
+from simulator.vectors import compare_vectors, export_vectors
 
 BINS, SIDES, ANCHORS = 16, 4, 12
 HEADS, DIM, TOKENS = 2, 4, 9
@@ -113,6 +118,11 @@ def test_a_softmax_outside_p_v_runs_on_the_integer_unit_as_close_as_a_float_one(
     program = api.compile(path, max_calibration(path, calibration)).program
     assert not [i for i in program.instructions if i["kind"] == Kind.HOST]
     integer = api.run(program, test, dequantize=True)
+    # the ONNX export refuses the integer softmax in one line (ONNX Runtime has no QLinear op that subtracts the
+    # row max) and writes nothing, as for attention's (tests/test_integer_softmax.py)
+    with pytest.raises(Unsupported, match=r"^program: instruction 'softmax/exp': an AddGemm that subtracts"):
+        api.export_onnx(program, tmp_path / "int8.onnx")
+    assert not (tmp_path / "int8.onnx").exists()
 
     monkeypatch.setattr(passes, "LOWER", [p for p in passes.LOWER if p is not lower_softmax])
     host_program = api.compile(path, max_calibration(path, calibration), allow_host_fallback=True).program
@@ -154,3 +164,22 @@ def test_the_machine_runs_each_softmax_form_as_the_twins(tmp_path, form, roundin
     assert scale == pytest.approx(1 / (255 if unsigned else 127)) and p.dtype == (np.uint8 if unsigned else np.int8)
     # each row sums to 1 within the codes' rounding (half a code each) and the word's 2.1e-3
     np.testing.assert_allclose(p.astype(np.float64).sum(axis=-1) * scale, 1.0, atol=p.shape[-1] / 2 * scale + 3e-3)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_the_reference_rtl_runs_each_softmax_form_bit_exactly(tmp_path, form):
+    """The compiled program's golden vectors through hw/tb_layer.sv (Icarus Verilog): every GEMM layer (row max,
+    exp, the row-sum store, the divider with its row scale) dumps what the simulator computed, bit for bit."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "hw"))
+    import rtl  # hw/rtl.py
+
+    if not rtl.icarus_available():
+        pytest.skip("Icarus Verilog is not installed (apt-get install iverilog)")
+    path = FORMS[form](tmp_path)
+    target = Target(arithmetic=Arithmetic(rounding="half_even"))
+    program = api.compile(path, max_calibration(path, feeds(path, 0, 8)), target).program
+    export_vectors(program, feeds(path, 2, 2), tmp_path / "vectors")
+    ran = rtl.run(tmp_path / "vectors", tmp_path / "dump")
+    assert not ran.skipped and any(DIVIDER[form][0].replace("/", "_") in layer for layer in ran.layers), ran.layers
+    report = compare_vectors(tmp_path / "vectors", tmp_path / "dump")
+    assert report.ok and report.compared_files >= 2 * len(ran.layers), report.to_json()
