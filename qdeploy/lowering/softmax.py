@@ -17,6 +17,10 @@ softmax's rows (a row scale, isa/row_scale.py), else by a normalizing step:
   P.V       a softmax over the last axis whose every reader is a MatMul of activations reading it as its left
             operand (P in P.V, not transposed): each reader reads w as its row scale, y = (e @ v) * w_i; the
             probabilities are never stored (four instructions)
+  P^T.V     a softmax over the second-to-last axis whose every reader is a MatMul of activations reading it as its
+            transposed left operand (CoaT's factorized attention, softmax(k)^T . v: the product sums over the
+            softmax's axis): e' = exp(x' - m) is P^T unnormalized, so each reader becomes e' . v with w as its row
+            scale (four instructions)
   V.P^T     a softmax over the last axis read only as the transposed right operand of a MatMul (YOLO11's C2PSA,
             v @ p^T): the reader becomes (p v^T)^T, the MatMulGemm e . v^T with w as its row scale, then the
             AxisPermute that swaps its last two axes (four instructions)
@@ -60,16 +64,18 @@ def _axis(graph: Graph, node: Node) -> int:
 
 
 def _form(graph: Graph, node: Node, axis: int, consumers: dict) -> str:
-    """Where the softmax's division goes (module docstring): "P.V", "V.P^T", "conv" or "normalize"."""
+    """Where the softmax's division goes (module docstring): "P.V", "P^T.V", "V.P^T", "conv" or "normalize"."""
     y = node.outputs[0]
     readers = consumers.get(y, [])
     rank = len(graph.tensors[y].shape)
     if y in graph.outputs or not readers:
         return "normalize"
-    if axis == rank - 1 and all(
-            reader.op == Kind.MATMUL_GEMM and reader.inputs[0] == y and y not in reader.inputs[1:]
-            and not reader.attrs.get("transpose_a") and len(reader.inputs) == 2 for reader in readers):
-        return "P.V"
+    for form, transposed in (("P.V", False), ("P^T.V", True)):  # the readers sum over the softmax's axis
+        if axis == rank - 1 - transposed and all(
+                reader.op == Kind.MATMUL_GEMM and reader.inputs[0] == y and y not in reader.inputs[1:]
+                and bool(reader.attrs.get("transpose_a")) == transposed and len(reader.inputs) == 2
+                for reader in readers):
+            return form
     if len(readers) != 1 or not _plain_stage(readers[0]):
         return "normalize"
     (reader,) = readers
@@ -143,19 +149,22 @@ def _lower_one(graph: Graph, node: Node, axis: int, form: str, readers: list[Nod
     add(lowered_max)
     source = graph.tensors[x]
     # e: the softmax's output itself when its readers read e (axis last), else a tensor in the read order of x'
-    exp_out = y if form in ("P.V", "V.P^T") else graph.unique_name(f"{y}/exp")
+    exp_out = y if not perm and form in ("P.V", "V.P^T") else graph.unique_name(f"{y}/exp")
     difference = Tensor(graph.unique_name(f"{y}/difference"), source.shape, source.dtype, rows=source.rows)
     exp = row_add(graph.unique_name(f"{node.name}/exp"), x, peak, [exp_out, difference.name], negate_b=True,
                   stage=NO_OUTPUT_STAGE.with_step(Lookup("Exp", True)), output_scale="exp_table")
     add(Lowered([exp], [difference] if exp_out == y else
                 [difference, Tensor(exp_out, source.shape, source.dtype, rows=source.rows)]))
-    if form in ("P.V", "V.P^T"):
-        lowered_sum, words = row_sum_words(graph, node, y, "reciprocal")
+    if form in ("P.V", "P^T.V", "V.P^T"):
+        lowered_sum, words = row_sum_words(graph, node, exp_out, "reciprocal")
         add(lowered_sum)
-        if form == "P.V":
-            return nodes, tensors, {reader.name: [with_row_scale(reader, words)] for reader in readers}
-        product = _transposed_product(graph, readers[0], y, words)
-        return nodes, [*tensors, *product.tensors], {readers[0].name: product.nodes}
+        if form == "V.P^T":
+            product = _transposed_product(graph, readers[0], y, words)
+            return nodes, [*tensors, *product.tensors], {readers[0].name: product.nodes}
+        # P.V reads e as it is; P^T.V reads e' = P^T (unnormalized) untransposed
+        return nodes, tensors, {reader.name: [with_row_scale(reader.replace(
+            inputs=[exp_out, *reader.inputs[1:]], attrs={**reader.attrs, "transpose_a": 0}), words)]
+            for reader in readers}
     rows, length = row_shape(graph, node, x)
     per_image = rows * source.rows
     to_rows, flat = row_view(graph, f"{exp_out}/row_major", exp_out, (source.shape[0], length), per_image)
