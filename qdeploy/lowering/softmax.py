@@ -29,10 +29,11 @@ softmax's rows (a row scale, isa/row_scale.py), else by a normalizing step:
             rows of e' (one per pixel), w its row scale, then the AxisPermute back to NCHW (four instructions)
   normalize any other softmax (another reader, a Transpose or a Mul, a graph output): p = (e I) * w_i, a DenseGemm
             of the L x L identity on the rows of e with w as its row scale, stored as uint8 (int8) probabilities
-            of the fixed scale 1/255 (1/127): p <= 1, and its largest entry is at least 1/L, so no calibration
-            threshold could do better than the full range (output-scale rule "probability", row_scales.py); then
-            viewed back (the inverse AxisPermute) as the softmax's output, which its readers read as any
-            activation (five instructions)
+            of the fixed scale 1/255 (1/127): p <= 1 fits the full range unclipped, whatever the calibration saw
+            (output-scale rule "probability", row_scales.py; a calibrated scale measured no better on CaiT and
+            MobileViT-v2, docs/library_models.md); then viewed back (the inverse AxisPermute) as the softmax's
+            output, which its readers read as any activation (five instructions). A long flat row gets few codes
+            per probability here, which is why the forms above are preferred where they apply
 
 In the lowered float graph these are the float ops they stand for, so the lowered graph is softmax(x) (and
 softmax(x) @ v) up to float rounding (it matches ONNX Runtime). A softmax over the batch axis, or of rows that are
