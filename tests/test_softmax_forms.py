@@ -95,8 +95,8 @@ FORMS = {"dfl": dfl, "v_pt": v_pt, "coat": coat, "five_d": five_d}
 # The instruction that divides by the row sum (reads the 1/S words as its row scale), per form: the DFL's Conv as a
 # DenseGemm on the pixels' rows, V . P^T as the MatMulGemm P . V^T, CoaT's P^T . V as P'. V on the permuted e',
 # the 5-D softmax that is also a graph output by its normalizing DenseGemm.
-DIVIDER = {"dfl": ("expected_bin", Kind.DENSE_GEMM), "v_pt": ("vpt", Kind.MATMUL_GEMM), "coat": ("ktv", Kind.MATMUL_GEMM),
-           "five_d": ("softmax/normalize", Kind.DENSE_GEMM)}
+DIVIDER = {"dfl": ("expected_bin", Kind.DENSE_GEMM), "v_pt": ("vpt", Kind.MATMUL_GEMM),
+           "coat": ("ktv", Kind.MATMUL_GEMM), "five_d": ("softmax/normalize", Kind.DENSE_GEMM)}
 
 
 @pytest.mark.parametrize("form", FORMS)
