@@ -53,7 +53,8 @@ from qdeploy_base.errors import Unsupported
 
 
 def _axis(graph: Graph, node: Node) -> int:
-    """The softmax's axis, non-negative; Unsupported for the batch axis or rows that are not static."""
+    """The softmax's axis, non-negative; Unsupported for the batch axis, rows that are not static, or an opset-1/11
+    softmax over several axes flattened."""
     x = node.inputs[0]
     shape = graph.tensors[x].shape
     row_shape(graph, node, x)
@@ -61,6 +62,9 @@ def _axis(graph: Graph, node: Node) -> int:
     if not -len(shape) <= axis < len(shape) or axis % len(shape) == 0:
         raise Unsupported(f"node '{node.name}' (Softmax): over axis {axis} of {shape}; the integer softmax "
                           f"normalizes rows within a sample, not across the batch")
+    if graph.opset < 13 and axis % len(shape) != len(shape) - 1:
+        raise Unsupported(f"node '{node.name}' (Softmax): opset {graph.opset} normalizes the axes {axis}.. of "
+                          f"{shape} flattened into one; the integer softmax normalizes one axis (opset 13's)")
     return axis % len(shape)
 
 
