@@ -191,3 +191,32 @@ def test_the_reference_rtl_runs_each_softmax_form_bit_exactly(tmp_path, form):
     assert not ran.skipped and any(DIVIDER[form][0].replace("/", "_") in layer for layer in ran.layers), ran.layers
     report = compare_vectors(tmp_path / "vectors", tmp_path / "dump")
     assert report.ok and report.compared_files >= 2 * len(ran.layers), report.to_json()
+
+
+def test_onnx_softmax_node_tests_lower_over_every_axis_but_the_batch_and_match_their_outputs(tmp_path):
+    """ONNX's own Softmax node tests (opset 13, (3, 4, 5) inputs; the importer frees the first axis as the batch):
+    every axis but the first lowers with no host op and the lowered float graph gives the case's outputs; over
+    axis 0 (the batch here) the softmax stays on the host, naming the node."""
+    import warnings
+
+    import onnx
+    from onnx.backend.test.case.node import collect_testcases
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cases = [case for case in collect_testcases() if [n.op_type for n in case.model.graph.node] == ["Softmax"]]
+    lowered = set()
+    for case in cases:
+        path = tmp_path / f"{case.name}.onnx"
+        onnx.save(case.model, str(path))
+        (x,), (want,) = case.data_sets[0]
+        result = api.lower_model(path)
+        if result.host_ops:
+            (host,) = result.host_ops
+            assert "not across the batch" in host.reason, (case.name, host.reason)
+            continue
+        lowered.add(case.name)
+        (got,) = api.run(path, x, lowered=True).values()
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=case.name)
+    assert lowered == {"test_softmax_axis_1", "test_softmax_axis_2", "test_softmax_negative_axis",
+                       "test_softmax_default_axis", "test_softmax_example", "test_softmax_large_number"}, lowered
