@@ -184,7 +184,7 @@ class _Scales:
             self.lookup_input[out] = (s_d, False)
             self.scale[out], self.unsigned[out] = s_e, unsigned
         elif rule == "probability":
-            self.scale[out], self.unsigned[out] = row_scales.probability_scale(
+            self.scale[out], self.unsigned[out] = row_scales.unit_interval_scale(
                 self.target.arithmetic.unsigned_activations)
         else:
             raise Unsupported(f"node '{node.name}' ({node.op}): unknown output_scale rule '{rule}'")

@@ -39,11 +39,12 @@ def f32(value: float) -> float:
 def exp_table_scales(s_x: float, unsigned_activations: bool) -> tuple[float, float, bool]:
     """(s_d, s_e, e unsigned) of the "exp_table" rule (module docstring)."""
     s_d = f32(min(TABLE_RANGE, CODE_SPAN * s_x) / 128)
-    return s_d, f32(1 / (255.0 if unsigned_activations else 127.0)), unsigned_activations
+    return (s_d, *unit_interval_scale(unsigned_activations))
 
 
-def probability_scale(unsigned_activations: bool) -> tuple[float, bool]:
-    """(s_p, p unsigned) of the "probability" rule (module docstring)."""
+def unit_interval_scale(unsigned_activations: bool) -> tuple[float, bool]:
+    """(scale, unsigned) of values in [0, 1] over the full code range: the exp table's e and the "probability"
+    rule's p (module docstring)."""
     return f32(1 / (255.0 if unsigned_activations else 127.0)), unsigned_activations
 
 
