@@ -235,7 +235,9 @@ def lower_softmax(graph: Graph) -> Graph:
     """Each Softmax within a sample (`_axis`) -> the instructions of the module docstring, in its place; its P.V
     readers read the row-scale words, a V.P^T or conv reader is replaced by the instructions that take the
     division."""
-    graph = eliminate_dead_nodes(graph)  # a Transpose the MatMul rule folded into its reader reads nothing now
+    if not any(n.op == "Softmax" for n in graph.nodes):
+        return graph
+    graph = eliminate_dead_nodes(graph)  # a Transpose that the MatMul rule folded into its reader reads nothing
     for name in [n.name for n in graph.nodes if n.op == "Softmax"]:
         node = next(n for n in graph.nodes if n.name == name)
         try:
