@@ -141,7 +141,7 @@ def test_a_softmax_outside_p_v_runs_on_the_integer_unit_as_close_as_a_float_one(
         assert sqnr(value, integer[name]) >= sqnr(value, host[name]) - 1.0, name
 
 
-@pytest.mark.parametrize("rounding", ["half_up", "float32_rne"])
+@pytest.mark.parametrize("rounding", ["half_up", "half_even", "tflite", "float32_rne"])
 @pytest.mark.parametrize("unsigned", [True, False])
 @pytest.mark.parametrize("form", FORMS)
 def test_the_machine_runs_each_softmax_form_as_the_twins(tmp_path, form, rounding, unsigned):
