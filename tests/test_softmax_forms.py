@@ -1,7 +1,8 @@
-"""Softmax forms beyond attention's P.V on the integer unit (issue 34; qdeploy/lowering/softmax.py, the normalize
-form): YOLOv8's DFL (a softmax over axis 1 of (N, 16, 4, A) read by a constant 1x1 Conv), YOLO11's C2PSA attention
-(V . P^T: the probabilities as a MatMul's right operand, transposed), a softmax over a middle axis of a 5-D tensor
-(CoaT's factorized attention) and a softmax that is a graph output. Each lowers with no host op, its lowered
+"""Softmax forms beyond attention's P.V on the integer unit (issue 34; qdeploy/lowering/softmax.py's forms conv,
+V.P^T, P^T.V and normalize): YOLOv8's DFL (a softmax over axis 1 of (N, 16, 4, A) read by a constant 1x1 Conv),
+YOLO11's C2PSA attention (V . P^T: the probabilities as a MatMul's right operand, transposed), CoaT's factorized
+attention (a softmax over the tokens, axis 3 of a 5-D tensor, read as softmax(k)^T . v) and the same softmax as a
+graph output too. Each lowers with no host op, its lowered
 float graph is ONNX Runtime's, its int8 program is as close to ONNX Runtime as the same program with the softmax
 in float on the host (within a budget), every instruction of it equals its Python-int twin in every rounding
 mode, and the reference RTL computes its GEMM layers bit for bit."""
@@ -101,8 +102,8 @@ DIVIDER = {"dfl": ("expected_bin", Kind.DENSE_GEMM), "v_pt": ("vpt", Kind.MATMUL
 
 @pytest.mark.parametrize("form", FORMS)
 def test_a_softmax_outside_p_v_runs_on_the_integer_unit_as_close_as_a_float_one(tmp_path, monkeypatch, form):
-    """No host op; the division by the row sum is the row scale of the instruction of DIVIDER; the lowered float graph
-    equals ONNX Runtime to float rounding; the int8 output is at least 25 dB from ONNX Runtime's and at most 1 dB
+    """No host op; the division by the row sum is the row scale of the instruction of DIVIDER; the lowered float
+    graph equals ONNX Runtime to float rounding; the int8 output is at least 25 dB from ONNX Runtime's and at most 1 dB
     below the same model compiled with the softmax in float on the host.
 
     Why these bars: the host program quantizes p to int8 with its calibrated scale; the integer one divides in the
