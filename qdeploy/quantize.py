@@ -190,6 +190,9 @@ class _Scales:
                 raise Unsupported(f"node '{node.name}' ({node.op}): the output_scale rule 'constant' needs a "
                                   f"DenseGemm of integer weights 0 and one positive bias")
             self.scale[out], self.unsigned[out] = row_scales.constant_scale(bias.item()), False
+        elif rule == "probability":
+            self.scale[out], self.unsigned[out] = row_scales.unit_interval_scale(
+                self.target.arithmetic.unsigned_activations)
         else:
             raise Unsupported(f"node '{node.name}' ({node.op}): unknown output_scale rule '{rule}'")
 

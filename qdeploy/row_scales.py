@@ -11,6 +11,9 @@ Output-scale rules (a node's `output_scale` attribute), s_x the scale of the nod
                 lowering/groupnorm.py): y has the scale b / 127 and the code 127 exactly, the accumulator's bias
                 being ceil(2 b / s_x) codes of s_x (>= 2 b: the requantize lands on 254 or more and the clamp
                 writes 127, whatever s_x), so the code is exact where rne(b / s_x) would be off by s_x / 2
+  "probability" a softmax's normalized probabilities p = e / S in [0, 1] (lowering/softmax.py, the normalize
+                form): uint8 codes of scale 1/255 (int8 of 1/127 without unsigned activations), the full range,
+                whatever x's scale
 
 Row-scale words (the output of an instruction whose store is the row-reciprocal store, isa/row_scale.py): int32
 words, not quantized activations. A word w of the integer row sum S_q stands for f(S_q) (f = 1/x or 1/sqrt(x));
@@ -40,7 +43,13 @@ def f32(value: float) -> float:
 def exp_table_scales(s_x: float, unsigned_activations: bool) -> tuple[float, float, bool]:
     """(s_d, s_e, e unsigned) of the "exp_table" rule (module docstring)."""
     s_d = f32(min(TABLE_RANGE, CODE_SPAN * s_x) / 128)
-    return s_d, f32(1 / (255.0 if unsigned_activations else 127.0)), unsigned_activations
+    return (s_d, *unit_interval_scale(unsigned_activations))
+
+
+def unit_interval_scale(unsigned_activations: bool) -> tuple[float, bool]:
+    """(scale, unsigned) of values in [0, 1] over the full code range: the exp table's e and the "probability"
+    rule's p (module docstring)."""
+    return f32(1 / (255.0 if unsigned_activations else 127.0)), unsigned_activations
 
 
 def constant_scale(bias: float) -> float:

@@ -17,7 +17,7 @@ from qdeploy.cli import app
 from qdeploy_base.errors import BadInput
 from qdeploy.program import read_program
 from simulator import twins
-from isa.target import Arithmetic, Target
+from isa.target import Arithmetic, ArrayConfig, Target
 from simulator.machine import SLICE_IMAGES, Machine, quantize_input
 
 runner = CliRunner()
@@ -239,18 +239,20 @@ def test_cli_compile_run_and_errors(tmp_path, compiled_cnn):
 
 
 def test_host_fallback_runs_unlowerable_ops_in_float(tmp_path):
-    """Softmax cannot run on the GEMM unit: compile refuses it by name, and with --allow-host-fallback the
-    program runs it on the host in float between two quantized tensors."""
+    """Softmax cannot run on the GEMM unit of a target without lookup tables (its exp is one): compile refuses it by
+    name, and with --allow-host-fallback the program runs it on the host in float between two quantized
+    tensors."""
     nodes = [helper.make_node("Conv", ["x", "W"], ["c"], name="conv"),
              helper.make_node("Flatten", ["c"], ["f"], name="flat"),
              helper.make_node("Softmax", ["f"], ["y"], name="softmax")]
     path = save(make_model(nodes, [("x", ["N", 3, 2, 2])], [("y", ["N", 8])], {"W": rng_weights(0, 2, 3, 1, 1)}),
                 tmp_path / "softmax.onnx")
     table = table_of({"x": 2.0, "c": 3.0, "y": 1.0})
+    no_tables = Target(array=ArrayConfig(lookup_tables=0))
     with pytest.raises(Exception, match="softmax.*--allow-host-fallback"):
-        api.compile(path, table)
+        api.compile(path, table, no_tables)
     out = tmp_path / "m.qdp"
-    program = api.compile(path, table, allow_host_fallback=True, output=out).program
+    program = api.compile(path, table, no_tables, allow_host_fallback=True, output=out).program
     assert [i["kind"] for i in program.instructions] == ["ConvGemm", "Flatten", "Host"]
     x = np.random.default_rng(0).standard_normal((4, 3, 2, 2)).astype(np.float32)
     got = api.run(out, x)["y"]

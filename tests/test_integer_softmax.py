@@ -22,7 +22,7 @@ from simulator.vectors import export_vectors
 HEADS, TOKENS, DIM = 2, 9, 8
 
 
-def attention_block(tmp_path, softmax_output: bool = False, axis: int = -1):
+def attention_block(tmp_path, softmax_output: bool = False, axis: int = -1, opset: int = 17):
     """y = softmax(q k^T / sqrt(DIM)) v on (N, HEADS, TOKENS, DIM) inputs; with `softmax_output` the probabilities
     are a second graph output."""
     nodes = [helper.make_node("Transpose", ["k"], ["kt"], name="kt", perm=[0, 1, 3, 2]),
@@ -32,7 +32,7 @@ def attention_block(tmp_path, softmax_output: bool = False, axis: int = -1):
              helper.make_node("MatMul", ["p", "v"], ["y"], name="pv")]
     shape = ["N", HEADS, TOKENS, DIM]
     outputs = [("y", shape)] + ([("p", ["N", HEADS, TOKENS, TOKENS])] if softmax_output else [])
-    model = make_model(nodes, [(name, shape) for name in "qkv"], outputs, {"c": np.float32(DIM ** -0.5)})
+    model = make_model(nodes, [(name, shape) for name in "qkv"], outputs, {"c": np.float32(DIM ** -0.5)}, opset)
     return save(model, tmp_path / "attention.onnx")
 
 
@@ -127,14 +127,20 @@ def test_a_row_sum_the_accumulator_cannot_hold_is_refused_naming_the_node(tmp_pa
         assert "\n" not in str(error.value)
 
 
-def test_a_softmax_that_no_p_v_product_reads_stays_on_the_host_with_its_reason(tmp_path):
-    """The normalized probabilities exist on no store: a softmax that is a graph output, over another axis, or on
-    a target without lookup tables stays a host op, and says why."""
-    reasons = [h.reason for h in api.lower_model(attention_block(tmp_path, softmax_output=True)).host_ops]
-    assert reasons == ["node 'softmax' (Softmax): its output is a graph output; the integer softmax leaves the "
-                       "division by the row sum to the MatMul that reads it (P.V)"]
-    reasons = [h.reason for h in api.lower_model(attention_block(tmp_path, axis=2)).host_ops]
-    assert reasons[0].startswith("node 'softmax' (Softmax): over axis 2 of")
+def test_a_softmax_that_no_p_v_product_reads_normalizes_and_one_over_the_batch_stays_on_the_host(tmp_path):
+    """A softmax that is a graph output too, or over another axis, stores its probabilities by the normalizing
+    DenseGemm (tests/test_softmax_forms.py) and leaves no host op; one over the batch axis, an opset-11 one over
+    several axes flattened, or one on a target without lookup tables stays a host op, and says why."""
+    for path in (attention_block(tmp_path, softmax_output=True), attention_block(tmp_path, axis=2)):
+        lowering = api.lower_model(path)
+        assert lowering.host_ops == []
+        assert [i.name for i in lowering.instructions if i.name.endswith("/normalize")] == ["softmax/normalize"]
+    reasons = [h.reason for h in api.lower_model(attention_block(tmp_path, axis=0)).host_ops]
+    assert reasons == ["node 'softmax' (Softmax): over axis 0 of (None, 2, 9, 9); the integer softmax normalizes "
+                       "rows within a sample, not across the batch"]
+    reasons = [h.reason for h in api.lower_model(attention_block(tmp_path, axis=2, opset=11)).host_ops]
+    assert reasons == ["node 'softmax' (Softmax): opset 11 normalizes the axes 2.. of (None, 2, 9, 9) flattened "
+                       "into one; the integer softmax normalizes one axis (opset 13's)"]
     from qdeploy.lowering import lower
     from qdeploy.onnx_import import import_onnx
 

@@ -420,7 +420,7 @@ LOWER: list[Pass] = [
     drop_product_expands,  # Mul(a, Expand(c)) -> Mul(a, c): the MulGemm reads c with repeats
     lower_row_reductions,  # ReduceSum/ReduceMean over the last axis or a block of middle axes -> a sum GEMM
     lower_remaining_ops,  # standalone BN/affine, residual Add, token layout, average pooling -> GEMMs
-    lower_softmax,  # Softmax read by P.V MatMuls -> row max, exp table, row-sum words; P.V reads the words
+    lower_softmax,  # Softmax -> row max, exp table, 1/S words; its reader (P.V, 1x1 Conv) or a normalizing GEMM divides
     split_to_slices,  # a Split left on the host -> one host Slice per output (a host step writes one tensor)
     fuse_output_stages,  # Relu/Clip/MaxPool -> output stage of their producer
     fuse_lookups,  # Sigmoid, SiLU, GELU, ... -> a lookup table in their producer's (or an identity GEMM's) output stage
