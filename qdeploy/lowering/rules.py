@@ -719,7 +719,8 @@ def lower_channel_window(graph: Graph, node: Node) -> Lowered:
     the consumer reads a window of the producer's buffer at an offset, with no copy and no arithmetic. Which
     window each output is comes from running the op itself (the float executor, ONNX semantics of every opset)
     on a tensor holding each element's own index: an output is a window exactly when it equals
-    input[:, ..., start:start + count] along the one axis whose size it changed."""
+    input[:, ..., start:start + count] along the one axis whose size it changed. A Slice whose one output is
+    every k-th element of that axis instead is a strided read (_strided_window)."""
     x = node.inputs[0]
     shape = graph.tensors[x].shape
     if shape is None or len(shape) < 2 or None in shape[1:]:
