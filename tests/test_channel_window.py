@@ -110,14 +110,17 @@ def test_compiled_windows_are_bit_exact_with_onnxruntime(tmp_path):
 
 
 def test_a_slice_that_is_not_a_channel_window_stays_on_the_host(tmp_path):
+    """The channels reversed (step -1): neither a window nor every k-th channel (a step k > 1 is a strided read:
+    tests/test_token_subsample.py)."""
     nodes = [helper.make_node("Conv", ["x", "W", "B"], ["c"], name="conv"),
-             helper.make_node("Slice", ["c", "s", "e", "ax", "st"], ["y"], name="every_other_channel")]
-    model = make_model(nodes, [("x", ["N", 3, 4, 4])], [("y", ["N", 2, 4, 4])],
-                       {"W": rng_weights(0, 4, 3, 1, 1), "B": rng_weights(1, 4), "s": np.array([0], np.int64),
-                        "e": np.array([4], np.int64), "ax": np.array([1], np.int64), "st": np.array([2], np.int64)})
-    lowering = api.lower_model(save(model, tmp_path / "strided.onnx"))
-    assert [(h.node, h.op) for h in lowering.host_ops] == [("every_other_channel", "Slice")]
-    assert "output 'y' is not a window of the input along one axis" in lowering.host_ops[0].reason
+             helper.make_node("Slice", ["c", "s", "e", "ax", "st"], ["y"], name="reversed_channels")]
+    model = make_model(nodes, [("x", ["N", 3, 4, 4])], [("y", ["N", 4, 4, 4])],
+                       {"W": rng_weights(0, 4, 3, 1, 1), "B": rng_weights(1, 4), "s": np.array([-1], np.int64),
+                        "e": np.array([-5], np.int64), "ax": np.array([1], np.int64), "st": np.array([-1], np.int64)})
+    lowering = api.lower_model(save(model, tmp_path / "reversed.onnx"))
+    assert [(h.node, h.op) for h in lowering.host_ops] == [("reversed_channels", "Slice")]
+    assert "output 'y' is not a window of the input along one axis, nor every k-th element of one" in \
+        lowering.host_ops[0].reason
 
 
 def test_a_transpose_that_moves_more_than_channels_is_an_axis_permutation(tmp_path):

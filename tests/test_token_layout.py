@@ -112,6 +112,55 @@ def scaled_attention(tmp_path):
     return save(model, tmp_path / "scaled_attention.onnx")
 
 
+def strided_tokens(tmp_path):
+    """LeViT's attention-subsample q: (N, T, F) -> Linear -> view (N, T, 2, 4) -> x[:, ::2] (every other token,
+    Slice with step 2) -> x[..., 1::2] (from an offset: a window of the span, then the strided read) -> Linear."""
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["m1"], name="linear1"),
+             helper.make_node("Reshape", ["m1", "grid"], ["g"], name="to_grid"),
+             helper.make_node("Slice", ["g", "zero", "end", "one", "two"], ["rows"], name="every_other_token"),
+             helper.make_node("Slice", ["rows", "one", "end", "three", "two"], ["cols"], name="odd_columns"),
+             helper.make_node("Reshape", ["cols", "flat"], ["f"], name="to_tokens"),
+             helper.make_node("MatMul", ["f", "w2"], ["y"], name="linear2")]
+    model = make_model(nodes, [("x", ["N", TOKENS, FEATURES])], [("y", ["N", 3, 3])],
+                       {"w1": rng_weights(0, FEATURES, FEATURES), "grid": np.array([0, TOKENS, 2, 4], np.int64),
+                        "zero": np.array([0], np.int64), "one": np.array([1], np.int64),
+                        "end": np.array([2 ** 62], np.int64), "two": np.array([2], np.int64),
+                        "three": np.array([3], np.int64), "flat": np.array([0, 3, 4], np.int64),
+                        "w2": rng_weights(1, 4, 3)})
+    return save(model, tmp_path / "strided.onnx")
+
+
+def window_pad(tmp_path):
+    """Swin's window padding: (N, T, F) -> Linear -> view (N, 1, T, 3, 4) -> zeros after axis 2 and before axis 3
+    (two adjacent axes of a 5-D view) -> view (N, 24, 4) -> Linear."""
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["m1"], name="linear1"),
+             helper.make_node("Reshape", ["m1", "windows"], ["w"], name="to_windows"),
+             helper.make_node("Pad", ["w", "pads"], ["p"], name="window_pad"),
+             helper.make_node("Reshape", ["p", "flat"], ["f"], name="to_tokens"),
+             helper.make_node("MatMul", ["f", "w2"], ["y"], name="linear2")]
+    model = make_model(nodes, [("x", ["N", TOKENS, FEATURES])], [("y", ["N", 24, 3])],
+                       {"w1": rng_weights(0, FEATURES, 12), "windows": np.array([0, 1, TOKENS, 3, 4], np.int64),
+                        "pads": np.array([0, 0, 0, 1, 0, 0, 0, 1, 0, 0], np.int64),
+                        "flat": np.array([0, 24, 4], np.int64), "w2": rng_weights(1, 4, 3)})
+    return save(model, tmp_path / "window_pad.onnx")
+
+
+def token_means(tmp_path):
+    """The heads' reductions over tokens: LeViT's mean over T of (N, 1, T, F) (axes attribute, keepdims 0) and a
+    sum over (H, W) of a channels-last (N, H, W, C) view (axes input, keepdims 1) -> Linear."""
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["m1"], name="linear1"),
+             helper.make_node("Reshape", ["m1", "heads"], ["h"], name="to_heads"),
+             helper.make_node("ReduceMean", ["h"], ["mean"], name="token_mean", axes=[2], keepdims=0),
+             helper.make_node("MatMul", ["mean", "w2"], ["y"], name="head"),
+             helper.make_node("Reshape", ["m1", "grid"], ["g"], name="to_grid"),
+             helper.make_node("ReduceSum", ["g", "spatial"], ["z"], name="grid_sum", keepdims=1)]
+    model = make_model(nodes, [("x", ["N", TOKENS, FEATURES])], [("y", ["N", 1, 3]), ("z", ["N", 1, 1, 2])],
+                       {"w1": rng_weights(0, FEATURES, FEATURES), "heads": np.array([0, 1, TOKENS, FEATURES], np.int64),
+                        "w2": rng_weights(1, FEATURES, 3), "grid": np.array([0, TOKENS, 4, 2], np.int64),
+                        "spatial": np.array([1, 2], np.int64)})
+    return save(model, tmp_path / "token_means.onnx")
+
+
 CASES = {  # builder, batch of the file's input, the layout kinds it must use, its GEMM kinds' count
     "transpose": (transposed_tokens, None, {Kind.AXIS_PERMUTE: 2}),
     "gather": (gathered_token, None, {Kind.CHANNEL_SLICE: 2}),
@@ -120,6 +169,10 @@ CASES = {  # builder, batch of the file's input, the layout kinds it must use, i
     # + c, * s (one per-element GEMM each) and the Relu's identity GEMM (it reads a view: no producer to fuse into)
     "element_constants": (element_constants, None, {Kind.CONV_GEMM: 3}),
     "scaled_attention": (scaled_attention, None, {Kind.CONV_GEMM: 0, Kind.MATMUL_GEMM: 1}),
+    # the offset slice's window of its span, each Slice's strided identity GEMM
+    "strided": (strided_tokens, None, {Kind.CHANNEL_SLICE: 1, Kind.CONV_GEMM: 2}),
+    "window_pad": (window_pad, None, {Kind.CONV_GEMM: 1}),  # both axes padded by one identity GEMM's read
+    "token_means": (token_means, None, {Kind.CONV_GEMM: 2}),  # one pooling GEMM each
 }
 
 
@@ -133,8 +186,10 @@ def test_token_layout_runs_on_the_gemm_unit_equal_to_onnxruntime_and_the_twins(t
     feeds_per_image = [x[i:i + 1] for i in range(3)] if file_batch == 1 else [x]
     expected = [np.concatenate(parts) for parts in zip(*(run_onnxruntime(path, {"x": f}) for f in feeds_per_image))]
     got = list(api.run(path, x, lowered=True).values())
-    for g, e in zip(got, expected, strict=True):
+    imported = list(api.run(path, x).values())  # the same executor: the lowering alone
+    for g, e, i in zip(got, expected, imported, strict=True):
         np.testing.assert_allclose(g, e, rtol=0, atol=1e-5 * float(np.max(np.abs(e))))
+        np.testing.assert_allclose(g, i, rtol=0, atol=1e-6 * float(np.max(np.abs(i))))
 
     program = api.compile(path, max_calibration(path, {"x": x}), EXACT).program
     counts = {kind: [i["kind"] for i in program.instructions].count(kind) for kind in kinds}

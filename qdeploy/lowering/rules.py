@@ -589,13 +589,11 @@ def _reduced_axes(graph: Graph, node: Node, rank: int) -> set[int] | None:
 
 def lower_spatial_reduce(graph: Graph, node: Node) -> Lowered:
     """ReduceMean / ReduceSum over H and W of an NCHW tensor -> the depthwise ConvGemm of GlobalAveragePool
-    with weights 1/(H*W) (mean) or 1 (sum); with keepdims = 0 a layout Reshape to (N, C) follows."""
+    with weights 1/(H*W) (mean) or 1 (sum); with keepdims = 0 a layout Reshape to (N, C) follows. Over other
+    consecutive axes (the tokens): lower_token_reduce."""
     shape = graph.tensors[node.inputs[0]].shape
-    if shape is None or len(shape) != 4 or None in shape[1:]:
-        raise Unsupported(f"node '{node.name}' ({node.op}): needs a static NCHW input")
-    if _reduced_axes(graph, node, 4) != {2, 3}:
-        raise Unsupported(f"node '{node.name}' ({node.op}): only a reduction over both spatial axes (2, 3) runs "
-                          f"on the GEMM unit")
+    if shape is None or len(shape) != 4 or None in shape[1:] or _reduced_axes(graph, node, 4) != {2, 3}:
+        return lower_token_reduce(graph, node)
     channels, height, width = shape[1:]
     value = 1.0 / (height * width) if node.op == "ReduceMean" else 1.0
     weight = np.full((channels, 1, height, width), value, np.float32)
@@ -611,6 +609,32 @@ def lower_spatial_reduce(graph: Graph, node: Node) -> Lowered:
     reshape = Node(graph.unique_name(f"{node.name}/squeeze"), Kind.RESHAPE, [pooled.name, target.name],
                    [node.outputs[0]], {})
     return Lowered([*gemm.nodes, reshape], [*gemm.tensors, pooled, target])
+
+
+def lower_token_reduce(graph: Graph, node: Node) -> Lowered:
+    """ReduceMean / ReduceSum over consecutive axes a..b past the batch (LeViT's mean over the tokens of
+    (N, 1, T, C), Swin's over (H, W) of (N, H, W, C)) -> the pooling GEMM on the view (N, outer, R, inner)
+    (outer: the product of the axes before a, the depthwise channels; R: of a..b; inner: of those after b, W):
+    a depthwise ConvGemm with the (R, 1) window of weights 1/R (mean) or 1 (sum), y[o, w] = sum_r x[o, r, w] w_r,
+    viewed back as the output (keepdims or not). The sum runs in int32 on the array, as GlobalAveragePool's."""
+    x = node.inputs[0]
+    shape = _per_image_shape(graph, node, x)
+    axes = _reduced_axes(graph, node, len(shape) + 1)
+    out_shape = graph.tensors[node.outputs[0]].shape
+    if not axes or 0 in axes or sorted(axes) != list(range(min(axes), max(axes) + 1)) or out_shape is None or \
+            None in out_shape[1:]:
+        raise Unsupported(f"node '{node.name}' ({node.op}): only a reduction over consecutive axes past the batch "
+                          f"(of static size) runs on the GEMM unit (axes {None if axes is None else sorted(axes)}, "
+                          f"input {graph.tensors[x].shape})")
+    first, last = min(axes), max(axes)
+    outer, reduced, inner = prod(shape[:first - 1]), prod(shape[first - 1:last]), prod(shape[last:])
+    value = 1.0 / reduced if node.op == "ReduceMean" else 1.0
+
+    def pool(view: str, out: str) -> Lowered:
+        return conv_gemm(graph, node, view, np.full((outer, 1, reduced, 1), value), np.zeros(outer), group=outer,
+                         strides=[1, 1], pads=[0, 0, 0, 0], dilations=[1, 1], output=out)
+
+    return _on_view(graph, node, x, (outer, reduced, inner), (outer, 1, inner), pool)
 
 
 def lower_average_pool(graph: Graph, node: Node) -> Lowered:
@@ -695,7 +719,8 @@ def lower_channel_window(graph: Graph, node: Node) -> Lowered:
     the consumer reads a window of the producer's buffer at an offset, with no copy and no arithmetic. Which
     window each output is comes from running the op itself (the float executor, ONNX semantics of every opset)
     on a tensor holding each element's own index: an output is a window exactly when it equals
-    input[:, ..., start:start + count] along the one axis whose size it changed."""
+    input[:, ..., start:start + count] along the one axis whose size it changed. A Slice whose one output is
+    every k-th element of that axis instead is a strided read (_strided_window)."""
     x = node.inputs[0]
     shape = graph.tensors[x].shape
     if shape is None or len(shape) < 2 or None in shape[1:]:
@@ -716,14 +741,58 @@ def lower_channel_window(graph: Graph, node: Node) -> Lowered:
         count = part.shape[axis] if part.ndim == index.ndim else 0
         start = int(part.reshape(-1)[0]) // prod(shape[axis + 1:]) % shape[axis] if part.size else 0
         window = index[(slice(None),) * axis + (slice(start, start + count),)]
+        if count and part.shape[0] == 1 and not np.array_equal(part, window) and len(node.outputs) == 1:
+            step = _lattice_step(index, part, axis, start)
+            if step:
+                return _strided_window(graph, node, start, count, step, axis)
         if count == 0 or part.shape[0] != 1 or not np.array_equal(part, window):
             raise Unsupported(f"node '{node.name}' ({node.op}): output '{name}' is not a window of the input "
-                              f"along one axis")
+                              f"along one axis, nor every k-th element of one")
         windows.append((name, start, count, axis))
     nodes = [Node(node.name if len(windows) == 1 else f"{node.name}/{i}", Kind.CHANNEL_SLICE, [x], [name],
                   {"start": start, "count": count, **({} if axis == 1 else {"axis": axis})})
              for i, (name, start, count, axis) in enumerate(windows)]
     return Lowered(nodes)
+
+
+def _lattice_step(index: np.ndarray, part: np.ndarray, axis: int, start: int) -> int:
+    """The step k > 1 when `part` is index[..., start::k][:count] along `axis` (every k-th element from start:
+    LeViT's attention-subsample q = x[:, ::2] along one axis of its (N, H, W, C) token view), else 0."""
+    count = part.shape[axis]
+    if count < 2 or part.ndim != index.ndim or part.shape[:axis] != index.shape[:axis] or \
+            part.shape[axis + 1:] != index.shape[axis + 1:]:
+        return 0
+    step = (int(part.reshape(-1)[prod(part.shape[axis + 1:])]) - int(part.reshape(-1)[0])) // \
+        prod(index.shape[axis + 1:])
+    taken = index[(slice(None),) * axis + (slice(start, start + (count - 1) * step + 1, step),)] if step > 1 else None
+    return step if taken is not None and np.array_equal(part, taken) else 0
+
+
+def _strided_window(graph: Graph, node: Node, start: int, count: int, step: int, axis: int) -> Lowered:
+    """y = x[..., start : start + (count-1) k + 1 : k] along one axis a past the batch -> a ChannelSlice of the
+    span [start, start + (count-1) k + 1) along a (a read offset; none when the span is the whole axis), then
+    the identity depthwise ConvGemm (1x1, weight 1) with stride k along H of the view (N, outer, span, inner)
+    (outer: the product of the axes before a, the depthwise channels; inner: of those after it, W): the GEMM's
+    read takes every k-th row, floor((span - 1) / k) + 1 = count of them; K = 1, no arithmetic but the copy."""
+    x = node.inputs[0]
+    shape = _per_image_shape(graph, node, x)
+    outer, size, inner = prod(shape[:axis - 1]), shape[axis - 1], prod(shape[axis:])
+    span = (count - 1) * step + 1
+    nodes, tensors, source = [], [], x
+    if span != size:
+        source = graph.unique_name(f"{node.outputs[0]}/span")
+        tensors.append(Tensor(source, (None, *shape[:axis - 1], span, *shape[axis:]), graph.tensors[x].dtype,
+                              rows=graph.tensors[x].rows))
+        nodes.append(Node(graph.unique_name(f"{node.name}/span"), Kind.CHANNEL_SLICE, [x], [source],
+                          {"start": start, "count": span, "axis": axis}))
+
+    def subsample(view: str, out: str) -> Lowered:
+        return conv_gemm(graph, node, view, np.ones((outer, 1, 1, 1)), np.zeros(outer), group=outer,
+                         strides=[step, 1], pads=[0, 0, 0, 0], dilations=[1, 1], output=out)
+
+    viewed = _on_view(graph.with_nodes([*graph.nodes, *nodes], tensors), node, source, (outer, span, inner),
+                      (outer, count, inner), subsample)
+    return Lowered([*nodes, *viewed.nodes], [*tensors, *viewed.tensors])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -815,8 +884,11 @@ def lower_gather(graph: Graph, node: Node) -> Lowered:
 
 def _pad_along_axis(graph: Graph, node: Node) -> Lowered:
     """Pad with zeros along one axis a past the batch of a tensor that is not NCHW (the class and distillation
-    tokens) -> lower_pad's identity depthwise ConvGemm on the view (N, outer, size_a, inner), padding its H
-    (outer: the product of the axes before a, the depthwise channels; inner: of those after it, W)."""
+    tokens), or along two adjacent ones a, a + 1 (Swin's window padding of its (N, 1, H, W, C) view) ->
+    lower_pad's identity depthwise ConvGemm on the view (N, outer, size_a, rest), padding its H by a's pads and
+    its W by a + 1's times inner (outer: the product of the axes before a, the depthwise channels; rest: of
+    those after a, W; inner: of those after a + 1: padding axis a + 1 of (size, inner) with p rows is padding
+    their flattening with p * inner elements)."""
     x = node.inputs[0]
     shape = _per_image_shape(graph, node, x)
     operands = [None if not name else graph.constant_data(name) for name in node.inputs[1:]]
@@ -833,18 +905,22 @@ def _pad_along_axis(graph: Graph, node: Node) -> Lowered:
     value = operands[1] if len(operands) > 1 and operands[1] is not None else node.attrs.get("value", 0.0)
     padded = [a for a in range(rank) if pads[a] or pads[rank + a]] if len(pads) == 2 * rank else None
     if node.attrs.get("mode", "constant") != "constant" or np.any(np.asarray(value) != 0) or padded is None or \
-            len(padded) > 1 or (padded and padded[0] == 0) or min(pads) < 0:
-        raise Unsupported(f"node '{node.name}' (Pad): only zeros before or after one axis past the batch run on the "
-                          f"GEMM unit for a tensor that is not NCHW (pads {pads}, input {graph.tensors[x].shape})")
+            (padded and (padded[0] == 0 or padded[1:] not in ([], [padded[0] + 1]))) or \
+            min(pads) < 0:
+        raise Unsupported(f"node '{node.name}' (Pad): only zeros before or after one axis past the batch, or two "
+                          f"adjacent ones, run on the GEMM unit for a tensor that is not NCHW (pads {pads}, input "
+                          f"{graph.tensors[x].shape})")
     a = padded[0] if padded else 1  # a Pad of nothing (Swin's window pad at a multiple of the window) is y = x
+    inner = prod(shape[a + 1:])  # the elements of one index of axis a + 1
+    width = [pads[a + 1] * inner, pads[rank + a + 1] * inner] if a + 1 < rank else [0, 0]
     before, after = pads[a], pads[rank + a]
-    outer, size, inner = prod(shape[:a - 1]), shape[a - 1], prod(shape[a:])
+    outer, size, rest = prod(shape[:a - 1]), shape[a - 1], prod(shape[a:])
 
     def pad(view: str, out: str) -> Lowered:
         return conv_gemm(graph, node, view, np.ones((outer, 1, 1, 1)), np.zeros(outer), group=outer, strides=[1, 1],
-                         pads=[before, 0, after, 0], dilations=[1, 1], output=out)
+                         pads=[before, width[0], after, width[1]], dilations=[1, 1], output=out)
 
-    return _on_view(graph, node, x, (outer, size, inner), (outer, size + before + after, inner), pad)
+    return _on_view(graph, node, x, (outer, size, rest), (outer, size + before + after, rest + sum(width)), pad)
 
 
 def element_affine(graph: Graph, node: Node) -> Lowered | None:
@@ -910,7 +986,7 @@ LOWERING: dict[str, LoweringRule] = {
     "Div": lower_binary,
     "GlobalAveragePool": lower_global_average_pool,
     "AveragePool": lower_average_pool,
-    "ReduceMean": lower_spatial_reduce,  # over H and W: the pooling GEMM
+    "ReduceMean": lower_spatial_reduce,  # over H and W, or consecutive token axes: the pooling GEMM
     "ReduceSum": lower_spatial_reduce,
     "Split": lower_channel_window,  # along the channels: read windows of the producer's buffer
     "Slice": lower_channel_window,
