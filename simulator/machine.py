@@ -512,7 +512,8 @@ class Machine:
         int32 (so neither overflow rule acts and the sums are those of kernels.gemm, bit for bit); (None, 0)
         where it does not, or the CPU has no int8 dot product for these operand types."""
         extension = int8_simd.EXTENSION
-        if extension is None or int8_simd.activation_operands(a.dtype, b.dtype, extension) is None:
+        if (extension is None or int8_simd.activation_operands(a.dtype, b.dtype, extension) is None
+                or a.shape[1] * b.shape[2] < MATMUL_INT8_MIN_OUTPUTS):
             return None, 0
         bias_max = 0 if bias is None else int(np.abs(bias).max(initial=0))
         bound = a.shape[2] * _dtype_bound(a.dtype) * _dtype_bound(b.dtype) + bias_max
@@ -615,6 +616,11 @@ STEP_EVALUATORS = {Bias: _bias, RowReciprocal: _row_reciprocal, Requantize: _req
                    ClampHi: _clamp_hi, Lookup: _lookup, WindowMax: _window_max}
 # Fast paths, selected from the stage's steps, equal to folding those steps one by one (Machine(fused=False)):
 FUSED_STEPS = {(Requantize, Clamp): _requantize_clamp}  # one requantize kernel pass with the clamp bounds
+# Outputs per group below which a MatMulGemm stays on the batched float32 BLAS path: the int8 kernel packs and
+# tiles each group by itself, which loses on small groups (bench/matmul_gemm.py, one run, 2-core AVX-512 VNNI:
+# 65 x 64 x 65 attention 0.83x, a LayerNorm's 1 x 192 x 1 sum of squares per row 0.04x; 197 x 64 x 197 and
+# 197 x 197 x 64 2.5x at the kernel).
+MATMUL_INT8_MIN_OUTPUTS = 128 * 64
 INT8_SIMD_STEPS = (Bias, Requantize, Clamp)  # kernels.int8_simd.conv's requantizing store (_fused_output_stage)
 ADD_FLOAT32_STEPS = (Requantize, Clamp)  # add_float32_rne: the float32 add requantizes and clamps
 
