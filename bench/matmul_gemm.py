@@ -7,7 +7,7 @@ exporter, calibrated with KL on 16 photograph crops.
     python bench/matmul_gemm.py [--batch 32] [--rounds 7]
 
 Prints, per MatMulGemm shape and for the whole program at --batch images: the median wall time of --rounds runs
-of ours (int8 dot product) and the old path (int8_simd.EXTENSION off for the MatMulGemms only; convolutions and
+of ours (int8 dot product) and the old path, each instruction with one BLAS thread as Machine.run calls it, (int8_simd.EXTENSION off for the MatMulGemms only; convolutions and
 DenseGemms keep theirs), interleaved round by round, and old / ours. Checks that both give the same integers."""
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from isa.kinds import Kind
     from qdeploy.reference.executor import run_host_op
+    from qdeploy_base.threads import one_blas_thread
     from simulator.kernels import int8_simd
     from simulator.machine import Machine
 
@@ -85,9 +86,10 @@ def main(argv: list[str] | None = None) -> int:
         old = with_extension(False, lambda: machine.execute(instr, args))
         assert np.array_equal(ours[0], old[0]) and np.array_equal(ours[1], old[1]) and ours[2] == old[2], instr["name"]
         times = {True: [], False: []}
-        for round_ in range(options.rounds):
-            for on in ((True, False) if round_ % 2 == 0 else (False, True)):
-                times[on].append(with_extension(on, lambda: timed(lambda: machine.execute(instr, args))))
+        with one_blas_thread():  # as Machine.run calls its instructions (threaded BLAS on shared cores stalls)
+            for round_ in range(options.rounds):
+                for on in ((True, False) if round_ % 2 == 0 else (False, True)):
+                    times[on].append(with_extension(on, lambda: timed(lambda: machine.execute(instr, args))))
         shape = " x ".join(str(tuple(a.shape)) for a in args[:2])
         rows.append((instr["name"], shape, "/".join(str(a.dtype) for a in args[:2]),
                      statistics.median(times[True]), statistics.median(times[False])))
