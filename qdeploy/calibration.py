@@ -302,6 +302,13 @@ def lowered_key(model: str, *options) -> tuple:
     return (model, stat.st_mtime_ns, stat.st_size, *map(repr, options))
 
 
+def calibration_key(model: str, input_shapes: InputShapes | None, equalize: bool,
+                    float_softmax_layernorm: bool = False) -> tuple:
+    """lowered_key of `model`'s graph as calibration lowers it (lowered_graph_of), under which the client installs
+    its graph on the workers."""
+    return lowered_key(model, "calibrate", input_shapes, equalize, float_softmax_layernorm)
+
+
 def install_lowered(key: tuple, graph: Graph) -> None:
     """Keep `graph` as this process's lowered graph under `key` (qdeploy/cluster.py `install`: the client sends
     the graph it lowered, so a worker does not lower the model again)."""
@@ -317,7 +324,7 @@ def lowered_graph_of(model: str, input_shapes: InputShapes | None, equalize: boo
                      float_softmax_layernorm: bool = False) -> Graph:
     """The lowered float graph of `model` as calibration lowers it, computed once per process (a cluster worker
     runs many shards) unless the client installed it (install_lowered)."""
-    key = lowered_key(model, "calibrate", input_shapes, equalize, float_softmax_layernorm)
+    key = calibration_key(model, input_shapes, equalize, float_softmax_layernorm)
     if key not in _LOWERED:
         imported = import_onnx(model, input_shapes, widen_scales=True)
         install_lowered(key, lower_graph(Path(model), imported.graph, equalize,
@@ -340,8 +347,8 @@ def _collect_on_cluster(client, job: ShardJob, graph: Graph, collector: _Collect
     get `graph` (this process lowered it) instead of lowering the model again."""
     from qdeploy.cluster import install, run_sharded
 
-    install(client, install_lowered, lowered_key(job.model, "calibrate", job.input_shapes, job.equalize,
-                                                 job.float_softmax_layernorm), graph)
+    install(client, install_lowered,
+            calibration_key(job.model, job.input_shapes, job.equalize, job.float_softmax_layernorm), graph)
     samples = 0
 
     def fold(stats: ShardStats) -> None:

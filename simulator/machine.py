@@ -494,14 +494,35 @@ class Machine:
         shape."""
         a, b = instr.grouped_operands(*args[:2])
         bias, steps = self._accumulated(instr.stage)  # a bias before a row-reciprocal store (a LayerNorm's C eps)
-        result = gemm(np.ascontiguousarray(a), np.ascontiguousarray(b), self.arithmetic.acc_bits,
-                      self.arithmetic.overflow,
-                      bias=None if bias is None else np.broadcast_to(bias, (a.shape[0], b.shape[2])).copy())
+        bias = None if bias is None else np.broadcast_to(bias, (a.shape[0], b.shape[2])).copy()
+        acc, events = self._matmul_int8(a, b, bias)
+        if acc is None:
+            result = gemm(np.ascontiguousarray(a), np.ascontiguousarray(b), self.arithmetic.acc_bits,
+                          self.arithmetic.overflow, bias=bias)
+            acc, events = result.acc, result.events
         shape = args[0].shape[:-2] + (a.shape[1], b.shape[2])
         words = instr.row_scale_words(args, shape)  # (rows, 1); element r * P + p of acc reads word r
-        y = self._output_stage(instr, result.acc.reshape(-1, 1), _reshaped(shape), steps,
+        y = self._output_stage(instr, acc.reshape(-1, 1), _reshaped(shape), steps,
                                None if words is None else np.repeat(words, shape[-1], axis=0))
-        return y, result.acc.reshape(shape), result.events
+        return y, acc.reshape(shape), events
+
+    def _matmul_int8(self, a: np.ndarray, b: np.ndarray, bias: np.ndarray | None) -> tuple[np.ndarray | None, int]:
+        """(acc (G, M, P) int32, 0 events) of a MatMulGemm on the CPU's int8 dot product (kernels.int8_simd.matmul)
+        where the worst-case bound K max|a| max|b| + max|bias| keeps every partial sum inside the register and
+        int32 (so neither overflow rule acts and the sums are those of kernels.gemm, bit for bit); (None, 0)
+        where it does not, or the CPU has no int8 dot product for these operand types."""
+        extension = int8_simd.EXTENSION
+        if (extension is None or int8_simd.activation_operands(a.dtype, b.dtype, extension) is None
+                or a.shape[1] * b.shape[2] < MATMUL_INT8_MIN_OUTPUTS):
+            return None, 0
+        bias_max = 0 if bias is None else int(np.abs(bias).max(initial=0))
+        bound = a.shape[2] * _dtype_bound(a.dtype) * _dtype_bound(b.dtype) + bias_max
+        if bound > min(self.arithmetic.acc_max, INT32_MAX):
+            return None, 0
+        acc = int8_simd.matmul(a, b, extension, self._scratch())
+        if bias is not None:
+            acc += bias[:, None, :].astype(np.int32)  # exact: the bound includes |bias|
+        return (acc if self.arithmetic.acc_bits <= 32 else acc.astype(np.int64)), 0  # kernels.gemm's acc dtype
 
 
 # --- the output stage ------------------------------------------------------------------------------------
@@ -595,6 +616,11 @@ STEP_EVALUATORS = {Bias: _bias, RowReciprocal: _row_reciprocal, Requantize: _req
                    ClampHi: _clamp_hi, Lookup: _lookup, WindowMax: _window_max}
 # Fast paths, selected from the stage's steps, equal to folding those steps one by one (Machine(fused=False)):
 FUSED_STEPS = {(Requantize, Clamp): _requantize_clamp}  # one requantize kernel pass with the clamp bounds
+# Outputs per group below which a MatMulGemm stays on the batched float32 BLAS path: the int8 kernel packs and
+# tiles each group by itself, which loses on small groups (bench/matmul_gemm.py, one run, 2-core AVX-512 VNNI:
+# 65 x 64 x 65 attention 0.83x, a LayerNorm's 1 x 192 x 1 sum of squares per row 0.04x; 197 x 64 x 197 and
+# 197 x 197 x 64 2.5x at the kernel).
+MATMUL_INT8_MIN_OUTPUTS = 128 * 64
 INT8_SIMD_STEPS = (Bias, Requantize, Clamp)  # kernels.int8_simd.conv's requantizing store (_fused_output_stage)
 ADD_FLOAT32_STEPS = (Requantize, Clamp)  # add_float32_rne: the float32 add requantizes and clamps
 

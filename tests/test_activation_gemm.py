@@ -22,6 +22,8 @@ from qdeploy.export_onnx import export_program
 from qdeploy.reference import run_graph
 from qdeploy.reference.executor import run_host_op
 from simulator import twins
+from simulator.kernels import int8_simd
+from simulator import machine as machine_module
 from simulator.machine import Machine
 from simulator.vectors import export_vectors
 
@@ -290,6 +292,34 @@ def test_every_kernel_equals_its_twin(tmp_path, rounding, unsigned, overflow, ac
         assert events == 0  # the bound rules overflow out
     elif unsigned:
         assert events > 0
+
+
+@pytest.mark.parametrize("extension", [
+    pytest.param(extension, id=extension.name,
+                 marks=pytest.mark.skipif(not int8_simd.compiles_for(extension), reason=f"no {extension.name}"))
+    for extension in (int8_simd.AVX512_VNNI, int8_simd.AVX2)])
+@pytest.mark.parametrize("unsigned", [False, True], ids=["int8", "uint8"])
+def test_matmul_gemm_on_the_int8_dot_product_equals_the_exact_gemm(tmp_path, monkeypatch, extension, unsigned):
+    """The machine's MatMulGemms on kernels.int8_simd.matmul (each instruction set) store the very integers, acc and
+    events of the exact GEMM path (no int8 dot product), operand types uint8 x uint8 (AVX2 only), uint8 x int8
+    and int8 x int8 among them; the int8 kernel does run."""
+    target = Target(arithmetic=Arithmetic(unsigned_activations=unsigned))
+    path = attention_model(tmp_path)
+    feeds = feeds_of(path, 3)
+    program = api.compile(path, calibrated(path, feeds), target, allow_host_fallback=True).program
+    monkeypatch.setattr(int8_simd, "EXTENSION", None)
+    exact = Machine(program).run(feeds, dump=True)
+    calls = []
+    matmul = int8_simd.matmul
+    monkeypatch.setattr(int8_simd, "EXTENSION", extension)
+    monkeypatch.setattr(machine_module, "MATMUL_INT8_MIN_OUTPUTS", 0)  # these heads are 5 x 5: below the bar
+    monkeypatch.setattr(int8_simd, "matmul", lambda *args: calls.append(args[0].dtype) or matmul(*args))
+    fast = Machine(program).run(feeds, dump=True)
+    assert calls
+    for name, value in exact.tensors.items():
+        np.testing.assert_array_equal(fast.tensors[name], value, err_msg=name)
+        assert fast.tensors[name].dtype == value.dtype, name
+    assert fast.overflow_events == exact.overflow_events
 
 
 def test_sixteen_bit_accumulators_overflow_as_the_twin_says():

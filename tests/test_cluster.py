@@ -314,7 +314,7 @@ def test_a_worker_walks_the_graph_the_client_sent_and_lowers_nothing(lite0, monk
         raise AssertionError("a worker lowered the model again")
 
     monkeypatch.setattr(calibration, "import_onnx", no_lowering)
-    calibration.install_lowered(calibration.lowered_key(model, "calibrate", None, False, False), graph)
+    calibration.install_lowered(calibration.calibration_key(model, None, False), graph)
     got = calibration.calibrate_shard(job, (0, 4))
     for name in names:
         empty = np.zeros(0)

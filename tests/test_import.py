@@ -207,3 +207,21 @@ def test_gathernd_of_constants_folds_like_levits_attention_bias_table(tmp_path):
     x = np.random.default_rng(2).standard_normal((2, 4, 3, 3)).astype(np.float32)
     (expected,) = run_onnxruntime(path, {"x": x})
     np.testing.assert_array_equal(run_graph(graph, {"x": x})["y"], expected)  # one float32 add per element
+
+
+def test_shape_inference_checks_an_activations_conv_without_running_it(tmp_path, monkeypatch):
+    """The probe takes an activation's Conv output signature (shape, dtype) from conv.output_signature, never running
+    the Conv, and refuses a Conv whose weights do not fit its input with Conv's one-line error naming the node."""
+    from qdeploy.reference.ops import OPS
+
+    nodes = [helper.make_node("Relu", ["x"], ["r"], name="relu"),
+             helper.make_node("Conv", ["r", "W", "B"], ["y"], name="conv", pads=[1, 0, 1, 0], strides=[2, 1])]
+    good = save(make_model(nodes, [("x", ["N", 3, 9, 8])], [("y", ["N", 4, 5, 6])],
+                           {"W": rng_weights(0, 4, 3, 3, 3), "B": rng_weights(1, 4)}), tmp_path / "good.onnx")
+    monkeypatch.setitem(OPS, "Conv", lambda *args, **kwargs: pytest.fail("the probe ran the Conv"))
+    graph = import_onnx(good).graph
+    assert graph.tensors["y"].shape == (None, 4, 5, 6) and graph.tensors["y"].dtype == np.float32
+    bad = save(make_model(nodes, [("x", ["N", 3, 9, 8])], [("y", ["N", 4, 5, 6])],
+                          {"W": rng_weights(0, 4, 2, 3, 3), "B": rng_weights(1, 4)}), tmp_path / "bad.onnx")
+    with pytest.raises(BadInput, match=r"node 'conv' \(Conv\): W has 2 input channels per group, expected C/group"):
+        import_onnx(bad)

@@ -169,3 +169,31 @@ def test_the_instruction_set_follows_what_numba_compiles_for(monkeypatch):
     monkeypatch.setattr(config, "CPU_FEATURES", None)
     host = int8_simd._compile_features()
     assert host and all(isinstance(value, bool) for value in host.values())
+
+
+OPERAND_TYPES = [(np.int8, np.int8), (np.uint8, np.int8), (np.int8, np.uint8), (np.uint8, np.uint8)]
+
+
+@pytest.mark.parametrize("extension", EXTENSIONS)
+@pytest.mark.parametrize("a_dtype,b_dtype", OPERAND_TYPES, ids=lambda t: np.dtype(t).name)
+def test_matmul_of_two_activations_equals_the_ordered_gemm(a_dtype, b_dtype, extension):
+    """A MatMulGemm's a[g] @ b[g] (G, M, K) x (G, K, P), either operand packed as the weights (the int8 one; AVX2's
+    16-bit halves also take a uint8 a), equals the K-ordered GEMM on the tile edges and at the operands' extremes
+    (every product at its largest magnitude); two uint8 operands on VNNI have no signed byte: refused."""
+    if int8_simd.activation_operands(np.dtype(a_dtype), np.dtype(b_dtype), extension) is None:
+        assert extension is int8_simd.AVX512_VNNI and a_dtype == b_dtype == np.uint8
+        return
+    rng = np.random.default_rng(5)
+    scratch: dict = {}
+    for trial, (g, m, k, p) in enumerate([(1, 1, 1, 1), (3, 5, 4, 5), (2, 17, 64, 17), (4, 4, 7, 65),
+                                          (2, 65, 33, 130), (1, 197, 64, 197)]):
+        a = rng.integers(np.iinfo(a_dtype).min, np.iinfo(a_dtype).max + 1, (g, m, k), dtype=a_dtype)
+        b = rng.integers(np.iinfo(b_dtype).min, np.iinfo(b_dtype).max + 1, (g, k, p), dtype=b_dtype)
+        if trial % 3 == 1:
+            a[...] = np.iinfo(a_dtype).min if a_dtype == np.int8 else 255
+            b[...] = np.iinfo(b_dtype).min if b_dtype == np.int8 else 255
+        expected = gemm(a, b, 32, "wrap", method="ordered")
+        assert expected.events == 0
+        got = int8_simd.matmul(a, b, extension, scratch)
+        assert got.dtype == np.int32
+        assert_array_equal(got, expected.acc, err_msg=f"g={g} m={m} k={k} p={p}")

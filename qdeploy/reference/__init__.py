@@ -3,6 +3,6 @@
 It is the meaning every later stage is compared against (lowering must reproduce it; calibration reads the
 lowered graph through it). Each op is a plain function `op(*inputs, **attributes)`; see `ops.OPS`."""
 
-from qdeploy.reference.executor import run_graph, run_host_op, run_node, supported_ops
+from qdeploy.reference.executor import run_graph, run_host_op, run_node, run_signature, supported_ops
 
-__all__ = ["run_graph", "run_host_op", "run_node", "supported_ops"]
+__all__ = ["run_graph", "run_host_op", "run_node", "run_signature", "supported_ops"]

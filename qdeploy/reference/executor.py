@@ -3,7 +3,7 @@ graph's live set, not its total size."""
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 
@@ -30,15 +30,25 @@ def _function_for(op: str, opset: int, node_name: str) -> OpFunction:
 
 def run_node(node: Node, inputs: list[np.ndarray | None], opset: int) -> list[np.ndarray]:
     """Evaluate one node; `inputs` follows node.inputs, None for an omitted optional input."""
-    function = _function_for(node.op, opset, node.name)
+    result = _called(node, _function_for(node.op, opset, node.name), inputs)
+    outputs = list(result) if isinstance(result, tuple) else [result]
+    return [np.asarray(x) for x in outputs]
+
+
+def run_signature(node: Node, signature: Callable, inputs: list[np.ndarray | None]) -> tuple[tuple[int, ...], np.dtype]:
+    """(shape, dtype) of a one-output node by its op's signature function (e.g. ops.conv.output_signature), which
+    checks the operands as the op does; errors as run_node's."""
+    return _called(node, signature, inputs)
+
+
+def _called(node: Node, function: Callable, inputs: list[np.ndarray | None]):
+    """function(*inputs, **node.attrs), an op's complaint about its operands a one-line error naming the node."""
     try:
-        result = function(*inputs, **node.attrs)
+        return function(*inputs, **node.attrs)
     except Unsupported as error:
         raise Unsupported(f"node '{node.name}' ({node.op}): {error}") from error
     except (ValueError, IndexError, TypeError, ZeroDivisionError) as error:
         raise BadInput(f"node '{node.name}' ({node.op}): {error}") from error
-    outputs = list(result) if isinstance(result, tuple) else [result]
-    return [np.asarray(x) for x in outputs]
 
 
 def run_graph(graph: Graph, feeds: dict[str, np.ndarray], outputs: Iterable[str] | None = None,

@@ -381,3 +381,31 @@ def planar_gemm(packed: PackedWeights, cols: np.ndarray, bias: np.ndarray, scrat
     1 x S image of K channels and a 1x1 window."""
     n_dim, k_dim, s_dim = cols.shape
     return conv(packed, cols.reshape(n_dim, k_dim, 1, s_dim), ONE_BY_ONE, (1, s_dim), bias, scratch)
+
+
+def activation_operands(a_dtype: np.dtype, b_dtype: np.dtype, extension: SimdExtension) -> str | None:
+    """Which operand of a @ b `matmul` packs as the weights (the signed byte of VPDPBUSD, the first half of
+    VPMADDWD): "a" when a is int8, else "b" when b is int8 (then acc^T = b^T a^T); with the 16-bit halves of AVX2
+    also a uint8 a. None when neither fits (two uint8 operands on AVX-512 VNNI)."""
+    if a_dtype == np.int8 or (extension.k_per_word == 2 and a_dtype == np.uint8):
+        return "a"
+    return "b" if b_dtype == np.int8 else None
+
+
+def matmul(a: np.ndarray, b: np.ndarray, extension: SimdExtension, scratch: dict) -> np.ndarray:
+    """acc[g] = a[g] @ b[g], int32 (G, M, P), for two activations a (G, M, K) and b (G, K, P), int8/uint8 (a
+    MatMulGemm; the caller has checked that every exact sum fits int32 and that activation_operands is not None):
+    the grouped 1x1 `conv` of a G-group image, group g's K channels b[g] of P pixels, with group g's weights
+    a[g] (or, with b as the weights, b[g]^T against the image a[g]^T, transposed back). The weights are packed
+    per call: both operands change with every image."""
+    groups = a.shape[0]
+    if activation_operands(a.dtype, b.dtype, extension) == "a":
+        w, x = a, b
+    else:
+        w, x = b.transpose(0, 2, 1), a.transpose(0, 2, 1)
+    rows, k_dim, cols = w.shape[1], w.shape[2], x.shape[2]
+    packed = pack(np.ascontiguousarray(w).reshape(groups * rows, k_dim), extension, groups)
+    image = np.ascontiguousarray(x).reshape(1, groups * k_dim, 1, cols)
+    acc = conv(packed, image, ONE_BY_ONE, (1, cols), np.zeros(groups * rows, np.int64), scratch)
+    acc = acc.reshape(groups, rows, cols)  # a view of the scratch: copied below
+    return np.array(acc) if w is a else np.ascontiguousarray(acc.transpose(0, 2, 1))

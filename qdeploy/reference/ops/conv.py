@@ -25,24 +25,10 @@ def Conv(X: np.ndarray, W: np.ndarray, B: np.ndarray | None = None, *, auto_pad:
     one batched matmul in the input's float type (float16 is computed in float32 and rounded once).
     Spec: Conv-11 / Conv-22 (https://onnx.ai/onnx/operators/onnx__Conv.html)."""
     X, W = np.asarray(X), np.asarray(W)
-    if X.ndim < 3 or W.ndim != X.ndim:
-        raise ValueError(f"X has shape {X.shape} and W {W.shape}: expected (N, C, D1, ...) and "
-                         f"(M, C/group, k1, ...) of the same rank, at least 3")
+    geometry = _checked_geometry(X.shape, W, B, auto_pad, dilations, group, kernel_shape, pads, strides)
     batch, channels = X.shape[:2]
     out_channels, group_channels = W.shape[:2]
     kernel = W.shape[2:]
-    if group < 1 or channels % group or out_channels % group:
-        raise ValueError(f"group {group} does not divide the {channels} input and {out_channels} output "
-                         "channels")
-    if group_channels != channels // group:
-        raise ValueError(f"W has {group_channels} input channels per group, expected C/group = "
-                         f"{channels}/{group} = {channels // group}")
-    if kernel_shape is not None and tuple(kernel_shape) != kernel:
-        raise ValueError(f"kernel_shape {list(kernel_shape)} does not match W's spatial shape {list(kernel)}")
-    if B is not None and np.shape(B) != (out_channels,):
-        raise ValueError(f"B has shape {np.shape(B)}, expected ({out_channels},)")
-    geometry = window_geometry(X.shape[2:], kernel, strides=strides, dilations=dilations, pads=pads,
-                               auto_pad=auto_pad)
 
     dtype = np.result_type(X, W)
     compute = np.float32 if dtype == np.float16 else dtype
@@ -143,3 +129,37 @@ def ConvTranspose(X: np.ndarray, W: np.ndarray, B: np.ndarray | None = None, *, 
     if B is not None:
         Y = Y + np.asarray(B, compute).reshape((out_channels,) + (1,) * spatial)
     return np.ascontiguousarray(Y).astype(np.result_type(X, W), copy=False)
+
+
+def output_signature(X: np.ndarray, W: np.ndarray, B: np.ndarray | None = None, *, auto_pad: str = "NOTSET",
+                     dilations: list[int] | None = None, group: int = 1, kernel_shape: list[int] | None = None,
+                     pads: list[int] | None = None, strides: list[int] | None = None
+                     ) -> tuple[tuple[int, ...], np.dtype]:
+    """(shape, dtype) of Conv(X, W, B, ...) without computing it, after the same checks (ValueError as Conv): what
+    shape inference needs of an activation's Conv (qdeploy/shape_inference.py)."""
+    W = np.asarray(W)
+    geometry = _checked_geometry(X.shape, W, B, auto_pad, dilations, group, kernel_shape, pads, strides)
+    return (X.shape[0], W.shape[0]) + tuple(geometry.out_shape), np.result_type(X, W)
+
+
+def _checked_geometry(x_shape: tuple[int, ...], W: np.ndarray, B, auto_pad, dilations, group, kernel_shape, pads,
+                      strides):
+    """Conv's checks of its operands and attributes (ValueError), then its window geometry for an input x_shape."""
+    if len(x_shape) < 3 or W.ndim != len(x_shape):
+        raise ValueError(f"X has shape {x_shape} and W {W.shape}: expected (N, C, D1, ...) and "
+                         f"(M, C/group, k1, ...) of the same rank, at least 3")
+    channels = x_shape[1]
+    out_channels, group_channels = W.shape[:2]
+    kernel = W.shape[2:]
+    if group < 1 or channels % group or out_channels % group:
+        raise ValueError(f"group {group} does not divide the {channels} input and {out_channels} output "
+                         "channels")
+    if group_channels != channels // group:
+        raise ValueError(f"W has {group_channels} input channels per group, expected C/group = "
+                         f"{channels}/{group} = {channels // group}")
+    if kernel_shape is not None and tuple(kernel_shape) != kernel:
+        raise ValueError(f"kernel_shape {list(kernel_shape)} does not match W's spatial shape {list(kernel)}")
+    if B is not None and np.shape(B) != (out_channels,):
+        raise ValueError(f"B has shape {np.shape(B)}, expected ({out_channels},)")
+    return window_geometry(x_shape[2:], kernel, strides=strides, dilations=dilations, pads=pads, auto_pad=auto_pad)
+
