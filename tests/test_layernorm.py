@@ -333,8 +333,11 @@ def test_the_constant_token_rows_of_a_layernorm_are_computed_at_compile_time(tmp
     through the reading Linear (measured 34.8 / 38.9 / 38.6 dB for the three layouts, like the patch rows' 33-35),
     where one activation scale for the whole stream had left the normalization a few codes of them (6.4 / 9.9 /
     12.4 dB without the constant rows; 9-21 dB measured on the ViTs); the lowered float graph stays ONNX Runtime's
-    and the patch rows are unchanged (the same 32.8-34.9 dB with and without)."""
+    and the patch rows are unchanged: y takes the normalized rows' scale, so the affine GEMM passes their codes
+    through (the same 32.8-34.9 dB with and without)."""
     from qdeploy import api
+    from qdeploy.execute import bind_program_inputs
+    from simulator.machine import Machine
 
     path = _class_token_model(tmp_path / "cls.onnx", patch_pad)
     lowering = api.lower_model(path)
@@ -344,8 +347,15 @@ def test_the_constant_token_rows_of_a_layernorm_are_computed_at_compile_time(tmp
     expected = _onnx_runtime(path, x)
     lowered = api.run(path, x, lowered=True)["y"]
     np.testing.assert_allclose(lowered, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
-    got = api.run(_program(path), x, dequantize=True)["y"]
+    program = _program(path)
+    got = api.run(program, x, dequantize=True)["y"]
+    (affine,) = [r for r in program.records if r.name.endswith("/constant_rows")]
+    tensors = Machine(program).run(bind_program_inputs(program, x, "program"), dump=True).tensors
+    rows_in, rows_out = (tensors[name].reshape(len(x), expected.shape[1], C) for name in (affine.inputs[0],
+                                                                                         affine.output))
     constant = [*range(patch_pad[0]), *range(expected.shape[1] - patch_pad[1], expected.shape[1])]
     varying = [i for i in range(expected.shape[1]) if i not in constant]
+    np.testing.assert_array_equal(rows_out[:, varying], rows_in[:, varying])  # one scale: passed through unrounded
+    assert np.all(rows_out[:, constant] == rows_out[:1, constant])  # the same codes for every image
     assert _sqnr(expected[:, constant], got[:, constant]) >= 30.0
     assert _sqnr(expected[:, varying], got[:, varying]) >= 26.0

@@ -40,7 +40,7 @@ import numpy as np
 from isa.kinds import RESHAPE_KINDS, Kind
 from isa.output_stage import NO_OUTPUT_STAGE
 from qdeploy.ir import Graph, Node, Tensor, constant
-from qdeploy.lowering.nodes import output_stage
+from qdeploy.lowering.nodes import INSTRUCTION_OPS, output_stage
 from qdeploy.lowering.rows import negated_row_mean, row_add, row_square_words, row_view, with_row_scale
 from qdeploy.lowering.rules import Lowered, dense_gemm, element_affine_gemm
 
@@ -361,9 +361,13 @@ def _with_constant_rows(graph: Graph, node: Node, rows: dict[int, np.ndarray]) -
     graph = graph.with_nodes([varying if n is node else n for n in graph.nodes], [before])
     affine = element_affine_gemm(graph, Node(graph.unique_name(f"{node.name}/constant_rows"), "Mul", [before.name],
                                              [y], {}), before.name, mask, shift)
+    # y takes y0's scale (row_scales.py rule "input"): the varying rows pass through weight 1 unchanged, not
+    # rounded a second time to a scale of their own
+    passed = [n.replace(attrs={**n.attrs, "output_scale": "input"}) if n.op in INSTRUCTION_OPS else n
+              for n in affine.nodes]
     nodes = []
     for n in graph.nodes:
-        nodes += [n, *affine.nodes] if n is varying else [n]
+        nodes += [n, *passed] if n is varying else [n]
     return graph.with_nodes(nodes, affine.tensors), varying
 
 
