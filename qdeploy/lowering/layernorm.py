@@ -28,6 +28,12 @@ with_row_scale); the scales of the words and of the row-scaled requantize are qd
 of a sum of squares of x have the scale 1/sqrt(s_x^2) = 1/s_x, so the normalizing multiplier
 s_x s_w[c] s_words / s_out is s_w[c] / s_out.
 
+Constant token rows (`_constant_rows`, `_with_constant_rows`): the rows of x = Pad(p) + c that the Pad fills with
+zeros (a class or distillation token plus its position embedding) are the same for every image; their output is
+computed at compile time and written by a per-element affine GEMM after the normalizing one (weight 0 and the row
+as bias there, weight 1 elsewhere, at the normalized rows' scale), since one scale for the token tensor leaves such
+a small row few codes.
+
 An exporter's decomposed LayerNorm (ReduceMean, Sub, Pow, ReduceMean, Add, Sqrt, Div) is not recognised: torch's
 dynamo and TorchScript exports of the zoo's ViT and DeiT-style models both emit LayerNormalization (opset 17)."""
 
