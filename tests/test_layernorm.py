@@ -359,3 +359,38 @@ def test_the_constant_token_rows_of_a_layernorm_are_computed_at_compile_time(tmp
     assert np.all(rows_out[:, constant] == rows_out[:1, constant])  # the same codes for every image
     assert _sqnr(expected[:, constant], got[:, constant]) >= 30.0
     assert _sqnr(expected[:, varying], got[:, varying]) >= 26.0
+
+
+def test_the_constant_token_rows_export_to_onnx_and_run_on_the_rtl_bit_exact(tmp_path):
+    """The class-token block with its constant-rows GEMM (a depthwise ConvGemm at the normalized rows' scale): the
+    ONNX export gives ONNX Runtime the machine's outputs exactly (float32_rne), and the reference RTL runs its
+    vectors equal to the simulator (half_up), when Icarus Verilog is installed."""
+    import sys
+
+    import onnxruntime as ort
+
+    from isa.target import Arithmetic, Target
+    from qdeploy import api
+    from simulator.machine import Machine
+    from simulator.vectors import compare_vectors, export_vectors
+
+    path = _class_token_model(tmp_path / "cls.onnx", (2, 0))
+    x = _inputs(4, 6)
+    program = _program(path, Target(arithmetic=Arithmetic(rounding="float32_rne")))
+    api.export_onnx(program, tmp_path / "cls_int8.onnx")
+    session = ort.InferenceSession(str(tmp_path / "cls_int8.onnx"), providers=["CPUExecutionProvider"])
+    exported = dict(zip([o.name for o in session.get_outputs()], session.run(None, {"x": x})))
+    run = Machine(program).run({"x": x})
+    for name in program.outputs:
+        np.testing.assert_array_equal(exported[name], run.outputs[name], err_msg=name)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "hw"))
+    import rtl  # hw/rtl.py, as tests/test_rtl.py imports it
+
+    if not rtl.icarus_available():
+        pytest.skip("Icarus Verilog is not installed (apt-get install iverilog)")
+    program = _program(path, Target(arithmetic=Arithmetic(rounding="half_up")))
+    export_vectors(program, {"x": x[:3]}, tmp_path / "vectors")
+    rtl.run(tmp_path / "vectors", tmp_path / "dump")
+    report = compare_vectors(tmp_path / "vectors", tmp_path / "dump")
+    assert "constant_rows" in {layer["name"].rsplit("/", 1)[-1] for layer in report.to_json()["layers"]}
+    assert report.ok, report.to_json()
