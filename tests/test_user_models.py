@@ -75,5 +75,8 @@ def test_a_vision_transformer_runs_end_to_end_on_the_integer_unit(tmp_path, name
     assert row["host_ops"] == {}, row["host_ops"]
     assert row["gemm_share"] > 0.9  # the projections and MLPs are GEMMs (passes/matmul_rows.py): 0.934, 0.985
     assert row["ran_batch"] == 3
-    # Measured with no host op (4 calibration images, 3 evaluated): 18.7 dB (ViT), 17.4 dB (DeiT), both exporters.
-    assert row["sqnr_db"] > (12 if name == "vit" else 8), row["sqnr_db"]
+    # Measured with no host op (4 calibration images, 3 evaluated; 2026-11-26): 31.1 dB (ViT, both exporters),
+    # 23.6 dB (DeiT); 18.6 / 17.8 dB when the first LayerNorm normalized its constant class (and distillation) rows
+    # from the stream's codes instead of at compile time (qdeploy/lowering/layernorm.py `_constant_rows`): the
+    # bars fail without it.
+    assert row["sqnr_db"] > (26 if name == "vit" else 20), row["sqnr_db"]

@@ -28,6 +28,12 @@ with_row_scale); the scales of the words and of the row-scaled requantize are qd
 of a sum of squares of x have the scale 1/sqrt(s_x^2) = 1/s_x, so the normalizing multiplier
 s_x s_w[c] s_words / s_out is s_w[c] / s_out.
 
+Constant token rows (`_constant_rows`, `_with_constant_rows`): the rows of x = Pad(p) + c that the Pad fills with
+zeros (a class or distillation token plus its position embedding) are the same for every image; their output is
+computed at compile time and written by a per-element affine GEMM after the normalizing one (weight 0 and the row
+as bias there, weight 1 elsewhere, at the normalized rows' scale), since one scale for the token tensor leaves such
+a small row few codes.
+
 An exporter's decomposed LayerNorm (ReduceMean, Sub, Pow, ReduceMean, Add, Sqrt, Div) is not recognised: torch's
 dynamo and TorchScript exports of the zoo's ViT and DeiT-style models both emit LayerNormalization (opset 17)."""
 
@@ -40,9 +46,9 @@ import numpy as np
 from isa.kinds import RESHAPE_KINDS, Kind
 from isa.output_stage import NO_OUTPUT_STAGE
 from qdeploy.ir import Graph, Node, Tensor, constant
-from qdeploy.lowering.nodes import output_stage
+from qdeploy.lowering.nodes import INSTRUCTION_OPS, output_stage
 from qdeploy.lowering.rows import Emitter, negated_row_mean, row_add, row_square_words, row_view, with_row_scale
-from qdeploy.lowering.rules import Lowered, dense_gemm
+from qdeploy.lowering.rules import Lowered, dense_gemm, element_affine_gemm
 
 # Nodes a stream passes through unchanged but for the axis its channels are on: the layout kinds, and the token
 # layout's Transpose and zero Pad (lower_layernorms runs before the rules that make them AxisPermutes and padded
@@ -305,6 +311,65 @@ def _lower_one(graph: Graph, node: Node, readers: list[Node], centred: bool
     return out.nodes, out.tensors, replaced
 
 
+def _constant_rows(graph: Graph, x: str) -> dict[int, np.ndarray]:
+    """The rows of x (per image, (T, C), tokens on axis -2) that are the same for every image, by row index: x =
+    Pad(p) + c with the Pad writing zero rows along the token axis only (the class and distillation tokens, whose
+    rows of x are then c's: token plus position embedding). Empty when x is not such a sum."""
+    producer = graph.producers().get(x)
+    operand = _constant_operand(graph, producer) if producer is not None and producer.op == "Add" else None
+    shape = graph.tensors[x].shape
+    if operand is None or shape is None or len(shape) != 3 or None in shape[1:]:
+        return {}
+    pad = graph.producers().get(producer.inputs[1 - operand[0]])
+    if pad is None or pad.op != "Pad" or pad.attrs.get("mode", "constant") != "constant" or len(pad.inputs) < 2:
+        return {}
+    pads = graph.constant_data(pad.inputs[1])
+    value = graph.constant_data(pad.inputs[2]) if len(pad.inputs) > 2 and pad.inputs[2] else np.zeros(1)
+    if pads is None or value is None or np.any(value) or len(pad.inputs) > 3 and pad.inputs[3] or len(pads) != 6:
+        return {}
+    before, after = int(pads[1]), int(pads[4])
+    if np.any(np.delete(np.asarray(pads), [1, 4])) or before < 0 or after < 0:
+        return {}
+    c = np.broadcast_to(np.asarray(operand[1], np.float64).reshape(operand[1].shape[-2:] if operand[1].ndim > 2
+                                                                   else operand[1].shape), shape[1:])
+    tokens = int(shape[1])
+    return {i: c[i] for i in [*range(before), *range(tokens - after, tokens)]}
+
+
+def _normalized_row(row: np.ndarray, gamma: np.ndarray, eps: float) -> np.ndarray:
+    """gamma (row - mean) / sqrt(var + eps): a LayerNorm's output row without beta, in float64."""
+    centred = row - row.mean()
+    return gamma * centred / math.sqrt(float(np.mean(centred ** 2)) + eps)
+
+
+def _with_constant_rows(graph: Graph, node: Node, rows: dict[int, np.ndarray]) -> tuple[Graph, Node]:
+    """The graph with the LayerNorm writing a new tensor y0 (returned, the node to lower) followed by the
+    per-element affine GEMM y = mask * y0 + K that writes its output y: mask 0 and K = the normalized row (without beta, which the readers' biases add) on the constant rows,
+    mask 1 and K = 0 elsewhere. The constant rows' outputs are exact constants instead of a normalization of a row
+    that has few codes of x's one activation scale (the class token plus its position embedding is 8-40x smaller
+    than the patch rows: docs/design.md, "Integer LayerNorm")."""
+    y = node.outputs[0]
+    gamma = graph.constant_data(node.inputs[1]).astype(np.float64).reshape(-1)
+    eps = float(node.attrs.get("epsilon", 1e-5))
+    source = graph.tensors[y]
+    before = Tensor(graph.unique_name(f"{y}/varying_rows"), source.shape, source.dtype, rows=source.rows)
+    mask, shift = np.ones(source.shape[1:]), np.zeros(source.shape[1:])
+    for i, row in rows.items():
+        mask[i], shift[i] = 0.0, _normalized_row(row, gamma, eps)
+    varying = node.replace(outputs=[before.name])
+    graph = graph.with_nodes([varying if n is node else n for n in graph.nodes], [before])
+    affine = element_affine_gemm(graph, Node(graph.unique_name(f"{node.name}/constant_rows"), "Mul", [before.name],
+                                             [y], {}), before.name, mask, shift)
+    # y takes y0's scale (row_scales.py rule "input"): the varying rows pass through weight 1 unchanged, not
+    # rounded a second time to a scale of their own
+    passed = [n.replace(attrs={**n.attrs, "output_scale": "input"}) if n.op in INSTRUCTION_OPS else n
+              for n in affine.nodes]
+    nodes = []
+    for n in graph.nodes:
+        nodes += [n, *passed] if n is varying else [n]
+    return graph.with_nodes(nodes, affine.tensors), varying
+
+
 def lower_layernorms(graph: Graph) -> Graph:
     """Centre the residual streams that allow it (`_Stream`), then lower each LayerNormalization whose beta can move
     into its readers' biases into the sum of squares and the normalizing GEMM (module docstring), after the row
@@ -325,6 +390,9 @@ def lower_layernorms(graph: Graph) -> Graph:
         beta = graph.constant_data(node.inputs[2]) if len(node.inputs) > 2 and node.inputs[2] else None
         if readers is None and beta is not None and np.any(beta):
             continue
+        rows = _constant_rows(graph, node.inputs[0])
+        if rows:
+            graph, node = _with_constant_rows(graph, node, rows)
         nodes, tensors, replaced = _lower_one(graph, node, readers or [], name in centred)
         graph = graph.with_nodes(graph.nodes, tensors)
         rebuilt = []

@@ -953,10 +953,16 @@ def element_affine(graph: Graph, node: Node) -> Lowered | None:
         scale, shift = (-ones, full) if constant_first else (ones, -full)
     else:
         return None
-    elements = prod(shape)
+    return element_affine_gemm(graph, node, x, scale, shift)
+
+
+def element_affine_gemm(graph: Graph, node: Node, x: str, scale: np.ndarray, shift: np.ndarray) -> Lowered:
+    """node's output y = scale * x + shift element by element (scale and shift of x's per-image shape): the 1x1
+    depthwise ConvGemm on the view (N, E, 1, 1), E the elements of one image's x."""
+    elements = prod(_per_image_shape(graph, node, x))
 
     def affine(view: str, out: str) -> Lowered:
-        return conv_gemm(graph, node, view, scale.reshape(elements, 1, 1, 1), shift.reshape(elements),
+        return conv_gemm(graph, node, view, np.reshape(scale, (elements, 1, 1, 1)), np.reshape(shift, elements),
                          group=elements, strides=[1, 1], pads=[0, 0, 0, 0], dilations=[1, 1], output=out)
 
     return _on_view(graph, node, x, (elements, 1, 1), (elements, 1, 1), affine)
