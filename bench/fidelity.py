@@ -44,6 +44,7 @@ QDEPLOY_VARIANTS: dict[str, dict] = {
     "qdeploy defaults": {},
     "qdeploy --bias-shrinkage": {"bias_shrinkage": True},
     "qdeploy --no-bias-correction": {"bias_correction": False},
+    "qdeploy --per-channel-depthwise-inputs": {"per_channel_depthwise_inputs": True},
 }
 PEER_GROUPS = ("ONNX Runtime", "NNCF", "ModelOpt", "INC")
 
@@ -121,9 +122,8 @@ def measure(variant: int, split, n_calib: int, n_eval: int, workdir: Path, log) 
     rows, notes = [], []
     start = time.perf_counter()
     table_path = folder / "qdeploy_table.json"
-    if table_path.exists():
-        table = CalibrationTable.load(table_path)
-    else:
+    table = CalibrationTable.load(table_path) if table_path.exists() else None
+    if table is None or not any(r.channel_amax for r in table.records.values()):  # older tables lack the statistic
         table = calibrate(model, calib_dir, preprocess=preprocess, num_samples=n_calib).table
         table.save(table_path)
     for label, options in QDEPLOY_VARIANTS.items():
