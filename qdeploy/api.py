@@ -124,7 +124,8 @@ def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTabl
     program.manifest["model"] = path.name
     program.manifest["options"]["equalization"] = table.equalization
     if widened:  # written only when applied: programs compiled without it keep their manifest
-        program.manifest["options"]["per_channel_depthwise_inputs"] = sorted(widened)
+        program.manifest["options"]["per_channel_depthwise_inputs"] = {
+            name: [float(v) for v in ratio] for name, ratio in widened.items()}
     if table.float_softmax_layernorm:  # written only when set: programs compiled without it keep their manifest
         program.manifest["options"]["float_softmax_layernorm"] = True
     if table.preprocess is not None:  # run, report and vectors export preprocess images as calibration did

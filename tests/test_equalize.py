@@ -351,7 +351,25 @@ def test_per_channel_depthwise_inputs_in_the_program(tmp_path):
     assert api.compile(path, old).program.manifest == plain.manifest
     assert api.compile(path, old, per_channel_depthwise_inputs=True).program.manifest == plain.manifest
     widened = api.compile(path, table, per_channel_depthwise_inputs=True).program
-    assert widened.manifest["options"]["per_channel_depthwise_inputs"] == [tensor]
+    ratios = np.asarray(table.records[tensor].channel_amax) / max(table.records[tensor].channel_amax)
+    assert list(widened.manifest["options"]["per_channel_depthwise_inputs"]) == [tensor]
+    np.testing.assert_array_equal(widened.manifest["options"]["per_channel_depthwise_inputs"][tensor],
+                                  np.clip(ratios, MIN_CHANNEL_RATIO, 1))
+    # the CLI flag, and the report, which lowers the model as the program was compiled (its weight check passes)
+    table.save(tmp_path / "calib.json")
+    np.save(tmp_path / "x.npy", x)
+    runner = CliRunner()
+    result = runner.invoke(app, ["compile", str(path), "--calib", str(tmp_path / "calib.json"),
+                                 "--per-channel-depthwise-inputs", "-o", str(tmp_path / "m.qdp")])
+    assert result.exit_code == 0, result.output
+    from qdeploy.program import read_program
+    written = read_program(tmp_path / "m.qdp")
+    assert written.manifest["options"] == widened.manifest["options"]
+    assert all(np.array_equal(written.arrays[k], widened.arrays[k]) for k in widened.arrays)
+    result = runner.invoke(app, ["report", str(path), str(tmp_path / "m.qdp"), "--data", str(tmp_path / "x.npy"),
+                                 "-o", str(tmp_path / "report")])
+    assert result.exit_code == 0, result.output
+    assert "per_channel_depthwise_inputs on (1 tensors)" in (tmp_path / "report" / "report.md").read_text()
     runs = [Machine(program).run({"x": x}, dump=True) for program in (plain, widened)]
     codes = [np.abs(run.tensors[tensor].astype(np.int32)).max(axis=(0, 2, 3)) for run in runs]
     assert np.all(codes[1] >= codes[0]) and np.any(codes[1] > 2 * codes[0])

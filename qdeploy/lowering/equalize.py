@@ -138,6 +138,15 @@ def widen_narrow_channels(graph: Graph, channel_thresholds: dict[str, np.ndarray
     return _rewritten(graph, nodes, weights, total_scale) if weights else graph
 
 
+def widened_as_compiled(graph: Graph, options: dict) -> Graph:
+    """The graph a program was compiled from, given its manifest's options: with
+    `per_channel_depthwise_inputs` ({tensor: r[c]}), widen_narrow_channels again with r as the thresholds (the
+    widest channel has r = 1, so channel_ratios(r) = r)."""
+    recorded = options.get("per_channel_depthwise_inputs")
+    return widen_narrow_channels(graph, {name: np.asarray(r, np.float64) for name, r in recorded.items()}) \
+        if recorded else graph
+
+
 def channel_ratios(thresholds) -> np.ndarray:
     """r[c] = clip(T[c] / max_c T[c], MIN_CHANNEL_RATIO, 1), and 1 where T[c] = 0 (widen_narrow_channels)."""
     thresholds = np.asarray(thresholds, np.float64)
