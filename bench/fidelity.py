@@ -89,7 +89,7 @@ def _cached_logits(path: Path, compute) -> np.ndarray | None:
     return logits
 
 
-def measure(variant: int, split, n_calib: int, n_eval: int, workdir: Path, log) -> dict:
+def measure(variant: int, split, n_calib: int, n_eval: int, workdir: Path, log, with_peers: bool = True) -> dict:
     import onnxruntime as ort
 
     from bench import peers
@@ -113,7 +113,7 @@ def measure(variant: int, split, n_calib: int, n_eval: int, workdir: Path, log) 
     sources = [entry["source"] for entry in json.loads((eval_dir / images.MANIFEST).read_text())["images"]]
     preprocess = Preprocess((size, size), (127.0,) * 3, (128.0,) * 3)
     peer_file = json.loads(ort_peer.measure(model, calib_dir, eval_dir, folder / "peers", preprocess, (size, size),
-                                            log=lambda text: None).read_text())
+                                            log=lambda text: None).read_text()) if with_peers else {"entries": []}
     calib = ort_peer.load_images(calib_dir, preprocess, (size, size))
     evaluation = ort_peer.load_images(eval_dir, preprocess, (size, size))
     session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
@@ -136,7 +136,7 @@ def measure(variant: int, split, n_calib: int, n_eval: int, workdir: Path, log) 
     for entry in peer_file["entries"]:
         label = entry["label"] if entry["label"].startswith("NNCF") else f"ONNX Runtime {entry['label']}"
         rows.append(figures(label, reference, np.load(folder / "peers" / entry["logits"]), sources))
-    for run in (peers.modelopt, peers.neural_compressor):
+    for run in (peers.modelopt, peers.neural_compressor) if with_peers else ():
         cache = folder / "peers" / f"{run.__name__}.json"
         if cache.exists():
             results = [peers.PeerResult(r["label"], None if r["logits"] is None else np.load(folder / "peers" /
@@ -199,6 +199,8 @@ def print_spread(results: list[dict]) -> None:
                 cells.append(f"{values.mean():6.2f} [{values.min():6.2f}, {values.max():6.2f}]")
             print(f"  {group:<30} SQNR {cells[0]}  top-1 {cells[1]}  p10 {cells[2]}  OOD {cells[3]}  "
                   f"worst source {cells[4]}")
+        if not any(g in PEER_GROUPS for b in per_split for g in b):
+            continue  # --no-peers
         peers_best = [max((row for g, row in b.items() if g in PEER_GROUPS), key=lambda r: r.sqnr_db)
                       for b in per_split]
         ours = [b["qdeploy defaults"] for b in per_split]
@@ -218,6 +220,9 @@ def main() -> None:
     parser.add_argument("--eval", type=int, default=128, help="evaluation crops per split")
     parser.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "qdeploy-bench" / "fidelity-held-out")
     parser.add_argument("--json", type=Path, default=None, help="write every figure here")
+    parser.add_argument("--no-peers", dest="peers", action="store_false",
+                        help="qdeploy's rows only (the crops are the same for the same --calib/--eval, so an earlier "
+                             "run's peers apply)")
     parser.add_argument("--load", type=Path, nargs="+", default=None,
                         help="measure nothing: print the splits and their spread from --json files of earlier runs "
                              "(e.g. one process per split)")
@@ -236,7 +241,7 @@ def main() -> None:
     results = []
     for variant in (int(v) for v in args.models.split(",")):
         for split in splits:
-            result = measure(variant, split, args.calib, args.eval, args.workdir, log=print)
+            result = measure(variant, split, args.calib, args.eval, args.workdir, log=print, with_peers=args.peers)
             print_split(result)
             results.append(result)
             if args.json is not None:
