@@ -97,6 +97,12 @@ def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTabl
     widened: dict[str, np.ndarray] = {}  # tensor: r[c], its channels' scales relative to the tensor's
     if per_channel_depthwise_inputs and stated is None:
         channel_amax = {name: r.channel_amax for name, r in table.records.items() if r.channel_amax is not None}
+        for name, amax in channel_amax.items():  # one max per channel, or the rewrite would not fit the weights
+            shape = lowering.graph.tensors[name].shape if name in lowering.graph.tensors else None
+            if shape is not None and (len(shape) < 2 or len(amax) != shape[1]):
+                raise BadInput(f"{calib if not isinstance(calib, CalibrationTable) else 'calibration table'}: "
+                               f"tensor '{name}' has {len(amax)} channel maxima (channel_amax), but the model's "
+                               f"tensor has shape {list(shape)}")
         lowering = dataclasses.replace(lowering, graph=widen_narrow_channels(lowering.graph, channel_amax))
         widened = {name: channel_ratios(amax) for name, amax in channel_amax.items()}
     thresholds = {**table.thresholds, **(stated.thresholds if stated is not None else {})}

@@ -370,6 +370,14 @@ def test_per_channel_depthwise_inputs_in_the_program(tmp_path):
                                  "-o", str(tmp_path / "report")])
     assert result.exit_code == 0, result.output
     assert "per_channel_depthwise_inputs on (1 tensors)" in (tmp_path / "report" / "report.md").read_text()
+    # a table whose channel maxima do not match the tensor: a one-line error naming it, no program written
+    document = json.loads((tmp_path / "calib.json").read_text())
+    next(r for r in document["tensors"] if r["name"] == tensor)["channel_amax"] = [1.0, 2.0]
+    (tmp_path / "bad.json").write_text(json.dumps(document))
+    result = runner.invoke(app, ["compile", str(path), "--calib", str(tmp_path / "bad.json"),
+                                 "--per-channel-depthwise-inputs", "-o", str(tmp_path / "bad.qdp")])
+    one_line_error(result, f"tensor '{tensor}' has 2 channel maxima")
+    assert not (tmp_path / "bad.qdp").exists()
     runs = [Machine(program).run({"x": x}, dump=True) for program in (plain, widened)]
     codes = [np.abs(run.tensors[tensor].astype(np.int32)).max(axis=(0, 2, 3)) for run in runs]
     assert np.all(codes[1] >= codes[0]) and np.any(codes[1] > 2 * codes[0])
