@@ -21,8 +21,8 @@ source), and the pooled SQNR of the photographs' crops and of the out-of-distrib
 splits, the spread across them (mean, min, max of each figure).
 
 Run: python bench/fidelity.py [--models 0,1,2] [--folds 3] [--splits 0,2] [--calib 128] [--eval 128] [--workdir DIR]
-[--json F] (each peer's logits and qdeploy's calibration table are kept in the work folder; a rerun reuses them);
-`--load F1 F2 ...` prints the splits and the spread of earlier runs' --json files (one process per split)."""
+[--json F] [--no-peers] (each peer's logits and qdeploy's calibration table are kept in the work folder; a rerun
+reuses them); `--load F1 F2 ...` prints the splits and the spread of earlier runs' --json files (one process per split)."""
 
 from __future__ import annotations
 
