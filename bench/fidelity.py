@@ -21,8 +21,8 @@ source), and the pooled SQNR of the photographs' crops and of the out-of-distrib
 splits, the spread across them (mean, min, max of each figure).
 
 Run: python bench/fidelity.py [--models 0,1,2] [--folds 3] [--splits 0,2] [--calib 128] [--eval 128] [--workdir DIR]
-[--json F] (each peer's logits and qdeploy's calibration table are kept in the work folder; a rerun reuses them);
-`--load F1 F2 ...` prints the splits and the spread of earlier runs' --json files (one process per split)."""
+[--json F] [--no-peers] (each peer's logits and qdeploy's calibration table are kept in the work folder; a rerun
+reuses them); `--load F1 F2 ...` prints the splits and the spread of earlier runs' --json files (one process per split)."""
 
 from __future__ import annotations
 
@@ -44,6 +44,7 @@ QDEPLOY_VARIANTS: dict[str, dict] = {
     "qdeploy defaults": {},
     "qdeploy --bias-shrinkage": {"bias_shrinkage": True},
     "qdeploy --no-bias-correction": {"bias_correction": False},
+    "qdeploy --per-channel-depthwise-inputs": {"per_channel_depthwise_inputs": True},
 }
 PEER_GROUPS = ("ONNX Runtime", "NNCF", "ModelOpt", "INC")
 
@@ -88,7 +89,7 @@ def _cached_logits(path: Path, compute) -> np.ndarray | None:
     return logits
 
 
-def measure(variant: int, split, n_calib: int, n_eval: int, workdir: Path, log) -> dict:
+def measure(variant: int, split, n_calib: int, n_eval: int, workdir: Path, log, with_peers: bool = True) -> dict:
     import onnxruntime as ort
 
     from bench import peers
@@ -112,7 +113,7 @@ def measure(variant: int, split, n_calib: int, n_eval: int, workdir: Path, log) 
     sources = [entry["source"] for entry in json.loads((eval_dir / images.MANIFEST).read_text())["images"]]
     preprocess = Preprocess((size, size), (127.0,) * 3, (128.0,) * 3)
     peer_file = json.loads(ort_peer.measure(model, calib_dir, eval_dir, folder / "peers", preprocess, (size, size),
-                                            log=lambda text: None).read_text())
+                                            log=lambda text: None).read_text()) if with_peers else {"entries": []}
     calib = ort_peer.load_images(calib_dir, preprocess, (size, size))
     evaluation = ort_peer.load_images(eval_dir, preprocess, (size, size))
     session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
@@ -121,9 +122,8 @@ def measure(variant: int, split, n_calib: int, n_eval: int, workdir: Path, log) 
     rows, notes = [], []
     start = time.perf_counter()
     table_path = folder / "qdeploy_table.json"
-    if table_path.exists():
-        table = CalibrationTable.load(table_path)
-    else:
+    table = CalibrationTable.load(table_path) if table_path.exists() else None
+    if table is None or not any(r.channel_amax for r in table.records.values()):  # older tables lack the statistic
         table = calibrate(model, calib_dir, preprocess=preprocess, num_samples=n_calib).table
         table.save(table_path)
     for label, options in QDEPLOY_VARIANTS.items():
@@ -136,7 +136,7 @@ def measure(variant: int, split, n_calib: int, n_eval: int, workdir: Path, log) 
     for entry in peer_file["entries"]:
         label = entry["label"] if entry["label"].startswith("NNCF") else f"ONNX Runtime {entry['label']}"
         rows.append(figures(label, reference, np.load(folder / "peers" / entry["logits"]), sources))
-    for run in (peers.modelopt, peers.neural_compressor):
+    for run in (peers.modelopt, peers.neural_compressor) if with_peers else ():
         cache = folder / "peers" / f"{run.__name__}.json"
         if cache.exists():
             results = [peers.PeerResult(r["label"], None if r["logits"] is None else np.load(folder / "peers" /
@@ -199,6 +199,8 @@ def print_spread(results: list[dict]) -> None:
                 cells.append(f"{values.mean():6.2f} [{values.min():6.2f}, {values.max():6.2f}]")
             print(f"  {group:<30} SQNR {cells[0]}  top-1 {cells[1]}  p10 {cells[2]}  OOD {cells[3]}  "
                   f"worst source {cells[4]}")
+        if not any(g in PEER_GROUPS for b in per_split for g in b):
+            continue  # --no-peers
         peers_best = [max((row for g, row in b.items() if g in PEER_GROUPS), key=lambda r: r.sqnr_db)
                       for b in per_split]
         ours = [b["qdeploy defaults"] for b in per_split]
@@ -218,6 +220,9 @@ def main() -> None:
     parser.add_argument("--eval", type=int, default=128, help="evaluation crops per split")
     parser.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "qdeploy-bench" / "fidelity-held-out")
     parser.add_argument("--json", type=Path, default=None, help="write every figure here")
+    parser.add_argument("--no-peers", dest="peers", action="store_false",
+                        help="qdeploy's rows only (the crops are the same for the same --calib/--eval, so an earlier "
+                             "run's peers apply)")
     parser.add_argument("--load", type=Path, nargs="+", default=None,
                         help="measure nothing: print the splits and their spread from --json files of earlier runs "
                              "(e.g. one process per split)")
@@ -236,7 +241,7 @@ def main() -> None:
     results = []
     for variant in (int(v) for v in args.models.split(",")):
         for split in splits:
-            result = measure(variant, split, args.calib, args.eval, args.workdir, log=print)
+            result = measure(variant, split, args.calib, args.eval, args.workdir, log=print, with_peers=args.peers)
             print_split(result)
             results.append(result)
             if args.json is not None:

@@ -27,6 +27,8 @@ reading. `histogram` is the |x| histogram the threshold was chosen from: len(cou
 tables written before it was recorded. `compile` copies it into the program, and `run`, `report` and
 `vectors export` apply it to image files by default and refuse a flag that contradicts it. The input statistics
 are the graph inputs' records (listed first): amax, the |x| histogram and the per-channel means.
+`channel_amax` (optional, per record): max |x| per channel of a tensor only depthwise GEMMs read (tables written
+before it have none: `compile --per-channel-depthwise-inputs` then leaves those tensors per tensor).
 `equalization` says the tensors were measured on the cross-layer-equalized graph (qdeploy/lowering/equalize.py;
 `qdeploy calibrate --equalize`), so the compiler lowers the model the same way; absent means false.
 `float_softmax_layernorm` says Softmax and LayerNormalization were left in float on the host (`qdeploy calibrate
@@ -78,6 +80,9 @@ class TensorRecord:
     # per channel, the standard deviation over the calibration samples of each sample's channel mean (how far the
     # bias correction can be trusted on other inputs: quantize.py)
     channel_spread: tuple[float, ...] | None = None
+    # max |x| per channel (axis 1), only for a tensor read by depthwise GEMMs alone: the per-channel scales of
+    # `compile --per-channel-depthwise-inputs` (qdeploy/lowering/equalize.py `widen_narrow_channels`)
+    channel_amax: tuple[float, ...] | None = None
 
     @property
     def scale(self) -> float:
@@ -180,6 +185,8 @@ def _record_json(record: TensorRecord) -> dict:
         entry["channel_mean"] = list(record.channel_mean)
     if record.channel_spread is not None:
         entry["channel_spread"] = list(record.channel_spread)
+    if record.channel_amax is not None:
+        entry["channel_amax"] = list(record.channel_amax)
     return entry
 
 
@@ -245,7 +252,10 @@ def _record_from_json(entry, where: str) -> TensorRecord:
     channel_spread = _channel_floats(entry, "channel_spread", where)
     if channel_spread is not None and any(v < 0 for v in channel_spread):
         raise BadInput(f"{where}: field \"channel_spread\" must be numbers >= 0 (standard deviations)")
-    return TensorRecord(name, method, threshold, amax, counts, channel_mean, channel_spread)
+    channel_amax = _channel_floats(entry, "channel_amax", where)
+    if channel_amax is not None and any(v < 0 for v in channel_amax):
+        raise BadInput(f"{where}: field \"channel_amax\" must be numbers >= 0 (max |x| per channel)")
+    return TensorRecord(name, method, threshold, amax, counts, channel_mean, channel_spread, channel_amax)
 
 
 def _channel_floats(entry: dict, key: str, where: str) -> tuple[float, ...] | None:

@@ -4,6 +4,7 @@ typed results. The CLI is a thin layer over these."""
 from __future__ import annotations
 
 import os
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from qdeploy.binding import bind_inputs, bind_program_inputs
 from qdeploy_base.errors import BadInput, QdeployError
 from qdeploy.execute import run_program_file  # noqa: F401 (part of the API)
 from qdeploy.lowering import LoweringResult, lower_graph, require_lowered
+from qdeploy.lowering.equalize import channel_ratios, widen_narrow_channels
 from qdeploy.onnx_import import InputShapes, import_onnx
 from qdeploy.prequantized import ModelQuantization
 from qdeploy.program import Program, read_program, write_program
@@ -65,12 +67,15 @@ def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTabl
             target: str | os.PathLike | Target | None = None, *, per_tensor: bool = False,
             allow_host_fallback: bool = False, bias_correction: bool = True, bias_shrinkage: bool = False,
             output: str | os.PathLike | None = None, input_shapes: InputShapes | None = None,
-            widen_scales: bool = False) -> CompileResult:
+            widen_scales: bool = False, per_channel_depthwise_inputs: bool = False) -> CompileResult:
     """Lower `model`, quantize it with the calibration table and the target, and (with `output`) write the
     .qdp program (atomically). A pre-quantized model (QuantizeLinear/DequantizeLinear, QLinearConv) needs no
     table: its own scales and integer weights win, and `calib` only fills the tensors it leaves in float
     (qdeploy/prequantized.py; `widen_scales`: an activation with a zero point other than 0 or per-channel
-    scales gets one scale covering its range instead of being refused)."""
+    scales gets one scale covering its range instead of being refused). `per_channel_depthwise_inputs`: a tensor
+    only depthwise GEMMs read gets one scale per channel, s[c] = r[c] s with r[c] from the table's per-channel max
+    |x| (lowering/equalize.py `widen_narrow_channels`; docs/design.md section 5); not for a pre-quantized model,
+    whose integer weights are fixed."""
     path = Path(model)
     table = calib if isinstance(calib, CalibrationTable) or calib is None else CalibrationTable.load(calib)
     target = target if isinstance(target, Target) else load_target_file(target)
@@ -89,17 +94,31 @@ def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTabl
     require_lowered(lowering, allow_host_fallback)
     if table is None:
         table = CalibrationTable({}, "model", 0)
+    widened: dict[str, np.ndarray] = {}  # tensor: r[c], its channels' scales relative to the tensor's
+    if per_channel_depthwise_inputs and stated is None:
+        channel_amax = {name: r.channel_amax for name, r in table.records.items() if r.channel_amax is not None}
+        for name, amax in channel_amax.items():  # one max per channel, or the rewrite would not fit the weights
+            shape = lowering.graph.tensors[name].shape if name in lowering.graph.tensors else None
+            if shape is not None and (len(shape) < 2 or len(amax) != shape[1]):
+                raise BadInput(f"{calib if not isinstance(calib, CalibrationTable) else 'calibration table'}: "
+                               f"tensor '{name}' has {len(amax)} channel maxima (channel_amax), but the model's "
+                               f"tensor has shape {list(shape)}")
+        lowering = dataclasses.replace(lowering, graph=widen_narrow_channels(lowering.graph, channel_amax))
+        widened = {name: channel_ratios(amax) for name, amax in channel_amax.items()}
     thresholds = {**table.thresholds, **(stated.thresholds if stated is not None else {})}
     options = CompileOptions(per_channel_weights=target.arithmetic.per_channel_weights and not per_tensor,
                              allow_host_fallback=allow_host_fallback, bias_correction=bias_correction,
                              bias_shrinkage=bias_shrinkage)
-    means = {name: r.channel_mean for name, r in table.records.items() if r.channel_mean is not None}
+    # The table measured x; the program quantizes x' = x / r (the mean and spread of B's input scale with it).
+    means = {name: _divided(r.channel_mean, widened.get(name)) for name, r in table.records.items()
+             if r.channel_mean is not None}
     for name, mean in means.items():  # one mean per channel, or the bias correction would be silently off
         shape = lowering.graph.tensors[name].shape if name in lowering.graph.tensors else None
         if shape is not None and (len(shape) < 2 or len(mean) != shape[1]):
             raise BadInput(f"{calib if not isinstance(calib, CalibrationTable) else 'calibration table'}: tensor "
                            f"'{name}' has {len(mean)} channel means, but the model's tensor has shape {list(shape)}")
-    spreads = {name: r.channel_spread for name, r in table.records.items() if r.channel_spread is not None}
+    spreads = {name: _divided(r.channel_spread, widened.get(name)) for name, r in table.records.items()
+               if r.channel_spread is not None}
     for name, spread in spreads.items():  # one spread per channel mean, or the shrinkage (2c) would be silently off
         if len(spread) != len(means.get(name, ())):
             raise BadInput(f"{calib if not isinstance(calib, CalibrationTable) else 'calibration table'}: tensor "
@@ -110,12 +129,23 @@ def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTabl
         raise type(error)(f"{path}: {error}") from error
     program.manifest["model"] = path.name
     program.manifest["options"]["equalization"] = table.equalization
+    if widened:  # written only when applied: programs compiled without it keep their manifest
+        program.manifest["options"]["per_channel_depthwise_inputs"] = {
+            name: [float(v) for v in ratio] for name, ratio in widened.items()}
     if table.float_softmax_layernorm:  # written only when set: programs compiled without it keep their manifest
         program.manifest["options"]["float_softmax_layernorm"] = True
     if table.preprocess is not None:  # run, report and vectors export preprocess images as calibration did
         program.manifest["preprocess"] = table.preprocess.to_json()
     written = write_program(program, output) if output is not None else None
     return CompileResult(program, layers, lowering, written, stated)
+
+
+def _divided(values: tuple[float, ...], ratio: np.ndarray | None) -> tuple[float, ...]:
+    """A per-channel statistic of x as one of x / r (unchanged without r, or where its length is not r's: the
+    channel-count check below names that table)."""
+    if ratio is None or len(values) != len(ratio):
+        return values
+    return tuple(float(v) for v in np.asarray(values, np.float64) / ratio)
 
 
 def estimate_performance(model: str | os.PathLike, program: Program) -> PerfReport:

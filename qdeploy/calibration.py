@@ -39,7 +39,7 @@ from qdeploy.binding import bind_inputs
 from qdeploy.cluster import runs_in_process, starting
 from qdeploy_base.errors import BadInput
 from qdeploy.ir import Graph, topological_order
-from qdeploy.lowering.equalize import equalizable_pairs
+from qdeploy.lowering.equalize import depthwise_pairs, equalizable_pairs
 from isa.kinds import LAYOUT_KINDS, VIEW_KINDS
 from qdeploy.lowering import LoweringResult, lower_graph
 from qdeploy.lowering.rows import stores_row_words
@@ -80,6 +80,13 @@ def calibration_tensors(graph: Graph) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def depthwise_channel_tensors(graph: Graph) -> frozenset[str]:
+    """The tensors only depthwise GEMMs read (equalize.depthwise_pairs: A's outputs), whose per-channel max |x|
+    the table records for `compile --per-channel-depthwise-inputs`."""
+    nodes = {node.name: node for node in graph.nodes}
+    return frozenset(nodes[a].outputs[0] for a, _ in depthwise_pairs(graph))
+
+
 def consumer_fan_in(lowering: LoweringResult) -> dict[str, int]:
     """{tensor: the largest GEMM fan-in K (the instruction's per-group K: C/g * kh * kw for a ConvGemm, the input
     width of a DenseGemm, 2 for an AddGemm) among the instructions that read it} for every activation tensor
@@ -116,7 +123,8 @@ class _Collector:
     thread while the graph goes on made calibration 3x slower, as OpenBLAS's spinning threads lost their
     cores to it.)"""
 
-    def __init__(self, graph: Graph, names: list[str], keep_sample_sums: bool = False):
+    def __init__(self, graph: Graph, names: list[str], keep_sample_sums: bool = False,
+                 channel_amax_names: frozenset[str] = frozenset()):
         self.graph = graph
         self.keep_sample_sums = keep_sample_sums  # a shard keeps per-sample sums for `merge` instead of adding them
         self.sample_sums: dict[str, np.ndarray] = {}
@@ -139,6 +147,15 @@ class _Collector:
         # (a legacy export's (3, N, heads, T, d) after a Transpose) has no channel means to give.
         self.has_channels = {name for name in names if (shape := graph.tensors[name].shape) is not None
                              and len(shape) >= 2 and shape[1] is not None}
+        # Per-channel max |x| of the tensors only depthwise GEMMs read (depthwise_channel_tensors): a max is exact
+        # and commutative, so it is the same for any batching, threads or shards.
+        self.channel_amax_names = channel_amax_names & self.has_channels
+        self.channel_amax: dict[str, np.ndarray] = {}
+
+    def merge_channel_amax(self, other: dict[str, np.ndarray]) -> None:
+        for name, amax in other.items():
+            kept = self.channel_amax.get(name)
+            self.channel_amax[name] = amax if kept is None else np.maximum(kept, amax)
 
     def channel_means(self) -> dict[str, np.ndarray]:
         return {name: sums / self.channel_counts[name] for name, sums in self.channel_sums.items()
@@ -171,6 +188,7 @@ class _Collector:
             self.histograms[name].merge(histogram)
         for name, per_sample in other.sample_sums.items():
             self.add_channel_sums(name, per_sample, other.channel_counts[name])
+        self.merge_channel_amax(other.channel_amax)
 
     def _add_samples(self, name: str, per_sample: np.ndarray, elements: int) -> None:
         """The next samples' (samples, channels) sums: kept as they are (keep_sample_sums) or added."""
@@ -191,6 +209,9 @@ class _Collector:
                 per_sample = np.ascontiguousarray(array).reshape(array.shape[0], array.shape[1], -1).sum(
                     axis=2, dtype=np.float64)
                 self._add_samples(name, per_sample, array.size // array.shape[1])
+                if name in self.channel_amax_names:
+                    self.merge_channel_amax({name: np.abs(np.ascontiguousarray(array).reshape(
+                        array.shape[0], array.shape[1], -1)).max(axis=(0, 2)).astype(np.float64)})
         except NonFiniteValue as error:
             per_sample = max(1, array.size // max(1, array.shape[0])) if array.ndim else 1
             raise BadInput(f"tensor '{name}' has {error.value} for sample {first_sample + error.index // per_sample} "
@@ -220,6 +241,7 @@ class _Collector:
         for helper in helpers:
             for name, histogram in helper.histograms.items():
                 self.histograms[name].merge(histogram)
+            self.merge_channel_amax(helper.channel_amax)
 
     def run(self, feeds: dict[str, np.ndarray], first_sample: int) -> None:
         graph = self.graph
@@ -250,7 +272,8 @@ def _collect(collector: _Collector, batches: Iterator[tuple[int, int, dict[str, 
     threads = min(batch_size, usable_cpus() if threads is None else max(1, int(threads)))
     if not blas_threads_limitable():
         threads = 1  # BLAS's own threads and ours would oversubscribe the cores
-    helpers = [_Collector(collector.graph, list(collector.histograms), keep_sample_sums=True)
+    helpers = [_Collector(collector.graph, list(collector.histograms), keep_sample_sums=True,
+                          channel_amax_names=collector.channel_amax_names)
                for _ in range(threads)] if threads > 1 else []
     samples = 0
     with contextlib.ExitStack() as stack:
@@ -290,6 +313,7 @@ class ShardStats:
     channel_counts: dict[str, int]
     samples: int
     warnings: list[str]
+    channel_amax: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 _LOWERED: dict[tuple, Graph] = {}  # per worker process: the lowered graph of the job it last ran
@@ -335,10 +359,12 @@ def lowered_graph_of(model: str, input_shapes: InputShapes | None, equalize: boo
 def calibrate_shard(job: ShardJob, window: tuple[int, int]) -> ShardStats:
     """Run the lowered graph over samples window[0]..window[1]-1, on a cluster worker."""
     graph = lowered_graph_of(job.model, job.input_shapes, job.equalize, job.float_softmax_layernorm)
-    collector = _Collector(graph, job.names, keep_sample_sums=True)
+    collector = _Collector(graph, job.names, keep_sample_sums=True,
+                           channel_amax_names=depthwise_channel_tensors(graph))
     warnings: list[str] = []
     samples = _collect(collector, job.data.batches(graph, window, warnings), job.data.batch_size, None, None)
-    return ShardStats(collector.histograms, collector.sample_sums, collector.channel_counts, samples, warnings)
+    return ShardStats(collector.histograms, collector.sample_sums, collector.channel_counts, samples, warnings,
+                      collector.channel_amax)
 
 
 def _collect_on_cluster(client, job: ShardJob, graph: Graph, collector: _Collector, warnings: list[str],
@@ -432,12 +458,13 @@ def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD,
         histograms: dict[str, StreamingHistogram] = {}
         channel_means: dict[str, np.ndarray] = {}
         channel_spreads: dict[str, np.ndarray] = {}
+        channel_amax: dict[str, np.ndarray] = {}
         samples = 0
         if data is not None:
             source = open_data(data, num_samples=num_samples, input_names=graph.inputs,
                                input_shapes=[graph.tensors[n].shape for n in graph.inputs], preprocess=preprocess,
                                strict=strict)
-            collector = _Collector(graph, names)
+            collector = _Collector(graph, names, channel_amax_names=depthwise_channel_tensors(graph))
             collect_start = time.perf_counter()
             if runs_in_process(cluster):
                 with contextlib.closing(source.batches(batch_size)) as batches:
@@ -456,6 +483,7 @@ def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD,
             histograms = collector.histograms
             channel_means = collector.channel_means()
             channel_spreads = collector.channel_spreads()
+            channel_amax = collector.channel_amax
             timings["collect"] = time.perf_counter() - collect_start
 
     cached: dict[str, float] = {}
@@ -479,7 +507,7 @@ def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD,
         if name in cached:
             records[name] = TensorRecord(name, TENSORRT_METHOD, threshold_from_tensorrt_scale(cached[name]),
                                          amax, counts, _per_channel(channel_means, name),
-                                         _per_channel(channel_spreads, name))
+                                         _per_channel(channel_spreads, name), _per_channel(channel_amax, name))
         else:
             threshold = select_threshold(method, histogram.counts, histogram.bin_width, percentile=percentile,
                                          max_clipped_fraction=clipping_budget(fan_in.get(name)))
@@ -488,7 +516,7 @@ def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD,
                                 f"a normal float32; threshold raised to {MIN_THRESHOLD:.4g}")
                 threshold = MIN_THRESHOLD
             records[name] = TensorRecord(name, method, threshold, amax, counts, _per_channel(channel_means, name),
-                                         _per_channel(channel_spreads, name))
+                                         _per_channel(channel_spreads, name), _per_channel(channel_amax, name))
     timings["thresholds"] = time.perf_counter() - select_start
 
     if stated is not None:  # what compile will do with this table (qdeploy/prequantized.py)

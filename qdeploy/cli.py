@@ -320,6 +320,11 @@ def compile(model: Path = typer.Argument(..., help="An .onnx model."),
                                               help="Pre-quantized model: give an activation with a zero point other "
                                                    "than 0 or per-channel scales one scale covering its range, "
                                                    "instead of refusing it."),
+            per_channel_depthwise_inputs: bool = typer.Option(
+                False, "--per-channel-depthwise-inputs/--no-per-channel-depthwise-inputs",
+                help="One activation scale per channel for a tensor only depthwise convolutions read (from the "
+                     "per-channel max |x| in the calibration table), folded into its producer's and reader's "
+                     "per-channel multipliers."),
             input_shape: Optional[list[str]] = INPUT_SHAPE,
             json_output: bool = JSON, verbose: bool = VERBOSE, quiet: bool = QUIET) -> None:
     """Quantize the lowered graph with the calibration table and write the integer program (.qdp). A model
@@ -329,7 +334,7 @@ def compile(model: Path = typer.Argument(..., help="An .onnx model."),
     check_output(output, model, calib, target)
     result = _api().compile(model, calib, target, per_tensor=per_tensor, allow_host_fallback=allow_host_fallback,
                          bias_correction=bias_correction, bias_shrinkage=bias_shrinkage, output=output, input_shapes=parse_input_shapes(input_shape),
-                         widen_scales=widen_scales)
+                         widen_scales=widen_scales, per_channel_depthwise_inputs=per_channel_depthwise_inputs)
     perf = _api().estimate_performance(model, result.program)
     if json_output:
         layers = [{"name": r.name, "kind": r.kind, "m": r.m, "n": r.n, "k": r.k, "groups": r.groups,

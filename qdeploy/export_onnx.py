@@ -268,7 +268,8 @@ def _clip(step: Clamp, value: str, b: _Builder, instr: Instruction) -> str:
 
 def _clamp_hi(step: ClampHi, value: str, b: _Builder, instr: Instruction) -> str:
     raise Unsupported(f"instruction '{instr.name}' ({instr.kind}): per-channel clamp bounds (an equalized ReLU6) "
-                      f"have no ONNX Runtime int8 op (calibrate without --equalize to export)")
+                      f"have no ONNX Runtime int8 op (calibrate without --equalize, and compile without "
+                      f"--per-channel-depthwise-inputs, to export)")
 
 
 def _row_reciprocal(step: RowReciprocal, value: str, b: _Builder, instr: Instruction) -> str:

@@ -296,3 +296,92 @@ def test_widen_narrow_channels_keeps_the_function_and_fills_the_range(tmp_path, 
     full = ratio >= MIN_CHANNEL_RATIO
     np.testing.assert_allclose(reached[full], thresholds.max(), rtol=1e-5)
     np.testing.assert_allclose(reached[~full], thresholds[~full] / MIN_CHANNEL_RATIO, rtol=1e-5)
+
+
+def _expand_depthwise_model(path):
+    """Expand 1x1 (channel ranges differing up to 30x) -> ReLU6 -> depthwise 3x3 -> ReLU6 -> project 1x1."""
+    w1 = rng_weights(1, 8, 3, 1, 1) * np.logspace(-1, 0.5, 8, dtype=np.float32)[:, None, None, None]
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["h1"]),
+             helper.make_node("Clip", ["h1", "zero", "six"], ["a1"]),
+             helper.make_node("Conv", ["a1", "w2", "b2"], ["h2"], pads=[1, 1, 1, 1], group=8),
+             helper.make_node("Clip", ["h2", "zero", "six"], ["a2"]),
+             helper.make_node("Conv", ["a2", "w3", "b3"], ["y"])]
+    model = make_model(nodes, [("x", ["N", 3, 12, 12])], [("y", ["N", 4, 12, 12])],
+                       {"w1": w1, "b1": rng_weights(2, 8) * 0.1, "w2": rng_weights(3, 8, 1, 3, 3) * 2,
+                        "b2": rng_weights(4, 8), "w3": rng_weights(5, 4, 8, 1, 1), "b3": rng_weights(6, 4),
+                        "zero": np.float32(0), "six": np.float32(6)})
+    return save(model, path)
+
+
+def test_calibration_records_the_channel_max_of_depthwise_only_tensors(tmp_path):
+    """The table's channel_amax is the exact per-channel max |x| of the tensors only depthwise GEMMs read (here
+    the expansion's ReLU6 output, not the depthwise output a 1x1 reads), the same for any batch size and thread
+    count, and survives the JSON round trip."""
+    path = _expand_depthwise_model(tmp_path / "m.onnx")
+    x = rng_weights(7, 10, 3, 12, 12, scale=2.0)
+    table = qdeploy_calibrate(path, x, batch_size=4, threads=1)
+    graph = api.lower_model(path).graph
+    (a, _), = depthwise_pairs(graph)
+    (tensor,) = [n.outputs[0] for n in graph.nodes if n.name == a]
+    assert [name for name, r in table.records.items() if r.channel_amax is not None] == [tensor]
+    expected = np.abs(run_graph(graph, {"x": x}, [tensor])[tensor]).max(axis=(0, 2, 3))
+    assert table.records[tensor].channel_amax == tuple(float(v) for v in expected.astype(np.float64))
+    other = qdeploy_calibrate(path, x, batch_size=3, threads=2)
+    assert other.records[tensor].channel_amax == table.records[tensor].channel_amax
+    table.save(tmp_path / "t.json")
+    assert CalibrationTable.load(tmp_path / "t.json").records[tensor].channel_amax == \
+        table.records[tensor].channel_amax
+
+
+def test_per_channel_depthwise_inputs_in_the_program(tmp_path):
+    """compile --per-channel-depthwise-inputs: the expansion's multipliers and per-channel bounds carry r[c], the
+    int8 codes of the narrow channels use more of the range (the largest code of every channel is larger than
+    or equal to the per-tensor program's, larger somewhere), the output stays within the per-tensor program's
+    error of the float model, and the manifest names the tensor. Off (the default), the program is the one a
+    table without channel_amax gives (an old table)."""
+    from simulator.machine import Machine
+
+    path = _expand_depthwise_model(tmp_path / "m.onnx")
+    x = rng_weights(7, 16, 3, 12, 12, scale=2.0)
+    table = qdeploy_calibrate(path, x)
+    (tensor,) = [name for name, r in table.records.items() if r.channel_amax is not None]
+    old = dataclasses.replace(table, records={name: dataclasses.replace(r, channel_amax=None)
+                                              for name, r in table.records.items()})
+    plain = api.compile(path, table).program
+    assert api.compile(path, old).program.manifest == plain.manifest
+    assert api.compile(path, old, per_channel_depthwise_inputs=True).program.manifest == plain.manifest
+    widened = api.compile(path, table, per_channel_depthwise_inputs=True).program
+    ratios = np.asarray(table.records[tensor].channel_amax) / max(table.records[tensor].channel_amax)
+    assert list(widened.manifest["options"]["per_channel_depthwise_inputs"]) == [tensor]
+    np.testing.assert_array_equal(widened.manifest["options"]["per_channel_depthwise_inputs"][tensor],
+                                  np.clip(ratios, MIN_CHANNEL_RATIO, 1))
+    # the CLI flag, and the report, which lowers the model as the program was compiled (its weight check passes)
+    table.save(tmp_path / "calib.json")
+    np.save(tmp_path / "x.npy", x)
+    runner = CliRunner()
+    result = runner.invoke(app, ["compile", str(path), "--calib", str(tmp_path / "calib.json"),
+                                 "--per-channel-depthwise-inputs", "-o", str(tmp_path / "m.qdp")])
+    assert result.exit_code == 0, result.output
+    from qdeploy.program import read_program
+    written = read_program(tmp_path / "m.qdp")
+    assert written.manifest["options"] == widened.manifest["options"]
+    assert all(np.array_equal(written.arrays[k], widened.arrays[k]) for k in widened.arrays)
+    result = runner.invoke(app, ["report", str(path), str(tmp_path / "m.qdp"), "--data", str(tmp_path / "x.npy"),
+                                 "-o", str(tmp_path / "report")])
+    assert result.exit_code == 0, result.output
+    assert "per_channel_depthwise_inputs on (1 tensors)" in (tmp_path / "report" / "report.md").read_text()
+    # a table whose channel maxima do not match the tensor: a one-line error naming it, no program written
+    document = json.loads((tmp_path / "calib.json").read_text())
+    next(r for r in document["tensors"] if r["name"] == tensor)["channel_amax"] = [1.0, 2.0]
+    (tmp_path / "bad.json").write_text(json.dumps(document))
+    result = runner.invoke(app, ["compile", str(path), "--calib", str(tmp_path / "bad.json"),
+                                 "--per-channel-depthwise-inputs", "-o", str(tmp_path / "bad.qdp")])
+    one_line_error(result, f"tensor '{tensor}' has 2 channel maxima")
+    assert not (tmp_path / "bad.qdp").exists()
+    runs = [Machine(program).run({"x": x}, dump=True) for program in (plain, widened)]
+    codes = [np.abs(run.tensors[tensor].astype(np.int32)).max(axis=(0, 2, 3)) for run in runs]
+    assert np.all(codes[1] >= codes[0]) and np.any(codes[1] > 2 * codes[0])
+    reference = run_onnxruntime(path, {"x": x})[0]
+    outputs = [api.run_program_file(program, x, dequantize=True)["y"] for program in (plain, widened)]
+    errors = [float(np.sum((out - reference) ** 2)) for out in outputs]
+    assert errors[1] < errors[0]

@@ -24,7 +24,7 @@
 
 The report (report.md, report.json, PNGs) goes to REPORT_DIR; the model, images, calibration table, program and
 ONNX Runtime's models to OUTDIR (both git-ignored by default). About 5 minutes on 2 CPU cores, 1.5 of them ONNX
-Runtime's calibrations (cached in OUTDIR/onnxruntime/ for later runs) and 1.5 the ablation's twelve programs
+Runtime's calibrations (cached in OUTDIR/onnxruntime/ for later runs) and 1.5 the ablation's thirteen programs
 (--no-ablation skips it)."""
 
 from __future__ import annotations
@@ -73,7 +73,8 @@ NO_BIAS_CORRECTION = ("--no-bias-correction",)
 # The three default options (the KL clipping budget, bias correction, unsigned activations): first each alone on
 # top of plain post-training quantization (KL rule (6), no bias correction, int8 everywhere), then the defaults
 # and the defaults without each; then what is not on by default: cross-layer equalization, per-tensor weights,
-# MSE thresholds, the bias correction's shrinkage (quantize.py eq. (2c)).
+# MSE thresholds, the bias correction's shrinkage (quantize.py eq. (2c)), per-channel scales of the tensors only
+# depthwise convolutions read (lowering/equalize.py widen_narrow_channels).
 ABLATION = [AblationRow("plain: KL rule (6), no bias correction, int8", compile=NO_BIAS_CORRECTION, signed=True,
                         rule6=True),
             AblationRow("plain + clipping budget (rule (7))", compile=NO_BIAS_CORRECTION, signed=True),
@@ -86,7 +87,9 @@ ABLATION = [AblationRow("plain: KL rule (6), no bias correction, int8", compile=
             AblationRow("defaults + cross-layer equalization", calibrate=("--equalize",)),
             AblationRow("defaults with per-tensor weights", compile=("--per-tensor",)),
             AblationRow("defaults with MSE thresholds (calibrate --method mse)", calibrate=("--method", "mse")),
-            AblationRow("defaults + bias shrinkage (compile --bias-shrinkage)", compile=("--bias-shrinkage",))]
+            AblationRow("defaults + bias shrinkage (compile --bias-shrinkage)", compile=("--bias-shrinkage",)),
+            AblationRow("defaults + per-channel scales of depthwise inputs (compile --per-channel-depthwise-inputs)",
+                        compile=("--per-channel-depthwise-inputs",))]
 
 
 def rule6_table(calib: Path, output: Path) -> Path:

@@ -129,14 +129,31 @@ def widen_narrow_channels(graph: Graph, channel_thresholds: dict[str, np.ndarray
         thresholds = channel_thresholds.get(nodes[a].outputs[0])
         if thresholds is None or not np.max(thresholds, initial=0.0) > 0:
             continue
-        thresholds = np.asarray(thresholds, np.float64)
-        ratio = np.where(thresholds > 0, np.clip(thresholds / thresholds.max(), MIN_CHANNEL_RATIO, 1.0), 1.0)
+        ratio = channel_ratios(thresholds)
         w_a = graph.constant_data(nodes[a].inputs[1]).astype(np.float64)
         w_b = graph.constant_data(nodes[b].inputs[1]).astype(np.float64)
         weights[a] = w_a / ratio.reshape((-1,) + (1,) * (w_a.ndim - 1))
         weights[b] = _scale_input_channels(w_b, int(nodes[b].attrs.get("group", 1)), ratio)
         total_scale[a] = ratio
     return _rewritten(graph, nodes, weights, total_scale) if weights else graph
+
+
+def widened_as_compiled(graph: Graph, options: dict) -> Graph:
+    """The graph a program was compiled from, given its manifest's options: with
+    `per_channel_depthwise_inputs` ({tensor: r[c]}), widen_narrow_channels again with r as the thresholds (the
+    widest channel has r = 1, so channel_ratios(r) = r)."""
+    recorded = options.get("per_channel_depthwise_inputs")
+    return widen_narrow_channels(graph, {name: np.asarray(r, np.float64) for name, r in recorded.items()}) \
+        if recorded else graph
+
+
+def channel_ratios(thresholds) -> np.ndarray:
+    """r[c] = clip(T[c] / max_c T[c], MIN_CHANNEL_RATIO, 1), and 1 where T[c] = 0 (widen_narrow_channels)."""
+    thresholds = np.asarray(thresholds, np.float64)
+    top = thresholds.max(initial=0.0)
+    if not top > 0:
+        return np.ones_like(thresholds)
+    return np.where(thresholds > 0, np.clip(thresholds / top, MIN_CHANNEL_RATIO, 1.0), 1.0)
 
 
 def _rewritten(graph: Graph, nodes: dict[str, Node], weights: dict[str, np.ndarray],

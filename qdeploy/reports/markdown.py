@@ -361,7 +361,8 @@ def _settings(d: dict) -> list[str]:
               + (f", labels `{d['labels']}`" if d["labels"] else ""),
               f"- calibration: {calibration}",
               f"- weights: {'per-channel' if s['per_channel_weights'] else 'per-tensor'} max-abs, int8 [-127, 127]",
-              "- compile options: " + (", ".join(f"{k} {v}" for k, v in s.get("compile_options", {}).items())
+              "- compile options: " + (", ".join(f"{k} {_option_text(v)}"
+                                                 for k, v in s.get("compile_options", {}).items())
                                        or "not recorded in the program"),
               "- target arithmetic: " + ", ".join(f"{k} {v}" for k, v in a.items()),
               f"- float reference: the lowered float graph in the reference executor; on the first "
@@ -383,3 +384,9 @@ def _settings(d: dict) -> list[str]:
 def _warnings(d: dict) -> list[str]:
     """## Warnings, when there are any."""
     return ["## Warnings", ""] + [f"- {w}" for w in d["warnings"]] + [""] if d["warnings"] else []
+
+
+def _option_text(value) -> str:
+    """A compile option as the report states it: per_channel_depthwise_inputs ({tensor: r[c]}) as its tensor
+    count, not thousands of ratios."""
+    return f"on ({len(value)} tensors)" if isinstance(value, dict) else str(value)
