@@ -36,9 +36,10 @@ GEMM_OPS = WEIGHTED_GEMM_KINDS
 
 def _rescalable(node: Node) -> bool:
     """The activation commutes with a per-channel positive scale once its upper bound is scaled too: none, ReLU,
-    or a clamp [0, c]; never a lookup table (a function of the unscaled value)."""
+    or a clamp [0, c]; never a lookup table (a function of the unscaled value), nor a stage without a clamp (the
+    row-reciprocal store of a row sum: its words are no activation)."""
     stage = output_stage(node)
-    if stage.lookup is not None:
+    if stage.lookup is not None or stage.clamp is None:
         return False
     return stage.clamp.lo == -math.inf and stage.clamp.hi == math.inf or stage.clamp.lo == 0.0
 
