@@ -95,3 +95,18 @@ def read_hex(path: Path, record: dict) -> np.ndarray:
                 else:
                     assert element == 0, f"{path}: nonzero padding"
     return out
+
+
+def twin_checked_steps(program, run, arithmetic) -> set[str]:
+    """Assert that every instruction of `program` stored in `run` (Machine.run(..., dump=True)) what its Python-int
+    twin computes from the same inputs; return the last path components of the instructions' names (the steps)."""
+    from simulator import twins
+
+    checked = set()
+    for instr in program.instructions:
+        args = [run.tensors[name] for name in instr["inputs"]]
+        expected = twins.run_instruction(instr, args, program.arrays, arithmetic,
+                                         program.tensors[instr["output"]]["dtype"])
+        np.testing.assert_array_equal(run.tensors[instr["output"]], expected, err_msg=instr["name"])
+        checked.add(instr["name"].rsplit("/", 1)[-1])
+    return checked

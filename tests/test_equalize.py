@@ -246,17 +246,7 @@ def test_per_channel_bounds_on_a_depthwise_producer(tmp_path):
     is reached."""
     from simulator.machine import Machine
 
-    w1 = rng_weights(1, 8, 3, 1, 1) * np.logspace(-0.5, 1, 8, dtype=np.float32)[:, None, None, None]
-    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["h1"]),
-             helper.make_node("Clip", ["h1", "zero", "six"], ["a1"]),
-             helper.make_node("Conv", ["a1", "w2", "b2"], ["h2"], pads=[1, 1, 1, 1], group=8),
-             helper.make_node("Clip", ["h2", "zero", "six"], ["a2"]),
-             helper.make_node("Conv", ["a2", "w3", "b3"], ["y"])]
-    model = make_model(nodes, [("x", ["N", 3, 12, 12])], [("y", ["N", 4, 12, 12])],
-                       {"w1": w1, "b1": rng_weights(2, 8), "w2": rng_weights(3, 8, 1, 3, 3) * 2,
-                        "b2": rng_weights(4, 8), "w3": rng_weights(5, 4, 8, 1, 1), "b3": rng_weights(6, 4),
-                        "zero": np.float32(0), "six": np.float32(6)})
-    path = save(model, tmp_path / "m.onnx")
+    path = _expand_depthwise_model(tmp_path / "m.onnx", ranges=(-0.5, 1), bias_scale=1.0)
     x = rng_weights(7, 16, 3, 12, 12, scale=2.0)
     program = api.compile(path, qdeploy_calibrate(path, x, equalize=True)).program
     bounded = [instr for instr in program.instructions if "clamp_hi" in instr]
@@ -298,16 +288,17 @@ def test_widen_narrow_channels_keeps_the_function_and_fills_the_range(tmp_path, 
     np.testing.assert_allclose(reached[~full], thresholds[~full] / MIN_CHANNEL_RATIO, rtol=1e-5)
 
 
-def _expand_depthwise_model(path):
-    """Expand 1x1 (channel ranges differing up to 30x) -> ReLU6 -> depthwise 3x3 -> ReLU6 -> project 1x1."""
-    w1 = rng_weights(1, 8, 3, 1, 1) * np.logspace(-1, 0.5, 8, dtype=np.float32)[:, None, None, None]
+def _expand_depthwise_model(path, ranges: tuple[float, float] = (-1, 0.5), bias_scale: float = 0.1):
+    """Expand 1x1 (channel ranges differing up to 10^(ranges[1] - ranges[0]): 30x by default) -> ReLU6 ->
+    depthwise 3x3 -> ReLU6 -> project 1x1; the expansion's biases scaled by `bias_scale`."""
+    w1 = rng_weights(1, 8, 3, 1, 1) * np.logspace(*ranges, 8, dtype=np.float32)[:, None, None, None]
     nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["h1"]),
              helper.make_node("Clip", ["h1", "zero", "six"], ["a1"]),
              helper.make_node("Conv", ["a1", "w2", "b2"], ["h2"], pads=[1, 1, 1, 1], group=8),
              helper.make_node("Clip", ["h2", "zero", "six"], ["a2"]),
              helper.make_node("Conv", ["a2", "w3", "b3"], ["y"])]
     model = make_model(nodes, [("x", ["N", 3, 12, 12])], [("y", ["N", 4, 12, 12])],
-                       {"w1": w1, "b1": rng_weights(2, 8) * 0.1, "w2": rng_weights(3, 8, 1, 3, 3) * 2,
+                       {"w1": w1, "b1": rng_weights(2, 8) * bias_scale, "w2": rng_weights(3, 8, 1, 3, 3) * 2,
                         "b2": rng_weights(4, 8), "w3": rng_weights(5, 4, 8, 1, 1), "b3": rng_weights(6, 4),
                         "zero": np.float32(0), "six": np.float32(6)})
     return save(model, path)

@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from builders import run_onnxruntime  # noqa: E402
+from builders import run_onnxruntime, twin_checked_steps  # noqa: E402
 
 
 class _Block(torch.nn.Module):
@@ -184,20 +184,13 @@ def test_the_machine_runs_a_groupnorm_as_its_twins_and_onnx_runtime_as_the_machi
 
     from isa.target import Arithmetic
     from qdeploy import api
-    from simulator import twins
     from simulator.machine import Machine
 
     program = _spread_program(tmp_path, rounding)
     x = np.random.default_rng(3).standard_normal((4, 3, 8, 8)).astype(np.float32)
     feeds = {"x": np.clip(np.round(x / program.tensors["x"]["scale"]), -127, 127).astype(np.int8)}
     run = Machine(program).run(feeds, dump=True)
-    checked = set()
-    for instr in program.instructions:
-        args = [run.tensors[name] for name in instr["inputs"]]
-        expected = twins.run_instruction(instr, args, program.arrays, Arithmetic(rounding=rounding),
-                                         program.tensors[instr["output"]]["dtype"])
-        np.testing.assert_array_equal(run.tensors[instr["output"]], expected, err_msg=instr["name"])
-        checked.add(instr["name"].rsplit("/", 1)[-1])
+    checked = twin_checked_steps(program, run, Arithmetic(rounding=rounding))
     assert {"row_mean", "centre", "sum_of_squares", "sqrt_length", "normalize"} <= checked
     constant = next(i["output"] for i in program.instructions if i["name"].endswith("/sqrt_length"))
     assert np.all(run.tensors[constant] == 127)

@@ -12,6 +12,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from builders import twin_checked_steps
+
 TOKENS, C_IN, C, OUT = 4, 8, 16, 5
 
 
@@ -112,20 +114,13 @@ def test_the_machine_runs_a_compiled_layernorm_as_its_twins(tmp_path, rounding):
     with beta in its bias) equals the Python-int twins' instruction, in three rounding modes."""
     from isa.target import Arithmetic, Target
     from qdeploy.program import read_program, write_program
-    from simulator import twins
     from simulator.machine import Machine
 
     path = _model(tmp_path / "block.onnx", seed=3)
     write_program(_program(path, Target(arithmetic=Arithmetic(rounding=rounding))), tmp_path / "block.qdp")
     program = read_program(tmp_path / "block.qdp")  # the program checks accept the new fields
     run = Machine(program).run({"x": _inputs(4, 6)}, dump=True)
-    checked = set()
-    for instr in program.instructions:
-        args = [run.tensors[name] for name in instr["inputs"]]
-        dtype = program.tensors[instr["output"]]["dtype"]
-        expected = twins.run_instruction(instr, args, program.arrays, Arithmetic(rounding=rounding), dtype)
-        np.testing.assert_array_equal(run.tensors[instr["output"]], expected, err_msg=instr["name"])
-        checked.add(instr["name"].rsplit("/", 1)[-1])
+    checked = twin_checked_steps(program, run, Arithmetic(rounding=rounding))
     assert {"sum_of_squares", "normalize"} <= checked
     words = run.tensors[next(i["output"] for i in program.instructions if i["name"].endswith("/sum_of_squares"))]
     assert words.dtype == np.int32 and len(np.unique(words)) > 3
@@ -172,19 +167,12 @@ def test_the_machine_runs_a_non_centred_layernorm_as_its_twins(tmp_path, roundin
     """The non-centred form: the row-mean DenseGemm (one output per row), the AddGemm with the per-row operand, the
     sum of squares and the normalizing GEMM, each equal to the twins' (the AddGemm in float32_rne too)."""
     from isa.target import Arithmetic, Target
-    from simulator import twins
     from simulator.machine import Machine
 
     path = _model(tmp_path / "shared.onnx", extra_reader=True, seed=5)
     program = _program(path, Target(arithmetic=Arithmetic(rounding=rounding)))
     run = Machine(program).run({"x": _inputs(6, 5)}, dump=True)
-    checked = set()
-    for instr in program.instructions:
-        args = [run.tensors[name] for name in instr["inputs"]]
-        expected = twins.run_instruction(instr, args, program.arrays, Arithmetic(rounding=rounding),
-                                         program.tensors[instr["output"]]["dtype"])
-        np.testing.assert_array_equal(run.tensors[instr["output"]], expected, err_msg=instr["name"])
-        checked.add(instr["name"].rsplit("/", 1)[-1])
+    checked = twin_checked_steps(program, run, Arithmetic(rounding=rounding))
     assert {"row_mean", "centre", "sum_of_squares", "normalize"} <= checked
     centred = run.tensors["n/centred"].astype(np.int64)
     # each row of d sums to about 0: the roundings of d and of the mean, a code or two per channel at most
