@@ -97,12 +97,8 @@ def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTabl
     widened: dict[str, np.ndarray] = {}  # tensor: r[c], its channels' scales relative to the tensor's
     if per_channel_depthwise_inputs and stated is None:
         channel_amax = {name: r.channel_amax for name, r in table.records.items() if r.channel_amax is not None}
-        for name, amax in channel_amax.items():  # one max per channel, or the rewrite would not fit the weights
-            shape = lowering.graph.tensors[name].shape if name in lowering.graph.tensors else None
-            if shape is not None and (len(shape) < 2 or len(amax) != shape[1]):
-                raise BadInput(f"{calib if not isinstance(calib, CalibrationTable) else 'calibration table'}: "
-                               f"tensor '{name}' has {len(amax)} channel maxima (channel_amax), but the model's "
-                               f"tensor has shape {list(shape)}")
+        # one max per channel, or the rewrite would not fit the weights
+        _check_channel_counts(channel_amax, "channel maxima (channel_amax)", lowering.graph, calib)
         lowering = dataclasses.replace(lowering, graph=widen_narrow_channels(lowering.graph, channel_amax))
         widened = {name: channel_ratios(amax) for name, amax in channel_amax.items()}
     thresholds = {**table.thresholds, **(stated.thresholds if stated is not None else {})}
@@ -112,11 +108,8 @@ def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTabl
     # The table measured x; the program quantizes x' = x / r (the mean and spread of B's input scale with it).
     means = {name: _divided(r.channel_mean, widened.get(name)) for name, r in table.records.items()
              if r.channel_mean is not None}
-    for name, mean in means.items():  # one mean per channel, or the bias correction would be silently off
-        shape = lowering.graph.tensors[name].shape if name in lowering.graph.tensors else None
-        if shape is not None and (len(shape) < 2 or len(mean) != shape[1]):
-            raise BadInput(f"{calib if not isinstance(calib, CalibrationTable) else 'calibration table'}: tensor "
-                           f"'{name}' has {len(mean)} channel means, but the model's tensor has shape {list(shape)}")
+    # one mean per channel, or the bias correction would be silently off
+    _check_channel_counts(means, "channel means", lowering.graph, calib)
     spreads = {name: _divided(r.channel_spread, widened.get(name)) for name, r in table.records.items()
                if r.channel_spread is not None}
     for name, spread in spreads.items():  # one spread per channel mean, or the shrinkage (2c) would be silently off
@@ -138,6 +131,16 @@ def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTabl
         program.manifest["preprocess"] = table.preprocess.to_json()
     written = write_program(program, output) if output is not None else None
     return CompileResult(program, layers, lowering, written, stated)
+
+
+def _check_channel_counts(per_channel: dict, what: str, graph, calib) -> None:
+    """BadInput, naming the table and the tensor, where a table's per-channel statistic of a tensor the model has
+    does not have one value per channel of it."""
+    for name, values in per_channel.items():
+        shape = graph.tensors[name].shape if name in graph.tensors else None
+        if shape is not None and (len(shape) < 2 or len(values) != shape[1]):
+            raise BadInput(f"{calib if not isinstance(calib, CalibrationTable) else 'calibration table'}: tensor "
+                           f"'{name}' has {len(values)} {what}, but the model's tensor has shape {list(shape)}")
 
 
 def _divided(values: tuple[float, ...], ratio: np.ndarray | None) -> tuple[float, ...]:

@@ -206,12 +206,10 @@ class _Collector:
         try:
             histogram.update(array)
             if array.ndim >= 2 and array.size and name in self.has_channels:
-                per_sample = np.ascontiguousarray(array).reshape(array.shape[0], array.shape[1], -1).sum(
-                    axis=2, dtype=np.float64)
-                self._add_samples(name, per_sample, array.size // array.shape[1])
+                channels = np.ascontiguousarray(array).reshape(array.shape[0], array.shape[1], -1)
+                self._add_samples(name, channels.sum(axis=2, dtype=np.float64), array.size // array.shape[1])
                 if name in self.channel_amax_names:
-                    self.merge_channel_amax({name: np.abs(np.ascontiguousarray(array).reshape(
-                        array.shape[0], array.shape[1], -1)).max(axis=(0, 2)).astype(np.float64)})
+                    self.merge_channel_amax({name: np.abs(channels).max(axis=(0, 2)).astype(np.float64)})
         except NonFiniteValue as error:
             per_sample = max(1, array.size // max(1, array.shape[0])) if array.ndim else 1
             raise BadInput(f"tensor '{name}' has {error.value} for sample {first_sample + error.index // per_sample} "
