@@ -617,9 +617,9 @@ STEP_EVALUATORS = {Bias: _bias, RowReciprocal: _row_reciprocal, Requantize: _req
 # Fast paths, selected from the stage's steps, equal to folding those steps one by one (Machine(fused=False)):
 FUSED_STEPS = {(Requantize, Clamp): _requantize_clamp}  # one requantize kernel pass with the clamp bounds
 # Outputs per group below which a MatMulGemm stays on the batched float32 BLAS path: the int8 kernel packs and
-# tiles each group by itself, which loses on small groups (bench/matmul_gemm.py, one run, 2-core AVX-512 VNNI:
-# 65 x 64 x 65 attention 0.83x, a LayerNorm's 1 x 192 x 1 sum of squares per row 0.04x; 197 x 64 x 197 and
-# 197 x 197 x 64 2.5x at the kernel).
+# tiles each group by itself, which loses on tiny groups (bench/README.md "MatMulGemm on the int8 dot product",
+# one BLAS thread, 2-core AVX-512 VNNI, old / int8: 1 x 192 x 1 sums of squares 0.01x; 65 x 64 x 65 1.26x,
+# 197 x 64 x 197 0.99x, 197 x 197 x 64 1.44x; a rough gate, not a tuned one).
 MATMUL_INT8_MIN_OUTPUTS = 128 * 64
 INT8_SIMD_STEPS = (Bias, Requantize, Clamp)  # kernels.int8_simd.conv's requantizing store (_fused_output_stage)
 ADD_FLOAT32_STEPS = (Requantize, Clamp)  # add_float32_rne: the float32 add requantizes and clamps
