@@ -16,7 +16,8 @@ from qdeploy.binding import bind_inputs, bind_program_inputs
 from qdeploy_base.errors import BadInput, QdeployError
 from qdeploy.execute import run_program_file  # noqa: F401 (part of the API)
 from qdeploy.lowering import LoweringResult, lower_graph, require_lowered
-from qdeploy.lowering.equalize import channel_ratios, widen_narrow_channels
+from qdeploy.lowering.equalize import (channel_ratios, depthwise_pairs, rescale_depthwise_inputs,
+                                      widen_narrow_channels)
 from qdeploy.onnx_import import InputShapes, import_onnx
 from qdeploy.prequantized import ModelQuantization
 from qdeploy.program import Program, read_program, write_program
@@ -101,6 +102,14 @@ def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTabl
         _check_channel_counts(channel_amax, "channel maxima (channel_amax)", lowering.graph, calib)
         lowering = dataclasses.replace(lowering, graph=widen_narrow_channels(lowering.graph, channel_amax))
         widened = {name: channel_ratios(amax) for name, amax in channel_amax.items()}
+    if stated is not None and stated.channel_scales:  # the model's own per-channel depthwise input scales
+        pairs = depthwise_pairs(lowering.graph)
+        outputs = {node.name: node.outputs[0] for node in lowering.graph.nodes}
+        try:
+            widened = stated.depthwise_input_ratios({outputs[a] for a, _ in pairs})
+        except QdeployError as error:
+            raise type(error)(f"{path}: {error}") from error
+        lowering = dataclasses.replace(lowering, graph=rescale_depthwise_inputs(lowering.graph, widened))
     thresholds = {**table.thresholds, **(stated.thresholds if stated is not None else {})}
     options = CompileOptions(per_channel_weights=target.arithmetic.per_channel_weights and not per_tensor,
                              allow_host_fallback=allow_host_fallback, bias_correction=bias_correction,

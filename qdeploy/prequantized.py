@@ -81,10 +81,25 @@ class ModelQuantization:
     tensors: dict[str, TensorScale] = field(default_factory=dict)
     weights: dict[str, QuantizedWeights] = field(default_factory=dict)
     widened: list[str] = field(default_factory=list)  # tensors whose scale was widened (widen_scales)
+    # tensor -> s[c], its per-channel scales (zero points 0), where `tensors` holds S = max_c s[c]
+    channel_scales: dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def thresholds(self) -> dict[str, float]:
         return {name: t.threshold for name, t in self.tensors.items()}
+
+    def depthwise_input_ratios(self, depthwise_inputs: set[str]) -> dict[str, np.ndarray]:
+        """r[c] = s[c] / S of each per-channel tensor: quantizing x' = x / r with the one scale S gives x[c] the
+        codes of its own scale s[c] = r[c] S (lowering/equalize.py rescale_depthwise_inputs). Only a tensor in
+        `depthwise_inputs` (one GEMM with a per-channel requantize writes it, one depthwise GEMM reads it) can
+        carry them; any other is refused naming it."""
+        for name, scales in self.channel_scales.items():
+            if name not in depthwise_inputs:
+                raise Unsupported(f"tensor '{name}' is quantized per channel ({scales.size} scales) by node "
+                                  f"'{self.tensors[name].node}' and is not a depthwise convolution's input written by "
+                                  f"a GEMM; the accelerator has one scale per tensor there (--widen-scales widens it "
+                                  f"to one scale covering the same range, at a cost the accuracy report shows)")
+        return {name: scales / self.tensors[name].scale for name, scales in self.channel_scales.items()}
 
     def unused_scales(self, graph: Graph) -> list[str]:
         """Tensors the model quantizes that the lowered `graph` no longer has (fused away)."""
@@ -218,6 +233,13 @@ class _Stripper:
             return TensorScale(float(scales[0]), dtype == np.uint8, node.name)
         reason = (f"is quantized per channel ({scales.size} scales)" if scales.size > 1 else
                   f"has zero point {int(zero_points[0])} ({dtype})")
+        if scales.size > 1 and not np.any(zero_points) and not self.widen_scales:
+            # one scale per channel: exact where only a depthwise GEMM reads the tensor (depthwise_input_ratios)
+            known = self.result.channel_scales.setdefault(tensor, scales)
+            if not np.array_equal(known, scales):
+                raise Unsupported(f"tensor '{tensor}' is quantized and dequantized with different per-channel "
+                                  f"scales (node '{node.name}')")
+            return TensorScale(float(scales.max()), dtype == np.uint8, node.name)
         if not self.widen_scales:
             raise Unsupported(f"tensor '{tensor}' {reason} by node '{node.name}'; the accelerator has one scale "
                               f"per tensor and zero point 0 (--widen-scales widens it to one scale covering the "

@@ -119,18 +119,25 @@ def depthwise_pairs(graph: Graph) -> list[tuple[str, str]]:
 
 
 def widen_narrow_channels(graph: Graph, channel_thresholds: dict[str, np.ndarray]) -> Graph:
+    """Per-channel activation scales of depthwise-only tensors from per-channel thresholds T[c]: r[c] =
+    clip(T[c] / max_c T[c], MIN_CHANNEL_RATIO, 1) (channel_ratios), applied by rescale_depthwise_inputs. A
+    channel with T[c] = 0 (dead on the data) keeps r = 1."""
+    return rescale_depthwise_inputs(graph, {name: channel_ratios(t) for name, t in channel_thresholds.items()
+                                            if np.max(t, initial=0.0) > 0})
+
+
+def rescale_depthwise_inputs(graph: Graph, ratios: dict[str, np.ndarray]) -> Graph:
     """Per-channel activation scales of depthwise-only tensors as a rescaling: for each depthwise pair (A, B) whose
-    output x = A's output has per-channel thresholds T[c] in `channel_thresholds`, r[c] = clip(T[c] / max_c T[c],
-    MIN_CHANNEL_RATIO, 1) and x'[c] = x[c] / r[c] (W_A[c], b_A[c] and a ReLU6 bound divided by r[c], W_B[c]
-    multiplied by r[c]). Quantizing x' with one scale s is quantizing x with s_x[c] = r[c] s: a narrow channel
-    gets a finer step. A channel with T[c] = 0 (dead on the data) keeps r = 1."""
+    output x = A's output has ratios r[c] in `ratios`, x'[c] = x[c] / r[c] (W_A[c], b_A[c] and a ReLU6 bound
+    divided by r[c], W_B[c] multiplied by r[c]). Quantizing x' with one scale s is quantizing x with s_x[c] =
+    r[c] s: a channel with r[c] < 1 gets a finer step. Tensors of `ratios` that are no pair's x are left."""
     nodes = {node.name: node for node in graph.nodes}
     weights, total_scale = {}, {}
     for a, b in depthwise_pairs(graph):
-        thresholds = channel_thresholds.get(nodes[a].outputs[0])
-        if thresholds is None or not np.max(thresholds, initial=0.0) > 0:
+        ratio = ratios.get(nodes[a].outputs[0])
+        if ratio is None:
             continue
-        ratio = channel_ratios(thresholds)
+        ratio = np.asarray(ratio, np.float64)
         w_a = graph.constant_data(nodes[a].inputs[1]).astype(np.float64)
         w_b = graph.constant_data(nodes[b].inputs[1]).astype(np.float64)
         weights[a] = w_a / ratio.reshape((-1,) + (1,) * (w_a.ndim - 1))
@@ -141,10 +148,9 @@ def widen_narrow_channels(graph: Graph, channel_thresholds: dict[str, np.ndarray
 
 def widened_as_compiled(graph: Graph, options: dict) -> Graph:
     """The graph a program was compiled from, given its manifest's options: with
-    `per_channel_depthwise_inputs` ({tensor: r[c]}), widen_narrow_channels again with r as the thresholds (the
-    widest channel has r = 1, so channel_ratios(r) = r)."""
+    `per_channel_depthwise_inputs` ({tensor: r[c]}), rescale_depthwise_inputs again with those r."""
     recorded = options.get("per_channel_depthwise_inputs")
-    return widen_narrow_channels(graph, {name: np.asarray(r, np.float64) for name, r in recorded.items()}) \
+    return rescale_depthwise_inputs(graph, {name: np.asarray(r, np.float64) for name, r in recorded.items()}) \
         if recorded else graph
 
 
