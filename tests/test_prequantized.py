@@ -20,9 +20,11 @@ from typer.testing import CliRunner
 from builders import make_model, one_line_error, rng_weights, save
 from calib.table import CalibrationTable, TensorRecord
 from qdeploy import api
+from qdeploy.binding import bind_program_inputs
 from qdeploy.cli import app
 from qdeploy_base.errors import Unsupported
 from isa.target import Arithmetic, Target
+from simulator.machine import Machine
 
 ort = pytest.importorskip("onnxruntime")
 ort.set_default_logger_severity(3)
@@ -349,3 +351,86 @@ def test_the_lowering_may_only_scale_the_stated_weights(tmp_path):
     assert q.tolist() == [[-1, 2, -3], [4, 0, -4]] and np.allclose(s, [0.3, 0.2])
     with pytest.raises(Unsupported, match="other than by a scale factor"):
         model_weights(rows + np.array([[0.0, 0.0, 0.1], [0, 0, 0]]), stated, "conv")
+
+
+# ---- per-channel depthwise input scales (NNCF) ---------------------------------------------------------------
+
+def qdq_depthwise(tmp_path, ratios: np.ndarray, *, read_twice: bool = False):
+    """x -> Q/DQ -> Conv A (int8 W, int32 B) -> Clip(0, 6) -> Q/DQ uint8 with one scale per channel, s[c] =
+    (6 / 255) ratios[c] -> depthwise Conv B (int8 W, int32 B with scale s[c] s_B[c]) -> Q/DQ int8 -> y, built by
+    hand the way NNCF quantizes a depthwise convolution's input. A's weight scales shrink with the ratio, so every
+    channel spans its own range; with `read_twice`, a second depthwise Conv reads the per-channel tensor too."""
+    n = helper.make_node
+    channels = len(ratios)
+    s_x, s_c = np.float32(0.02), (np.float32(6 / 255) * ratios).astype(np.float32)
+    s_a, s_b = (np.float32(0.01) * ratios).astype(np.float32), np.full(channels, 0.004, np.float32)
+    inits = {"s_x": s_x, "z_x": np.zeros((), np.int8),
+             "wa": np.clip(np.round(rng_weights(1, channels, 3, 3, 3) * 100), -127, 127).astype(np.int8),
+             "s_a": s_a, "ba": (np.arange(channels, dtype=np.int32) - 3) * 40, "s_ba": s_x * s_a,
+             "s_c": s_c, "z_c": np.zeros(channels, np.uint8),
+             "wb": np.clip(np.round(rng_weights(2, channels, 1, 3, 3) * 100), -127, 127).astype(np.int8),
+             "s_b": s_b, "bb": np.arange(channels, dtype=np.int32) * 25, "s_bb": s_c * s_b,
+             "s_y": np.float32(0.03), "z_y": np.zeros((), np.int8)}
+    nodes = [n("QuantizeLinear", ["x", "s_x", "z_x"], ["xq"]), n("DequantizeLinear", ["xq", "s_x", "z_x"], ["xd"]),
+             n("DequantizeLinear", ["wa", "s_a"], ["wad"], axis=0), n("DequantizeLinear", ["ba", "s_ba"], ["bad"], axis=0),
+             n("Conv", ["xd", "wad", "bad"], ["a"], pads=[1, 1, 1, 1]),
+             n("Clip", ["a", "lo", "hi"], ["r"]),
+             n("QuantizeLinear", ["r", "s_c", "z_c"], ["rq"], axis=1),
+             n("DequantizeLinear", ["rq", "s_c", "z_c"], ["rd"], axis=1),
+             n("DequantizeLinear", ["wb", "s_b"], ["wbd"], axis=0), n("DequantizeLinear", ["bb", "s_bb"], ["bbd"], axis=0),
+             n("Conv", ["rd", "wbd", "bbd"], ["b"], pads=[1, 1, 1, 1], group=channels),
+             n("QuantizeLinear", ["b", "s_y", "z_y"], ["yq"]), n("DequantizeLinear", ["yq", "s_y", "z_y"], ["y"])]
+    inits.update(lo=np.float32(0), hi=np.float32(6))
+    outputs = [("y", ["N", channels, 8, 8])]
+    if read_twice:
+        nodes.append(n("Conv", ["rd", "wbd"], ["y2"], pads=[1, 1, 1, 1], group=channels))
+        outputs.append(("y2", ["N", channels, 8, 8]))
+    model = make_model(nodes, [("x", ["N", 3, 8, 8])], outputs, inits, opset=13)
+    return save(model, tmp_path / "qdq_depthwise.onnx")
+
+
+def onnxruntime_tensor_codes(path, x: np.ndarray, quantized: list[str]) -> list[np.ndarray]:
+    """The codes ONNX Runtime's QuantizeLinear nodes write to `quantized` (their outputs made graph outputs)."""
+    model = onnx.load(str(path))
+    zero_points = {i.name: i.data_type for i in model.graph.initializer}
+    producers = {node.output[0]: node for node in model.graph.node}
+    for name in quantized:
+        model.graph.output.append(helper.make_tensor_value_info(name, zero_points[producers[name].input[2]], None))
+    save(model, path.with_suffix(".codes.onnx"))
+    session = integer_session(path.with_suffix(".codes.onnx"))
+    return [c.astype(np.int64) for c in session.run(quantized, {"x": x})]
+
+
+def test_per_channel_depthwise_input_scales_keep_the_models_codes(tmp_path):
+    """NNCF's per-channel depthwise input scales s[c] need no --widen-scales: the program quantizes x' = x / r with
+    S = max s[c] (r[c] = s[c] / S folded into A's requantize and B's weights), so its codes on that tensor and on
+    B's output are the model's. ONNX Runtime cannot fuse a per-channel activation into its integer kernels and runs
+    A and B as float Convs of the dequantized integers, whose float32 sums may round a value within 1e-6 of a
+    half-step the other way: hence 'differ by at most 1, on at most 0.5% of the values' (0 here today)."""
+    ratios = np.array([1.0, 0.5, 0.25, 0.1, 0.05, 1 / 40, 0.8, 0.3], np.float32)  # below MIN_CHANNEL_RATIO too
+    path = qdq_depthwise(tmp_path, ratios)
+    x = np.random.default_rng(3).standard_normal((4, 3, 8, 8)).astype(np.float32) * 1.5
+    theirs_r, theirs_y = onnxruntime_tensor_codes(path, x, ["rq", "yq"])
+    result = api.compile(path, None, EXACT)
+    program = result.program
+    s_c = (np.float32(6 / 255) * ratios).astype(np.float32).astype(np.float64)
+    assert program.tensors["r"]["scale"] == np.float32(s_c.max()) and program.tensors["r"]["dtype"] == "uint8"
+    assert np.allclose(program.manifest["options"]["per_channel_depthwise_inputs"]["r"], s_c / s_c.max(), rtol=1e-7)
+    dumped = Machine(program).run(bind_program_inputs(program, {"x": x}, "x"), dump=True).tensors
+    ours_r, ours_y = dumped["r"].astype(np.int64), dumped["y"].astype(np.int64)
+    for ours, theirs in ((ours_r, theirs_r), (ours_y, theirs_y)):
+        assert np.max(np.abs(ours - theirs)) <= 1 and np.mean(ours != theirs) <= 0.005
+    assert np.mean(theirs_r[:, 5] > 0) > 0.3  # the narrowest channel is not all zeros: its codes are compared
+    # --widen-scales: one scale for all channels; the narrow channels lose their codes, and B's output with them
+    widened = api.compile(path, None, EXACT, widen_scales=True).program
+    assert "per_channel_depthwise_inputs" not in widened.manifest["options"]
+    widened_y = simulated_codes(widened, x)
+    assert np.mean(widened_y != theirs_y) > 10 * max(np.mean(ours_y != theirs_y), 0.005)
+
+
+def test_a_per_channel_tensor_not_only_a_depthwise_input_is_refused_naming_it(tmp_path):
+    path = qdq_depthwise(tmp_path, np.array([1.0, 0.5, 0.25, 0.1], np.float32), read_twice=True)
+    one_line_error(cli("compile", path, "-o", tmp_path / "m.qdp"), str(path), "tensor 'r'", "per channel",
+                   "depthwise", "--widen-scales")
+    assert not (tmp_path / "m.qdp").exists()
+    assert cli("compile", path, "-o", tmp_path / "m.qdp", "--widen-scales").exit_code == 0
