@@ -72,8 +72,9 @@ def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTabl
     """Lower `model`, quantize it with the calibration table and the target, and (with `output`) write the
     .qdp program (atomically). A pre-quantized model (QuantizeLinear/DequantizeLinear, QLinearConv) needs no
     table: its own scales and integer weights win, and `calib` only fills the tensors it leaves in float
-    (qdeploy/prequantized.py; `widen_scales`: an activation with a zero point other than 0 or per-channel
-    scales gets one scale covering its range instead of being refused). `per_channel_depthwise_inputs`: a tensor
+    (qdeploy/prequantized.py; a per-channel scale on a depthwise convolution's input is kept exactly;
+    `widen_scales`: an activation with a zero point other than 0 or other per-channel scales gets one scale
+    covering its range instead of being refused). `per_channel_depthwise_inputs`: a tensor
     only depthwise GEMMs read gets one scale per channel, s[c] = r[c] s with r[c] from the table's per-channel max
     |x| (lowering/equalize.py `widen_narrow_channels`; docs/design.md section 5); not for a pre-quantized model,
     whose integer weights are fixed."""

@@ -318,8 +318,10 @@ def compile(model: Path = typer.Argument(..., help="An .onnx model."),
                                                      "table), so inputs unlike them are not pushed further off."),
             widen_scales: bool = typer.Option(False, "--widen-scales",
                                               help="Pre-quantized model: give an activation with a zero point other "
-                                                   "than 0 or per-channel scales one scale covering its range, "
-                                                   "instead of refusing it."),
+                                                   "than 0, or per-channel scales on a tensor that is not only a "
+                                                   "depthwise convolution's input, one scale covering its range, "
+                                                   "instead of refusing it (a depthwise input's per-channel scales "
+                                                   "are kept exactly without it)."),
             per_channel_depthwise_inputs: bool = typer.Option(
                 False, "--per-channel-depthwise-inputs/--no-per-channel-depthwise-inputs",
                 help="One activation scale per channel for a tensor only depthwise convolutions read (from the "

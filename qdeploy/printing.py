@@ -175,7 +175,8 @@ def stated_summary(result) -> dict | None:
             "weights": len(stated.weights),
             "from_table": sorted(name for name in tensors if name not in stated.tensors and name not in wide),
             "int32_outputs": wide,
-            "inner_scales": inner, "widened": list(stated.widened)}
+            "inner_scales": inner, "widened": list(stated.widened),
+            "per_channel_depthwise_inputs": sorted(stated.channel_scales)}
 
 
 def print_stated(result) -> None:
@@ -192,6 +193,10 @@ def print_stated(result) -> None:
     if summary["inner_scales"]:
         echo(f"  {len(summary['inner_scales'])} scales inside fused instructions are not used (the accelerator "
              f"rounds once, at the fused output), e.g. '{summary['inner_scales'][0]}'")
+    if summary["per_channel_depthwise_inputs"]:
+        echo(f"  {len(summary['per_channel_depthwise_inputs'])} depthwise inputs keep the model's per-channel "
+             f"scales (folded into their producers' and readers' per-channel multipliers), e.g. "
+             f"'{summary['per_channel_depthwise_inputs'][0]}'")
     for name in summary["widened"]:
         echo(f"  warning: tensor '{name}': its zero point or per-channel scales were widened to one scale with "
              f"zero point 0 (--widen-scales)")

@@ -426,6 +426,8 @@ def test_per_channel_depthwise_input_scales_keep_the_models_codes(tmp_path):
     assert "per_channel_depthwise_inputs" not in widened.manifest["options"]
     widened_y = simulated_codes(widened, x)
     assert np.mean(widened_y != theirs_y) > 10 * max(np.mean(ours_y != theirs_y), 0.005)
+    compiled = cli("compile", path, "-o", tmp_path / "m.qdp")
+    assert compiled.exit_code == 0 and "1 depthwise inputs keep the model's per-channel scales" in compiled.output
 
 
 def test_a_per_channel_tensor_not_only_a_depthwise_input_is_refused_naming_it(tmp_path):
