@@ -10,12 +10,13 @@
    (`pip install nncf`): `nncf.quantize` with its defaults, and with per-tensor activations;
 3. `qdeploy compile MODEL.qdq.onnx` for each, with no calibration table: the model's scales and integer weights.
    NNCF leaves the classifier's output in float (the program writes it as int32, qdeploy/quantize.py eq. (4b))
-   and by default quantizes the depthwise convolutions' inputs per channel (`--widen-scales`, or its per-tensor
-   variant);
+   and by default quantizes the depthwise convolutions' inputs per channel (kept exactly; compiled once more
+   with `--widen-scales`, one scale per tensor, to show what exactness changes);
 4. bit-exactness: the simulator against ONNX Runtime's integer kernels (ORT_ENABLE_ALL with
    session.qdqisint8allowed = 1) on the held-out photographs, logits code by code;
 5. fidelity against the float model on the same photographs (logits SQNR, top-1 agreement): our program, and the
-   same QDQ model run by ONNX Runtime as written (ORT_DISABLE_ALL) and with its default session;
+   same QDQ model run by ONNX Runtime as written (ORT_DISABLE_ALL) and with its default session; and our program
+   against ONNX Runtime's run as written (how faithfully the program computes the model it was given);
 6. `qdeploy report` of the ONNX Runtime (Entropy) program against the float model.
 
 Writes REPORT_DIR/summary.md and summary.json, and REPORT_DIR/onnxruntime_entropy/ (the report). About 3 minutes
@@ -120,14 +121,16 @@ def main(out: Path, report_dir: Path, n_calib: int = N_CALIB, n_eval: int = N_EV
     print("NNCF's models:", flush=True)
     candidates.update(nncf_models(model, calib, folder))
     reference = _run(_session(model, "ORT_ENABLE_ALL"), evaluation)
+    runs = [(label, qdq, []) for label, qdq in candidates.items()]
+    if "NNCF defaults" in candidates:  # its per-channel depthwise inputs widened to one scale, for comparison
+        runs.append(("NNCF defaults, widened", candidates["NNCF defaults"], ["--widen-scales"]))
     rows = []
-    for label, qdq in candidates.items():
+    for label, qdq, extra in runs:
         slug = label.lower().replace(" ", "_").replace(",", "").replace("-", "_")
         program = folder / f"{slug}.qdp"
         flags = []
         if label.startswith("NNCF"):  # uint8 after ReLU6; its logits, left in float, come out as int32
-            flags = ["--target", folder / "unsigned.toml"]
-            flags += ["--widen-scales"] if label == "NNCF defaults" else []  # its per-channel depthwise inputs
+            flags = ["--target", folder / "unsigned.toml", *extra]
         else:
             flags = ["--target", folder / "exact.toml"]
         qdeploy("compile", qdq, *flags, "-o", program)
@@ -141,6 +144,7 @@ def main(out: Path, report_dir: Path, n_calib: int = N_CALIB, n_eval: int = N_EV
                                                                         for f in flags],
                "ours": _fidelity(reference, ours), "ort_as_written": _fidelity(reference, as_written),
                "ort_default_session": _fidelity(reference, default),
+               "ours_vs_ort_as_written": _fidelity(as_written, ours),
                # NNCF leaves the logits in float: ONNX Runtime's are not int8 codes to compare with
                "logits_differing_from_ort_int8_kernels": (None if label.startswith("NNCF") else
                                                           int(np.count_nonzero(ours != kernels))),
@@ -164,23 +168,25 @@ def _markdown(summary: dict) -> str:
              f"calibration and {summary['images']['evaluation']} held-out photographs (examples/images.py); "
              f"figures are logits SQNR and top-1 agreement against the float model on the held-out ones.", "",
              "| model | compile flags | qdeploy program | ONNX Runtime, as written (ORT_DISABLE_ALL) | ONNX Runtime, "
-             "default session | logits differing from ONNX Runtime's int8 kernels |",
-             "|---|---|---|---|---|---|"]
+             "default session | qdeploy vs ONNX Runtime as written | logits differing from ONNX Runtime's int8 "
+             "kernels |",
+             "|---|---|---|---|---|---|---|"]
     for row in summary["rows"]:
         cells = [f"{row[k]['sqnr_db']:.1f} dB / {100 * row[k]['top1_agreement']:.1f}%"
-                 for k in ("ours", "ort_as_written", "ort_default_session")]
+                 for k in ("ours", "ort_as_written", "ort_default_session", "ours_vs_ort_as_written")]
         flags = " ".join(f"`{f}`" for f in row["compile_flags"] if f.startswith("--"))
         differing = row["logits_differing_from_ort_int8_kernels"]
         exact = "n/a (float logits)" if differing is None else f"{differing} of {row['logits']}"
-        lines.append(f"| {row['model']} | {flags} | {cells[0]} | {cells[1]} | {cells[2]} | {exact} |")
+        lines.append(f"| {row['model']} | {flags} | {' | '.join(cells)} | {exact} |")
     lines += ["", "ONNX Runtime's integer kernels: ORT_ENABLE_ALL with `session.qdqisint8allowed = 1`, the session in "
               "which every DequantizeLinear -> op -> QuantizeLinear unit runs as an int8 kernel (QLinearConv, "
               "QLinearAdd, QGemm, QLinearGlobalAveragePool); the ONNX Runtime programs are compiled with "
               "`rounding = \"float32_rne\"` and `act_min = -128`, where the simulator computes what those kernels "
               "compute (docs/design.md section 9). NNCF leaves the classifier's output in float (the program writes "
               "it as int32 at the GEMM's resolution: no table needed) and by default quantizes the depthwise "
-              "convolutions' inputs per channel (`--widen-scales`: one scale per tensor covering every channel's "
-              "range); with per-tensor activations (`QuantizationParameters(per_channel=False)`) it needs no "
+              "convolutions' inputs per channel: kept exactly (s[c] = r[c] S, folded into the producer's and the "
+              "depthwise reader's per-channel multipliers), or with `--widen-scales` one scale per tensor covering "
+              "every channel's range; with per-tensor activations (`QuantizationParameters(per_channel=False)`) it needs no "
               "widening. NNCF's models use uint8 after ReLU6, so they compile for a target with "
               "`unsigned_activations = true`.", ""]
     return "\n".join(lines)
