@@ -21,15 +21,15 @@ quantize_static, NNCF; QOperator from `qdeploy export-onnx`), and the float grap
   of a scale; the weights are read back as w.
 
 Rules (docs/design.md section 9):
-- An activation has one scale and zero point 0. A scale per channel s[c] with zero points 0 (NNCF quantizes
-  the inputs of depthwise convolutions per channel) is kept exactly where one GEMM writes the tensor and one
-  depthwise GEMM reads it: the tensor gets S = max_c s[c] and the compiler quantizes x / r with
-  r[c] = s[c] / S (`depthwise_input_ratios`; lowering/equalize.py rescale_depthwise_inputs), whose codes are
-  round(x[c] / s[c]), the model's. One with another zero point, or a per-channel one anywhere else, is
-  refused naming the tensor, unless `widen_scales`, which gives it the narrowest scale with zero point 0 covering the same interval (the
-  union over channels: [min_c (qmin - zp_c) s_c, max_c (qmax - zp_c) s_c]), uint8 where that interval is
-  non-negative, and lists it in `widened`. A weight with a non-zero zero point is refused naming the weight;
-  weights use [-127, 127] (a -128 is refused).
+- An activation has one scale and zero point 0. A scale per channel s[c] with zero points 0 (NNCF quantizes the
+  inputs of depthwise convolutions per channel) is kept exactly where one GEMM writes the tensor and one depthwise
+  GEMM reads it: the tensor gets S = max_c s[c] and the compiler quantizes x / r with r[c] = s[c] / S
+  (`depthwise_input_ratios`; lowering/equalize.py rescale_depthwise_inputs), whose codes are round(x[c] / s[c]), the
+  model's. One with another zero point, or a per-channel one anywhere else, is refused naming the tensor, unless
+  `widen_scales`, which gives it the narrowest scale with zero point 0 covering the same interval (the union over
+  channels: [min_c (qmin - zp_c) s_c, max_c (qmax - zp_c) s_c]), uint8 where that interval is non-negative, and
+  lists it in `widened`. A weight with a non-zero zero point is refused naming the weight; weights use [-127, 127]
+  (a -128 is refused).
 - Where fusion removes a quantized tensor (a QuantizeLinear between a Conv and its BatchNormalization or
   ReLU), the scale of the tensor the fused instruction writes wins; the inner scale is unused (listed by
   `unused_scales`, and by `qdeploy compile`), because the accelerator rounds once, at the fused output.

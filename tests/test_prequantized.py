@@ -372,12 +372,14 @@ def qdq_depthwise(tmp_path, ratios: np.ndarray, *, read_twice: bool = False):
              "s_b": s_b, "bb": np.arange(channels, dtype=np.int32) * 25, "s_bb": s_c * s_b,
              "s_y": np.float32(0.03), "z_y": np.zeros((), np.int8)}
     nodes = [n("QuantizeLinear", ["x", "s_x", "z_x"], ["xq"]), n("DequantizeLinear", ["xq", "s_x", "z_x"], ["xd"]),
-             n("DequantizeLinear", ["wa", "s_a"], ["wad"], axis=0), n("DequantizeLinear", ["ba", "s_ba"], ["bad"], axis=0),
+             n("DequantizeLinear", ["wa", "s_a"], ["wad"], axis=0),
+             n("DequantizeLinear", ["ba", "s_ba"], ["bad"], axis=0),
              n("Conv", ["xd", "wad", "bad"], ["a"], pads=[1, 1, 1, 1]),
              n("Clip", ["a", "lo", "hi"], ["r"]),
              n("QuantizeLinear", ["r", "s_c", "z_c"], ["rq"], axis=1),
              n("DequantizeLinear", ["rq", "s_c", "z_c"], ["rd"], axis=1),
-             n("DequantizeLinear", ["wb", "s_b"], ["wbd"], axis=0), n("DequantizeLinear", ["bb", "s_bb"], ["bbd"], axis=0),
+             n("DequantizeLinear", ["wb", "s_b"], ["wbd"], axis=0),
+             n("DequantizeLinear", ["bb", "s_bb"], ["bbd"], axis=0),
              n("Conv", ["rd", "wbd", "bbd"], ["b"], pads=[1, 1, 1, 1], group=channels),
              n("QuantizeLinear", ["b", "s_y", "z_y"], ["yq"]), n("DequantizeLinear", ["yq", "s_y", "z_y"], ["y"])]
     inits.update(lo=np.float32(0), hi=np.float32(6))

@@ -185,10 +185,10 @@ def _markdown(summary: dict) -> str:
               "compute (docs/design.md section 9). NNCF leaves the classifier's output in float (the program writes "
               "it as int32 at the GEMM's resolution: no table needed) and by default quantizes the depthwise "
               "convolutions' inputs per channel: kept exactly (s[c] = r[c] S, folded into the producer's and the "
-              "depthwise reader's per-channel multipliers), or with `--widen-scales` one scale per tensor covering "
-              "every channel's range; with per-tensor activations (`QuantizationParameters(per_channel=False)`) it needs no "
-              "widening. NNCF's models use uint8 after ReLU6, so they compile for a target with "
-              "`unsigned_activations = true`.", ""]
+              "depthwise reader's per-channel multipliers), or with `--widen-scales` one scale per tensor "
+              "covering every channel's range; with per-tensor activations "
+              "(`QuantizationParameters(per_channel=False)`) it needs neither. NNCF's models use uint8 after ReLU6, "
+              "so they compile for a target with `unsigned_activations = true`.", ""]
     return "\n".join(lines)
 
 
