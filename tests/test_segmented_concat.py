@@ -21,10 +21,10 @@ from simulator.machine import Machine, dequantize
 BOXES, CLASSES, ANCHORS = 4, 6, 64
 
 
-def detector(tmp_path, read_again: bool = False):
+def detector(tmp_path, read_again: bool = False, box_scale: float = 200.0):
     """x (N, 3, 8, 8) -> a conv scaled to pixels (|y| up to hundreds) and a conv + Sigmoid (0..1), each reshaped to
     (N, C, 64) anchors, joined by Concat(axis=1) as the graph output `y` (with `read_again`, a 1x1 conv reads the
-    Concat too, so its buffer must keep one scale)."""
+    Concat too, so its buffer must keep one scale). `box_scale`: the box weights' spread."""
     nodes = [helper.make_node("Conv", ["x", "Wb"], ["b"], kernel_shape=[1, 1]),
              helper.make_node("Reshape", ["b", "shape_b"], ["boxes"]),
              helper.make_node("Conv", ["x", "Wc"], ["c"], kernel_shape=[1, 1]),
@@ -36,7 +36,7 @@ def detector(tmp_path, read_again: bool = False):
         nodes += [helper.make_node("Unsqueeze", ["y", "axes"], ["y4"]),
                   helper.make_node("Conv", ["y4", "Wz"], ["z"], kernel_shape=[1, 1])]
         outputs.append(("z", ["N", 2, BOXES + CLASSES, ANCHORS]))
-    weights = {"Wb": rng_weights(1, BOXES, 3, 1, 1, scale=200.0), "Wc": rng_weights(2, CLASSES, 3, 1, 1),
+    weights = {"Wb": rng_weights(1, BOXES, 3, 1, 1, scale=box_scale), "Wc": rng_weights(2, CLASSES, 3, 1, 1),
                "shape_b": np.array([-1, BOXES, ANCHORS], np.int64),
                "shape_c": np.array([-1, CLASSES, ANCHORS], np.int64),
                **({"axes": np.array([1], np.int64), "Wz": rng_weights(3, 2, 1, 1, 1)} if read_again else {})}
@@ -70,6 +70,20 @@ def test_a_detector_output_keeps_each_segment_at_its_writers_scale(tmp_path):
     exported = export_program(program, float_outputs=True).model
     session = ort.InferenceSession(exported.SerializeToString(), providers=["CPUExecutionProvider"])
     np.testing.assert_array_equal(session.run(None, {"x": x})[0], y.astype(np.float32))
+
+
+def test_the_report_measures_a_segmented_output_at_its_scales(tmp_path):
+    """`qdeploy report`'s output SQNR is the one of the machine's output dequantized with its per-segment scales
+    (boxes of a few units here, so that the scores hold a fair share of the energy and one scale would show)."""
+    path, x, program = detector(tmp_path, box_scale=2.0)
+    q = Machine(program).run({"x": x}).outputs["y"]
+    float_y = run_onnxruntime(path, {"x": x})[0].astype(np.float64)
+    figures = [energy_sqnr_db(np.sum(float_y ** 2), np.sum((y.astype(np.float64) - float_y) ** 2))
+               for y in (dequantize(program, "y", q), q * np.float32(program.tensors["y"]["scale"]))]
+    assert figures[0] > figures[1] + 3  # the vector of scales, not the calibrated one
+    document = api.report(path, program, x, tmp_path / "report").document
+    row, = (row for row in document["outputs"] if row["name"] == "y")
+    assert row["sqnr_db"] == pytest.approx(figures[0], abs=0.05)
 
 
 def test_a_concat_read_again_keeps_one_scale(tmp_path):
