@@ -141,6 +141,7 @@ class _Scales:
         self.wide: set[str] = set()  # int32 outputs: their scale is set by the compiler (_Compiler.gemm)
         self.lookup_input: dict[str, tuple[float, bool]] = {}  # output -> (scale, unsigned) of its table's input
         self.axis_scales: dict[str, tuple[int, list[float]]] = {}  # eq. (9): output -> (axis, scale per index)
+        self.segmented: set[str] = set()  # the outputs of Concats that eq. (9) applies to
         concat_scale = self._concat_scales(thresholds)
         consumers = graph.consumers()
         for name in graph.inputs:
@@ -178,7 +179,7 @@ class _Scales:
                                       f"host (shape arithmetic on an activation's run-time shape); a program "
                                       f"carries int8 activations only, so this model cannot be compiled yet")
                 self._assign(out, thresholds, unsigned=False)
-                if is_segmented_concat(graph, node):
+                if out in self.segmented:
                     self.axis_scales[out] = self._segment_scales(node)
 
     def _segment_scales(self, node: Node) -> tuple[int, list[float]]:
@@ -220,12 +221,14 @@ class _Scales:
                 and output_stage(node).window_max is None)
 
     def _concat_scales(self, thresholds: dict[str, float]) -> dict[str, str | None]:
-        """Producer output -> the Concat output whose scale it must take (None: its own, eq. (9))."""
+        """Producer output -> the Concat output whose scale it must take (None: its own, eq. (9), where the table
+        (or a pre-quantized model) gives every writer a scale; the Concat's one scale otherwise)."""
         result = {}
         consumers = self.graph.consumers()
         for node in self.graph.nodes:
             if not is_buffer_concat(self.graph, node):
                 continue
+            writers = {}
             for name in node.inputs:
                 producer = self.producers.get(name)
                 while (producer is not None and producer.op in RESHAPE_KINDS and len(consumers[name]) == 1
@@ -235,7 +238,11 @@ class _Scales:
                 if producer is None or producer.op not in INSTRUCTION_OPS or len(consumers[name]) != 1:
                     raise Unsupported(f"node '{node.name}' (Concat): input '{name}' must be written by a GEMM "
                                       f"instruction that feeds only this Concat (shared-buffer write)")
-                result[name] = None if is_segmented_concat(self.graph, node) else node.outputs[0]
+                writers[name] = node.outputs[0]
+            if is_segmented_concat(self.graph, node) and all(name in thresholds for name in writers):
+                self.segmented.add(node.outputs[0])
+                writers = dict.fromkeys(writers)
+            result.update(writers)
         return result
 
     def _assign(self, name: str, thresholds: dict[str, float], unsigned: bool, override: str | None = None):
