@@ -36,7 +36,8 @@ How each instruction is exported (x = the input tensor, y = the output; s_x, s_y
   table by Gather), int32 (qdeploy/export_onnx_rows.py): exactly the program's (12) in every rounding mode.
 - Reshape, Flatten, Squeeze, Unsqueeze: Reshape(x, [0, d1, ...]) (0 copies the free batch dimension).
 - Concat: Concat(axis=1); the inputs share the output's scale.
-- outputs: the int8 tensors; with `float_outputs`, DequantizeLinear(y, s_y, 0).
+- outputs: the int8 tensors; with `float_outputs`, DequantizeLinear(y, s_y, 0) (per-axis, with the vector of
+  scales, for a segmented Concat's output: qdeploy/quantize.py eq. (9)).
 
 QLinearConv saturates to the int8 range only, so a narrower clamp [lo, hi] of a fused ReLU/ReLU6 (or act_min = -127)
 is a Clip on the int8 tensor (Clip accepts int8 from opset 12); MaxPool accepts int8 from opset 12. Clip and MaxPool
@@ -636,7 +637,13 @@ def export_program(program: Program, *, float_outputs: bool = False,
     graph_outputs = []
     for name in program.outputs:
         record = program.tensors[name]
-        if float_outputs:
+        if float_outputs and "scales" in record:  # a segmented Concat (quantize.py eq. (9)): per-axis scales
+            scale = b.constant(f"{name}/scales", np.asarray(record["scales"], np.float32))
+            zero = b.constant(f"{name}/zero_points", np.zeros(len(record["scales"]), np.dtype(record["dtype"])))
+            b.node("DequantizeLinear", [names[name], scale, zero], name, f"{name}/DequantizeLinear",
+                   axis=int(record["scale_axis"]))
+            graph_outputs.append(_value_info(name, TensorProto.FLOAT, record["shape"]))
+        elif float_outputs:
             scale, zero = b.qparams(name)
             b.node("DequantizeLinear", [names[name], scale, zero], name, f"{name}/DequantizeLinear")
             graph_outputs.append(_value_info(name, TensorProto.FLOAT, record["shape"]))

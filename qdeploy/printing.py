@@ -56,8 +56,9 @@ def print_program(path: Path, program) -> None:
     for kind, names in (("input", program.inputs), ("output", program.outputs)):
         for name in names:
             record = program.tensors[name]
-            typer.echo(f"  {kind:<6} {name} {format_shape(record['shape'])} {record['dtype']} "
-                       f"scale {record['scale']:.6g}")
+            scale = (f"scales {min(record['scales']):.6g}..{max(record['scales']):.6g} along axis "
+                     f"{record['scale_axis']}" if "scales" in record else f"scale {record['scale']:.6g}")
+            typer.echo(f"  {kind:<6} {name} {format_shape(record['shape'])} {record['dtype']} {scale}")
     records = program.records
     typer.echo(f"instructions ({len(records)}):")
     width = max(len(instr.name) for instr in records)

@@ -188,6 +188,17 @@ def _rows(instr: dict, inputs: list[str], shapes: dict[str, tuple[int, ...]], ro
     return count
 
 
+def _check_axis_scales(record: dict, where: str) -> None:
+    """`scale_axis` is an axis past the batch and `scales` one finite positive number per index along it."""
+    shape, axis, scales = record["shape"], record.get("scale_axis"), record.get("scales")
+    if not isinstance(axis, int) or isinstance(axis, bool) or not 0 < axis < len(shape):
+        raise InvalidRecord(f"{where}: scale_axis must be an axis of shape {json.dumps(shape)[:40]} past the batch, "
+                            f"got {json.dumps(axis)[:40]}")
+    if not isinstance(scales, list) or len(scales) != shape[axis] or not all(map(is_positive_number, scales)):
+        raise InvalidRecord(f"{where}: scales must be {shape[axis]} finite numbers > 0 (one per index of axis "
+                            f"{axis}), got {json.dumps(scales)[:40]}")
+
+
 def validate_program(program: Program) -> None:
     """Raise InvalidRecord with the first structural problem of `program` (see the comment above)."""
     manifest = program.manifest
@@ -219,6 +230,8 @@ def validate_program(program: Program) -> None:
             raise InvalidRecord(f"{where}: scale must be a finite number > 0, got {json.dumps(scale)[:40]}")
         if not isinstance(dtype, str) or dtype not in TENSOR_DTYPES:
             raise InvalidRecord(f"{where}: dtype must be int8, uint8 or int32, got {json.dumps(dtype)[:40]}")
+        if "scales" in record or "scale_axis" in record:  # a segmented Concat's output (quantize.py eq. (9))
+            _check_axis_scales(record, where)
     for key in ("inputs", "outputs"):
         for name in manifest[key]:
             if not isinstance(name, str) or name not in manifest["tensors"]:

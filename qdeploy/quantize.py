@@ -46,7 +46,13 @@ the product needs no correction terms and no bias:
       |acc| <= K * max|q_a| * max|q_b| (128 for int8, 255 for uint8): `acc_bound_bits`.
 
 Layout ops keep their input's scale; a Concat's inputs are written by their producers straight into the
-shared buffer, so every producer takes the Concat's output scale.
+shared buffer, so every producer takes the Concat's output scale, except where nothing reads the buffer again:
+
+  (9) a Concat whose output is a graph output that no instruction reads (a detector's raw output: boxes in
+      pixels beside 0..1 class scores) stores each segment at its writer's own calibrated scale, so the
+      tensor's scale is one per index along the Concat's axis (`scale_axis`, `scales` in its record):
+      scales[i] = s_k for i in segment k. The writers' requantization is already per output channel, so this
+      costs nothing on the unit; the int8 integers of each segment are those of its writer.
 """
 
 from __future__ import annotations
@@ -64,7 +70,7 @@ from qdeploy.lowering import LoweringResult
 from isa.kinds import RESHAPE_KINDS, VIEW_KINDS, WEIGHTED_GEMM_KINDS, Kind, handler
 from isa.instructions import RECORDS
 from isa.output_stage import Bias, Clamp, ClampHi, Lookup, OutputStage, Requantize, RowReciprocal
-from qdeploy.lowering.nodes import INSTRUCTION_OPS, is_buffer_concat, node_kind, output_stage
+from qdeploy.lowering.nodes import INSTRUCTION_OPS, is_buffer_concat, is_segmented_concat, node_kind, output_stage
 from qdeploy.lowering.lookup import NON_NEGATIVE
 from qdeploy.lowering.rows import row_scale_input, stores_row_words
 from qdeploy import row_scales
@@ -134,6 +140,8 @@ class _Scales:
         self.unsigned: dict[str, bool] = {}
         self.wide: set[str] = set()  # int32 outputs: their scale is set by the compiler (_Compiler.gemm)
         self.lookup_input: dict[str, tuple[float, bool]] = {}  # output -> (scale, unsigned) of its table's input
+        self.axis_scales: dict[str, tuple[int, list[float]]] = {}  # eq. (9): output -> (axis, scale per index)
+        self.segmented: set[str] = set()  # the outputs of Concats that eq. (9) applies to
         concat_scale = self._concat_scales(thresholds)
         consumers = graph.consumers()
         for name in graph.inputs:
@@ -171,6 +179,14 @@ class _Scales:
                                       f"host (shape arithmetic on an activation's run-time shape); a program "
                                       f"carries int8 activations only, so this model cannot be compiled yet")
                 self._assign(out, thresholds, unsigned=False)
+                if out in self.segmented:
+                    self.axis_scales[out] = self._segment_scales(node)
+
+    def _segment_scales(self, node: Node) -> tuple[int, list[float]]:
+        """Eq. (9): (the Concat's axis, each input's scale repeated over its extent along that axis)."""
+        shape = _shape(self.graph, node.outputs[0])
+        axis = int(node.attrs["axis"]) % len(shape)
+        return axis, [self.scale[name] for name in node.inputs for _ in range(_shape(self.graph, name)[axis])]
 
     def _ruled(self, node: Node) -> None:
         """The scales of an instruction with an `output_scale` rule (qdeploy/row_scales.py): from its input's,
@@ -204,13 +220,15 @@ class _Scales:
                 and not consumers.get(out) and node.op in WEIGHTED_GEMM_KINDS
                 and output_stage(node).window_max is None)
 
-    def _concat_scales(self, thresholds: dict[str, float]) -> dict[str, tuple[str, float]]:
-        """Producer output -> the Concat output whose scale it must take."""
+    def _concat_scales(self, thresholds: dict[str, float]) -> dict[str, str | None]:
+        """Producer output -> the Concat output whose scale it must take (None: its own, eq. (9), where the table
+        (or a pre-quantized model) gives every writer a scale; the Concat's one scale otherwise)."""
         result = {}
         consumers = self.graph.consumers()
         for node in self.graph.nodes:
             if not is_buffer_concat(self.graph, node):
                 continue
+            writers = {}
             for name in node.inputs:
                 producer = self.producers.get(name)
                 while (producer is not None and producer.op in RESHAPE_KINDS and len(consumers[name]) == 1
@@ -220,7 +238,11 @@ class _Scales:
                 if producer is None or producer.op not in INSTRUCTION_OPS or len(consumers[name]) != 1:
                     raise Unsupported(f"node '{node.name}' (Concat): input '{name}' must be written by a GEMM "
                                       f"instruction that feeds only this Concat (shared-buffer write)")
-                result[name] = node.outputs[0]
+                writers[name] = node.outputs[0]
+            if is_segmented_concat(self.graph, node) and all(name in thresholds for name in writers):
+                self.segmented.add(node.outputs[0])
+                writers = dict.fromkeys(writers)
+            result.update(writers)
         return result
 
     def _assign(self, name: str, thresholds: dict[str, float], unsigned: bool, override: str | None = None):
@@ -615,6 +637,9 @@ class _Compiler:
         for name, scale in self.scales.scale.items():
             dtype = "int32" if name in self.scales.wide else "uint8" if self.scales.unsigned[name] else "int8"
             tensors[name] = {"shape": _shape(graph, name), "scale": scale, "dtype": dtype}
+            if name in self.scales.axis_scales:  # eq. (9): what the integers mean; "scale" stays the calibrated one
+                axis, scales = self.scales.axis_scales[name]
+                tensors[name].update(scale_axis=axis, scales=scales)
         manifest = {"toolkit_version": __version__, "target": target_to_dict(self.target),
                     "options": {"per_channel_weights": self.options.per_channel_weights,
                                 "bias_correction": self.options.bias_correction and bool(self.channel_means),

@@ -125,17 +125,29 @@ def _quantized(program: Program, name: str, x: np.ndarray) -> np.ndarray:
     arithmetic = Arithmetic(**program.manifest["target"]["arithmetic"])
     lo, hi = (0, 255) if dtype == np.uint8 else (arithmetic.act_min, arithmetic.act_max)
     with np.errstate(over="ignore"):  # |x| / scale beyond float32 is +-inf: it saturates like any large value
-        q = np.divide(x.astype(np.float32, copy=False), np.float32(program.tensors[name]["scale"]))
+        q = np.divide(x.astype(np.float32, copy=False), tensor_scale(program, name, x.ndim))
     np.rint(q, out=q)  # round half to even, as np.round
     np.clip(q, lo, hi, out=q)
     return q.astype(dtype)
+
+
+def tensor_scale(program: Program, name: str, ndim: int) -> np.ndarray:
+    """The float32 scale of a tensor's integers: one number, or for a segmented Concat's output (its record's
+    `scales` along `scale_axis`, qdeploy/quantize.py eq. (9)) one per index along that axis, shaped to broadcast
+    over an array of `ndim` axes."""
+    record = program.tensors[name]
+    if "scales" not in record:
+        return np.float32(record["scale"])
+    shape = [1] * ndim
+    shape[record["scale_axis"]] = len(record["scales"])
+    return np.asarray(record["scales"], np.float32).reshape(shape)
 
 
 def dequantize(program: Program, name: str, q: np.ndarray) -> np.ndarray:
     """q * scale; row-scale words: the value each word stands for, word_value(w) * scale."""
     if is_row_words(program, name):
         return (word_values(q) * program.tensors[name]["scale"]).astype(np.float32)
-    return (q.astype(np.float32) * np.float32(program.tensors[name]["scale"])).astype(np.float32)
+    return (q.astype(np.float32) * tensor_scale(program, name, q.ndim)).astype(np.float32)
 
 
 class Machine:

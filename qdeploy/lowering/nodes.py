@@ -52,6 +52,13 @@ def is_buffer_concat(graph: Graph, node: Node) -> bool:
             and axis % len(shape) != 0 and np.issubdtype(output.dtype, np.floating))
 
 
+def is_segmented_concat(graph: Graph, node: Node) -> bool:
+    """A buffer Concat whose output is a graph output that nothing reads: each segment keeps its writer's
+    scale (qdeploy/quantize.py eq. (9)), since no instruction needs the buffer at one scale."""
+    return (is_buffer_concat(graph, node) and node.outputs[0] in graph.outputs
+            and not any(node.outputs[0] in other.inputs for other in graph.nodes))
+
+
 def node_kind(graph: Graph, node: Node) -> Kind:
     """The instruction kind a lowered graph's node compiles to: its op when that is an array or layout kind
     (a Concat along any axis but the batch), else Host (an ONNX op run in float on the host)."""

@@ -43,7 +43,7 @@ from isa.kinds import LAYOUT_KINDS, WEIGHTED_GEMM_KINDS, Kind
 from qdeploy.program import Program
 from qdeploy.reference.executor import run_node
 from qdeploy.reports.metrics import SqnrAccumulator, as_logits, cosine_per_sample, sample_energies, top_k
-from simulator.machine import Machine, dequantize, quantize_input
+from simulator.machine import Machine, dequantize, quantize_input, tensor_scale
 from numba import njit
 from qdeploy_base.threads import blas_threads_limitable, one_blas_thread, usable_cpus
 
@@ -142,7 +142,7 @@ def fake_quantized(program: Program, name: str, y: np.ndarray) -> np.ndarray:
     for a float32 y of an int8 or uint8 tensor (the activations-only walk's every layer), else those two calls
     (which also raise quantize_input's error for a NaN or Inf)."""
     dtype = np.dtype(program.tensors[name]["dtype"])
-    if y.dtype == np.float32 and dtype in (np.int8, np.uint8):
+    if y.dtype == np.float32 and dtype in (np.int8, np.uint8) and "scales" not in program.tensors[name]:
         arithmetic = program.manifest["target"]["arithmetic"]
         lo, hi = (0, 255) if dtype == np.uint8 else (arithmetic["act_min"], arithmetic["act_max"])
         out = np.empty_like(y, order="C")
@@ -157,7 +157,7 @@ def fake_quantized(program: Program, name: str, y: np.ndarray) -> np.ndarray:
 def _clipped(reference: np.ndarray, program: Program, name: str) -> int:
     """Float reference values outside what the tensor's integers represent, i.e. beyond |T| (by more than half
     a step): the values int8 clips. A fused ReLU6 whose ceiling is |T| clips nothing here."""
-    scale = float(program.tensors[name]["scale"])
+    scale = tensor_scale(program, name, reference.ndim)
     if program.tensors[name]["dtype"] == "int32":
         return 0  # sized so that nothing clips (qdeploy/quantize.py eq. (4b))
     if program.tensors[name]["dtype"] == "uint8":
