@@ -114,8 +114,8 @@ def test_fully_integer_program(example, exporter):
 
 
 @pytest.mark.xfail(strict=True, reason="issue 30's shifted-copy SQNR bar (29 dB) is above what the integer program "
-                                       "(27.1 dB) and even the float-host one (27.4 dB) reach on the subset; held out 31.1 >= 31 "
-                                       "dB here, but 30.0 dB on all 450 (reports/digits_vit)")
+                                       "(27.1 dB) and even the float-host one (27.4 dB) reach on the subset; held "
+                                       "out 31.1 >= 31 dB here, but 30.0 dB on all 450 (reports/digits_vit)")
 @pytest.mark.parametrize("exporter", vit.EXPORTERS)
 def test_done_when_bars(example, exporter):
     """Issue 30's "Done when" fidelity bars (DONE_WHEN) for the fully integer program."""
