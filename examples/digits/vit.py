@@ -22,10 +22,11 @@ ours and the peers alike. The shifted copy (`shifted_copy`): each held-out image
 Training (`train`): train.py's loop (`fit`: AdamW, batches of 64, seeded and deterministic on one thread) for
 EPOCHS epochs: a linear warmup over WARMUP_EPOCHS to LEARNING_RATE then cosine, weight decay WEIGHT_DECAY, label
 smoothing LABEL_SMOOTHING, gradient norm clipped to CLIP_NORM, with the CNN's random shifts (SHIFT_AUGMENTATION;
-how the recipe was chosen: the comment at EPOCHS). It takes minutes, so the weights are committed beside this file (WEIGHTS, 0.57 MB, with the
-settings they were trained with) and reused while the settings and torch's version match; --retrain trains and
-rewrites them (deterministic on one machine, as the digits CNN; another CPU's float kernels round differently;
-the committed file was trained by this loop once, a retrain was not compared with it byte for byte).
+how the recipe was chosen: the comment at EPOCHS). It takes minutes (about 10 on one thread of a loaded machine),
+so the weights are committed beside this file (WEIGHTS, 0.57 MB, with the settings they were trained with) and
+reused while the settings and torch's version match; --retrain trains and rewrites them (deterministic on one
+machine, as the digits CNN; another CPU's float kernels round differently; the committed file was trained by this
+loop once, a retrain was not compared with it byte for byte).
 
 Exports (`export`): torch's default exporter ("dynamo": opset 18+, static batch 1, weights in a .data file beside
 the model) and the legacy one with a dynamic batch ("torchscript": `torch.onnx.export(dynamo=False,
