@@ -121,11 +121,14 @@ def train(data: DigitsData, seed: int = 0, epochs: int = EPOCHS, **variant) -> D
 
 
 def fit(model: nn.Module, data: DigitsData, seed: int, epochs: int, learning_rate: float,
-        weight_decay: float, shift: bool = True) -> nn.Module:
+        weight_decay: float, shift: bool = True, warmup_epochs: int = 0, label_smoothing: float = 0.0,
+        clip_norm: float | None = None) -> nn.Module:
     """The training loop of the module docstring for any digits classifier `model` (built after
     torch.manual_seed(seed)): AdamW, cosine schedule over `epochs`, batches of BATCH_SIZE, cross entropy, one random
     shift per image and epoch (unless not `shift`); deterministic (one intra-op thread, seeded generator). Returns
-    it in eval mode."""
+    it in eval mode. Options for the transformer (examples/digits/vit.py): a linear warmup from lr / 100 over the
+    first `warmup_epochs` (the cosine then spans the rest), cross entropy with `label_smoothing`, and the gradient's
+    global norm clipped to `clip_norm`."""
     torch.use_deterministic_algorithms(True)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -133,9 +136,13 @@ def fit(model: nn.Module, data: DigitsData, seed: int, epochs: int, learning_rat
         generator = torch.Generator().manual_seed(seed)
         x, y = torch.from_numpy(data.train_x), torch.from_numpy(data.train_y)
         optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=weight_decay)
-        steps = epochs * -(-len(x) // BATCH_SIZE)
-        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)
-        loss_function = nn.CrossEntropyLoss()
+        steps_per_epoch = -(-len(x) // BATCH_SIZE)
+        warmup = warmup_epochs * steps_per_epoch
+        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, epochs * steps_per_epoch - warmup)
+        if warmup:
+            ramp = torch.optim.lr_scheduler.LinearLR(optimizer, 0.01, 1.0, warmup)
+            schedule = torch.optim.lr_scheduler.SequentialLR(optimizer, [ramp, schedule], [warmup])
+        loss_function = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
         model.train()
         for _ in range(epochs):
             order = torch.randperm(len(x), generator=generator)
@@ -144,6 +151,8 @@ def fit(model: nn.Module, data: DigitsData, seed: int, epochs: int, learning_rat
                 optimizer.zero_grad()
                 loss = loss_function(model(_shift(x[index], generator) if shift else x[index]), y[index])
                 loss.backward()
+                if clip_norm is not None:
+                    nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
                 optimizer.step()
                 schedule.step()
     finally:

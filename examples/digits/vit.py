@@ -19,12 +19,14 @@ ours and the peers alike. The shifted copy (`shifted_copy`): each held-out image
 --limit N evaluates the first N held-out images and the shifted copy of those (9 N) instead, calibration unchanged
 (tests/test_digits_vit.py: the whole run takes about 20 minutes on 2 cores; reports/digits_vit is a full run).
 
-Training (`train`): train.py's loop (`fit`: AdamW, cosine schedule, batches of 64, seeded and deterministic on one
-thread) for EPOCHS epochs at LEARNING_RATE, weight decay WEIGHT_DECAY, without the CNN's shift augmentation
-(SHIFT_AUGMENTATION). It takes minutes, so the weights are committed beside this file (WEIGHTS, 0.57 MB, with the
-settings they were trained with) and reused while the settings and torch's version match; --retrain trains and
-rewrites them (deterministic on one machine, as the digits CNN; another CPU's float kernels round differently;
-the committed file was trained by this loop once, a retrain was not compared with it byte for byte).
+Training (`train`): train.py's loop (`fit`: AdamW, batches of 64, seeded and deterministic on one thread) for
+EPOCHS epochs: a linear warmup over WARMUP_EPOCHS to LEARNING_RATE then cosine, weight decay WEIGHT_DECAY, label
+smoothing LABEL_SMOOTHING, gradient norm clipped to CLIP_NORM, with the CNN's random shifts (SHIFT_AUGMENTATION;
+how the recipe was chosen: the comment at EPOCHS). It takes minutes (about 10 on one thread of a loaded machine),
+so the weights are committed beside this file (WEIGHTS, 0.57 MB, with the settings they were trained with) and
+reused while the settings and torch's version match; --retrain trains and rewrites them (deterministic on one
+machine, as the digits CNN; another CPU's float kernels round differently; the committed file was trained by this
+loop once, a retrain was not compared with it byte for byte).
 
 Exports (`export`): torch's default exporter ("dynamo": opset 18+, static batch 1, weights in a .data file beside
 the model) and the legacy one with a dynamic batch ("torchscript": `torch.onnx.export(dynamo=False,
@@ -68,10 +70,16 @@ from examples.digits import train as digits  # noqa: E402
 
 MODEL_NAME = "digits_vit"
 PATCH, LAYERS, WIDTH, HEADS, MLP = 4, 4, 64, 4, 128
-EPOCHS, LEARNING_RATE, WEIGHT_DECAY = 60, 0.002, 0.05
-# No shift augmentation: at the CNN's shifts the ViT underfits in the epochs a shared 2-core machine affords (80
-# epochs: 93% training, 90.4% held-out accuracy); without, 60 epochs reach 100% and 95.8%.
-SHIFT_AUGMENTATION = False
+EPOCHS, LEARNING_RATE, WEIGHT_DECAY = 80, 0.003, 0.05
+WARMUP_EPOCHS, LABEL_SMOOTHING, CLIP_NORM = 5, 0.1, 1.0
+SHIFT_AUGMENTATION = True
+# The recipe (issue 30's model: trained with the CNN's shifts) was chosen by float accuracy alone on a validation
+# split carved from the training digits (the last 15%, 202 images; trained on the other 1,145), never on the
+# held-out digits or any int8 figure; then trained once on all 1,347. Candidates (80 epochs, shifts, AdamW wd 0.05,
+# 5 warmup epochs then cosine, label smoothing 0.1, gradient norm clipped to 1): peak lr 0.003 97.52% validation
+# (98.8% training), peak lr 0.005 96.53%. Earlier, at lr 0.002 with no warmup, smoothing or clipping: 80 epochs
+# with shifts 90.4% held out (underfit); 60 epochs without shifts 100% training, 95.8% held out (overfit, and the
+# shifted copy out of its training distribution: 43% float accuracy there).
 SHIFTS = (-2, 0, 2)  # pixels of the 16 x 16 input, each of dy and dx
 EXPORTERS = ("dynamo", "torchscript")
 DATA_SETS = {"heldout": "held-out digits", "shifted": "shifted copy"}
@@ -104,7 +112,9 @@ def _settings(seed: int, epochs: int) -> dict:
     import torch
 
     return {"seed": seed, "epochs": epochs, "learning_rate": LEARNING_RATE, "weight_decay": WEIGHT_DECAY,
-            "batch_size": digits.BATCH_SIZE, "shift_augmentation": SHIFT_AUGMENTATION, "shape": [PATCH, LAYERS, WIDTH, HEADS, MLP], "torch": str(torch.__version__)}
+            "batch_size": digits.BATCH_SIZE, "shift_augmentation": SHIFT_AUGMENTATION,
+            "warmup_epochs": WARMUP_EPOCHS, "label_smoothing": LABEL_SMOOTHING, "clip_norm": CLIP_NORM,
+            "shape": [PATCH, LAYERS, WIDTH, HEADS, MLP], "torch": str(torch.__version__)}
 
 
 def load_trained(path: Path, seed: int = 0, epochs: int = EPOCHS):
@@ -135,7 +145,8 @@ def train(data: digits.DigitsData, seed: int = 0, epochs: int = EPOCHS, weights:
     if weights is not None and weights.exists() and not retrain:
         print(f"  {display(weights)} holds weights trained with other settings: training again (--retrain "
               f"rewrites the file)", flush=True)
-    model = digits.fit(build(seed), data, seed, epochs, LEARNING_RATE, WEIGHT_DECAY, SHIFT_AUGMENTATION)
+    model = digits.fit(build(seed), data, seed, epochs, LEARNING_RATE, WEIGHT_DECAY, SHIFT_AUGMENTATION,
+                       WARMUP_EPOCHS, LABEL_SMOOTHING, CLIP_NORM)
     if weights is not None and (retrain or not weights.exists()):
         weights.parent.mkdir(parents=True, exist_ok=True)
         torch.save({"settings": _settings(seed, epochs), "weights": model.state_dict()}, weights)
