@@ -14,9 +14,11 @@ The walk, per batch, in the program's instruction order (the order Machine.run e
 and two float walks split the program's error into its two sources (the "where the error comes from" figures):
 
   weights only      the float graph with every GEMM's weights and bias replaced by the program's integers
-                    times their scales (q_w s_w and q_b s_in s_w, bias correction included); activations float;
+                    times their scales (q_w s_w and q_b s_in s_w, bias correction included; a GroupNorm's sqrt(L)
+                    GEMM: the constant it writes, `dequantized_parameters`); activations float;
   activations only  the float graph with its own weights, every tensor the program quantizes rounded to the
-                    program's integers and back (quantize_input, then dequantize); weights float.
+                    program's integers and back (quantize_input, then dequantize: an int32 output in the int32
+                    range); weights float.
 
 Each instruction's int8 output is dequantized with its tensor's scale and compared with the float output
 (eq. 1 of metrics.py, sums over every sample). Tensors are released after their last use, so memory holds one
