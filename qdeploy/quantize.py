@@ -239,7 +239,7 @@ class _Scales:
                     raise Unsupported(f"node '{node.name}' (Concat): input '{name}' must be written by a GEMM "
                                       f"instruction that feeds only this Concat (shared-buffer write)")
                 writers[name] = node.outputs[0]
-            if is_segmented_concat(self.graph, node) and all(name in thresholds for name in writers):
+            if is_segmented_concat(self.graph, node, consumers) and all(name in thresholds for name in writers):
                 self.segmented.add(node.outputs[0])
                 writers = dict.fromkeys(writers)
             result.update(writers)

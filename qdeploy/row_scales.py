@@ -33,6 +33,7 @@ from qdeploy_base.errors import Unsupported
 
 TABLE_RANGE = 8.0  # the exp table's input covers at most [-8, 0]: 255 exp(-8) < 1/2, a code below it is 0 anyway
 CODE_SPAN = 255  # the most two int8 (or two uint8) codes differ by
+CONSTANT_CODE = 127  # the code a "constant" rule's output holds (module docstring)
 
 
 def f32(value: float) -> float:
@@ -54,7 +55,7 @@ def unit_interval_scale(unsigned_activations: bool) -> tuple[float, bool]:
 
 def constant_scale(bias: float) -> float:
     """The scale of the "constant" rule's output (module docstring): its bias over the code 127."""
-    return f32(bias / 127)
+    return f32(bias / CONSTANT_CODE)
 
 
 def constant_bias_codes(node: Node, bias: np.ndarray, s_x: float) -> np.ndarray:

@@ -90,7 +90,9 @@ class RunResult:
 
 def quantize_input(program: Program, name: str, x: np.ndarray) -> np.ndarray:
     """Host side: q = clamp(rne(float32(x) / float32(scale)), lo, hi) for a float input, in float32 as ONNX's
-    QuantizeLinear computes it; an integer input of the tensor's dtype is taken as already quantized."""
+    QuantizeLinear computes it ([lo, hi] the activations' range, uint8's, or int32's for a GEMM result a pre-quantized
+    model leaves in float, rounded in float64); an integer input of the tensor's dtype is taken as already
+    quantized."""
     check_input_values(program, name, x)
     return _quantized(program, name, x)
 
@@ -122,6 +124,10 @@ def _quantized(program: Program, name: str, x: np.ndarray) -> np.ndarray:
         return x
     if is_row_words(program, name):
         return scale_words(x.astype(np.float64) / program.tensors[name]["scale"]).astype(np.int32)
+    if dtype == np.int32:  # a GEMM result a pre-quantized model leaves in float (quantize.py eq. (4b)): the int32
+        # range, not the activations' (whose clamp made the error-split walk's float logits all but 0)
+        return np.clip(np.rint(x.astype(np.float64) / program.tensors[name]["scale"]), -INT32_MAX - 1,
+                       INT32_MAX).astype(np.int32)
     arithmetic = Arithmetic(**program.manifest["target"]["arithmetic"])
     lo, hi = (0, 255) if dtype == np.uint8 else (arithmetic.act_min, arithmetic.act_max)
     with np.errstate(over="ignore"):  # |x| / scale beyond float32 is +-inf: it saturates like any large value

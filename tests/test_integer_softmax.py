@@ -273,3 +273,22 @@ def test_row_scale_words_dequantize_to_the_value_they_stand_for(tmp_path):
     assert 1e-3 < np.abs(value / reference - 1).max() < 0.15  # int8 scores and exp codes: not the same sums
     back = quantize_input(program, words, value)
     np.testing.assert_array_equal(back, run.tensors[words])
+
+
+def test_the_reports_weights_only_walk_of_an_integer_softmax_is_the_float_graph(tmp_path):
+    """An attention block's only constant weights are the integer softmax's own (the row max's and the row sums'
+    ones, stored as they are): the report's weights-only walk (qdeploy/reports/evaluate.py) puts them back exactly,
+    so it is the float graph to float32 rounding."""
+    from qdeploy import api
+    from qdeploy.calibration import calibrate
+    from qdeploy.reports.evaluate import Evaluator
+
+    path = attention_block(tmp_path)
+    table = calibrate(path, feeds(1, 32), "kl", num_samples=32, batch_size=32).table
+    program = api.compile(path, table, None).program
+    evaluator = Evaluator(program, api.lower_model(path).graph, threads=1)
+    f, q = evaluator.run_batch(feeds(2, 8), 0)
+    evaluator.close()
+    weights_only = evaluator.split["weights_only"].sqnr.db
+    print(f"int8 {sqnr(f, q):.1f} dB, weights only {weights_only:.1f} dB")
+    assert weights_only >= 100, weights_only

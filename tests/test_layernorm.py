@@ -382,3 +382,22 @@ def test_the_constant_token_rows_export_to_onnx_and_run_on_the_rtl_bit_exact(tmp
     report = compare_vectors(tmp_path / "vectors", tmp_path / "dump")
     assert "constant_rows" in {layer["name"].rsplit("/", 1)[-1] for layer in report.to_json()["layers"]}
     assert report.ok, report.to_json()
+
+
+@pytest.mark.parametrize("extra_reader", [False, True])
+def test_the_reports_weights_only_walk_loses_less_than_the_program(tmp_path, extra_reader):
+    """The report's weights-only walk (qdeploy/reports/evaluate.py) on the two LayerNorm forms: centred (sum of
+    squares, normalizing DenseGemm with the words as its row scale) and not (the row mean's DenseGemm of -1/L and
+    the AddGemm first). Their parameters dequantized (the normalizing GEMM's diagonal sqrt(C) gamma, the row mean's
+    -1/L) stand for the float graph's, so quantizing the weights alone loses less than the whole program."""
+    from qdeploy import api
+    from qdeploy.reports.evaluate import Evaluator
+
+    path = _model(tmp_path / "ln.onnx", extra_reader=extra_reader)
+    program = _program(path)
+    evaluator = Evaluator(program, api.lower_model(path).graph, threads=1)
+    f, q = evaluator.run_batch({"x": _inputs(2, 16)}, 0)
+    evaluator.close()
+    weights_only = evaluator.split["weights_only"].sqnr.db
+    print(f"int8 {_sqnr(f, q):.1f} dB, weights only {weights_only:.1f} dB")
+    assert weights_only > _sqnr(f, q) + 6, (weights_only, _sqnr(f, q))

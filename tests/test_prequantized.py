@@ -306,6 +306,28 @@ def test_an_output_the_model_leaves_in_float_is_written_as_int32(tmp_path):
     one_line_error(cli("export-onnx", tmp_path / "m.qdp", "-o", tmp_path / "m.onnx"), "int32 output", "'y'")
 
 
+def test_the_reports_activations_only_walk_keeps_an_int32_output_in_int32(tmp_path):
+    """The report's activations-only walk rounds each program tensor to its integers: an output the model leaves in
+    float is int32 at s_out (eq. (4b)), so it is rounded in the int32 range. Clamped to the activations' [-128,
+    127] it was all but 0 (s_out = 2e-4: the NNCF programs' "only the activations 0.0 dB"); now that walk is the
+    program's arithmetic but for the weights, and loses less than the program."""
+    from qdeploy.reports.evaluate import Evaluator
+    from simulator.machine import quantize_input
+
+    path = qdq_conv(tmp_path, quantize_output=False)
+    program = api.compile(path, None, EXACT).program
+    scale = program.tensors["y"]["scale"]
+    y = np.array([3.0, -2.5, 0.0], np.float32)
+    assert quantize_input(program, "y", y).tolist() == np.rint(y.astype(np.float64) / scale).astype(int).tolist()
+    evaluator = Evaluator(program, api.lower_model(path).graph, threads=1)
+    x = np.random.default_rng(1).standard_normal((4, 3, 6, 6)).astype(np.float32)
+    f, q = evaluator.run_batch({"x": x}, 0)
+    evaluator.close()
+    program_db = 10 * np.log10(np.sum(f.astype(np.float64) ** 2) / np.sum((f.astype(np.float64) - q) ** 2))
+    activations_only = evaluator.split["activations_only"].sqnr.db
+    assert activations_only > 20 and activations_only >= program_db - 0.5, (activations_only, program_db)
+
+
 def integer_session_float(path, x: np.ndarray) -> np.ndarray:
     """The model run by ONNX Runtime as written (DequantizeLinear -> float Conv -> Relu)."""
     options = ort.SessionOptions()

@@ -52,11 +52,12 @@ def is_buffer_concat(graph: Graph, node: Node) -> bool:
             and axis % len(shape) != 0 and np.issubdtype(output.dtype, np.floating))
 
 
-def is_segmented_concat(graph: Graph, node: Node) -> bool:
-    """A buffer Concat whose output is a graph output that nothing reads: each segment keeps its writer's
-    scale (qdeploy/quantize.py eq. (9)), since no instruction needs the buffer at one scale."""
+def is_segmented_concat(graph: Graph, node: Node, consumers: dict[str, list[Node]]) -> bool:
+    """A buffer Concat whose output is a graph output that nothing reads (`consumers`: graph.consumers()): each
+    segment keeps its writer's scale (qdeploy/quantize.py eq. (9)), since no instruction needs the buffer at one
+    scale."""
     return (is_buffer_concat(graph, node) and node.outputs[0] in graph.outputs
-            and not any(node.outputs[0] in other.inputs for other in graph.nodes))
+            and not consumers.get(node.outputs[0]))
 
 
 def node_kind(graph: Graph, node: Node) -> Kind:

@@ -14,9 +14,11 @@ The walk, per batch, in the program's instruction order (the order Machine.run e
 and two float walks split the program's error into its two sources (the "where the error comes from" figures):
 
   weights only      the float graph with every GEMM's weights and bias replaced by the program's integers
-                    times their scales (q_w s_w and q_b s_in s_w, bias correction included); activations float;
+                    times their scales (q_w s_w and q_b s_in s_w, bias correction included; a GroupNorm's sqrt(L)
+                    GEMM: the constant it writes, `dequantized_parameters`); activations float;
   activations only  the float graph with its own weights, every tensor the program quantizes rounded to the
-                    program's integers and back (quantize_input, then dequantize); weights float.
+                    program's integers and back (quantize_input, then dequantize: an int32 output in the int32
+                    range); weights float.
 
 Each instruction's int8 output is dequantized with its tensor's scale and compared with the float output
 (eq. 1 of metrics.py, sums over every sample). Tensors are released after their last use, so memory holds one
@@ -37,11 +39,12 @@ import numpy as np
 
 from qdeploy.reference import run_host_op
 from qdeploy_base.errors import BadInput
-from qdeploy.ir import Graph
+from qdeploy.ir import Graph, Node
 from isa.instructions import Instruction
 from isa.kinds import LAYOUT_KINDS, WEIGHTED_GEMM_KINDS, Kind
 from qdeploy.program import Program
 from qdeploy.reference.executor import run_node
+from qdeploy.row_scales import CONSTANT_CODE
 from qdeploy.reports.metrics import SqnrAccumulator, as_logits, cosine_per_sample, sample_energies, top_k
 from simulator.machine import Machine, dequantize, quantize_input, tensor_scale
 from numba import njit
@@ -196,14 +199,19 @@ WALK_SLICE_SAMPLES = 8
 SPLIT_WALKS = ("weights_only", "activations_only")
 
 
-def dequantized_parameters(program: Program, instr: Instruction, weight_shape: tuple[int, ...]
+def dequantized_parameters(program: Program, instr: Instruction, node: Node, weight_shape: tuple[int, ...]
                            ) -> tuple[np.ndarray, np.ndarray]:
-    """The float weight (in the lowered node's `weight_shape`) and bias a GEMM instruction's integers stand for:
-    q_w[c] * s_w[c] and q_b[c] * s_in * s_w[c]."""
+    """The float weight (in the lowered `node`'s `weight_shape`) and bias a GEMM instruction's integers stand for:
+    q_w[c] * s_w[c] and q_b[c] * s_in * s_w[c]; for a GEMM of the output-scale rule "constant" (a GroupNorm's
+    sqrt(L), qdeploy/row_scales.py) the bias is the constant it writes, 127 s_out: its accumulator's bias of
+    ceil(2 b / s_in) codes (about 2 b) only drives the requantize into the clamp at 127."""
     s_w = program.arrays[instr.weight_scale].astype(np.float64)
     s_in = float(program.tensors[instr.inputs[0]]["scale"])
     weight = program.arrays[instr.weight].astype(np.float64) * s_w[:, None]
-    bias = program.arrays[instr.bias].astype(np.float64) * s_in * s_w
+    if node.attrs.get("output_scale") == "constant":
+        bias = np.full(s_w.shape, CONSTANT_CODE * float(program.tensors[instr.output]["scale"]))
+    else:
+        bias = program.arrays[instr.bias].astype(np.float64) * s_in * s_w
     return weight.reshape(weight_shape).astype(np.float32), bias.astype(np.float32)
 
 
@@ -243,7 +251,7 @@ class Evaluator:
         self.split = {walk: SplitStats() for walk in SPLIT_WALKS}
         self.dequantized = {  # per GEMM instruction: the float weight and bias of the weights-only walk
             instr.name: dequantized_parameters(
-                program, instr, graph.tensors[self.nodes[instr.name].inputs[1]].shape)
+                program, instr, self.nodes[instr.name], graph.tensors[self.nodes[instr.name].inputs[1]].shape)
             for instr in self.records if instr.kind in WEIGHTED_GEMM_KINDS}
         self.samples = 0
         self.threads = usable_cpus() if threads is None else max(1, int(threads))
