@@ -20,7 +20,7 @@ import numpy as np
 
 from isa.checks import (ADD_WEIGHT_MAX, InvalidRecord, ProgramView, array_of, check_output_stage, check_row_scale,
                         checked_read_size, field_of, ints, is_int, is_positive_number, window_of, window_shape)
-from isa.geometry import GemmShape, conv_output_size, upsampled_size, zero_read_macs
+from isa.geometry import GemmShape, ReadFill, conv_output_size, upsampled_size, zero_read_macs
 from isa.kinds import RESHAPE_KINDS, Kind, handler
 from isa.output_stage import OutputStage, RowReciprocal
 
@@ -162,8 +162,11 @@ class ConvGemm(ArrayInstruction):
     upsample: tuple[int, int] | None = None
     upsample_fill: str | None = None
     pad_fill: str | None = None
+    # The code the zero padding reads: the input's zero point (qdeploy/quantize.py eq. (10)), so that a padded tap
+    # stands for the value 0. Absent (None): the code 0.
+    pad_value: int | None = None
 
-    OMITTED_WHEN_NONE: ClassVar[tuple[str, ...]] = ("upsample", "upsample_fill", "pad_fill")
+    OMITTED_WHEN_NONE: ClassVar[tuple[str, ...]] = ("upsample", "upsample_fill", "pad_fill", "pad_value")
 
     @classmethod
     def check(cls, instr: dict, where: str, in_shapes: list, out_dtype: str, program: ProgramView
@@ -175,6 +178,11 @@ class ConvGemm(ArrayInstruction):
             raise InvalidRecord(f"{where}: group {json.dumps(group)[:20]} does not divide input {x} and {channels} "
                                 f"output channels")
         height, width = checked_read_size(instr, x[1], x[2], where)
+        pad_value, zero_point = instr.get("pad_value", 0), program.tensors[instr["inputs"][0]].get("zero_point", 0)
+        if not is_int(pad_value) or pad_value != zero_point or (pad_value and (
+                "upsample" in instr or instr.get("pad_fill", ReadFill.ZERO) != ReadFill.ZERO)):
+            raise InvalidRecord(f"{where}: pad_value {json.dumps(pad_value)[:20]} must be the zero point "
+                                f"{zero_point} of its input '{instr['inputs'][0]}', with a plain zero-padded read")
         out = window_shape(instr, channels, height, width, where, conv=True)
         kernel, pads = instr["kernel"], instr["pads"]
         if k != x[0] // group * kernel[0] * kernel[1]:
@@ -242,6 +250,8 @@ class ConvGemm(ArrayInstruction):
         if self.upsample is not None or self.pad_fill is not None:
             text += (f" read x{'x'.join(map(str, self.upsample or (1, 1)))} {self.upsample_fill or ''} "
                      f"pad {self.pad_fill or 'zero'}")
+        if self.pad_value:
+            text += f" pad code {self.pad_value}"
         return text
 
 

@@ -3,7 +3,9 @@
 The exported model is the program, not a re-quantization of the float model: every int8 weight, int32 bias
 and scale is the program's array, bit for bit. It uses only default-domain ops of opset 13 (QOperator format
 for the GEMMs, QDQ for the residual add), runs in ONNX Runtime's CPU provider and passes `onnx.checker`.
-Activations keep zero point 0; a tensor's scale is `float32(scale)` of its program record.
+Activations keep zero point 0, but a lower-bounded table's output with the `zero_point` of its record
+(qdeploy/quantize.py eq. (10)): its QLinearConv readers take that zero point (and pad with it) and the program's
+bias with the fold undone (`_unfolded_bias`); a tensor's scale is `float32(scale)` of its program record.
 
 How each instruction is exported (x = the input tensor, y = the output; s_x, s_y their float32 scales):
 
@@ -175,11 +177,13 @@ class _Builder:
         return scale, zero
 
     def qparams(self, tensor: str) -> tuple[str, str]:
-        """(scale, zero point) initializers of a program tensor: float32(scale), 0 of the tensor's dtype."""
+        """(scale, zero point) initializers of a program tensor: float32(scale), its record's zero point (0 unless
+        qdeploy/quantize.py eq. (10)) of the tensor's dtype."""
         scale, zero = f"{tensor}/scale", f"{tensor}/zero_point"
         if scale not in self.initializers:
-            self.constant(scale, np.array(self.program.tensors[tensor]["scale"], np.float32))
-            self.constant(zero, np.zeros((), np.dtype(self.dtype(tensor))))
+            record = self.program.tensors[tensor]
+            self.constant(scale, np.array(record["scale"], np.float32))
+            self.constant(zero, np.array(record.get("zero_point", 0), np.dtype(self.dtype(tensor))))
         return scale, zero
 
     def uint8_qparams(self, tensor: str) -> tuple[str, str]:
@@ -362,13 +366,26 @@ def _qlinear_conv(b: _Builder, instr: Instruction, x: str, kernel: list[int], at
         x_scale, x_zero = b.qparams(x_tensor)
         y_scale, y_zero = b.requantized_qparams(instr)
     w_scale = b.constant(f"{name}/weight_scale", program.arrays[instr.weight_scale].astype(np.float32))
-    bias = b.constant(f"{name}/bias", program.arrays[instr.bias].astype(np.int32))
+    bias = b.constant(f"{name}/bias", _unfolded_bias(program, instr, x_tensor))
     if in_uint8 and y_dtype == "int8":
         y = b.node("QLinearConv", [x, x_scale, x_zero, w, w_scale, w_zero, y_scale, y_zero, bias],
                    f"{name}/output_u8", f"{name}/QLinearConv", kernel_shape=kernel, **attrs)
         return b.to_int8(y, output, name)
     return b.node("QLinearConv", [x, x_scale, x_zero, w, w_scale, w_zero, y_scale, y_zero, bias], output,
                   f"{name}/QLinearConv", kernel_shape=kernel, **attrs)
+
+
+def _unfolded_bias(program: Program, instr: Instruction, x_tensor: str) -> np.ndarray:
+    """The int32 bias for QLinearConv, which subtracts the input's zero point itself (and pads with it): the
+    program's bias with its fold of the zero point undone, q_b[c] + zp sum_k q_w[c, k] (qdeploy/quantize.py
+    eq. (10)); the program's bias where the input has none."""
+    zero_point = int(program.tensors[x_tensor].get("zero_point", 0))
+    bias = program.arrays[instr.bias].astype(np.int64) + zero_point * program.arrays[instr.weight].astype(
+        np.int64).sum(axis=1)
+    if np.any((bias < -2 ** 31) | (bias >= 2 ** 31)):
+        raise Unsupported(f"instruction '{instr.name}' ({instr.kind}): its bias with the zero point {zero_point} "
+                          f"of '{x_tensor}' unfolded does not fit QLinearConv's int32 bias")
+    return bias.astype(np.int32)
 
 
 def _upsampled_read(b: _Builder, instr: Instruction, x: str) -> tuple[str, list[int]]:

@@ -31,7 +31,7 @@ import numpy as np
 
 from qdeploy_base.errors import BadInput
 from qdeploy_base.fileio import MAX_DEFLATE_RATIO, atomic_write, check_input, read_npy
-from isa.checks import TENSOR_DTYPES, InvalidRecord, ProgramView, field_of, ints, is_positive_number
+from isa.checks import TENSOR_DTYPES, InvalidRecord, ProgramView, field_of, ints, is_int, is_positive_number
 from isa.instructions import RECORDS, Instruction, from_manifest
 from isa.kinds import RESHAPE_KINDS, Kind, UnknownKind, handler
 from isa.target import Arithmetic, TargetError, target_from_dict
@@ -199,6 +199,23 @@ def _check_axis_scales(record: dict, where: str) -> None:
                             f"{axis}), got {json.dumps(scales)[:40]}")
 
 
+def _check_zero_point(name: str, record: dict, manifest: dict, where: str) -> None:
+    """`zero_point` is an integer 1..255 of a uint8 tensor that only GEMMs with constant weights read, as their
+    first input (they fold it into their bias and padding: quantize.py eq. (10)), and that is no program output."""
+    zero_point = record["zero_point"]
+    if record["dtype"] != "uint8" or not is_int(zero_point) or not 0 < zero_point <= 255:
+        raise InvalidRecord(f"{where}: zero_point must be an integer 1..255 of a uint8 tensor, got "
+                            f"{json.dumps(zero_point)[:20]} ({json.dumps(record['dtype'])[:20]})")
+    if name in manifest["outputs"]:
+        raise InvalidRecord(f"{where}: a tensor with a zero point cannot be a program output")
+    for instr in manifest["instructions"]:
+        inputs = instr.get("inputs") if isinstance(instr, dict) else None
+        if isinstance(inputs, list) and name in inputs and (
+                instr.get("kind") not in (Kind.CONV_GEMM, Kind.DENSE_GEMM) or name in inputs[1:]):
+            raise InvalidRecord(f"{where}: instruction '{instr.get('name')}' ({instr.get('kind')}) reads it, but "
+                                f"only a ConvGemm or DenseGemm may read a tensor with a zero point, as its input x")
+
+
 def validate_program(program: Program) -> None:
     """Raise InvalidRecord with the first structural problem of `program` (see the comment above)."""
     manifest = program.manifest
@@ -232,6 +249,8 @@ def validate_program(program: Program) -> None:
             raise InvalidRecord(f"{where}: dtype must be int8, uint8 or int32, got {json.dumps(dtype)[:40]}")
         if "scales" in record or "scale_axis" in record:  # a segmented Concat's output (quantize.py eq. (9))
             _check_axis_scales(record, where)
+        if "zero_point" in record:  # a lower-bounded table's output (quantize.py eq. (10))
+            _check_zero_point(name, record, manifest, where)
     for key in ("inputs", "outputs"):
         for name in manifest[key]:
             if not isinstance(name, str) or name not in manifest["tensors"]:

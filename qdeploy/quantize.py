@@ -1,7 +1,7 @@
 """Quantize a lowered float graph into an integer program (design.md section 3).
 
 Per tensor: int8 (or uint8 for provably non-negative tensors on targets with unsigned activations), zero
-point 0, scale = T / 127 (T / 255 unsigned) from the calibration table. Per GEMM instruction, per output
+point 0 (but eq. (10)), scale = T / 127 (T / 255 unsigned) from the calibration table. Per GEMM instruction, per output
 channel c:
 
   (1) weights  q_w[c] = rne(W[c] / s_w[c]) in [-127, 127],  s_w[c] = max|W[c]| / 127   (calib/weights.py)
@@ -53,6 +53,18 @@ shared buffer, so every producer takes the Concat's output scale, except where n
       tensor's scale is one per index along the Concat's axis (`scale_axis`, `scales` in its record):
       scales[i] = s_k for i in segment k. The writers' requantization is already per output channel, so this
       costs nothing on the unit; the int8 integers of each segment are those of its writer.
+
+A lookup table's output of a function bounded below by f_min < 0 (SiLU -0.278, GELU -0.170, Mish -0.309,
+HardSwish -0.375, ...; f_min = the least of f over the table's 256 inputs) that only GEMMs with constant weights
+read (ConvGemm, DenseGemm, as their x; not a program output) is stored with a zero point, where that is finer:
+
+  (10) s = f32((T - f_min) / 255) < T / 127,  zp = round(-f_min / s),  q = clamp(rne(y / s) + zp, 0, 255) (uint8):
+       the table's entries table[i] = clamp(rne(f(p_i s_p) / s) + zp, 0, 255); each reader folds the offset in
+       integers, exactly (gemmlowp's zero-point algebra, doc/quantization.md "the zero-point term"):
+       sum_k w[c, k] (q_k - zp) = sum_k w[c, k] q_k - zp sum_k w[c, k], so its bias is
+       q_b[c] - zp sum_k q_w[c, k] (before the int32 saturation), and a ConvGemm's zero padding reads the code zp
+       (`pad_value`), the value 0. With zero point 0 half of an int8 code's levels lie on [-T, f_min), where no
+       value falls (design.md section 3).
 """
 
 from __future__ import annotations
@@ -142,6 +154,7 @@ class _Scales:
         self.lookup_input: dict[str, tuple[float, bool]] = {}  # output -> (scale, unsigned) of its table's input
         self.axis_scales: dict[str, tuple[int, list[float]]] = {}  # eq. (9): output -> (axis, scale per index)
         self.segmented: set[str] = set()  # the outputs of Concats that eq. (9) applies to
+        self.zero_point: dict[str, int] = {}  # eq. (10): a lower-bounded table's output -> the code of 0
         concat_scale = self._concat_scales(thresholds)
         consumers = graph.consumers()
         for name in graph.inputs:
@@ -169,6 +182,9 @@ class _Scales:
                     non_negative = function in NON_NEGATIVE and NON_NEGATIVE[function](params)
                 unsigned = target.arithmetic.unsigned_activations and non_negative and out not in concat_scale
                 self._assign(out, thresholds, unsigned, override=concat_scale.get(out))
+                if (stage.lookup is not None and not unsigned and target.arithmetic.unsigned_activations
+                        and stated is None and out not in concat_scale and self._folds_zero_point(out, consumers)):
+                    self._lower_bounded(out, float(thresholds[out]), stage.lookup)
             elif node.op in VIEW_KINDS:
                 self.scale[out], self.unsigned[out] = self.scale[node.inputs[0]], self.unsigned[node.inputs[0]]
                 if node.inputs[0] in self.wide:  # a view of int32 words
@@ -181,6 +197,34 @@ class _Scales:
                 self._assign(out, thresholds, unsigned=False)
                 if out in self.segmented:
                     self.axis_scales[out] = self._segment_scales(node)
+
+    def _folds_zero_point(self, name: str, consumers: dict[str, list[Node]]) -> bool:
+        """Eq. (10) applies to `name`: no program output, and every reader a ConvGemm or DenseGemm with constant
+        weights that reads it as its x with a plain zero-padded read and no output_scale rule, row scale or
+        row-reciprocal store: each folds the zero point into its bias and pads with its code."""
+        readers = consumers.get(name, [])
+        return bool(readers) and name not in self.graph.outputs and all(
+            reader.op in (Kind.CONV_GEMM, Kind.DENSE_GEMM) and reader.inputs[0] == name
+            and name not in reader.inputs[1:] and not reader.attrs.get("integer_weights")
+            and "output_scale" not in reader.attrs and not row_scale_input(reader)
+            and output_stage(reader).step(RowReciprocal) is None
+            and all(reader.attrs.get(key) is None for key in ("upsample", "upsample_fill", "pad_fill"))
+            for reader in readers)
+
+    def _lower_bounded(self, name: str, threshold: float, lookup) -> None:
+        """Eq. (10): the table's output `name` lies in [f_min, T] (f_min = min of f over the table's 256 inputs, T
+        its threshold); where f_min < 0 and (T - f_min) / 255 is finer than zero point 0's T / 127, it becomes
+        uint8 with s = (T - f_min) / 255 and the zero point zp = round(-f_min / s)."""
+        s_p, p_unsigned = self.lookup_input[name]
+        codes = np.arange(256, dtype=np.float64) + (0 if p_unsigned else -128)
+        with np.errstate(over="ignore", invalid="ignore"):
+            f_min = float(np.min(evaluate(lookup.function, dict(lookup.params), codes * s_p)))
+        if not (math.isfinite(f_min) and f_min < 0):
+            return
+        scale = float(np.float32((threshold - f_min) / 255.0))
+        zero_point = int(np.round(-f_min / scale))
+        if scale < self.scale[name] and 0 < zero_point < 255:
+            self.scale[name], self.unsigned[name], self.zero_point[name] = scale, True, zero_point
 
     def _segment_scales(self, node: Node) -> tuple[int, list[float]]:
         """Eq. (9): (the Concat's axis, each input's scale repeated over its extent along that axis)."""
@@ -361,6 +405,9 @@ class _Compiler:
             if correction is not None:
                 bias = bias + correction
             q_bias = rne(bias / (s_in * s_w))
+        zero_point = scales.zero_point.get(x, 0)
+        if zero_point:  # eq. (10): sum_k w[c, k] (q_k - zp) = sum_k w[c, k] q_k - zp sum_k w[c, k]
+            q_bias = q_bias - zero_point * q_w.astype(np.int64).sum(axis=1)
         if y in scales.wide and not stores_row_words(node):  # eq. (4b): s_out = max_c s_in s_w[c] (float32, not below)
             widest = np.float32(np.max(s_in * s_w))
             scales.scale[y] = float(widest if widest >= np.max(s_in * s_w) else np.nextafter(widest, np.float32(np.inf)))
@@ -400,6 +447,8 @@ class _Compiler:
                           strides=list(node.attrs["strides"]), pads=list(node.attrs["pads"]),
                           dilations=list(node.attrs["dilations"]))
             record.update(_read_fields(node.attrs))
+            if zero_point:  # eq. (10): a padded tap reads the code of 0
+                record["pad_value"] = zero_point
         self._report(node, record, s_in, s_w, s_out, saturated)
         return record
 
@@ -594,8 +643,8 @@ class _Compiler:
         function = lookup.function
         values = evaluate(function, dict(lookup.params), codes * s_p)
         out_lo, out_hi = self.scales.range(y)
-        with np.errstate(over="ignore", invalid="ignore"):
-            table = np.clip(np.round(values / self.scales.scale[y]), out_lo, out_hi)
+        with np.errstate(over="ignore", invalid="ignore"):  # eq. (10): the codes shifted by the zero point
+            table = np.clip(np.round(values / self.scales.scale[y]) + self.scales.zero_point.get(y, 0), out_lo, out_hi)
         dtype = np.uint8 if self.scales.unsigned[y] else np.int8
         table = table.astype(dtype)
         return Lookup(function, bool(np.all(np.diff(table.astype(np.int64)) >= 0)),
@@ -640,6 +689,8 @@ class _Compiler:
             if name in self.scales.axis_scales:  # eq. (9): what the integers mean; "scale" stays the calibrated one
                 axis, scales = self.scales.axis_scales[name]
                 tensors[name].update(scale_axis=axis, scales=scales)
+            if name in self.scales.zero_point:  # eq. (10)
+                tensors[name]["zero_point"] = self.scales.zero_point[name]
         manifest = {"toolkit_version": __version__, "target": target_to_dict(self.target),
                     "options": {"per_channel_weights": self.options.per_channel_weights,
                                 "bias_correction": self.options.bias_correction and bool(self.channel_means),

@@ -36,7 +36,7 @@ from simulator.kernels.gemm import (INT32_MAX, add_gemm_kernel, channel_max_abs,
                                     mul_gemm_kernel)
 from simulator.kernels.im2col import im2col, im2col_planar
 from simulator.kernels.requantize import PlaneParameters, output_dtype, plane_parameters, requantize
-from simulator.kernels.upsample import upsampled_read
+from simulator.kernels.upsample import padded_read, upsampled_read
 from simulator.kernels.window_max import window_max
 from isa.geometry import conv_output_size
 from isa.row_scale import (row_reciprocal_words, row_scaled_float32, row_scaled_multipliers, scale_words,
@@ -133,6 +133,7 @@ def _quantized(program: Program, name: str, x: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):  # |x| / scale beyond float32 is +-inf: it saturates like any large value
         q = np.divide(x.astype(np.float32, copy=False), tensor_scale(program, name, x.ndim))
     np.rint(q, out=q)  # round half to even, as np.round
+    q += zero_point(program, name)  # exact: |q| < 2^24 wherever the clip below keeps it
     np.clip(q, lo, hi, out=q)
     return q.astype(dtype)
 
@@ -149,11 +150,18 @@ def tensor_scale(program: Program, name: str, ndim: int) -> np.ndarray:
     return np.asarray(record["scales"], np.float32).reshape(shape)
 
 
+def zero_point(program: Program, name: str) -> int:
+    """The code of the value 0: the record's `zero_point` (a lower-bounded table's output, qdeploy/quantize.py
+    eq. (10)), else 0."""
+    return int(program.tensors[name].get("zero_point", 0))
+
+
 def dequantize(program: Program, name: str, q: np.ndarray) -> np.ndarray:
-    """q * scale; row-scale words: the value each word stands for, word_value(w) * scale."""
+    """(q - zero point) * scale; row-scale words: the value each word stands for, word_value(w) * scale."""
     if is_row_words(program, name):
         return (word_values(q) * program.tensors[name]["scale"]).astype(np.float32)
-    return (q.astype(np.float32) * tensor_scale(program, name, q.ndim)).astype(np.float32)
+    codes = q.astype(np.float32) - np.float32(zero_point(program, name))  # exact: integers below 2^24
+    return (codes * tensor_scale(program, name, q.ndim)).astype(np.float32)
 
 
 class Machine:
@@ -421,6 +429,7 @@ class Machine:
         kernel, strides, pads, dilations = instr.kernel, instr.strides, instr.pads, instr.dilations
         if instr.upsample is not None or instr.pad_fill is not None:  # the read's addressing (kernels.upsample)
             x, pads = upsampled_read(x, instr.upsample, instr.upsample_fill, pads, instr.pad_fill)
+        x, pads = padded_read(x, pads, instr.pad_value)
         oh = conv_output_size(x.shape[2], kernel[0], strides[0], pads[0], pads[2], dilations[0])
         ow = conv_output_size(x.shape[3], kernel[1], strides[1], pads[1], pads[3], dilations[1])
         bias, steps = self._accumulated(instr.stage)

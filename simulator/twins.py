@@ -250,9 +250,11 @@ def row_reciprocal_word(row_sum: int, function: str) -> int:
 # (9) im2col and (10) window-max (ONNX Conv / MaxPool semantics), plain loops
 
 def im2col(x: np.ndarray, kernel_shape: Sequence[int], strides: Sequence[int] = (1, 1),
-           pads: Sequence[int] = (0, 0, 0, 0), dilations: Sequence[int] = (1, 1), group: int = 1) -> np.ndarray:
+           pads: Sequence[int] = (0, 0, 0, 0), dilations: Sequence[int] = (1, 1), group: int = 1,
+           pad_value: int = 0) -> np.ndarray:
     """(9) cols[g, (n*OH + oh)*OW + ow, (c*kh + i)*kw + j] = x[n, g*C/g + c, oh*sh - pt + i*dh, ow*sw - pl + j*dw],
-    0 where that position is padding. pads = (top, left, bottom, right) as ONNX orders them."""
+    `pad_value` (the input's zero point; 0) where that position is padding. pads = (top, left, bottom, right) as
+    ONNX orders them."""
     n_, c_, h_, w_ = x.shape
     kh, kw = kernel_shape
     sh, sw = strides
@@ -261,7 +263,7 @@ def im2col(x: np.ndarray, kernel_shape: Sequence[int], strides: Sequence[int] = 
     groups = group
     cg = c_ // groups
     oh_, ow_ = conv_output_size(h_, kh, sh, pt, pb, dh), conv_output_size(w_, kw, sw, pl, pr, dw)
-    cols = np.zeros((groups, n_ * oh_ * ow_, cg * kh * kw), dtype=x.dtype)
+    cols = np.full((groups, n_ * oh_ * ow_, cg * kh * kw), pad_value, dtype=x.dtype)
     for g in range(groups):
         for n in range(n_):
             for oh in range(oh_):
@@ -433,7 +435,7 @@ def _conv_gemm(instr: Instruction, args: list[np.ndarray], arrays: dict, arithme
     (x,) = args
     groups = int(instr.group)
     x, pads = upsampled_read(x, instr.upsample, instr.upsample_fill, instr.pads, instr.pad_fill)
-    cols = im2col(x, instr.kernel, instr.strides, pads, instr.dilations, groups)
+    cols = im2col(x, instr.kernel, instr.strides, pads, instr.dilations, groups, instr.pad_value or 0)
     weight = arrays[instr.weight]
     per_group = weight.shape[0] // groups
     acc = np.concatenate([gemm(cols[g], weight[g * per_group:(g + 1) * per_group].T, arithmetic.acc_bits,

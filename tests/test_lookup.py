@@ -160,8 +160,9 @@ ORT_FUNCTION = {"Sigmoid": ("Sigmoid", {}), "Gelu": ("Gelu", {}), "HardSwish": (
 
 @pytest.mark.parametrize("unsigned", [False, True])
 def test_tables_are_equation_5b_with_the_onnx_reference_as_the_float_function(tmp_path, unsigned):
-    """table[i] = clamp(rne(f((i + p_min) * s_p) / s_y), out range), f in float64 from the onnx wheel's reference
-    evaluator (its own implementation of each op). Sigmoid is non-negative: uint8 on an unsigned target."""
+    """table[i] = clamp(rne(f((i + p_min) * s_p) / s_y) + zp, out range), f in float64 from the onnx wheel's
+    reference evaluator (its own implementation of each op). Sigmoid is non-negative: uint8 on an unsigned target;
+    so is Gelu there, with the zero point zp of eq. (10) (a conv reads it); HardSwish is the output (zp 0)."""
     from onnx.reference import ReferenceEvaluator
 
     path = conv_function_model(tmp_path, ["Sigmoid", "Gelu", "HardSwish"])
@@ -173,7 +174,9 @@ def test_tables_are_equation_5b_with_the_onnx_reference_as_the_float_function(tm
     for instr in looked_up:
         lookup = instr.stage.lookup
         out = program.tensors[instr.output]
-        assert out["dtype"] == ("uint8" if unsigned and lookup.function == "Sigmoid" else "int8")
+        # Gelu's output, read by a conv, is uint8 with a zero point on an unsigned target (quantize.py eq. (10))
+        assert out["dtype"] == ("uint8" if unsigned and lookup.function != "HardSwish" else "int8")
+        assert ("zero_point" in out) == (unsigned and lookup.function == "Gelu")
         codes = np.arange(256, dtype=np.float64) - lookup.offset
         op, attrs = ORT_FUNCTION[lookup.function]
         model = helper.make_model(helper.make_graph(
@@ -182,7 +185,7 @@ def test_tables_are_equation_5b_with_the_onnx_reference_as_the_float_function(tm
             opset_imports=[helper.make_opsetid("", 20)])
         (f,) = ReferenceEvaluator(model).run(None, {"p": codes * lookup.input_scale})
         lo, hi = (0, 255) if out["dtype"] == "uint8" else (-127, 127)
-        expected = np.clip(np.round(f / out["scale"]), lo, hi)
+        expected = np.clip(np.round(f / out["scale"]) + out.get("zero_point", 0), lo, hi)
         np.testing.assert_array_equal(program.arrays[lookup.table].astype(np.int64), expected)
         assert lookup.monotonic == (lookup.function == "Sigmoid")
 

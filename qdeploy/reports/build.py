@@ -202,7 +202,8 @@ def _calibration_summary(table: CalibrationTable, program: Program) -> tuple[lis
             continue
         tensor = program.tensors[name]
         qmax = 255.0 if tensor["dtype"] == "uint8" else 127.0
-        if name not in concat_inputs and not math.isclose(tensor["scale"], record.threshold / qmax, rel_tol=1e-6):
+        if (name not in concat_inputs and "zero_point" not in tensor  # eq. (10)'s scale is (T - f_min) / 255
+                and not math.isclose(tensor["scale"], record.threshold / qmax, rel_tol=1e-6)):
             differing.append(name)
         clipped = None
         if record.counts is not None and record.amax:

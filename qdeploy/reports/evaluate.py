@@ -46,7 +46,7 @@ from qdeploy.program import Program
 from qdeploy.reference.executor import run_node
 from qdeploy.row_scales import CONSTANT_CODE
 from qdeploy.reports.metrics import SqnrAccumulator, as_logits, cosine_per_sample, sample_energies, top_k
-from simulator.machine import Machine, dequantize, quantize_input, tensor_scale
+from simulator.machine import Machine, dequantize, quantize_input, tensor_scale, zero_point
 from numba import njit
 from qdeploy_base.threads import blas_threads_limitable, one_blas_thread, usable_cpus
 
@@ -145,7 +145,8 @@ def fake_quantized(program: Program, name: str, y: np.ndarray) -> np.ndarray:
     for a float32 y of an int8 or uint8 tensor (the activations-only walk's every layer), else those two calls
     (which also raise quantize_input's error for a NaN or Inf)."""
     dtype = np.dtype(program.tensors[name]["dtype"])
-    if y.dtype == np.float32 and dtype in (np.int8, np.uint8) and "scales" not in program.tensors[name]:
+    if (y.dtype == np.float32 and dtype in (np.int8, np.uint8) and "scales" not in program.tensors[name]
+            and not zero_point(program, name)):
         arithmetic = program.manifest["target"]["arithmetic"]
         lo, hi = (0, 255) if dtype == np.uint8 else (arithmetic["act_min"], arithmetic["act_max"])
         out = np.empty_like(y, order="C")
@@ -168,6 +169,7 @@ def _clipped(reference: np.ndarray, program: Program, name: str) -> int:
     else:
         arithmetic = program.manifest["target"]["arithmetic"]
         lo, hi = arithmetic["act_min"], arithmetic["act_max"]
+    lo, hi = lo - zero_point(program, name), hi - zero_point(program, name)  # the values' codes
     return int(np.count_nonzero((reference > (hi + 0.5) * scale) | (reference < (lo - 0.5) * scale)))
 
 
@@ -202,16 +204,19 @@ SPLIT_WALKS = ("weights_only", "activations_only")
 def dequantized_parameters(program: Program, instr: Instruction, node: Node, weight_shape: tuple[int, ...]
                            ) -> tuple[np.ndarray, np.ndarray]:
     """The float weight (in the lowered `node`'s `weight_shape`) and bias a GEMM instruction's integers stand for:
-    q_w[c] * s_w[c] and q_b[c] * s_in * s_w[c]; for a GEMM of the output-scale rule "constant" (a GroupNorm's
-    sqrt(L), qdeploy/row_scales.py) the bias is the constant it writes, 127 s_out: its accumulator's bias of
-    ceil(2 b / s_in) codes (about 2 b) only drives the requantize into the clamp at 127."""
+    q_w[c] * s_w[c] and (q_b[c] + zp sum_k q_w[c, k]) * s_in * s_w[c] (zp: the input's zero point, whose fold
+    into the bias is undone: qdeploy/quantize.py eq. (10)); for a GEMM of the output-scale rule "constant" (a
+    GroupNorm's sqrt(L), qdeploy/row_scales.py) the bias is the constant it writes, 127 s_out: its accumulator's
+    bias of ceil(2 b / s_in) codes (about 2 b) only drives the requantize into the clamp at 127."""
     s_w = program.arrays[instr.weight_scale].astype(np.float64)
     s_in = float(program.tensors[instr.inputs[0]]["scale"])
-    weight = program.arrays[instr.weight].astype(np.float64) * s_w[:, None]
+    q_w = program.arrays[instr.weight].astype(np.float64)
+    weight = q_w * s_w[:, None]
     if node.attrs.get("output_scale") == "constant":
         bias = np.full(s_w.shape, CONSTANT_CODE * float(program.tensors[instr.output]["scale"]))
     else:
-        bias = program.arrays[instr.bias].astype(np.float64) * s_in * s_w
+        q_b = program.arrays[instr.bias].astype(np.float64) + zero_point(program, instr.inputs[0]) * q_w.sum(axis=1)
+        bias = q_b * s_in * s_w
     return weight.reshape(weight_shape).astype(np.float32), bias.astype(np.float32)
 
 

@@ -78,3 +78,14 @@ def upsampled_read(x: np.ndarray, upsample, upsample_fill: str | None, pads, pad
     out = np.empty((n, c, rows, cols), x.dtype)
     upsampled_read_kernel(np.ascontiguousarray(x), int(fh), int(fw), upsample_fill == ReadFill.ZERO, pt, pl, pad_mode, out)
     return out, ((0, 0, 0, 0) if edge else tuple(pads))
+
+
+def padded_read(x: np.ndarray, pads, pad_value: int | None) -> tuple[np.ndarray, tuple[int, int, int, int]]:
+    """(the read, the pads left for im2col): with a nonzero `pad_value` (a ConvGemm's, the zero point of its input:
+    qdeploy/quantize.py eq. (10)) the zero padding is materialized as that code and im2col pads nothing; else x and
+    `pads` unchanged (the kernels pad with the code 0)."""
+    if not pad_value or not any(pads):
+        return x, tuple(pads)
+    top, left, bottom, right = (int(p) for p in pads)
+    return (np.pad(x, ((0, 0), (0, 0), (top, bottom), (left, right)), constant_values=x.dtype.type(pad_value)),
+            (0, 0, 0, 0))

@@ -22,7 +22,7 @@ from isa.row_scale import RECIPROCAL, RSQRT
 from isa.target import Target, acc_element_bytes, target_from_dict, target_to_dict
 from isa.tiling import GemmShape, Tiles, gemm_shape, tiles_of
 from simulator.kernels.im2col import im2col
-from simulator.kernels.upsample import upsampled_read
+from simulator.kernels.upsample import padded_read, upsampled_read
 from simulator.vectors.codec import (
     FORMAT,
     FORMAT_VERSION,
@@ -77,6 +77,7 @@ def _conv_operands(instr: Instruction, args: list[np.ndarray], arrays: dict, inf
     x = args[0]
     groups = int(instr.group)
     read, pads = upsampled_read(x, instr.upsample, instr.upsample_fill, instr.pads, instr.pad_fill)
+    read, pads = padded_read(read, pads, instr.pad_value)
     cols = im2col(read, instr.kernel, instr.strides, pads, instr.dilations, groups)
     w = arrays[instr.weight]
     weight = np.ascontiguousarray(w.reshape(groups, w.shape[0] // groups, w.shape[1]).transpose(0, 2, 1))
@@ -85,6 +86,8 @@ def _conv_operands(instr: Instruction, args: list[np.ndarray], arrays: dict, inf
     if instr.upsample is not None or instr.pad_fill is not None:
         info["conv"].update(upsample=list(instr.upsample or (1, 1)), upsample_fill=instr.upsample_fill,
                             pad_fill=instr.pad_fill or ReadFill.ZERO)
+    if instr.pad_value:  # the code the padding reads (the input's zero point): in the matrix as streamed
+        info["conv"]["pad_value"] = int(instr.pad_value)
     info["input_shape"] = list(x.shape)
     return cols, weight
 
