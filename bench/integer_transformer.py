@@ -5,8 +5,9 @@ tests/test_row_scale.py), against float64, and against today's int8 program with
 
 Softmax, on 197-token rows (ViT-B/16's sequence). Per row i of int8 score codes q (per-tensor scale s_q, max-abs):
   1. m_i = max_j q_ij                               the row's window-max (WindowMax over the whole row)
-  2. d_ij = requant(q_ij - m_i, s_q / s_d) <= 0     an AddGemm with the per-row operand, to the table's scale s_d
-  3. e_ij = table[d_ij + 128] = rne(255 exp(d s_d))  the Lookup step, uint8 codes (scale 1/255)
+  2. p_ij = requant(m_i - q_ij, s_q / s_d) >= 0     an AddGemm with the per-row operand, the reflected code (uint8)
+                                                    of the table's step s_d = s_q (qdeploy/row_scales.py): exact
+  3. e_ij = table[p_ij] = rne(255 exp(-p s_d))      the Lookup step, uint8 codes (scale 1/255)
   4. S_i = sum_j e_ij                               a GEMM with ones (int32; <= 197 * 255)
   5. w_i = row-reciprocal store of S_i              the 1/S word (isa/row_scale.py)
   6. out_ic = requant(sum_j e_ij v_jc, s_v / s_out, row scale w_i)   the P.V GEMM: the division deferred
@@ -39,12 +40,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from isa.multiplier import quantize_multiplier  # noqa: E402
 from isa.row_scale import row_reciprocal_words, row_scaled_multipliers  # noqa: E402
+from qdeploy.row_scales import exp_table_scales  # noqa: E402
 from qdeploy.reports.metrics import sqnr  # noqa: E402
 from simulator.kernels.requantize import requantize  # noqa: E402
 
 TOKENS, DIM = 197, 64
 EXP_SCALE = 1 / 255  # the exp table's output scale: uint8 codes of exp(x) in (0, 1]
-TABLE_RANGE = 8.0  # the table input covers at most [-8, 0]: exp(-8) * 255 < 1/2, a code below it is 0 anyway
 
 
 def scores(kind: str, rows: int, rng: np.random.Generator) -> np.ndarray:
@@ -69,12 +70,12 @@ def multiplier(real: float, shape) -> tuple[np.ndarray, np.ndarray]:
 
 def integer_probabilities(q: np.ndarray, s_q: float) -> tuple[np.ndarray, np.ndarray]:
     """Steps 1-4: (e, S) of int8 score codes q (rows, TOKENS)."""
-    s_d = min(TABLE_RANGE, 255 * s_q) / 128  # d's calibrated range: at most 255 score codes, at most the table's
-    acc = q - q.max(axis=1, keepdims=True)  # steps 1-2: the accumulator of the AddGemm, in [-255, 0]
-    d = requantize(acc, *multiplier(s_q / s_d, 1), "half_up", -128, 127).astype(np.int64)
-    codes = np.arange(-128, 128)
-    table = np.clip(np.rint(np.exp(codes * s_d) / EXP_SCALE), 0, 255).astype(np.int64)
-    e = table[d + 128]
+    s_p, _, _, _ = exp_table_scales(s_q, True)  # s_p = -s_d < 0: the reflected code
+    acc = q.max(axis=1, keepdims=True) - q  # steps 1-2: the accumulator of the AddGemm, in [0, 255]
+    d = requantize(acc, *multiplier(s_q / -s_p, 1), "half_up", 0, 255).astype(np.int64)
+    codes = np.arange(256)
+    table = np.clip(np.rint(np.exp(codes * s_p) / EXP_SCALE), 0, 255).astype(np.int64)
+    e = table[d]
     return e, e.sum(axis=1)
 
 

@@ -201,8 +201,9 @@ def _check_lookup(program: ProgramView, lookup, where: str, out_dtype: str) -> t
     if out_dtype not in ("int8", "uint8") or lookup["input_dtype"] not in ("int8", "uint8"):
         raise InvalidRecord(f"{where}: reads {json.dumps(lookup['input_dtype'])[:20]} codes and writes {out_dtype}; "
                             f"expected int8 or uint8 for both")
-    if not is_positive_number(lookup["input_scale"]):
-        raise InvalidRecord(f"{where}: input_scale must be a finite number > 0")
+    scale = lookup["input_scale"]  # negative: a reflected code (an integer softmax's exp: qdeploy/row_scales.py)
+    if not (is_positive_number(scale) or (isinstance(scale, (int, float)) and is_positive_number(-scale))):
+        raise InvalidRecord(f"{where}: input_scale must be a finite number other than 0")
     if not isinstance(lookup["function"], str) or not isinstance(lookup["monotonic"], bool):
         raise InvalidRecord(f"{where}: function must be a string and monotonic true or false")
     table = array_of(program, lookup, "table", where, out_dtype, (256,))

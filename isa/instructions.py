@@ -309,15 +309,13 @@ class AddGemm(ArrayInstruction):
     @classmethod
     def check(cls, instr: dict, where: str, in_shapes: list, out_dtype: str, program: ProgramView
               ) -> tuple[int, ...]:
-        """Two inputs of one shape (or the second per row), the pre-scale weights in the 16-bit operand (the
-        first >= 0), the scales, the stage."""
+        """Two inputs of one shape (or the second per row), the pre-scale weights in the signed 16-bit operand
+        (b's negative for a - b, both for an exp table's reflected input m - x), the scales, the stage."""
         if in_shapes[0] != in_shapes[1] and in_shapes[1] != in_shapes[0][:-1] + (1,):
             raise InvalidRecord(f"{where}: adds tensors of shapes {in_shapes[0]} and {in_shapes[1]} (the second "
                                 f"one's shape, or a per-row operand: the first's with 1 as its last axis)")
         weights = field_of(instr, "add_weights", where)
         ints(weights, f"{where}: add_weights", 2, -ADD_WEIGHT_MAX, ADD_WEIGHT_MAX)
-        if weights[0] < 0:
-            raise InvalidRecord(f"{where}: add_weights[0] = {weights[0]} is negative (only b is subtracted)")
         add_scale = field_of(instr, "add_scale", where)
         if not is_positive_number(add_scale):
             raise InvalidRecord(f"{where}: add_scale must be a finite number > 0, got {json.dumps(add_scale)[:40]}")

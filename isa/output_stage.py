@@ -127,8 +127,9 @@ class Lookup:
     q_min = -128, or uint8, q_min = 0) indexes a 256-entry table of output codes (the output's dtype) that
     tabulates a unary function (Sigmoid, SiLU, GELU, ...: `function`, an ONNX op with attributes `params`) on the
     256 input codes with the pre-activation scale `input_scale` and the output scale (qdeploy/quantize.py eq.
-    (5b)). `monotonic`: the function (the table) is non-decreasing (then, and only then, it commutes with a
-    window-max). In the lowered float graph it has no table yet: function, params and monotonic."""
+    (5b)); a negative `input_scale` is a reflected code, q standing for q * input_scale <= 0 (an integer softmax's
+    exp reads p = (m - x) / s_d >= 0: qdeploy/row_scales.py). `monotonic`: the function (the table) is
+    non-decreasing (then, and only then, it commutes with a window-max). In the lowered float graph it has no table yet: function, params and monotonic."""
 
     function: str
     monotonic: bool

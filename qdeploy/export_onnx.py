@@ -490,9 +490,10 @@ def _add_gemm(b: _Builder, instr: Instruction) -> str:
     """DequantizeLinear -> Add -> QuantizeLinear; ONNX Runtime fuses it into QLinearAdd (module docstring).
     The program's first input is the Add's first input (the fused kernel treats A and B differently)."""
     name = instr.name
-    if instr.add_weights[1] < 0:  # ONNX Runtime fuses no Sub into QLinearAdd: its float Sub would round otherwise
-        raise Unsupported(f"instruction '{name}': an AddGemm that subtracts (a - b, the per-row operand of an "
-                          f"integer softmax or LayerNorm) has no ONNX export that ONNX Runtime computes bit-exactly")
+    if min(instr.add_weights) < 0:  # ONNX Runtime fuses no Sub into QLinearAdd: its float Sub would round otherwise
+        raise Unsupported(f"instruction '{name}': an AddGemm that subtracts (a - b or b - a, the per-row operand "
+                          f"of an integer softmax or LayerNorm) has no ONNX export that ONNX Runtime computes "
+                          f"bit-exactly")
     floats = []
     for side, tensor in zip("ab", instr.inputs):
         scale, zero = b.qparams(tensor)

@@ -25,7 +25,9 @@ channel c:
 AddGemm (the residual add) is the output stage's two-input GEMM, K = 2 per channel, with 16-bit pre-scale
 weights on a common scale s_acc = max(s_a, s_b) / 2^14: acc = q_a * w_a + q_b * w_b with
 w = rne(s / s_acc), then (4)-(5) with M = s_acc / s_out. The relative error of the pre-scale is at most
-2^-15 for the larger input scale.
+2^-15 for the larger input scale. b's weight is negative for a - b (`negate_b`); a negative s_out (an integer
+softmax's exp table reads the reflected code p = (m - x) / s_d >= 0, qdeploy/row_scales.py) negates both
+weights, M = s_acc / |s_out|.
 
 With rounding `float32_rne` the AddGemm instead computes what ONNX Runtime computes for the exported
 DequantizeLinear -> Add -> QuantizeLinear pattern, which its default graph optimizations fuse into QLinearAdd
@@ -239,9 +241,9 @@ class _Scales:
         if rule == "input":
             self.scale[out], self.unsigned[out] = self.scale[x], self.unsigned[x]
         elif rule == "exp_table":
-            s_d, s_e, unsigned = row_scales.exp_table_scales(self.scale[x],
-                                                             self.target.arithmetic.unsigned_activations)
-            self.lookup_input[out] = (s_d, False)
+            s_p, p_unsigned, s_e, unsigned = row_scales.exp_table_scales(
+                self.scale[x], self.target.arithmetic.unsigned_activations)
+            self.lookup_input[out] = (s_p, p_unsigned)  # s_p < 0: the reflected code p = (m - x) / s_d
             self.scale[out], self.unsigned[out] = s_e, unsigned
         elif rule == "constant":
             bias = self.graph.constant_data(node.inputs[2])
@@ -576,17 +578,21 @@ class _Compiler:
         (s_a, s_b), (s_out, q_range) = (scales.scale[a], scales.scale[b]), scales.requantized(y)
         s_acc = max(s_a, s_b) / 2 ** ADD_PRESCALE_BITS
         sign = -1 if node.attrs.get("negate_b") else 1  # a - b: the weight of b negative (lowering/rows.py)
-        w_a, w_b = int(np.round(s_a / s_acc)), sign * int(np.round(s_b / s_acc))
-        lo, hi = _clamp_bounds(node, s_out, q_range)
-        bound = 255 * (w_a + abs(w_b))
-        # float32_rne: eq. (6), the float32 scale ratios of ONNX Runtime's QLinearAdd.
+        # A negative output scale (an exp table's reflected input, row_scales.py "exp_table") is the sign of both
+        # pre-scale weights: the multiplier stays s_acc / |s_out| > 0.
+        reflect = -1 if s_out < 0 else 1
+        w_a, w_b = reflect * int(np.round(s_a / s_acc)), reflect * sign * int(np.round(s_b / s_acc))
+        lo, hi = _clamp_bounds(node, abs(s_out), q_range)
+        bound = 255 * (abs(w_a) + abs(w_b))
+        # float32_rne: eq. (6), the float32 scale ratios of ONNX Runtime's QLinearAdd (s_out's sign included).
         ratio = np.array([np.float32(s_a) / np.float32(s_out), sign * (np.float32(s_b) / np.float32(s_out))],
                          np.float32)
-        stage = self._stage(index, node, [self._requant(index, 1.0, np.array([s_acc]), s_out), Clamp(lo, hi)])
+        stage = self._stage(index, node, [self._requant(index, 1.0, np.array([s_acc]), abs(s_out)),
+                                          Clamp(lo, hi)])
         record = {"add_weights": [w_a, w_b], "add_scale": s_acc,
                   "add_ratio_f32": self.array(index, "add_ratio_f32", ratio),
                   "stage": stage, "acc_bound_bits": _bits_for(bound), "k": 2}
-        self._report(node, record, s_a, np.array([s_acc]), s_out, 0)
+        self._report(node, record, s_a, np.array([s_acc]), abs(s_out), 0)
         return record
 
     def product(self, index: int, node: Node) -> dict:

@@ -3,10 +3,17 @@ tensors whose scale follows from their input's instead of a calibration threshol
 
 Output-scale rules (a node's `output_scale` attribute), s_x the scale of the node's first input:
   "input"       y has x's scale and signedness: the row max is one of x's own codes (M = 1, integer weight 1)
-  "exp_table"   an AddGemm d = x - m whose output stage is the table of exp (an integer softmax): the table's input
-                d <= 0 has the scale s_d = min(TABLE_RANGE, span s_x) / 128, span = 255 the most x's codes can
-                differ by (so d never saturates before exp(d) < 1/510), and the table writes e = exp(d) as uint8
-                codes of scale 1/255 (int8 codes of scale 1/127 on a target without unsigned activations)
+  "exp_table"   an AddGemm d = x - m <= 0 whose output stage is the table of exp (an integer softmax): the table's
+                input is the *reflected* code p = -d / s_d >= 0, uint8 (int8 without unsigned activations), i.e. the
+                scale of p is negative, s_p = -s_d (the compiler puts that sign into both pre-scale weights:
+                quantize.py, AddGemm), with s_d = max(s_x, min(reach, span s_x) / codes): codes = 255 (127) the
+                non-negative codes of p, span = 255 the most x's codes can differ by, reach = ln(2 codes) the
+                difference past which exp(d) < 1/(2 codes) is the output code 0 anyway. With uint8 p, s_d = s_x:
+                p = q_m - q_x exactly (multiplier 1, no rounding, no clamp), every difference the scores can take
+                has its own entry, table[p] = rne(255 exp(-p s_x)); with int8 p, s_d = s_x while 127 codes reach
+                (a larger difference clamps to 127, whose entry is 0), else the coarser step that does. The table
+                writes e = exp(d) as uint8 codes of scale 1/255 (int8 codes of scale 1/127 on a target without
+                unsigned activations)
   "constant"    a DenseGemm of integer weights 0 whose output is its bias b > 0 (a GroupNorm's sqrt(L) operand,
                 lowering/groupnorm.py): y has the scale b / 127 and the code 127 exactly, the accumulator's bias
                 being ceil(2 b / s_x) codes of s_x (>= 2 b: the requantize lands on 254 or more and the clamp
@@ -31,7 +38,6 @@ from isa.kinds import Kind
 from qdeploy.ir import Node
 from qdeploy_base.errors import Unsupported
 
-TABLE_RANGE = 8.0  # the exp table's input covers at most [-8, 0]: 255 exp(-8) < 1/2, a code below it is 0 anyway
 CODE_SPAN = 255  # the most two int8 (or two uint8) codes differ by
 CONSTANT_CODE = 127  # the code a "constant" rule's output holds (module docstring)
 
@@ -41,10 +47,17 @@ def f32(value: float) -> float:
     return float(np.float32(value))
 
 
-def exp_table_scales(s_x: float, unsigned_activations: bool) -> tuple[float, float, bool]:
-    """(s_d, s_e, e unsigned) of the "exp_table" rule (module docstring)."""
-    s_d = f32(min(TABLE_RANGE, CODE_SPAN * s_x) / 128)
-    return (s_d, *unit_interval_scale(unsigned_activations))
+def exp_table_scales(s_x: float, unsigned_activations: bool) -> tuple[float, bool, float, bool]:
+    """(s_p, p unsigned, s_e, e unsigned) of the "exp_table" rule (module docstring): s_p = -s_d < 0."""
+    codes = 255 if unsigned_activations else 127
+    s_d = max(f32(s_x), f32(min(exp_reach(unsigned_activations), CODE_SPAN * s_x) / codes))
+    return (-s_d, unsigned_activations, *unit_interval_scale(unsigned_activations))
+
+
+def exp_reach(unsigned_activations: bool) -> float:
+    """ln(2 codes): the distance below a row's max past which exp is under half a code of e (uint8 1/255, int8
+    1/127), so the table writes 0 there whatever the exact difference."""
+    return math.log(2 * (255 if unsigned_activations else 127))
 
 
 def unit_interval_scale(unsigned_activations: bool) -> tuple[float, bool]:
