@@ -17,14 +17,14 @@
    prints the ablation's commands);
 4. before the report, measures the peer, ONNX Runtime's quantize_static (ort_peer.py), on the same images, so
    the report's "Peer" section puts its figures next to ours;
-5. and the ablation: one program per default fidelity option (the KL clipping budget, bias correction, unsigned
-   activations) alone on plain quantization and left out of the defaults, and per option that is not a default
+5. and the ablation: one program per default fidelity option (the KL clipping budget, bias correction, tap-sum
+   rounding, unsigned activations) alone on plain quantization and left out of the defaults, and per option that is not a default
    (cross-layer equalization, per-tensor weights, MSE thresholds), run on the same images, for the report's
    "Ablation" section.
 
 The report (report.md, report.json, PNGs) goes to REPORT_DIR; the model, images, calibration table, program and
 ONNX Runtime's models to OUTDIR (both git-ignored by default). About 5 minutes on 2 CPU cores, 1.5 of them ONNX
-Runtime's calibrations (cached in OUTDIR/onnxruntime/ for later runs) and 1.5 the ablation's thirteen programs
+Runtime's calibrations (cached in OUTDIR/onnxruntime/ for later runs) and 1.5 the ablation's fifteen programs
 (--no-ablation skips it)."""
 
 from __future__ import annotations
