@@ -79,7 +79,7 @@ def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTabl
     only depthwise GEMMs read gets one scale per channel, s[c] = r[c] s with r[c] from the table's per-channel max
     |x| (lowering/equalize.py `widen_narrow_channels`; docs/design.md section 5); not for a pre-quantized model,
     whose integer weights are fixed. `tap_sum_rounding`: each convolution kernel's int8 codes sum to the nearest
-    integer of its float sum (calib/weights.py `keep_tap_sums`; on by default: bench/README.md "Tap-sum rounding")."""
+    integer of its float sum (calib/weights.py `keep_tap_sums`; on by default: docs/design.md section 3)."""
     path = Path(model)
     table = calib if isinstance(calib, CalibrationTable) or calib is None else CalibrationTable.load(calib)
     target = target if isinstance(target, Target) else load_target_file(target)

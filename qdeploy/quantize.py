@@ -8,9 +8,10 @@ channel c:
   (2) bias     q_b[c] = rne((b[c] + delta[c]) / (s_in * s_w[c])), saturated to int32, where
   (2b)         delta[c] = sum_k E[x_k] (W[c, k] - s_w[c] q_w[c, k]) corrects the mean shift of the weights'
                rounding (bias correction; E[x] per channel from the calibration table; off: delta = 0)
-  (1b) with tap_sum_rounding (the default), a convolution's codes are re-rounded so that each (c, input channel) kernel's
-               code sum is the nearest integer to its float sum / s_w[c] (calib/weights.py `keep_tap_sums`),
-               before (2b): the mean shift is then at most 1/2 code per input channel whatever the input's mean
+  (1b) with tap_sum_rounding (the default), a convolution's codes are re-rounded so that each
+               (c, input channel) kernel's code sum is the nearest integer to its float sum / s_w[c]
+               (calib/weights.py `keep_tap_sums`), before (2b): the mean shift is then at most 1/2 code per input
+               channel whatever the input's mean
   (3) acc[c]   = sum_k q_x[k] * q_w[c, k] + q_b[c]                     (acc_bits, wrap or saturate)
   (4) M[c]     = s_in * s_w[c] / s_out  -> integer mult[c] (Q(mult_bits-1)) and right shift[c]
   (4b) an output a pre-quantized model leaves in float (qdeploy/prequantized.py) with no table to fill it is

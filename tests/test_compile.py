@@ -348,10 +348,10 @@ def test_bias_shrinkage_keeps_the_correction_the_samples_agree_on(tmp_path):
 
 
 def test_tap_sum_rounding_keeps_each_kernels_gain_for_any_input_mean(tmp_path):
-    """Eq. (1b): with tap_sum_rounding (the default) each (output, input channel) kernel's codes sum to within half a code of
-    its float sum / s_w (the codes are keep_tap_sums of max-abs rne's, integer for integer), so on inputs whose
-    mean the calibration never saw (here 3 against calibration's 0) the mean shift of the weights' rounding is a
-    fraction of plain rounding's, with no bias correction to rely on."""
+    """Eq. (1b): with tap_sum_rounding (the default) each (output, input channel) kernel's codes sum to within half
+    a code of its float sum / s_w (the codes are keep_tap_sums of max-abs rne's, integer for integer), so on inputs
+    whose mean the calibration never saw (here 3 against calibration's 0) the mean shift of the weights' rounding
+    is a fraction of plain rounding's, with no bias correction to rely on."""
     weight = rng_weights(7, 16, 8, 3, 3, scale=0.05)
     nodes = [helper.make_node("Conv", ["x", "W"], ["y"], name="conv")]
     path = save(make_model(nodes, [("x", ["N", 8, 9, 9])], [("y", ["N", 16, 7, 7])], {"W": weight}),
