@@ -10,7 +10,18 @@ requantization multiplier stay finite) and q = 0.
 One exception keeps constant interpolation kernels exact: a channel that max-abs cannot represent exactly but a
 power of two can, scale[c] = 2^ceil(log2(max|w[c]| / 127)) with every w / scale[c] an integer, takes that scale
 (bilinear upsampling's taps 1/16 : 2/16 : 4/16 are 16 : 32 : 64 at scale 2^-8, where max-abs gives 32 : 64 : 127,
-a 0.6% gain error). Trained weights are never all dyadic multiples of one scale, so they keep max-abs."""
+a 0.6% gain error). Trained weights are never all dyadic multiples of one scale, so they keep max-abs.
+
+Tap-sum rounding (`keep_tap_sums`; on by default, compile --no-tap-sum-rounding): for a convolution with more
+than one tap, the codes of each (output channel c, input channel j) kernel are re-rounded so that their sum is the
+nearest integer to the float kernel's sum over the scale, its gain on a constant input (design.md section 3):
+
+    u = w[c, j] / scale[c],  q = rne(u),  k = rne(sum(u) - sum(q)),
+    q' = q + 1 on the k taps with the largest u - q (k > 0; -1 on the -k smallest for k < 0), within +-127,
+
+so |sum(u) - sum(q')| <= 1/2 code (rne alone leaves a random walk of kh*kw rounding errors, sd sqrt(kh kw / 12))
+and every tap stays within one code of u. The mean shift sum_j (sum over taps of the rounding error) E[x_j] that
+bias correction removes for the calibration mean is then at most 1/2 code per input channel for ANY input mean."""
 
 from __future__ import annotations
 
@@ -58,6 +69,23 @@ def quantize_weights(w: np.ndarray, per_channel: bool = True) -> QuantizedWeight
     broadcast = scale.reshape((-1,) + (1,) * (w.ndim - 1)) if per_channel else scale[0]
     q = np.clip(np.rint(w.astype(np.float64) / broadcast.astype(np.float64)), -127, 127).astype(np.int8)
     return QuantizedWeights(q, scale.reshape(-1), per_channel)
+
+
+def keep_tap_sums(rows: np.ndarray, q: np.ndarray, scale: np.ndarray, taps: int) -> np.ndarray:
+    """Tap-sum rounding (module docstring): `rows` (M, C * taps) the float weights of a convolution, `q` their
+    int8 codes at the per-row `scale` (M,), `taps` = kh * kw; returns the re-rounded int8 codes (M, C * taps)."""
+    m = rows.shape[0]
+    u = (rows.astype(np.float64) / np.asarray(scale, np.float64)[:, None]).reshape(m, -1, taps)
+    codes = q.astype(np.int32).reshape(m, -1, taps)
+    residual = u - codes
+    short = np.rint(residual.sum(axis=2)).astype(np.int32)[..., None]  # codes each kernel's sum lacks
+    up = np.where(codes < 127, residual, -np.inf)  # candidates to round up, most deserving first
+    down = np.where(codes > -127, -residual, -np.inf)
+    rank_up = np.argsort(np.argsort(-up, axis=2, kind="stable"), axis=2, kind="stable")
+    rank_down = np.argsort(np.argsort(-down, axis=2, kind="stable"), axis=2, kind="stable")
+    step = ((rank_up < short) & np.isfinite(up)).astype(np.int32) - \
+        ((rank_down < -short) & np.isfinite(down)).astype(np.int32)
+    return (codes + step).reshape(q.shape).astype(np.int8)
 
 
 def _exact_power_of_two(row: np.ndarray, scale: np.float32) -> np.float32:

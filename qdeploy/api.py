@@ -68,7 +68,8 @@ def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTabl
             target: str | os.PathLike | Target | None = None, *, per_tensor: bool = False,
             allow_host_fallback: bool = False, bias_correction: bool = True, bias_shrinkage: bool = False,
             output: str | os.PathLike | None = None, input_shapes: InputShapes | None = None,
-            widen_scales: bool = False, per_channel_depthwise_inputs: bool = False) -> CompileResult:
+            widen_scales: bool = False, per_channel_depthwise_inputs: bool = False,
+            tap_sum_rounding: bool = True) -> CompileResult:
     """Lower `model`, quantize it with the calibration table and the target, and (with `output`) write the
     .qdp program (atomically). A pre-quantized model (QuantizeLinear/DequantizeLinear, QLinearConv) needs no
     table: its own scales and integer weights win, and `calib` only fills the tensors it leaves in float
@@ -77,7 +78,8 @@ def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTabl
     covering its range instead of being refused). `per_channel_depthwise_inputs`: a tensor
     only depthwise GEMMs read gets one scale per channel, s[c] = r[c] s with r[c] from the table's per-channel max
     |x| (lowering/equalize.py `widen_narrow_channels`; docs/design.md section 5); not for a pre-quantized model,
-    whose integer weights are fixed."""
+    whose integer weights are fixed. `tap_sum_rounding`: each convolution kernel's int8 codes sum to the nearest
+    integer of its float sum (calib/weights.py `keep_tap_sums`; on by default: docs/design.md section 3)."""
     path = Path(model)
     table = calib if isinstance(calib, CalibrationTable) or calib is None else CalibrationTable.load(calib)
     target = target if isinstance(target, Target) else load_target_file(target)
@@ -114,7 +116,7 @@ def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTabl
     thresholds = {**table.thresholds, **(stated.thresholds if stated is not None else {})}
     options = CompileOptions(per_channel_weights=target.arithmetic.per_channel_weights and not per_tensor,
                              allow_host_fallback=allow_host_fallback, bias_correction=bias_correction,
-                             bias_shrinkage=bias_shrinkage)
+                             bias_shrinkage=bias_shrinkage, tap_sum_rounding=tap_sum_rounding)
     # The table measured x; the program quantizes x' = x / r (the mean and spread of B's input scale with it).
     means = {name: _divided(r.channel_mean, widened.get(name)) for name, r in table.records.items()
              if r.channel_mean is not None}

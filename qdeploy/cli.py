@@ -316,6 +316,10 @@ def compile(model: Path = typer.Argument(..., help="An .onnx model."),
                                                 help="Shrink each channel's bias correction where the calibration "
                                                      "samples disagree on it (uses the channel spreads in the "
                                                      "table), so inputs unlike them are not pushed further off."),
+            tap_sum_rounding: bool = typer.Option(True, "--tap-sum-rounding/--no-tap-sum-rounding",
+                                                  help="Round each convolution kernel's int8 weights so that their "
+                                                       "sum is the nearest to the float kernel's sum (its gain on "
+                                                       "a constant input), for any input's mean."),
             widen_scales: bool = typer.Option(False, "--widen-scales",
                                               help="Pre-quantized model: give an activation with a zero point other "
                                                    "than 0, or per-channel scales on a tensor that is not only a "
@@ -336,7 +340,8 @@ def compile(model: Path = typer.Argument(..., help="An .onnx model."),
     check_output(output, model, calib, target)
     result = _api().compile(model, calib, target, per_tensor=per_tensor, allow_host_fallback=allow_host_fallback,
                          bias_correction=bias_correction, bias_shrinkage=bias_shrinkage, output=output, input_shapes=parse_input_shapes(input_shape),
-                         widen_scales=widen_scales, per_channel_depthwise_inputs=per_channel_depthwise_inputs)
+                         widen_scales=widen_scales, per_channel_depthwise_inputs=per_channel_depthwise_inputs,
+                         tap_sum_rounding=tap_sum_rounding)
     perf = _api().estimate_performance(model, result.program)
     if json_output:
         layers = [{"name": r.name, "kind": r.kind, "m": r.m, "n": r.n, "k": r.k, "groups": r.groups,

@@ -8,6 +8,10 @@ channel c:
   (2) bias     q_b[c] = rne((b[c] + delta[c]) / (s_in * s_w[c])), saturated to int32, where
   (2b)         delta[c] = sum_k E[x_k] (W[c, k] - s_w[c] q_w[c, k]) corrects the mean shift of the weights'
                rounding (bias correction; E[x] per channel from the calibration table; off: delta = 0)
+  (1b) with tap_sum_rounding (the default), a convolution's codes are re-rounded so that each
+               (c, input channel) kernel's code sum is the nearest integer to its float sum / s_w[c]
+               (calib/weights.py `keep_tap_sums`), before (2b): the mean shift is then at most 1/2 code per input
+               channel whatever the input's mean
   (3) acc[c]   = sum_k q_x[k] * q_w[c, k] + q_b[c]                     (acc_bits, wrap or saturate)
   (4) M[c]     = s_in * s_w[c] / s_out  -> integer mult[c] (Q(mult_bits-1)) and right shift[c]
   (4b) an output a pre-quantized model leaves in float (qdeploy/prequantized.py) with no table to fill it is
@@ -76,7 +80,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from calib.weights import quantize_weights
+from calib.weights import keep_tap_sums, quantize_weights
 from qdeploy import __version__
 from qdeploy_base.errors import BadInput, Unsupported
 from qdeploy.ir import Graph, Node
@@ -131,6 +135,7 @@ class CompileOptions:
     allow_host_fallback: bool = False
     bias_correction: bool = True  # eq. (2b), where the calibration table has the input's channel means
     bias_shrinkage: bool = False  # eq. (2c), where the table also has the spread of the channel means
+    tap_sum_rounding: bool = True  # eq. (1b): each kernel's code sum the nearest to its float sum
 
 
 def _shape(graph: Graph, name: str) -> list:
@@ -374,6 +379,7 @@ class _Compiler:
         self.channel_spreads = {name: np.asarray(spread, np.float64)
                                 for name, spread in (channel_spreads or {}).items()}
         self.shrunk = 0  # GEMMs whose bias correction eq. (2c) shrank (the manifest says whether any was)
+        self.tap_rounded = 0  # GEMMs whose codes eq. (1b) moved (the manifest says whether any were)
         self.arrays: dict[str, np.ndarray] = {}
         self.reports: list[LayerReport] = []
 
@@ -403,6 +409,11 @@ class _Compiler:
             q_w, s_w = quantized.q, quantized.scale.astype(np.float32).astype(np.float64).reshape(-1)
             s_w = np.array(np.broadcast_to(s_w, (rows.shape[0],)))
             q_w, s_w = self._fit_bias(node, rows, bias, q_w, s_w, s_in)
+            taps = int(np.prod(weight.shape[2:])) if node.op == Kind.CONV_GEMM else 1
+            if self.options.tap_sum_rounding and taps > 1:
+                rounded = keep_tap_sums(rows, q_w, s_w, taps)
+                self.tap_rounded += int(np.any(rounded != q_w))
+                q_w = rounded
             correction = self._bias_correction(node, weight, (q_w * s_w[:, None]).reshape(weight.shape))
             if correction is not None:
                 bias = bias + correction
@@ -701,6 +712,7 @@ class _Compiler:
                     "options": {"per_channel_weights": self.options.per_channel_weights,
                                 "bias_correction": self.options.bias_correction and bool(self.channel_means),
                                 **({"bias_shrinkage": True} if self.shrunk else {}),
+                                **({"tap_sum_rounding": True} if self.tap_rounded else {}),
                                 "unsigned_activations": self.target.arithmetic.unsigned_activations,
                                 **({"prequantized": True} if self.stated_weights or self.scales.stated else {})},
                     "inputs": list(graph.inputs), "outputs": list(graph.outputs),

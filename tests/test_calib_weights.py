@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from numpy.testing import assert_array_equal
 
-from calib.weights import ZERO_CHANNEL_SCALE, quantize_weights
+from calib.weights import ZERO_CHANNEL_SCALE, keep_tap_sums, quantize_weights
 
 
 def test_hand_worked_rounding_half_to_even_and_zero_channel():
@@ -61,3 +61,29 @@ def test_an_interpolation_kernel_takes_the_power_of_two_scale_that_represents_it
     trained = np.random.default_rng(0).standard_normal((4, 3, 3, 3)).astype(np.float32)
     assert np.array_equal(quantize_weights(trained).scale,
                           np.abs(trained).reshape(4, -1).max(1).astype(np.float32) / np.float32(127))
+
+
+def test_tap_sum_rounding_hand_worked():
+    """k = rne(sum(u) - sum(q)) taps move one code towards u, those with the largest residual first (the first
+    of equal ones)."""
+    scale = np.array([1.0, 1.0, 1.0])
+    rows = np.array([[0.4, 0.3, 0.45, -0.1],  # sum 1.05, codes 0: one tap up, the 0.45 one
+                     [-0.4, -0.45, -0.3, 0.2],  # sum -0.95, codes 0: one tap down, the -0.45 one
+                     [127.0, 126.6, 0.0, 0.0]])  # sum 253.6, codes 254: nothing short (rne(-0.4) = 0)
+    q = np.rint(rows).astype(np.int8)
+    assert_array_equal(keep_tap_sums(rows, q, scale, 4), [[0, 0, 1, 0], [0, -1, 0, 0], [127, 127, 0, 0]])
+    rows = np.array([[126.6, 126.6, 127.0, 0.0]])  # sum 380.2, codes 381: one down, the first of the two
+    assert_array_equal(keep_tap_sums(rows, np.rint(rows).astype(np.int8), np.ones(1), 4), [[126, 127, 127, 0]])
+
+
+def test_tap_sum_rounding_keeps_each_kernel_sum_within_half_a_code():
+    w = np.random.default_rng(3).standard_normal((16, 4, 3, 3)) * np.linspace(0.1, 2, 16)[:, None, None, None]
+    plain = quantize_weights(w)
+    q = keep_tap_sums(w.reshape(16, -1), plain.q.reshape(16, -1), plain.scale, 9).reshape(w.shape)
+    u = w / plain.scale.astype(np.float64)[:, None, None, None]
+    before = np.abs(u.sum(axis=(2, 3)) - plain.q.astype(np.int64).sum(axis=(2, 3)))
+    after = np.abs(u.sum(axis=(2, 3)) - q.astype(np.int64).sum(axis=(2, 3)))
+    assert after.max() <= 0.5 + 1e-9 and before.max() > 1.0  # rne alone leaves kernels more than a code short
+    assert np.abs(u - q).max() < 1.0 and np.abs(q.astype(np.int64)).max() <= 127
+    moved = q != plain.q
+    assert 0 < moved.sum() <= np.rint(np.abs(u.sum(axis=(2, 3)) - plain.q.astype(np.int64).sum(axis=(2, 3)))).sum()

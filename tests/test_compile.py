@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from builders import make_model, rng_weights, save
 from calib.table import CalibrationTable, TensorRecord
+from calib.weights import keep_tap_sums, quantize_weights
 from qdeploy.reference import run_host_op
 from qdeploy import api
 from qdeploy.calibration import calibrate
@@ -344,6 +345,39 @@ def test_bias_shrinkage_keeps_the_correction_the_samples_agree_on(tmp_path):
     # the flipping channels' spread (3) dwarfs their mean (about 0): their part of each correction is dropped
     assert np.all(spread[4:] > 2.9) and np.all(spread[:4] < 0.1)
     assert np.any(np.abs(want) < 0.5 * np.abs(plain.arrays[plain_gemm["bias"]]))
+
+
+def test_tap_sum_rounding_keeps_each_kernels_gain_for_any_input_mean(tmp_path):
+    """Eq. (1b): with tap_sum_rounding (the default) each (output, input channel) kernel's codes sum to within half
+    a code of its float sum / s_w (the codes are keep_tap_sums of max-abs rne's, integer for integer), so on inputs
+    whose mean the calibration never saw (here 3 against calibration's 0) the mean shift of the weights' rounding
+    is a fraction of plain rounding's, with no bias correction to rely on."""
+    weight = rng_weights(7, 16, 8, 3, 3, scale=0.05)
+    nodes = [helper.make_node("Conv", ["x", "W"], ["y"], name="conv")]
+    path = save(make_model(nodes, [("x", ["N", 8, 9, 9])], [("y", ["N", 16, 7, 7])], {"W": weight}),
+                tmp_path / "conv.onnx")
+    rng = np.random.default_rng(8)
+    signs = np.where(np.arange(32) % 2, 3.0, -3.0)[:, None, None, None]  # channel means 0, the range of +-3
+    table = calibrate(path, (signs + 0.1 * rng.standard_normal((32, 8, 9, 9))).astype(np.float32), "max",
+                      num_samples=32, batch_size=16).table
+    plain = api.compile(path, table, tap_sum_rounding=False).program
+    rounded = api.compile(path, table).program  # the default
+    assert "tap_sum_rounding" not in plain.manifest["options"] and rounded.manifest["options"]["tap_sum_rounding"]
+    (gemm,) = [i for i in rounded.instructions if i["kind"] == "ConvGemm"]
+    expected = quantize_weights(weight.reshape(16, -1))
+    np.testing.assert_array_equal(rounded.arrays[gemm["weight"]],
+                                  keep_tap_sums(weight.reshape(16, -1), expected.q, expected.scale, 9))
+    s_w = rounded.arrays[gemm["weight_scale"]].astype(np.float64)
+    u = weight.astype(np.float64).reshape(16, 8, 9) / s_w[:, None, None]
+    codes = rounded.arrays[gemm["weight"]].astype(np.int64).reshape(16, 8, 9)
+    assert np.abs(u.sum(axis=2) - codes.sum(axis=2)).max() <= 0.5 + 1e-9
+    x = (3.0 + 0.1 * rng.standard_normal((16, 8, 9, 9))).astype(np.float32)  # a mean unlike calibration's 0
+    want = api.run(path, x)["y"].astype(np.float64)
+    shifts = {}
+    for label, program in (("plain", plain), ("tap sums", rounded)):
+        got = api.run(program, x, dequantize=True)["y"].astype(np.float64)
+        shifts[label] = np.abs((got - want).mean(axis=(0, 2, 3))).mean()
+    assert shifts["tap sums"] < 0.5 * shifts["plain"]
 
 
 def test_channel_with_tiny_weights_and_large_bias_does_not_overflow(tmp_path):
