@@ -119,7 +119,8 @@ def fused_ops_of(instr: Instruction, tensors: dict, arithmetic, arrays: dict | N
     ops = []
     if instr.kind in WEIGHTED_GEMM_KINDS and (arrays is None or bool(arrays[instr.bias].any())):
         ops.append("BiasAdd")
-    dtype = tensors[instr.output]["dtype"]
+    lookup = instr.stage.lookup  # the clamp bounds the table's input, whose dtype is not the output's
+    dtype = lookup.input_dtype if lookup is not None else tensors[instr.output]["dtype"]
     full = {"uint8": (0, 255), "int32": (-(2 ** 31 - 1), 2 ** 31 - 1)}.get(dtype, (arithmetic.act_min, arithmetic.act_max))
     clamp = instr.stage.clamp  # None: the row-reciprocal store (int32 words, no clamp; lowering/rows.py)
     if clamp is not None and ((clamp.lo, clamp.hi) != tuple(full) or dtype == "uint8"):

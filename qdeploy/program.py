@@ -33,7 +33,7 @@ from qdeploy_base.errors import BadInput
 from qdeploy_base.fileio import MAX_DEFLATE_RATIO, atomic_write, check_input, read_npy
 from isa.checks import TENSOR_DTYPES, InvalidRecord, ProgramView, field_of, ints, is_int, is_positive_number
 from isa.instructions import RECORDS, Instruction, from_manifest
-from isa.kinds import RESHAPE_KINDS, Kind, UnknownKind, handler
+from isa.kinds import RESHAPE_KINDS, VIEW_KINDS, Kind, UnknownKind, handler
 from isa.target import Arithmetic, TargetError, target_from_dict
 
 FORMAT = "qdeploy-program"
@@ -201,7 +201,8 @@ def _check_axis_scales(record: dict, where: str) -> None:
 
 def _check_zero_point(name: str, record: dict, manifest: dict, where: str) -> None:
     """`zero_point` is an integer 1..255 of a uint8 tensor that only GEMMs with constant weights read, as their
-    first input (they fold it into their bias and padding: quantize.py eq. (10)), and that is no program output."""
+    first input (they fold it into their bias and padding: quantize.py eq. (10)), or views whose output has the
+    same zero point, and that is no program output."""
     zero_point = record["zero_point"]
     if record["dtype"] != "uint8" or not is_int(zero_point) or not 0 < zero_point <= 255:
         raise InvalidRecord(f"{where}: zero_point must be an integer 1..255 of a uint8 tensor, got "
@@ -210,10 +211,14 @@ def _check_zero_point(name: str, record: dict, manifest: dict, where: str) -> No
         raise InvalidRecord(f"{where}: a tensor with a zero point cannot be a program output")
     for instr in manifest["instructions"]:
         inputs = instr.get("inputs") if isinstance(instr, dict) else None
-        if isinstance(inputs, list) and name in inputs and (
-                instr.get("kind") not in (Kind.CONV_GEMM, Kind.DENSE_GEMM) or name in inputs[1:]):
+        if not isinstance(inputs, list) or name not in inputs:
+            continue
+        output = manifest["tensors"].get(instr.get("output"))
+        view = instr.get("kind") in VIEW_KINDS and isinstance(output, dict) and output.get("zero_point") == zero_point
+        if not view and (instr.get("kind") not in (Kind.CONV_GEMM, Kind.DENSE_GEMM) or name in inputs[1:]):
             raise InvalidRecord(f"{where}: instruction '{instr.get('name')}' ({instr.get('kind')}) reads it, but "
-                                f"only a ConvGemm or DenseGemm may read a tensor with a zero point, as its input x")
+                                f"only a ConvGemm or DenseGemm (as its input x) or a view of the same zero point may "
+                                f"read a tensor with a zero point")
 
 
 def validate_program(program: Program) -> None:

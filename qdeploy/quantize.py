@@ -62,7 +62,8 @@ shared buffer, so every producer takes the Concat's output scale, except where n
 
 A lookup table's output of a function bounded below by f_min < 0 (SiLU -0.278, GELU -0.170, Mish -0.309,
 HardSwish -0.375, ...; f_min = the least of f over the table's 256 inputs) that only GEMMs with constant weights
-read (ConvGemm, DenseGemm, as their x; not a program output) is stored with a zero point, where that is finer:
+read (ConvGemm, DenseGemm, as their x, directly or through views; not a program output) is stored with a zero
+point, where that is finer (a view of it has the same zero point):
 
   (10) s = f32((T - f_min) / 255) < T / 127,  zp = round(-f_min / s),  q = clamp(rne(y / s) + zp, 0, 255) (uint8):
        the table's entries table[i] = clamp(rne(f(p_i s_p) / s) + zp, 0, 255); each reader folds the offset in
@@ -194,6 +195,8 @@ class _Scales:
                     self._lower_bounded(out, float(thresholds[out]), stage.lookup)
             elif node.op in VIEW_KINDS:
                 self.scale[out], self.unsigned[out] = self.scale[node.inputs[0]], self.unsigned[node.inputs[0]]
+                if node.inputs[0] in self.zero_point:  # eq. (10): a view of the codes has their zero point
+                    self.zero_point[out] = self.zero_point[node.inputs[0]]
                 if node.inputs[0] in self.wide:  # a view of int32 words
                     self.wide.add(out)
             else:  # a channel Concat's buffer, or a host op's output (requantized on the host)
@@ -208,14 +211,16 @@ class _Scales:
     def _folds_zero_point(self, name: str, consumers: dict[str, list[Node]]) -> bool:
         """Eq. (10) applies to `name`: no program output, and every reader a ConvGemm or DenseGemm with constant
         weights that reads it as its x with a plain zero-padded read and no output_scale rule, row scale or
-        row-reciprocal store: each folds the zero point into its bias and pads with its code."""
+        row-reciprocal store (each folds the zero point into its bias and pads with its code), or a view (reshape,
+        slice, permutation: the same codes) whose output only such GEMMs read in turn."""
         readers = consumers.get(name, [])
         return bool(readers) and name not in self.graph.outputs and all(
-            reader.op in (Kind.CONV_GEMM, Kind.DENSE_GEMM) and reader.inputs[0] == name
-            and name not in reader.inputs[1:] and not reader.attrs.get("integer_weights")
-            and "output_scale" not in reader.attrs and not row_scale_input(reader)
-            and output_stage(reader).step(RowReciprocal) is None
-            and all(reader.attrs.get(key) is None for key in ("upsample", "upsample_fill", "pad_fill"))
+            (reader.op in VIEW_KINDS and self._folds_zero_point(reader.outputs[0], consumers))
+            or (reader.op in (Kind.CONV_GEMM, Kind.DENSE_GEMM) and reader.inputs[0] == name
+                and name not in reader.inputs[1:] and not reader.attrs.get("integer_weights")
+                and "output_scale" not in reader.attrs and not row_scale_input(reader)
+                and output_stage(reader).step(RowReciprocal) is None
+                and all(reader.attrs.get(key) is None for key in ("upsample", "upsample_fill", "pad_fill")))
             for reader in readers)
 
     def _lower_bounded(self, name: str, threshold: float, lookup) -> None:

@@ -132,6 +132,28 @@ def test_a_dense_reader_folds_the_zero_point(tmp_path):
     assert error.max() < 0.25 * record["zero_point"] * record["scale"]
 
 
+def test_a_view_between_keeps_the_zero_point(tmp_path):
+    """Conv (pad 1) -> SiLU -> Flatten -> Gemm: the Flatten's output is the same codes with the same zero point,
+    which the DenseGemm folds (a transformer's GELU -> Reshape -> Linear is this)."""
+    n = helper.make_node
+    inits = {"W0": rng_weights(1, 4, 3, 3, 3), "B0": rng_weights(2, 4), "W1": rng_weights(3, 5, 64),
+             "B1": rng_weights(4, 5)}
+    nodes = [n("Conv", ["x", "W0", "B0"], ["c"], pads=[1, 1, 1, 1]), n("Sigmoid", ["c"], ["s"]),
+             n("Mul", ["c", "s"], ["a"]), n("Flatten", ["a"], ["f"]), n("Gemm", ["f", "W1", "B1"], ["y"], transB=1)]
+    path = save(make_model(nodes, [("x", ["N", 3, 4, 4])], [("y", ["N", 5])], inits), tmp_path / "view.onnx")
+    x = np.random.default_rng(6).standard_normal((4, 3, 4, 4)).astype(np.float32)
+    program = api.compile(path, max_table(path, x), EXACT_TARGETS["unsigned"]).program
+    zero_points = {name: record["zero_point"] for name, record in program.tensors.items() if "zero_point" in record}
+    assert set(zero_points) == {"a", "f"} and zero_points["a"] == zero_points["f"]
+    run = Machine(program).run({"x": x}, dump=True)
+    twin_checked_steps(program, run, EXACT_TARGETS["unsigned"].arithmetic)
+    assert_bit_exact(compare_per_tensor(program, {"x": x}, DEFAULT))
+    broken = copy.deepcopy(program)
+    del broken.manifest["tensors"]["f"]["zero_point"]
+    with pytest.raises(InvalidRecord, match="or a view of the same zero point"):
+        validate_program(broken)
+
+
 def test_a_padding_that_does_not_read_the_zero_point_is_refused(tmp_path):
     _, program = compiled(tmp_path)
     conv1 = next(i for i, instr in enumerate(program.instructions) if instr["name"].endswith("conv1"))
