@@ -45,7 +45,7 @@ QDEPLOY_VARIANTS: dict[str, dict] = {
     "qdeploy --bias-shrinkage": {"bias_shrinkage": True},
     "qdeploy --no-bias-correction": {"bias_correction": False},
     "qdeploy --per-channel-depthwise-inputs": {"per_channel_depthwise_inputs": True},
-    "qdeploy --no-tap-sum-rounding": {"tap_sum_rounding": False},
+    "qdeploy --tap-sum-rounding": {"tap_sum_rounding": True},
 }
 PEER_GROUPS = ("ONNX Runtime", "NNCF", "ModelOpt", "INC")
 

@@ -12,7 +12,7 @@ power of two can, scale[c] = 2^ceil(log2(max|w[c]| / 127)) with every w / scale[
 (bilinear upsampling's taps 1/16 : 2/16 : 4/16 are 16 : 32 : 64 at scale 2^-8, where max-abs gives 32 : 64 : 127,
 a 0.6% gain error). Trained weights are never all dyadic multiples of one scale, so they keep max-abs.
 
-Tap-sum rounding (`keep_tap_sums`; on by default, compile --no-tap-sum-rounding): for a convolution with more
+Tap-sum rounding (`keep_tap_sums`; off by default, compile --tap-sum-rounding): for a convolution with more
 than one tap, the codes of each (output channel c, input channel j) kernel are re-rounded so that their sum is the
 nearest integer to the float kernel's sum over the scale, its gain on a constant input (design.md section 3):
 

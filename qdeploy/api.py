@@ -69,7 +69,7 @@ def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTabl
             allow_host_fallback: bool = False, bias_correction: bool = True, bias_shrinkage: bool = False,
             output: str | os.PathLike | None = None, input_shapes: InputShapes | None = None,
             widen_scales: bool = False, per_channel_depthwise_inputs: bool = False,
-            tap_sum_rounding: bool = True) -> CompileResult:
+            tap_sum_rounding: bool = False) -> CompileResult:
     """Lower `model`, quantize it with the calibration table and the target, and (with `output`) write the
     .qdp program (atomically). A pre-quantized model (QuantizeLinear/DequantizeLinear, QLinearConv) needs no
     table: its own scales and integer weights win, and `calib` only fills the tensors it leaves in float
@@ -79,7 +79,7 @@ def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTabl
     only depthwise GEMMs read gets one scale per channel, s[c] = r[c] s with r[c] from the table's per-channel max
     |x| (lowering/equalize.py `widen_narrow_channels`; docs/design.md section 5); not for a pre-quantized model,
     whose integer weights are fixed. `tap_sum_rounding`: each convolution kernel's int8 codes sum to the nearest
-    integer of its float sum (calib/weights.py `keep_tap_sums`; on by default: docs/design.md section 3)."""
+    integer of its float sum (calib/weights.py `keep_tap_sums`; off by default: docs/design.md section 3)."""
     path = Path(model)
     table = calib if isinstance(calib, CalibrationTable) or calib is None else CalibrationTable.load(calib)
     target = target if isinstance(target, Target) else load_target_file(target)

@@ -316,7 +316,7 @@ def compile(model: Path = typer.Argument(..., help="An .onnx model."),
                                                 help="Shrink each channel's bias correction where the calibration "
                                                      "samples disagree on it (uses the channel spreads in the "
                                                      "table), so inputs unlike them are not pushed further off."),
-            tap_sum_rounding: bool = typer.Option(True, "--tap-sum-rounding/--no-tap-sum-rounding",
+            tap_sum_rounding: bool = typer.Option(False, "--tap-sum-rounding/--no-tap-sum-rounding",
                                                   help="Round each convolution kernel's int8 weights so that their "
                                                        "sum is the nearest to the float kernel's sum (its gain on "
                                                        "a constant input), for any input's mean."),

@@ -8,7 +8,7 @@ channel c:
   (2) bias     q_b[c] = rne((b[c] + delta[c]) / (s_in * s_w[c])), saturated to int32, where
   (2b)         delta[c] = sum_k E[x_k] (W[c, k] - s_w[c] q_w[c, k]) corrects the mean shift of the weights'
                rounding (bias correction; E[x] per channel from the calibration table; off: delta = 0)
-  (1b) with tap_sum_rounding (the default), a convolution's codes are re-rounded so that each
+  (1b) with tap_sum_rounding (off by default), a convolution's codes are re-rounded so that each
                (c, input channel) kernel's code sum is the nearest integer to its float sum / s_w[c]
                (calib/weights.py `keep_tap_sums`), before (2b): the mean shift is then at most 1/2 code per input
                channel whatever the input's mean
@@ -136,7 +136,7 @@ class CompileOptions:
     allow_host_fallback: bool = False
     bias_correction: bool = True  # eq. (2b), where the calibration table has the input's channel means
     bias_shrinkage: bool = False  # eq. (2c), where the table also has the spread of the channel means
-    tap_sum_rounding: bool = True  # eq. (1b): each kernel's code sum the nearest to its float sum
+    tap_sum_rounding: bool = False  # eq. (1b): each kernel's code sum the nearest to its float sum
 
 
 def _shape(graph: Graph, name: str) -> list:

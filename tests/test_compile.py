@@ -348,7 +348,7 @@ def test_bias_shrinkage_keeps_the_correction_the_samples_agree_on(tmp_path):
 
 
 def test_tap_sum_rounding_keeps_each_kernels_gain_for_any_input_mean(tmp_path):
-    """Eq. (1b): with tap_sum_rounding (the default) each (output, input channel) kernel's codes sum to within half
+    """Eq. (1b): with tap_sum_rounding each (output, input channel) kernel's codes sum to within half
     a code of its float sum / s_w (the codes are keep_tap_sums of max-abs rne's, integer for integer), so on inputs
     whose mean the calibration never saw (here 3 against calibration's 0) the mean shift of the weights' rounding
     is a fraction of plain rounding's, with no bias correction to rely on."""
@@ -361,7 +361,7 @@ def test_tap_sum_rounding_keeps_each_kernels_gain_for_any_input_mean(tmp_path):
     table = calibrate(path, (signs + 0.1 * rng.standard_normal((32, 8, 9, 9))).astype(np.float32), "max",
                       num_samples=32, batch_size=16).table
     plain = api.compile(path, table, tap_sum_rounding=False).program
-    rounded = api.compile(path, table).program  # the default
+    rounded = api.compile(path, table, tap_sum_rounding=True).program
     assert "tap_sum_rounding" not in plain.manifest["options"] and rounded.manifest["options"]["tap_sum_rounding"]
     (gemm,) = [i for i in rounded.instructions if i["kind"] == "ConvGemm"]
     expected = quantize_weights(weight.reshape(16, -1))

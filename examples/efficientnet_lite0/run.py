@@ -17,14 +17,14 @@
    prints the ablation's commands);
 4. before the report, measures the peer, ONNX Runtime's quantize_static (ort_peer.py), on the same images, so
    the report's "Peer" section puts its figures next to ours;
-5. and the ablation: one program per default fidelity option (the KL clipping budget, bias correction, tap-sum
-   rounding, unsigned activations) alone on plain quantization and left out of the defaults, and per option that is not a default
+5. and the ablation: one program per default fidelity option (the KL clipping budget, bias correction, unsigned
+   activations) alone on plain quantization and left out of the defaults, and per option that is not a default
    (cross-layer equalization, per-tensor weights, MSE thresholds), run on the same images, for the report's
    "Ablation" section.
 
 The report (report.md, report.json, PNGs) goes to REPORT_DIR; the model, images, calibration table, program and
 ONNX Runtime's models to OUTDIR (both git-ignored by default). About 5 minutes on 2 CPU cores, 1.5 of them ONNX
-Runtime's calibrations (cached in OUTDIR/onnxruntime/ for later runs) and 1.5 the ablation's fifteen programs
+Runtime's calibrations (cached in OUTDIR/onnxruntime/ for later runs) and 1.5 the ablation's thirteen programs
 (--no-ablation skips it)."""
 
 from __future__ import annotations
@@ -69,25 +69,20 @@ class AblationRow:
 
 
 NO_BIAS_CORRECTION = ("--no-bias-correction",)
-NO_TAP_SUMS = ("--no-tap-sum-rounding",)
-PLAIN = NO_BIAS_CORRECTION + NO_TAP_SUMS
 
-# The four default options (the KL clipping budget, bias correction, tap-sum rounding, unsigned activations): first
-# each alone on top of plain post-training quantization (KL rule (6), no bias correction, plain rounding of the
-# weights, int8 everywhere), then the defaults
+# The three default options (the KL clipping budget, bias correction, unsigned activations): first each alone on
+# top of plain post-training quantization (KL rule (6), no bias correction, int8 everywhere), then the defaults
 # and the defaults without each; then what is not on by default: cross-layer equalization, per-tensor weights,
 # MSE thresholds, the bias correction's shrinkage (quantize.py eq. (2c)), per-channel scales of the tensors only
 # depthwise convolutions read (lowering/equalize.py widen_narrow_channels).
-ABLATION = [AblationRow("plain: KL rule (6), no bias correction, plain weight rounding, int8", compile=PLAIN,
-                        signed=True, rule6=True),
-            AblationRow("plain + clipping budget (rule (7))", compile=PLAIN, signed=True),
-            AblationRow("plain + bias correction", compile=NO_TAP_SUMS, signed=True, rule6=True),
-            AblationRow("plain + tap-sum rounding", compile=NO_BIAS_CORRECTION, signed=True, rule6=True),
-            AblationRow("plain + unsigned activations", compile=PLAIN, rule6=True),
-            AblationRow("defaults (all four)"),
+ABLATION = [AblationRow("plain: KL rule (6), no bias correction, int8", compile=NO_BIAS_CORRECTION, signed=True,
+                        rule6=True),
+            AblationRow("plain + clipping budget (rule (7))", compile=NO_BIAS_CORRECTION, signed=True),
+            AblationRow("plain + bias correction", signed=True, rule6=True),
+            AblationRow("plain + unsigned activations", compile=NO_BIAS_CORRECTION, rule6=True),
+            AblationRow("defaults (all three)"),
             AblationRow("defaults without the clipping budget", rule6=True),
             AblationRow("defaults without bias correction", compile=NO_BIAS_CORRECTION),
-            AblationRow("defaults without tap-sum rounding", compile=NO_TAP_SUMS),
             AblationRow("defaults without unsigned activations", signed=True),
             AblationRow("defaults + cross-layer equalization", calibrate=("--equalize",)),
             AblationRow("defaults with per-tensor weights", compile=("--per-tensor",)),

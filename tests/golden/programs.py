@@ -143,30 +143,26 @@ def _target(api, array=None, **arithmetic):
 
 # name -> (model builder, input shape, calibration method, equalize, target keys, compile options)
 # Each case pins the keys it is named after, signedness included (unsigned_activations became the default in
-# issue 17; the cases recorded before keep int8 activations) and tap-sum rounding (OLD); "defaults" takes every
-# default.
+# issue 17; the cases recorded before keep int8 activations); "defaults" takes every default.
 SIGNED = {"unsigned_activations": False}
-# Tap-sum rounding (calib/weights.py keep_tap_sums) became the default in issue 31; every case has a 3x3 conv, so
-# it applies to all, and the cases recorded before pin it off: only "inverted_residual_defaults" changed with it.
-OLD = {"tap_sum_rounding": False}
 CASES = {
-    "residual_half_up": (residual_net, (3, 12, 11), "kl", False, SIGNED, OLD),
+    "residual_half_up": (residual_net, (3, 12, 11), "kl", False, SIGNED, {}),
     "residual_float32_rne_unsigned": (residual_net, (3, 12, 11), "kl", False,
-                                      {"rounding": "float32_rne", "act_min": -128, "unsigned_activations": True}, OLD),
+                                      {"rounding": "float32_rne", "act_min": -128, "unsigned_activations": True}, {}),
     "residual_tflite_saturate_per_tensor": (residual_net, (3, 12, 11), "percentile", False,
                                             {"rounding": "tflite", "overflow": "saturate", "acc_bits": 24, **SIGNED},
-                                            {"per_tensor": True, **OLD}),
+                                            {"per_tensor": True}),
     "inverted_residual_equalized_half_even": (inverted_residual_net, (4, 9, 9), "mse", True,
-                                              {"rounding": "half_even", **SIGNED}, OLD),
+                                              {"rounding": "half_even", **SIGNED}, {}),
     # a target without lookup tables: the Sigmoid stays a host op
     "host_op_half_away": (host_op_net, (2, 6, 6), "max", False, {"rounding": "half_away", **SIGNED,
                                                                  "array": {"lookup_tables": 0}},
-                          {"allow_host_fallback": True, **OLD}),
+                          {"allow_host_fallback": True}),
     "lookup_float32_rne": (lookup_net, (3, 8, 8), "kl", False, {"rounding": "float32_rne", "act_min": -128,
-                                                                "unsigned_activations": False}, OLD),
-    "lookup_half_up_unsigned": (lookup_net, (3, 8, 8), "kl", False, {"unsigned_activations": True}, OLD),
+                                                                "unsigned_activations": False}, {}),
+    "lookup_half_up_unsigned": (lookup_net, (3, 8, 8), "kl", False, {"unsigned_activations": True}, {}),
     "decoder_float32_rne": (decoder_net, (3, 4, 5), "kl", False, {"rounding": "float32_rne", "act_min": -128,
-                                                                  **SIGNED}, OLD),
+                                                                  **SIGNED}, {}),
     "inverted_residual_defaults": (inverted_residual_net, (4, 9, 9), "kl", False, {}, {}),
 }
 
