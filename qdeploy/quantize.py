@@ -148,6 +148,13 @@ def rne(x: np.ndarray) -> np.ndarray:
     return np.round(np.asarray(x, np.float64))
 
 
+def _table_inputs_mapped(lookup, input_scale: float, unsigned_input: bool) -> np.ndarray:
+    """f at a lookup table's 256 inputs p * s_p, p = 0..255 (uint8 input) or -128..127 (int8): eq. (5b)'s table
+    before its output rounding, and eq. (10)'s f_min."""
+    codes = np.arange(256, dtype=np.float64) + (0 if unsigned_input else -128)
+    return evaluate(lookup.function, dict(lookup.params), codes * input_scale)
+
+
 class _Scales:
     """Per-tensor quantization: scale and signedness, from the calibration thresholds; a pre-quantized
     model's tensors take the signedness the model states (`stated`)."""
@@ -227,10 +234,8 @@ class _Scales:
         """Eq. (10): the table's output `name` lies in [f_min, T] (f_min = min of f over the table's 256 inputs, T
         its threshold); where f_min < 0 and (T - f_min) / 255 is finer than zero point 0's T / 127, it becomes
         uint8 with s = (T - f_min) / 255 and the zero point zp = round(-f_min / s)."""
-        s_p, p_unsigned = self.lookup_input[name]
-        codes = np.arange(256, dtype=np.float64) + (0 if p_unsigned else -128)
         with np.errstate(over="ignore", invalid="ignore"):
-            f_min = float(np.min(evaluate(lookup.function, dict(lookup.params), codes * s_p)))
+            f_min = float(np.min(_table_inputs_mapped(lookup, *self.lookup_input[name])))
         if not (math.isfinite(f_min) and f_min < 0):
             return
         scale = float(np.float32((threshold - f_min) / 255.0))
@@ -661,9 +666,8 @@ class _Compiler:
             raise Unsupported(f"node '{node.name}' ({node.op}) applies {lookup.function} as a lookup "
                               f"table and the target has none (lookup_tables = 0)")
         s_p, unsigned = self.scales.lookup_input[y]
-        codes = np.arange(256, dtype=np.float64) + (0 if unsigned else -128)
         function = lookup.function
-        values = evaluate(function, dict(lookup.params), codes * s_p)
+        values = _table_inputs_mapped(lookup, s_p, unsigned)
         out_lo, out_hi = self.scales.range(y)
         with np.errstate(over="ignore", invalid="ignore"):  # eq. (10): the codes shifted by the zero point
             table = np.clip(np.round(values / self.scales.scale[y]) + self.scales.zero_point.get(y, 0), out_lo, out_hi)
