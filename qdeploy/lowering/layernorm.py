@@ -298,17 +298,84 @@ def _lower_one(graph: Graph, node: Node, readers: list[Node], centred: bool
         back, viewed = row_view(out.graph, f"{y}/from_rows", normal.name, shape, graph.tensors[x].rows)
         out.add(Lowered([view.replace(outputs=[y]) for view in back.nodes],
                         [t for t in back.tensors if t.name != viewed]))
-    replaced = {}
+    folded, replaced = _fold_beta(out.graph, _beta(graph, node), readers)
+    return out.nodes, out.tensors + folded, replaced
+
+
+def _beta(graph: Graph, node: Node) -> np.ndarray | None:
+    """A LayerNormalization's beta where it is given and not all zero, else None."""
     beta = graph.constant_data(node.inputs[2]) if len(node.inputs) > 2 and node.inputs[2] else None
-    if beta is not None and np.any(beta):
-        for reader in readers:
-            w, b = (graph.constant_data(name).astype(np.float64) for name in reader.inputs[1:3])
-            folded = constant(out.graph.unique_name(f"{reader.name}_bias_beta"),
-                              (b + w @ beta.reshape(-1)).astype(np.float32))
-            out.tensors.append(folded)
-            replaced[reader.name] = reader.replace(inputs=[reader.inputs[0], reader.inputs[1], folded.name,
-                                                           *reader.inputs[3:]])
-    return out.nodes, out.tensors, replaced
+    return beta if beta is not None and np.any(beta) else None
+
+
+def _fold_beta(graph: Graph, beta: np.ndarray | None, readers: list[Node]) -> tuple[list[Tensor], dict[str, Node]]:
+    """beta moved into the bias of each DenseGemm reading the normalized rows: b' = b + W beta (the new bias
+    tensors, and reader name -> the reader with its new bias)."""
+    tensors, replaced = [], {}
+    for reader in readers if beta is not None else []:
+        w, b = (graph.constant_data(name).astype(np.float64) for name in reader.inputs[1:3])
+        folded = constant(graph.unique_name(f"{reader.name}_bias_beta"), (b + w @ beta.reshape(-1)).astype(np.float32))
+        tensors.append(folded)
+        replaced[reader.name] = reader.replace(inputs=[reader.inputs[0], reader.inputs[1], folded.name,
+                                                       *reader.inputs[3:]])
+    return tensors, replaced
+
+
+def split_over_token_concats(graph: Graph) -> Graph:
+    """LN(Concat(a_1, ..., a_n, axis k)) -> Concat(LN(a_1), ..., LN(a_n), axis k) for a LayerNormalization over the
+    last axis whose input is a Concat of activations along a token axis k (neither the batch nor the channels).
+    Exact, since the normalization is per row: LN(x)[t] depends on row t alone. Each part is then normalized
+    from its own tensor at its own activation scale instead of from the Concat's one scale, which leaves a part
+    whose rows are much smaller than the others' (CaiT's class token, whose row is 30x below the patch rows at
+    random initialization: about 4 codes) a few codes and the normalization blows that rounding up to the row's
+    full size; the normalized parts are all of unit size, so one scale suits the Concat of them. beta moves into
+    the readers' biases once, here (the parts carry none), so it needs readers `_beta_readers` accepts; the
+    Concat itself stays where something else reads it."""
+    while True:
+        producers, consumers = graph.producers(), graph.consumers()
+        for node in graph.nodes:
+            concat = producers.get(node.inputs[0]) if _is_candidate(graph, node) else None
+            if concat is None or concat.op != "Concat" or len(concat.inputs) < 2:
+                continue
+            rank = len(_shape(graph, concat.outputs[0]))
+            if int(concat.attrs.get("axis", 0)) % rank in (0, rank - 1) or any(
+                    graph.constant_data(part) is not None or graph.tensors[part].shape is None
+                    or not np.issubdtype(graph.tensors[part].dtype, np.floating) for part in concat.inputs):
+                continue
+            y, beta = node.outputs[0], _beta(graph, node)
+            readers = _beta_readers(graph, y, rank - 1, consumers)
+            if beta is not None and readers is None:
+                continue
+            tensors, replaced = _fold_beta(graph, beta, readers or [])
+            taken = {t.name for t in tensors}
+
+            def fresh(base: str) -> str:
+                name, i = base, 0
+                while name in taken or graph.unique_name(name) != name:
+                    i += 1
+                    name = f"{base}_{i}"
+                taken.add(name)
+                return name
+
+            parts = []
+            for k, part in enumerate(concat.inputs):
+                source = graph.tensors[part]
+                tensors.append(Tensor(fresh(f"{y}/part{k}"), source.shape, source.dtype, rows=source.rows))
+                parts.append(node.replace(name=fresh(f"{node.name}/part{k}"), inputs=[part, node.inputs[1]],
+                                          outputs=[tensors[-1].name]))
+            joined = concat.replace(name=fresh(f"{node.name}/concat"),
+                                    inputs=[part.outputs[0] for part in parts], outputs=[y])
+            stays = concat.outputs[0] in graph.outputs or len(consumers[concat.outputs[0]]) > 1
+            nodes = []
+            for n in graph.nodes:
+                if n is node:
+                    nodes += [*parts, joined]
+                elif n is not concat or stays:
+                    nodes.append(replaced.get(n.name, n))
+            graph = graph.with_nodes(nodes, tensors)
+            break
+        else:
+            return graph
 
 
 def _constant_rows(graph: Graph, x: str) -> dict[int, np.ndarray]:
@@ -375,6 +442,7 @@ def lower_layernorms(graph: Graph) -> Graph:
     into its readers' biases into the sum of squares and the normalizing GEMM (module docstring), after the row
     mean's subtraction where its stream is not centred; any other LayerNormalization stays a host op (`host_reason`
     says why: `layernorm_refusal`)."""
+    graph = split_over_token_concats(graph)
     candidates = {node.name for node in graph.nodes if _is_candidate(graph, node)}
     centred: set[str] = set()
     for node in graph.nodes:
