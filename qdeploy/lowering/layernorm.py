@@ -34,6 +34,10 @@ computed at compile time and written by a per-element affine GEMM after the norm
 as bias there, weight 1 elsewhere, at the normalized rows' scale), since one scale for the token tensor leaves such
 a small row few codes.
 
+Token Concats (`split_over_token_concats`): LN(Concat(a_1, ..., a_n)) along a token axis is Concat(LN(a_1), ...,
+LN(a_n)), exactly (the normalization is per row), so each part is normalized from its own tensor at its own scale:
+a small class row concatenated with large patch rows keeps its codes (CaiT's class attention).
+
 An exporter's decomposed LayerNorm (ReduceMean, Sub, Pow, ReduceMean, Add, Sqrt, Div) is not recognised: torch's
 dynamo and TorchScript exports of the zoo's ViT and DeiT-style models both emit LayerNormalization (opset 17)."""
 
