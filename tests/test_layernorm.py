@@ -459,3 +459,26 @@ def test_a_layernorm_over_a_token_concat_normalizes_each_part_from_its_own_tenso
     got = api.run(_program(path), x, dequantize=True)["y"]
     assert _sqnr(expected[:, :1], got[:, :1]) >= 30.0
     assert _sqnr(expected[:, 1:], got[:, 1:]) >= 26.0
+
+
+def test_a_split_layernorm_exports_to_onnx_and_runs_as_its_twins_bit_exact(tmp_path):
+    """The token-Concat block's program (two LayerNorms writing the parts of one Concat): the machine equals the
+    Python-int twins instruction by instruction, and its ONNX export gives ONNX Runtime the machine's outputs
+    exactly (float32_rne)."""
+    import onnxruntime as ort
+
+    from isa.target import Arithmetic, Target
+    from qdeploy import api
+    from simulator.machine import Machine
+
+    path = _token_concat_model(tmp_path / "concat.onnx")
+    arithmetic = Arithmetic(rounding="float32_rne")
+    program = _program(path, Target(arithmetic=arithmetic))
+    x = _inputs(4, 6)
+    run = Machine(program).run({"x": x}, dump=True)
+    assert {"sum_of_squares", "normalize"} <= twin_checked_steps(program, run, arithmetic)
+    api.export_onnx(program, tmp_path / "concat_int8.onnx")
+    session = ort.InferenceSession(str(tmp_path / "concat_int8.onnx"), providers=["CPUExecutionProvider"])
+    exported = dict(zip([o.name for o in session.get_outputs()], session.run(None, {"x": x})))
+    for name in program.outputs:
+        np.testing.assert_array_equal(exported[name], run.outputs[name], err_msg=name)
