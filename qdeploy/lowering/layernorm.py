@@ -339,7 +339,7 @@ def split_over_token_concats(graph: Graph) -> Graph:
         producers, consumers = graph.producers(), graph.consumers()
         for node in graph.nodes:
             concat = producers.get(node.inputs[0]) if _is_candidate(graph, node) else None
-            if concat is None or concat.op != "Concat" or len(concat.inputs) < 2:
+            if concat is None or concat.op != Kind.CONCAT or len(concat.inputs) < 2:
                 continue
             rank = len(_shape(graph, concat.outputs[0]))
             if int(concat.attrs.get("axis", 0)) % rank in (0, rank - 1) or any(
