@@ -34,9 +34,10 @@ computed at compile time and written by a per-element affine GEMM after the norm
 as bias there, weight 1 elsewhere, at the normalized rows' scale), since one scale for the token tensor leaves such
 a small row few codes.
 
-Token Concats (`split_over_token_concats`): LN(Concat(a_1, ..., a_n)) along a token axis is Concat(LN(a_1), ...,
-LN(a_n)), exactly (the normalization is per row), so each part is normalized from its own tensor at its own scale:
-a small class row concatenated with large patch rows keeps its codes (CaiT's class attention).
+Token Concats (`split_over_token_concats`): LN(Concat(a_1, ..., a_n)) along a token axis, the Concat read by the
+LayerNorm alone, is Concat(LN(a_1), ..., LN(a_n)), exactly (the normalization is per row), so each part is
+normalized from its own tensor at its own scale: a small class row concatenated with large patch rows keeps its
+codes (CaiT's class attention).
 
 An exporter's decomposed LayerNorm (ReduceMean, Sub, Pow, ReduceMean, Add, Sqrt, Div) is not recognised: torch's
 dynamo and TorchScript exports of the zoo's ViT and DeiT-style models both emit LayerNormalization (opset 17)."""
@@ -327,19 +328,23 @@ def _fold_beta(graph: Graph, beta: np.ndarray | None, readers: list[Node]) -> tu
 
 def split_over_token_concats(graph: Graph) -> Graph:
     """LN(Concat(a_1, ..., a_n, axis k)) -> Concat(LN(a_1), ..., LN(a_n), axis k) for a LayerNormalization over the
-    last axis whose input is a Concat of activations along a token axis k (neither the batch nor the channels).
+    last axis whose input is a Concat of activations along a token axis k (neither the batch nor the channels) that
+    nothing else reads.
     Exact, since the normalization is per row: LN(x)[t] depends on row t alone. Each part is then normalized
     from its own tensor at its own activation scale instead of from the Concat's one scale, which leaves a part
     whose rows are much smaller than the others' (CaiT's class token, whose row is 30x below the patch rows at
     random initialization: about 4 codes) a few codes and the normalization blows that rounding up to the row's
     full size; the normalized parts are all of unit size, so one scale suits the Concat of them. beta moves into
-    the readers' biases once, here (the parts carry none), so it needs readers `_beta_readers` accepts; the
-    Concat itself stays where something else reads it."""
+    the readers' biases once, here (the parts carry none), so it needs readers `_beta_readers` accepts. A Concat
+    with another reader is left whole: it would stay beside the split (a second buffer of the same rows), and a
+    reader such as a residual Add keeps the small rows at the Concat's scale anyway (CoaT-Lite's position
+    encoding: split there, its 8 LayerNorms cost 48 more instructions and moved nothing)."""
     while True:
         producers, consumers = graph.producers(), graph.consumers()
         for node in graph.nodes:
             concat = producers.get(node.inputs[0]) if _is_candidate(graph, node) else None
-            if concat is None or concat.op != Kind.CONCAT or len(concat.inputs) < 2:
+            if concat is None or concat.op != Kind.CONCAT or len(concat.inputs) < 2 \
+                    or concat.outputs[0] in graph.outputs or len(consumers[concat.outputs[0]]) > 1:
                 continue
             rank = len(_shape(graph, concat.outputs[0]))
             if int(concat.attrs.get("axis", 0)) % rank in (0, rank - 1) or any(
@@ -369,12 +374,11 @@ def split_over_token_concats(graph: Graph) -> Graph:
                                           outputs=[tensors[-1].name]))
             joined = concat.replace(name=fresh(f"{node.name}/concat"),
                                     inputs=[part.outputs[0] for part in parts], outputs=[y])
-            stays = concat.outputs[0] in graph.outputs or len(consumers[concat.outputs[0]]) > 1
             nodes = []
             for n in graph.nodes:
                 if n is node:
                     nodes += [*parts, joined]
-                elif n is not concat or stays:
+                elif n is not concat:
                     nodes.append(replaced.get(n.name, n))
             graph = graph.with_nodes(nodes, tensors)
             break
