@@ -83,6 +83,9 @@ class TensorRecord:
     # max |x| per channel (axis 1), only for a tensor read by depthwise GEMMs alone: the per-channel scales of
     # `compile --per-channel-depthwise-inputs` (qdeploy/lowering/equalize.py `widen_narrow_channels`)
     channel_amax: tuple[float, ...] | None = None
+    # the least signed value over the data (absent in tables written before it existed): the lower end of a
+    # softmax input's zero-point range (qdeploy/quantize.py eq. (12))
+    minimum: float | None = None
 
     @property
     def scale(self) -> float:
@@ -187,6 +190,8 @@ def _record_json(record: TensorRecord) -> dict:
         entry["channel_spread"] = list(record.channel_spread)
     if record.channel_amax is not None:
         entry["channel_amax"] = list(record.channel_amax)
+    if record.minimum is not None:
+        entry["min"] = record.minimum
     return entry
 
 
@@ -255,7 +260,12 @@ def _record_from_json(entry, where: str) -> TensorRecord:
     channel_amax = _channel_floats(entry, "channel_amax", where)
     if channel_amax is not None and any(v < 0 for v in channel_amax):
         raise BadInput(f"{where}: field \"channel_amax\" must be numbers >= 0 (max |x| per channel)")
-    return TensorRecord(name, method, threshold, amax, counts, channel_mean, channel_spread, channel_amax)
+    minimum = entry.get("min")
+    if minimum is not None:
+        minimum = float(_typed(entry, "min", (int, float), where))
+        if not math.isfinite(minimum) or amax is not None and abs(minimum) > amax * (1 + 1e-9):
+            raise BadInput(f"{where}: field \"min\" must be a finite number with |min| <= amax, got {minimum!r}")
+    return TensorRecord(name, method, threshold, amax, counts, channel_mean, channel_spread, channel_amax, minimum)
 
 
 def _channel_floats(entry: dict, key: str, where: str) -> tuple[float, ...] | None:
