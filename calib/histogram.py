@@ -99,7 +99,7 @@ class StreamingHistogram:
         self.fine = np.zeros(FINE_BINS, np.int64)
         self.exponent: int | None = None  # the range is [0, 2**exponent); None while every value seen is 0
         self.amax = 0.0
-        self.minimum: float | None = None  # the least signed value seen: a zero point's range (quantize.py eq. (12))
+        self.minimum: float | None = None  # the least signed value seen: a zero point's range (quantize.py eq. (13))
         self.zeros_before_range = 0  # values seen (all zero) before the first non-zero one
 
     @property

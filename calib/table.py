@@ -29,6 +29,8 @@ tables written before it was recorded. `compile` copies it into the program, and
 are the graph inputs' records (listed first): amax, the |x| histogram and the per-channel means.
 `channel_amax` (optional, per record): max |x| per channel of a tensor only depthwise GEMMs read (tables written
 before it have none: `compile --per-channel-depthwise-inputs` then leaves those tensors per tensor).
+`min` (optional, per record): the least signed value of the tensor over the data (tables written before it have
+none: the compiler then gives softmax inputs zero point 0, qdeploy/quantize.py eq. (13)).
 `equalization` says the tensors were measured on the cross-layer-equalized graph (qdeploy/lowering/equalize.py;
 `qdeploy calibrate --equalize`), so the compiler lowers the model the same way; absent means false.
 `float_softmax_layernorm` says Softmax and LayerNormalization were left in float on the host (`qdeploy calibrate
@@ -84,7 +86,7 @@ class TensorRecord:
     # `compile --per-channel-depthwise-inputs` (qdeploy/lowering/equalize.py `widen_narrow_channels`)
     channel_amax: tuple[float, ...] | None = None
     # the least signed value over the data (absent in tables written before it existed): the lower end of a
-    # softmax input's zero-point range (qdeploy/quantize.py eq. (12))
+    # softmax input's zero-point range (qdeploy/quantize.py eq. (13))
     minimum: float | None = None
 
     @property

@@ -393,7 +393,7 @@ class MatMulGemm(ArrayInstruction):
     transpose_b: bool
     # An int32 constant added in the accumulator: before a row-reciprocal store, a LayerNorm's round(C eps / s_acc)
     # on its sum of squares (lowering/layernorm.py); before a Requantize without a row scale, a softmax input's
-    # zero point round(zp / M) (qdeploy/quantize.py eq. (12)). Absent (None) otherwise.
+    # zero point round(zp / M) (qdeploy/quantize.py eq. (13)). Absent (None) otherwise.
     bias: str | None = None
 
     OMITTED_WHEN_NONE: ClassVar[tuple[str, ...]] = ("bias",)

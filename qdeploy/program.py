@@ -203,7 +203,7 @@ def _check_zero_point(name: str, record: dict, manifest: dict, where: str) -> No
     """`zero_point` is an integer 1..255 of a uint8 tensor that only GEMMs with constant weights read, as their
     first input (they fold it into their bias and padding: quantize.py eq. (10)), views whose output has the
     same zero point, or the difference of two tensors of this zero point (an AddGemm of weights w, -w, in which it
-    cancels: an integer softmax's exp, eq. (12)), and that is no program output."""
+    cancels: an integer softmax's exp, eq. (13)), and that is no program output."""
     zero_point = record["zero_point"]
     if record["dtype"] != "uint8" or not is_int(zero_point) or not 0 < zero_point <= 255:
         raise InvalidRecord(f"{where}: zero_point must be an integer 1..255 of a uint8 tensor, got "

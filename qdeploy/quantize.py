@@ -72,6 +72,19 @@ point, where that is finer (a view of it has the same zero point):
        q_b[c] - zp sum_k q_w[c, k] (before the int32 saturation), and a ConvGemm's zero padding reads the code zp
        (`pad_value`), the value 0. With zero point 0 half of an int8 code's levels lie on [-T, f_min), where no
        value falls (design.md section 3).
+
+A softmax's input x (the scores Q.K^T a MatMulGemm writes) read only by the integer softmax's row max and exp
+(lowering/softmax.py: the row max keeps x's codes, rule "input", and the exp AddGemm reads the difference of two
+codes, rule "exp_table") is stored with a zero point over its calibrated range, where that is finer: x_min its least
+value over the calibration data (the table's `minimum`), lo = max(x_min, -T) < 0,
+
+  (13) s = f32((T - lo) / 255) < T / 127,  zp = round(-lo / s),  q = clamp(rne(acc M + M b), 0, 255) (uint8),
+       b = round(zp / M) the product's int32 bias (M = c s_a s_b / s_out, eq. (8)), so the stored offset is
+       M b = zp to within M / 2 codes; the row max is one of the row's codes (zero point and all) and the exp
+       table's input is q_max - q_x, in which the offset cancels, whatever it is: softmax depends only on the
+       differences of a row's scores. A score below lo clamps to 0 (its exp is that of lo, which matters only in a
+       row whose max is within ln 510 of lo). Trained attention is lopsided (the digits ViT's first block: scores in
+       [-5.8, 13.4] over the calibration digits), so zero point 0 left up to half of the codes unused.
 """
 
 from __future__ import annotations
@@ -236,7 +249,7 @@ class _Scales:
             for reader in readers)
 
     def _softmax_input(self, name: str, consumers: dict[str, list[Node]], rule: str = "") -> bool:
-        """Eq. (12) applies to `name`: no program output, and every reader an integer softmax's row max (the
+        """Eq. (13) applies to `name`: no program output, and every reader an integer softmax's row max (the
         output_scale rule "input": x's own codes) whose output only its exp AddGemm reads, or that exp AddGemm
         (rule "exp_table"), directly or through views (lowering/softmax.py); `rule`: only readers of that rule."""
         readers = consumers.get(name, [])
@@ -250,7 +263,7 @@ class _Scales:
             for reader in readers)
 
     def _shift_invariant(self, name: str, threshold: float, minimum: float) -> None:
-        """Eq. (12): the softmax input `name` lies in [max(x_min, -T), T] (x_min its calibrated least value, T its
+        """Eq. (13): the softmax input `name` lies in [max(x_min, -T), T] (x_min its calibrated least value, T its
         threshold); where (T - lo) / 255 is finer than zero point 0's T / 127, it becomes uint8 with
         s = f32((T - lo) / 255) and the zero point zp = round(-lo / s)."""
         lo = max(minimum, -threshold)
@@ -286,7 +299,7 @@ class _Scales:
         x, out, rule = node.inputs[0], node.outputs[0], node.attrs["output_scale"]
         if rule == "input":
             self.scale[out], self.unsigned[out] = self.scale[x], self.unsigned[x]
-            if x in self.zero_point:  # eq. (12): the row max is one of x's codes, zero point included
+            if x in self.zero_point:  # eq. (13): the row max is one of x's codes, zero point included
                 self.zero_point[out] = self.zero_point[x]
         elif rule == "exp_table":
             s_p, p_unsigned, s_e, unsigned = row_scales.exp_table_scales(
@@ -463,7 +476,7 @@ class _Compiler:
                 bias = bias + correction
             q_bias = rne(bias / (s_in * s_w))
         zero_point = scales.zero_point.get(x, 0)
-        keeps_codes = node.attrs.get("output_scale") == "input"  # eq. (12): y is x's codes, zero point and all
+        keeps_codes = node.attrs.get("output_scale") == "input"  # eq. (13): y is x's codes, zero point and all
         if zero_point and not keeps_codes:  # eq. (10): sum_k w[c, k] (q_k - zp) = sum_k w[c, k] q_k - zp sum_k w[c, k]
             q_bias = q_bias - zero_point * q_w.astype(np.int64).sum(axis=1)
         if y in scales.wide and not stores_row_words(node):  # eq. (4b): s_out = max_c s_in s_w[c] (float32, not below)
@@ -685,7 +698,7 @@ class _Compiler:
             requant = self._requant(index, s_a, np.array([s_b_scaled]), s_out)
             stage = OutputStage((replace(requant, row_scale=words), Clamp(lo, hi)))
             zero_point = scales.zero_point.get(y, 0)
-            if zero_point:  # eq. (12): the offset zp as round(zp / M) accumulator codes, M = c s_a s_b / s_out
+            if zero_point:  # eq. (13): the offset zp as round(zp / M) accumulator codes, M = c s_a s_b / s_out
                 q_bias = int(np.round(zero_point * s_out / (s_a * s_b_scaled)))
                 bound += abs(q_bias)
                 bias = self.array(index, "bias", np.array([q_bias], np.int32))
@@ -836,7 +849,7 @@ def compile_graph(lowered: LoweringResult, thresholds: dict[str, float], target:
     `channel_spreads` (the spread of each sample's channel means) its shrinkage (2c).
     `stated`: what a pre-quantized model states; its tensors take the model's signedness, its GEMMs the
     model's integer weights and scales, and its bias where no fold changed it (qdeploy/prequantized.py).
-    `minimums` (tensor -> its least value over the calibration data): the zero points of softmax inputs, eq. (12)."""
+    `minimums` (tensor -> its least value over the calibration data): the zero points of softmax inputs, eq. (13)."""
     options = options or CompileOptions()
     if not target.array.window_max_on_store:
         pooled = [n for n in lowered.graph.nodes if n.op in INSTRUCTION_OPS and output_stage(n).window_max]

@@ -350,7 +350,7 @@ def calibration_with_minimums(path, calibration: dict):
 
 @pytest.mark.parametrize("rounding", ["half_even", "float32_rne"])
 def test_softmax_scores_take_a_zero_point_over_their_calibrated_range(tmp_path, rounding):
-    """Eq. (12) of qdeploy/quantize.py: the scores, read only by the row max and the exp AddGemm, are uint8 over
+    """Eq. (13) of qdeploy/quantize.py: the scores, read only by the row max and the exp AddGemm, are uint8 over
     [x_min, T] with a zero point; Q.K^T adds it as its bias round(zp / M); the row max keeps it; the exp reads the
     difference of two codes, in which it cancels, so the table is indexed as before. Every instruction equals its
     twin, and the block's output and its scores are closer to ONNX Runtime than with zero point 0 (the same table
