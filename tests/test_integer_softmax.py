@@ -422,3 +422,28 @@ def test_calibration_records_each_tensors_least_value(tmp_path):
     assert result.table.records["s"].minimum == pytest.approx(float(np.min(values["s"])), rel=1e-6)
     result.table.save(tmp_path / "table.json")
     assert CalibrationTable.load(tmp_path / "table.json").records["s"].minimum == result.table.records["s"].minimum
+
+
+def test_the_rtl_runs_an_attention_block_whose_scores_have_a_zero_point(tmp_path):
+    """Eq. (13) on the reference RTL: the golden vectors of the block compiled with the scores' zero point (Q.K^T's
+    bias before its requantize, the row max and the exp of uint8 codes) run through hw/tb_layer.sv bit-exactly,
+    every layer."""
+    import sys
+    from pathlib import Path
+
+    from simulator.vectors import compare_vectors
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "hw"))
+    import rtl  # hw/rtl.py
+
+    if not rtl.icarus_available():
+        pytest.skip("Icarus Verilog is not installed (apt-get install iverilog)")
+    path = attention_block(tmp_path)
+    program = api.compile(path, calibration_with_minimums(path, asymmetric_feeds(0, 16))).program
+    assert program.tensors["s"].get("zero_point")
+    export_vectors(program, asymmetric_feeds(1, 2), tmp_path / "vectors")
+    ran = rtl.run(tmp_path / "vectors", tmp_path / "dump")
+    assert [layer.rsplit("_", 1)[-1] for layer in ran.layers] == ["qk", "max", "exp", "sum", "pv"]
+    assert not ran.skipped
+    report = compare_vectors(tmp_path / "vectors", tmp_path / "dump")
+    assert report.ok, report.to_json()
