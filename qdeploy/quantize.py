@@ -700,6 +700,10 @@ class _Compiler:
             zero_point = scales.zero_point.get(y, 0)
             if zero_point:  # eq. (13): the offset zp as round(zp / M) accumulator codes, M = c s_a s_b / s_out
                 q_bias = int(np.round(zero_point * s_out / (s_a * s_b_scaled)))
+                if not INT32_MIN <= q_bias <= INT32_MAX:
+                    raise BadInput(f"layer {self.current}: the zero point {zero_point} of '{y}' is {q_bias} "
+                                   f"accumulator codes, beyond int32 (scales {s_a:.3g}, {s_b_scaled:.3g}, "
+                                   f"{s_out:.3g}); check the calibration table")
                 bound += abs(q_bias)
                 bias = self.array(index, "bias", np.array([q_bias], np.int32))
                 stage = OutputStage((Bias(bias), *stage.steps))
