@@ -447,3 +447,33 @@ def test_the_rtl_runs_an_attention_block_whose_scores_have_a_zero_point(tmp_path
     assert not ran.skipped
     report = compare_vectors(tmp_path / "vectors", tmp_path / "dump")
     assert report.ok, report.to_json()
+
+
+def test_the_program_checks_of_a_softmax_inputs_zero_point(tmp_path):
+    """The checks accept the compiled block (the scores' zero point read by the row max and by the exp's difference
+    of two tensors of that zero point) and refuse: the exp's weights no longer opposite (the zero point would not
+    cancel), the row max's output without the zero point, and a bias on a MatMulGemm that reads a row scale."""
+    import copy
+
+    from isa.checks import InvalidRecord
+    from qdeploy.program import validate_program
+
+    path = attention_block(tmp_path)
+    program = api.compile(path, calibration_with_minimums(path, asymmetric_feeds(0, 16))).program
+    validate_program(program)
+    exp = next(i for i, instr in enumerate(program.instructions) if instr["kind"] == Kind.ADD_GEMM)
+    broken = copy.deepcopy(program)
+    broken.manifest["instructions"][exp]["add_weights"][1] += 1
+    with pytest.raises(InvalidRecord, match="the difference of two tensors of this zero point"):
+        validate_program(broken)
+    broken = copy.deepcopy(program)
+    del broken.manifest["tensors"][program.instructions[exp]["inputs"][1]]["zero_point"]
+    with pytest.raises(InvalidRecord, match="reads it, but only a ConvGemm or DenseGemm"):
+        validate_program(broken)
+    pv = next(i for i, instr in enumerate(program.instructions) if instr["name"] == "pv")
+    qk = next(instr for instr in program.instructions if instr["name"] == "qk")
+    broken = copy.deepcopy(program)
+    broken.manifest["instructions"][pv]["bias"] = qk["bias"]
+    with pytest.raises(InvalidRecord, match="a MatMulGemm's bias comes only with a row-reciprocal store or a "
+                                            "requantize without a row scale"):
+        validate_program(broken)
