@@ -44,6 +44,7 @@ class Histogram:
 
     counts: np.ndarray  # int64, (NUM_BINS,)
     amax: float
+    minimum: float | None = None  # the least signed value seen (None: no value)
 
     @property
     def bin_width(self) -> float:
@@ -98,6 +99,7 @@ class StreamingHistogram:
         self.fine = np.zeros(FINE_BINS, np.int64)
         self.exponent: int | None = None  # the range is [0, 2**exponent); None while every value seen is 0
         self.amax = 0.0
+        self.minimum: float | None = None  # the least signed value seen: a zero point's range (quantize.py eq. (13))
         self.zeros_before_range = 0  # values seen (all zero) before the first non-zero one
 
     @property
@@ -140,6 +142,8 @@ class StreamingHistogram:
         amax, over, bad = _bin_below(flat, self.fine, scale, limit)
         if bad >= 0:
             raise NonFiniteValue(bad, float(flat[bad]))
+        least = float(flat.min())
+        self.minimum = least if self.minimum is None else min(self.minimum, least)
         if over:
             if amax == 0.0:  # every value is zero and no range exists yet
                 self.zeros_before_range += over
@@ -154,6 +158,8 @@ class StreamingHistogram:
         """Add `other`'s values (a histogram of another part of the data set): both are folded to the larger of
         the two ranges and their counts added, which is the histogram one pass over all the values would have
         given (the fold is exact, module docstring), whatever the order or grouping of the parts."""
+        if other.minimum is not None:
+            self.minimum = other.minimum if self.minimum is None else min(self.minimum, other.minimum)
         if other.exponent is None:  # only zeros: they wait for a range, or go to bin 0 of this one
             if self.exponent is None:
                 self.zeros_before_range += other.zeros_before_range
@@ -181,10 +187,10 @@ class StreamingHistogram:
         counts = np.zeros(NUM_BINS, np.int64)
         if self.exponent is None:
             counts[0] = self.zeros_before_range
-            return Histogram(counts, 0.0)
+            return Histogram(counts, 0.0, self.minimum)
         (occupied,) = np.nonzero(self.fine)
         fine_width = math.ldexp(1.0, self.exponent - FINE_BITS)
         bins = np.floor((occupied + 0.5) * fine_width / (self.amax / NUM_BINS)).astype(np.int64)
         np.add.at(counts, np.minimum(bins, NUM_BINS - 1), self.fine[occupied])
-        return Histogram(counts, self.amax)
+        return Histogram(counts, self.amax, self.minimum)
 

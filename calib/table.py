@@ -29,6 +29,8 @@ tables written before it was recorded. `compile` copies it into the program, and
 are the graph inputs' records (listed first): amax, the |x| histogram and the per-channel means.
 `channel_amax` (optional, per record): max |x| per channel of a tensor only depthwise GEMMs read (tables written
 before it have none: `compile --per-channel-depthwise-inputs` then leaves those tensors per tensor).
+`min` (optional, per record): the least signed value of the tensor over the data (tables written before it have
+none: the compiler then gives softmax inputs zero point 0, qdeploy/quantize.py eq. (13)).
 `equalization` says the tensors were measured on the cross-layer-equalized graph (qdeploy/lowering/equalize.py;
 `qdeploy calibrate --equalize`), so the compiler lowers the model the same way; absent means false.
 `float_softmax_layernorm` says Softmax and LayerNormalization were left in float on the host (`qdeploy calibrate
@@ -83,6 +85,9 @@ class TensorRecord:
     # max |x| per channel (axis 1), only for a tensor read by depthwise GEMMs alone: the per-channel scales of
     # `compile --per-channel-depthwise-inputs` (qdeploy/lowering/equalize.py `widen_narrow_channels`)
     channel_amax: tuple[float, ...] | None = None
+    # the least signed value over the data (absent in tables written before it existed): the lower end of a
+    # softmax input's zero-point range (qdeploy/quantize.py eq. (13))
+    minimum: float | None = None
 
     @property
     def scale(self) -> float:
@@ -187,6 +192,8 @@ def _record_json(record: TensorRecord) -> dict:
         entry["channel_spread"] = list(record.channel_spread)
     if record.channel_amax is not None:
         entry["channel_amax"] = list(record.channel_amax)
+    if record.minimum is not None:
+        entry["min"] = record.minimum
     return entry
 
 
@@ -255,7 +262,12 @@ def _record_from_json(entry, where: str) -> TensorRecord:
     channel_amax = _channel_floats(entry, "channel_amax", where)
     if channel_amax is not None and any(v < 0 for v in channel_amax):
         raise BadInput(f"{where}: field \"channel_amax\" must be numbers >= 0 (max |x| per channel)")
-    return TensorRecord(name, method, threshold, amax, counts, channel_mean, channel_spread, channel_amax)
+    minimum = entry.get("min")
+    if minimum is not None:
+        minimum = float(_typed(entry, "min", (int, float), where))
+        if not math.isfinite(minimum) or amax is not None and abs(minimum) > amax * (1 + 1e-9):
+            raise BadInput(f"{where}: field \"min\" must be a finite number with |min| <= amax, got {minimum!r}")
+    return TensorRecord(name, method, threshold, amax, counts, channel_mean, channel_spread, channel_amax, minimum)
 
 
 def _channel_floats(entry: dict, key: str, where: str) -> tuple[float, ...] | None:

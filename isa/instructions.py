@@ -391,8 +391,9 @@ class MatMulGemm(ArrayInstruction):
 
     transpose_a: bool
     transpose_b: bool
-    # An int32 constant added in the accumulator before a row-reciprocal store: a LayerNorm's round(C eps / s_acc)
-    # on its sum of squares (lowering/layernorm.py). Absent (None) otherwise.
+    # An int32 constant added in the accumulator: before a row-reciprocal store, a LayerNorm's round(C eps / s_acc)
+    # on its sum of squares (lowering/layernorm.py); before a Requantize without a row scale, a softmax input's
+    # zero point round(zp / M) (qdeploy/quantize.py eq. (13)). Absent (None) otherwise.
     bias: str | None = None
 
     OMITTED_WHEN_NONE: ClassVar[tuple[str, ...]] = ("bias",)
@@ -424,8 +425,9 @@ class MatMulGemm(ArrayInstruction):
         if "row_scale" in instr:
             check_row_scale(program, instr, where, in_shapes[2], a[:-1] + b[-1:])
         if "bias" in instr:
-            if "row_reciprocal" not in instr:
-                raise InvalidRecord(f"{where}: a MatMulGemm's bias comes only with a row-reciprocal store")
+            if "row_reciprocal" not in instr and ("mult" not in instr or "row_scale" in instr):
+                raise InvalidRecord(f"{where}: a MatMulGemm's bias comes only with a row-reciprocal store or a "
+                                    f"requantize without a row scale")
             array_of(program, instr, "bias", where, "int32", (1,))
         return a[:-1] + b[-1:]
 

@@ -129,7 +129,8 @@ def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTabl
             raise BadInput(f"{calib if not isinstance(calib, CalibrationTable) else 'calibration table'}: tensor "
                            f"'{name}' has {len(spread)} channel spreads for {len(means.get(name, ()))} channel means")
     try:
-        program, layers = compile_graph(lowering, thresholds, target, options, means, stated, spreads)
+        minimums = {name: r.minimum for name, r in table.records.items() if r.minimum is not None}
+        program, layers = compile_graph(lowering, thresholds, target, options, means, stated, spreads, minimums)
     except QdeployError as error:
         raise type(error)(f"{path}: {error}") from error
     program.manifest["model"] = path.name

@@ -505,7 +505,8 @@ def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD,
         if name in cached:
             records[name] = TensorRecord(name, TENSORRT_METHOD, threshold_from_tensorrt_scale(cached[name]),
                                          amax, counts, _per_channel(channel_means, name),
-                                         _per_channel(channel_spreads, name), _per_channel(channel_amax, name))
+                                         _per_channel(channel_spreads, name), _per_channel(channel_amax, name),
+                                         histogram.minimum if histogram is not None else None)
         else:
             threshold = select_threshold(method, histogram.counts, histogram.bin_width, percentile=percentile,
                                          max_clipped_fraction=clipping_budget(fan_in.get(name)))
@@ -514,7 +515,8 @@ def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD,
                                 f"a normal float32; threshold raised to {MIN_THRESHOLD:.4g}")
                 threshold = MIN_THRESHOLD
             records[name] = TensorRecord(name, method, threshold, amax, counts, _per_channel(channel_means, name),
-                                         _per_channel(channel_spreads, name), _per_channel(channel_amax, name))
+                                         _per_channel(channel_spreads, name), _per_channel(channel_amax, name),
+                                         histogram.minimum)
     timings["thresholds"] = time.perf_counter() - select_start
 
     if stated is not None:  # what compile will do with this table (qdeploy/prequantized.py)

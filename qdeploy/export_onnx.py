@@ -553,6 +553,9 @@ def _matmul_gemm(b: _Builder, instr: Instruction) -> str:
                            perm=[*range(rank - 2), rank - 1, rank - 2])
         read.append(value)
     acc = b.node("MatMulInteger", read, f"{name}/acc", f"{name}/MatMulInteger")
+    if instr.bias and instr.stage.requantize is not None:  # a softmax input's zero point (quantize.py eq. (13))
+        acc = b.node("Add", [acc, b.constant(f"{name}/bias", b.program.arrays[instr.bias].astype(np.int32))],
+                     f"{name}/acc_biased", f"{name}/Add_bias")
     return _requantize_acc(b, instr, acc)
 
 

@@ -201,8 +201,9 @@ def _check_axis_scales(record: dict, where: str) -> None:
 
 def _check_zero_point(name: str, record: dict, manifest: dict, where: str) -> None:
     """`zero_point` is an integer 1..255 of a uint8 tensor that only GEMMs with constant weights read, as their
-    first input (they fold it into their bias and padding: quantize.py eq. (10)), or views whose output has the
-    same zero point, and that is no program output."""
+    first input (they fold it into their bias and padding: quantize.py eq. (10)), views whose output has the
+    same zero point, or the difference of two tensors of this zero point (an AddGemm of weights w, -w, in which it
+    cancels: an integer softmax's exp, eq. (13)), and that is no program output."""
     zero_point = record["zero_point"]
     if record["dtype"] != "uint8" or not is_int(zero_point) or not 0 < zero_point <= 255:
         raise InvalidRecord(f"{where}: zero_point must be an integer 1..255 of a uint8 tensor, got "
@@ -215,10 +216,17 @@ def _check_zero_point(name: str, record: dict, manifest: dict, where: str) -> No
             continue
         output = manifest["tensors"].get(instr.get("output"))
         view = instr.get("kind") in VIEW_KINDS and isinstance(output, dict) and output.get("zero_point") == zero_point
-        if not view and (instr.get("kind") not in (Kind.CONV_GEMM, Kind.DENSE_GEMM) or name in inputs[1:]):
+        weights = instr.get("add_weights")
+        difference = (instr.get("kind") == Kind.ADD_GEMM and len(inputs) == 2 and isinstance(weights, list)
+                      and len(weights) == 2 and all(map(is_int, weights)) and weights[0] == -weights[1]
+                      and all(isinstance(manifest["tensors"].get(i), dict)
+                              and manifest["tensors"][i].get("zero_point") == zero_point for i in inputs))
+        if not view and not difference and (instr.get("kind") not in (Kind.CONV_GEMM, Kind.DENSE_GEMM)
+                                            or name in inputs[1:]):
             raise InvalidRecord(f"{where}: instruction '{instr.get('name')}' ({instr.get('kind')}) reads it, but "
-                                f"only a ConvGemm or DenseGemm (as its input x) or a view of the same zero point may "
-                                f"read a tensor with a zero point")
+                                f"only a ConvGemm or DenseGemm (as its input x), a view of the same zero point or "
+                                f"the difference of two tensors of this zero point (an AddGemm of weights w, -w) "
+                                f"may read a tensor with a zero point")
 
 
 def validate_program(program: Program) -> None:

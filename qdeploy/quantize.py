@@ -72,6 +72,19 @@ point, where that is finer (a view of it has the same zero point):
        q_b[c] - zp sum_k q_w[c, k] (before the int32 saturation), and a ConvGemm's zero padding reads the code zp
        (`pad_value`), the value 0. With zero point 0 half of an int8 code's levels lie on [-T, f_min), where no
        value falls (design.md section 3).
+
+A softmax's input x (the scores Q.K^T a MatMulGemm writes) read only by the integer softmax's row max and exp
+(lowering/softmax.py: the row max keeps x's codes, rule "input", and the exp AddGemm reads the difference of two
+codes, rule "exp_table") is stored with a zero point over its calibrated range, where that is finer: x_min its least
+value over the calibration data (the table's `minimum`), lo = max(x_min, -T) < 0,
+
+  (13) s = f32((T - lo) / 255) < T / 127,  zp = round(-lo / s),  q = clamp(rne(acc M + M b), 0, 255) (uint8),
+       b = round(zp / M) the product's int32 bias (M = c s_a s_b / s_out, eq. (8)), so the stored offset is
+       M b = zp to within M / 2 codes; the row max is one of the row's codes (zero point and all) and the exp
+       table's input is q_max - q_x, in which the offset cancels, whatever it is: softmax depends only on the
+       differences of a row's scores. A score below lo clamps to 0 (its exp is that of lo, which matters only in a
+       row whose max is within ln 510 of lo). Trained attention is lopsided (the digits ViT's first block: scores in
+       [-5.8, 13.4] over the calibration digits), so zero point 0 left up to half of the codes unused.
 """
 
 from __future__ import annotations
@@ -160,7 +173,7 @@ class _Scales:
     model's tensors take the signedness the model states (`stated`)."""
 
     def __init__(self, graph: Graph, thresholds: dict[str, float], target: Target,
-                 stated: ModelQuantization | None = None):
+                 stated: ModelQuantization | None = None, minimums: dict[str, float] | None = None):
         self.graph, self.target, self.stated = graph, target, stated
         self.producers = graph.producers()
         self.scale: dict[str, float] = {}
@@ -200,6 +213,11 @@ class _Scales:
                 if (stage.lookup is not None and not unsigned and target.arithmetic.unsigned_activations
                         and stated is None and out not in concat_scale and self._folds_zero_point(out, consumers)):
                     self._lower_bounded(out, float(thresholds[out]), stage.lookup)
+                if (node.op == Kind.MATMUL_GEMM and stage.lookup is None and not row_scale_input(node)
+                        and stage.step(RowReciprocal) is None and not unsigned
+                        and target.arithmetic.unsigned_activations and stated is None and out not in concat_scale
+                        and (minimums or {}).get(out) is not None and self._softmax_input(out, consumers)):
+                    self._shift_invariant(out, float(thresholds[out]), float(minimums[out]))
             elif node.op in VIEW_KINDS:
                 self.scale[out], self.unsigned[out] = self.scale[node.inputs[0]], self.unsigned[node.inputs[0]]
                 if node.inputs[0] in self.zero_point:  # eq. (10): a view of the codes has their zero point
@@ -230,6 +248,32 @@ class _Scales:
                 and all(reader.attrs.get(key) is None for key in ("upsample", "upsample_fill", "pad_fill")))
             for reader in readers)
 
+    def _softmax_input(self, name: str, consumers: dict[str, list[Node]], rule: str = "") -> bool:
+        """Eq. (13) applies to `name`: no program output, and every reader an integer softmax's row max (the
+        output_scale rule "input": x's own codes) whose output only its exp AddGemm reads, or that exp AddGemm
+        (rule "exp_table"), directly or through views (lowering/softmax.py); `rule`: only readers of that rule."""
+        readers = consumers.get(name, [])
+        return bool(readers) and name not in self.graph.outputs and all(
+            (reader.op in VIEW_KINDS and self._softmax_input(reader.outputs[0], consumers, rule))
+            or (reader.op == Kind.ADD_GEMM and reader.attrs.get("output_scale") == "exp_table"
+                and rule in ("", "exp_table"))
+            or (not rule and reader.op == Kind.CONV_GEMM and reader.attrs.get("output_scale") == "input"
+                and reader.attrs.get("integer_weights") and reader.inputs[0] == name
+                and self._softmax_input(reader.outputs[0], consumers, "exp_table"))
+            for reader in readers)
+
+    def _shift_invariant(self, name: str, threshold: float, minimum: float) -> None:
+        """Eq. (13): the softmax input `name` lies in [max(x_min, -T), T] (x_min its calibrated least value, T its
+        threshold); where (T - lo) / 255 is finer than zero point 0's T / 127, it becomes uint8 with
+        s = f32((T - lo) / 255) and the zero point zp = round(-lo / s)."""
+        lo = max(minimum, -threshold)
+        if not lo < 0:
+            return
+        scale = float(np.float32((threshold - lo) / 255.0))
+        zero_point = int(np.round(-lo / scale))
+        if scale < self.scale[name] and 0 < zero_point < 255:
+            self.scale[name], self.unsigned[name], self.zero_point[name] = scale, True, zero_point
+
     def _lower_bounded(self, name: str, threshold: float, lookup) -> None:
         """Eq. (10): the table's output `name` lies in [f_min, T] (f_min = min of f over the table's 256 inputs, T
         its threshold); where f_min < 0 and (T - f_min) / 255 is finer than zero point 0's T / 127, it becomes
@@ -255,6 +299,8 @@ class _Scales:
         x, out, rule = node.inputs[0], node.outputs[0], node.attrs["output_scale"]
         if rule == "input":
             self.scale[out], self.unsigned[out] = self.scale[x], self.unsigned[x]
+            if x in self.zero_point:  # eq. (13): the row max is one of x's codes, zero point included
+                self.zero_point[out] = self.zero_point[x]
         elif rule == "exp_table":
             s_p, p_unsigned, s_e, unsigned = row_scales.exp_table_scales(
                 self.scale[x], self.target.arithmetic.unsigned_activations)
@@ -381,9 +427,10 @@ class _Compiler:
     def __init__(self, lowered: LoweringResult, thresholds: dict[str, float], target: Target,
                  options: CompileOptions, channel_means: dict[str, tuple[float, ...]] | None = None,
                  stated: ModelQuantization | None = None,
-                 channel_spreads: dict[str, tuple[float, ...]] | None = None):
+                 channel_spreads: dict[str, tuple[float, ...]] | None = None,
+                 minimums: dict[str, float] | None = None):
         self.graph, self.target, self.options = lowered.graph, target, options
-        self.scales = _Scales(self.graph, thresholds, target, stated)
+        self.scales = _Scales(self.graph, thresholds, target, stated, minimums)
         self.stated_weights = stated.weights if stated is not None else {}
         self.channel_means = {name: np.asarray(mean, np.float64) for name, mean in (channel_means or {}).items()}
         self.channel_spreads = {name: np.asarray(spread, np.float64)
@@ -429,7 +476,8 @@ class _Compiler:
                 bias = bias + correction
             q_bias = rne(bias / (s_in * s_w))
         zero_point = scales.zero_point.get(x, 0)
-        if zero_point:  # eq. (10): sum_k w[c, k] (q_k - zp) = sum_k w[c, k] q_k - zp sum_k w[c, k]
+        keeps_codes = node.attrs.get("output_scale") == "input"  # eq. (13): y is x's codes, zero point and all
+        if zero_point and not keeps_codes:  # eq. (10): sum_k w[c, k] (q_k - zp) = sum_k w[c, k] q_k - zp sum_k w[c, k]
             q_bias = q_bias - zero_point * q_w.astype(np.int64).sum(axis=1)
         if y in scales.wide and not stores_row_words(node):  # eq. (4b): s_out = max_c s_in s_w[c] (float32, not below)
             widest = np.float32(np.max(s_in * s_w))
@@ -649,6 +697,16 @@ class _Compiler:
                 s_b_scaled *= scales.scale[words]
             requant = self._requant(index, s_a, np.array([s_b_scaled]), s_out)
             stage = OutputStage((replace(requant, row_scale=words), Clamp(lo, hi)))
+            zero_point = scales.zero_point.get(y, 0)
+            if zero_point:  # eq. (13): the offset zp as round(zp / M) accumulator codes, M = c s_a s_b / s_out
+                q_bias = int(np.round(zero_point * s_out / (s_a * s_b_scaled)))
+                if not INT32_MIN <= q_bias <= INT32_MAX:
+                    raise BadInput(f"layer {self.current}: the zero point {zero_point} of '{y}' is {q_bias} "
+                                   f"accumulator codes, beyond int32 (scales {s_a:.3g}, {s_b_scaled:.3g}, "
+                                   f"{s_out:.3g}); check the calibration table")
+                bound += abs(q_bias)
+                bias = self.array(index, "bias", np.array([q_bias], np.int32))
+                stage = OutputStage((Bias(bias), *stage.steps))
         record = {"stage": stage, "acc_bound_bits": _bits_for(bound), "k": k}
         if node.op == Kind.MATMUL_GEMM:
             record.update(transpose_a=bool(node.attrs["transpose_a"]), transpose_b=bool(node.attrs["transpose_b"]))
@@ -788,19 +846,21 @@ def compile_graph(lowered: LoweringResult, thresholds: dict[str, float], target:
                   options: CompileOptions | None = None,
                   channel_means: dict[str, tuple[float, ...]] | None = None,
                   stated: ModelQuantization | None = None,
-                  channel_spreads: dict[str, tuple[float, ...]] | None = None) -> tuple[Program, list[LayerReport]]:
+                  channel_spreads: dict[str, tuple[float, ...]] | None = None,
+                  minimums: dict[str, float] | None = None) -> tuple[Program, list[LayerReport]]:
     """Quantize the lowered graph (equations (1)-(5) of the module docstring) into a Program;
     `channel_means` (tensor -> mean per channel, from calibration) enables the bias correction (2b), and
     `channel_spreads` (the spread of each sample's channel means) its shrinkage (2c).
     `stated`: what a pre-quantized model states; its tensors take the model's signedness, its GEMMs the
-    model's integer weights and scales, and its bias where no fold changed it (qdeploy/prequantized.py)."""
+    model's integer weights and scales, and its bias where no fold changed it (qdeploy/prequantized.py).
+    `minimums` (tensor -> its least value over the calibration data): the zero points of softmax inputs, eq. (13)."""
     options = options or CompileOptions()
     if not target.array.window_max_on_store:
         pooled = [n for n in lowered.graph.nodes if n.op in INSTRUCTION_OPS and output_stage(n).window_max]
         if pooled:
             raise Unsupported(f"instruction '{pooled[0].name}' ends in a MaxPool, which runs as window-max on the "
                               f"store path, and the target has none (window_max_on_store = false)")
-    compiler = _Compiler(lowered, thresholds, target, options, channel_means, stated, channel_spreads)
+    compiler = _Compiler(lowered, thresholds, target, options, channel_means, stated, channel_spreads, minimums)
     program = compiler.compile()
     record_tiles(program.manifest, target)  # "tiles" per GEMM instruction (qdeploy/perf.py, docs/hardware.md)
     return program, compiler.reports

@@ -14,6 +14,7 @@ from isa.target import Arithmetic, Target
 from qdeploy import api
 from qdeploy.lowering import passes
 from qdeploy.lowering.softmax import lower_softmax
+from qdeploy.reference import run_graph
 from qdeploy_base.errors import Unsupported
 from simulator import twins
 from simulator.machine import Machine
@@ -323,3 +324,156 @@ def test_the_reports_weights_only_walk_of_an_integer_softmax_is_the_float_graph(
     weights_only = evaluator.split["weights_only"].sqnr.db
     print(f"int8 {sqnr(f, q):.1f} dB, weights only {weights_only:.1f} dB")
     assert weights_only >= 100, weights_only
+
+
+def asymmetric_feeds(seed: int, batch: int) -> dict[str, np.ndarray]:
+    """q and k sharing a direction: the scores reach far above 0 and little below (the first attention of a trained
+    ViT: [-5.8, 13.4] on the digits ViT), so zero point 0 leaves part of int8's codes on values no score takes."""
+    rng = np.random.default_rng(seed)
+    shape = (batch, HEADS, TOKENS, DIM)
+    q, k, v = (rng.standard_normal(shape).astype(np.float32) for _ in range(3))
+    return {"q": q + 1, "k": k + 1, "v": v}
+
+
+def calibration_with_minimums(path, calibration: dict):
+    """max_calibration's table with each tensor's least value (the field `qdeploy calibrate` records)."""
+    import dataclasses
+
+    from calib.table import CalibrationTable
+
+    table = max_calibration(path, calibration)
+    graph = api.lower_model(path).graph
+    values = run_graph(graph, calibration, list(table.records))
+    return CalibrationTable({name: dataclasses.replace(record, minimum=float(np.min(values[name])))
+                             for name, record in table.records.items()}, "max", 0)
+
+
+@pytest.mark.parametrize("rounding", ["half_even", "float32_rne"])
+def test_softmax_scores_take_a_zero_point_over_their_calibrated_range(tmp_path, rounding):
+    """Eq. (13) of qdeploy/quantize.py: the scores, read only by the row max and the exp AddGemm, are uint8 over
+    [x_min, T] with a zero point; Q.K^T adds it as its bias round(zp / M); the row max keeps it; the exp reads the
+    difference of two codes, in which it cancels, so the table is indexed as before. Every instruction equals its
+    twin, and the block's output and its scores are closer to ONNX Runtime than with zero point 0 (the same table
+    without the minimums)."""
+    path = attention_block(tmp_path)
+    calibration, test = asymmetric_feeds(0, 16), asymmetric_feeds(1, 8)
+    target = Target(arithmetic=Arithmetic(rounding=rounding))
+    table = calibration_with_minimums(path, calibration)
+    program = api.compile(path, table, target).program
+    symmetric = api.compile(path, max_calibration(path, calibration), target).program
+    scores = program.tensors["s"]
+    low, high = table.records["s"].minimum, table.records["s"].threshold
+    assert -high < low < 0 < high
+    assert scores["dtype"] == "uint8" and scores["scale"] == np.float32((high - low) / 255)
+    assert scores["zero_point"] == round(-low / scores["scale"])
+    assert symmetric.tensors["s"]["dtype"] == "int8" and "zero_point" not in symmetric.tensors["s"]
+    qk = next(i for i in program.instructions if i["name"] == "qk")
+    (bias,) = program.arrays[qk["bias"]]
+    s_q, s_k = (program.tensors[name]["scale"] for name in qk["inputs"][:2])
+    assert bias == round(scores["zero_point"] * scores["scale"] / (s_q * s_k * DIM ** -0.5))
+    exp = next(i for i in program.instructions if i["kind"] == Kind.ADD_GEMM)
+    assert exp["add_weights"][0] == -exp["add_weights"][1]
+    assert program.tensors[exp["inputs"][1]].get("zero_point") == scores["zero_point"]  # the row max's codes
+
+    run = Machine(program).run(test, dump=True)
+    for instr in program.instructions:
+        args = [run.tensors[name] for name in instr["inputs"]]
+        dtype = program.tensors[instr["output"]]["dtype"]
+        expected = twins.run_instruction(instr, args, program.arrays, target.arithmetic, dtype)
+        np.testing.assert_array_equal(run.tensors[instr["output"]], expected, err_msg=instr["name"])
+    table_codes = program.arrays[exp["lookup"]["table"]].astype(np.int64)
+    peak = run.tensors[exp["inputs"][1]].astype(np.int64)
+    np.testing.assert_array_equal(run.tensors["p"], table_codes[peak - run.tensors["s"].astype(np.int64)])
+
+    def rounding_error(program, run) -> float:
+        """RMS of the scores' requantize rounding where the exact value lies in the calibrated range [x_min, T]
+        (below it the code is 0, the clamp): their dequantized codes against the exact product of the codes
+        Q.K^T reads (its operands' own rounding left out)."""
+        a, b = (run.tensors[name].astype(np.float64) * program.tensors[name]["scale"] for name in qk["inputs"][:2])
+        a, b = (np.swapaxes(x, -1, -2) if qk[flag] else x for x, flag in ((a, "transpose_a"), (b, "transpose_b")))
+        exact = a @ b * DIM ** -0.5
+        record = program.tensors["s"]
+        got = (run.tensors["s"].astype(np.float64) - record.get("zero_point", 0)) * record["scale"]
+        inside = (exact >= low) & (exact <= high)
+        assert inside.mean() > 0.95
+        return float(np.sqrt(np.mean((got - exact)[inside] ** 2)))
+
+    (expected,) = run_onnxruntime(path, test)
+    ratio = rounding_error(symmetric, Machine(symmetric).run(test, dump=True)) / rounding_error(program, run)
+    assert ratio > 1.4  # the step (T - x_min) / 255 against T / 127: 1.65 here
+    y = api.run(program, test, dequantize=True)["y"]
+    y_symmetric = api.run(symmetric, test, dequantize=True)["y"]
+    assert sqnr(expected, y) > sqnr(expected, y_symmetric)
+    # the export adds the product's bias to MatMulInteger's accumulators, then names the exp it cannot write
+    with pytest.raises(Unsupported, match=r"^program: instruction 'softmax/exp': an AddGemm that subtracts"):
+        api.export_onnx(program, tmp_path / "attention_int8.onnx")
+
+
+def test_calibration_records_each_tensors_least_value(tmp_path):
+    """`qdeploy calibrate` records min x per tensor (calib/table.py `minimum`, the JSON field "min"), and the table
+    reads it back."""
+    from calib.table import CalibrationTable
+    from qdeploy.calibration import calibrate
+
+    path = attention_block(tmp_path)
+    calibration = asymmetric_feeds(0, 4)
+    result = calibrate(path, calibration, "max")
+    values = run_graph(api.lower_model(path).graph, calibration, ["s"])
+    assert result.table.records["s"].minimum == pytest.approx(float(np.min(values["s"])), rel=1e-6)
+    result.table.save(tmp_path / "table.json")
+    assert CalibrationTable.load(tmp_path / "table.json").records["s"].minimum == result.table.records["s"].minimum
+
+
+def test_the_rtl_runs_an_attention_block_whose_scores_have_a_zero_point(tmp_path):
+    """Eq. (13) on the reference RTL: the golden vectors of the block compiled with the scores' zero point (Q.K^T's
+    bias before its requantize, the row max and the exp of uint8 codes) run through hw/tb_layer.sv bit-exactly,
+    every layer."""
+    import sys
+    from pathlib import Path
+
+    from simulator.vectors import compare_vectors
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "hw"))
+    import rtl  # hw/rtl.py
+
+    if not rtl.icarus_available():
+        pytest.skip("Icarus Verilog is not installed (apt-get install iverilog)")
+    path = attention_block(tmp_path)
+    program = api.compile(path, calibration_with_minimums(path, asymmetric_feeds(0, 16))).program
+    assert program.tensors["s"].get("zero_point")
+    export_vectors(program, asymmetric_feeds(1, 2), tmp_path / "vectors")
+    ran = rtl.run(tmp_path / "vectors", tmp_path / "dump")
+    assert [layer.rsplit("_", 1)[-1] for layer in ran.layers] == ["qk", "max", "exp", "sum", "pv"]
+    assert not ran.skipped
+    report = compare_vectors(tmp_path / "vectors", tmp_path / "dump")
+    assert report.ok, report.to_json()
+
+
+def test_the_program_checks_of_a_softmax_inputs_zero_point(tmp_path):
+    """The checks accept the compiled block (the scores' zero point read by the row max and by the exp's difference
+    of two tensors of that zero point) and refuse: the exp's weights no longer opposite (the zero point would not
+    cancel), the row max's output without the zero point, and a bias on a MatMulGemm that reads a row scale."""
+    import copy
+
+    from isa.checks import InvalidRecord
+    from qdeploy.program import validate_program
+
+    path = attention_block(tmp_path)
+    program = api.compile(path, calibration_with_minimums(path, asymmetric_feeds(0, 16))).program
+    validate_program(program)
+    exp = next(i for i, instr in enumerate(program.instructions) if instr["kind"] == Kind.ADD_GEMM)
+    broken = copy.deepcopy(program)
+    broken.manifest["instructions"][exp]["add_weights"][1] += 1
+    with pytest.raises(InvalidRecord, match="the difference of two tensors of this zero point"):
+        validate_program(broken)
+    broken = copy.deepcopy(program)
+    del broken.manifest["tensors"][program.instructions[exp]["inputs"][1]]["zero_point"]
+    with pytest.raises(InvalidRecord, match="reads it, but only a ConvGemm or DenseGemm"):
+        validate_program(broken)
+    pv = next(i for i, instr in enumerate(program.instructions) if instr["name"] == "pv")
+    qk = next(instr for instr in program.instructions if instr["name"] == "qk")
+    broken = copy.deepcopy(program)
+    broken.manifest["instructions"][pv]["bias"] = qk["bias"]
+    with pytest.raises(InvalidRecord, match="a MatMulGemm's bias comes only with a row-reciprocal store or a "
+                                            "requantize without a row scale"):
+        validate_program(broken)
