@@ -14,11 +14,14 @@ decided from the weights alone (u = w / s_w, one kernel = one (output channel, i
     layer:N            only the N-th spatial convolution in compile order (1 = the stem)
 
 The rule replaces quantize.py's `keep_tap_sums` for the run (a measuring harness: the compiler has no such
-option). Figures are against the float model run by ONNX Runtime: pooled logits SQNR, top-1 agreement, p10 and the
+option). `--thresholds mse_unclipped` also replaces the calibration table's KL threshold of every tensor that no
+Clip (ReLU6) writes (the BatchNorm outputs of the projections, the residual sums; the graph input keeps its own)
+by calib/methods.py's minimum-expected-MSE threshold on the same stored histogram (issue 31's low-contrast
+sources: a finer step on the linear tensors, for more clipping). Figures are against the float model run by ONNX Runtime: pooled logits SQNR, top-1 agreement, p10 and the
 worst source, as bench/fidelity.py.
 
 Run: python bench/tap_sum_rules.py [--models 0,1,2] [--splits 0,1,2] [--crops eval|calib] [--rules off,all,...]
-[--counts 24_32] [--workdir DIR]   (the split folders and calibration tables of an earlier bench/fidelity.py run)
+[--counts 24_32] [--workdir DIR] [--thresholds kl|mse_unclipped]   (the split folders and calibration tables of an earlier bench/fidelity.py run)
      python bench/tap_sum_rules.py --yolo11n --rules off,all,...   (examples/library_models.py's check)"""
 
 from __future__ import annotations
@@ -78,7 +81,24 @@ def tap_sum_rule(rule: str):
         quantize.keep_tap_sums = original
 
 
-def lite_split(variant: int, folder: Path, crops: str, rules: list[str]) -> None:
+def mse_unclipped(table, model: Path):
+    """`table` with the minimum-MSE threshold (calib/methods.py) on every tensor but the graph inputs and the
+    outputs of Clip nodes."""
+    import dataclasses
+
+    import onnx
+
+    from calib.methods import mse_threshold
+
+    graph = onnx.load(str(model), load_external_data=False).graph
+    kept = {i.name for i in graph.input} | {o for node in graph.node if node.op_type == "Clip" for o in node.output}
+    records = {name: record if name in kept or record.counts is None else
+               dataclasses.replace(record, threshold=mse_threshold(np.array(record.counts), record.bin_width))
+               for name, record in table.records.items()}
+    return dataclasses.replace(table, records=records)
+
+
+def lite_split(variant: int, folder: Path, crops: str, rules: list[str], thresholds: str = "kl") -> None:
     import onnxruntime as ort
 
     from calib.data import Preprocess
@@ -90,6 +110,8 @@ def lite_split(variant: int, folder: Path, crops: str, rules: list[str]) -> None
     size = zoo.EFFICIENTNET_LITE_SIZES[variant]
     preprocess = Preprocess((size, size), (127.0,) * 3, (128.0,) * 3)
     table = CalibrationTable.load(folder / "qdeploy_table.json")
+    if thresholds == "mse_unclipped":
+        table = mse_unclipped(table, folder.parent / "model.onnx")
     images = folder / f"{crops}_images"
     x = ort_peer.load_images(images, preprocess, (size, size))
     sources = [p.stem.split("_", 1)[1] for p in sorted(images.glob("*.jpg"))]
@@ -102,7 +124,7 @@ def lite_split(variant: int, folder: Path, crops: str, rules: list[str]) -> None
         ours = np.concatenate([next(iter(api.run_program_file(program, x[i:i + 16], dequantize=True).values()))
                                for i in range(0, len(x), 16)])
         row = figures(rule, reference, ours, sources)
-        print(f"lite{variant} {folder.name} {crops:5s} {rule:16s} {row.sqnr_db:6.2f} dB {100 * row.top1:5.1f}% "
+        print(f"lite{variant} {folder.name} {crops:5s} {thresholds:13s} {rule:16s} {row.sqnr_db:6.2f} dB {100 * row.top1:5.1f}% "
               f"p10 {row.worst_decile_db:6.2f} worst {row.worst_source} {row.worst_source_db:.2f} "
               f"({time.perf_counter() - start:.0f} s)", flush=True)
 
@@ -131,6 +153,7 @@ def main() -> None:
     parser.add_argument("--rules", default="off,all,depthwise,full,few_inputs,depthwise_gain")
     parser.add_argument("--counts", default="24_32", help="the split folders' CALIB_EVAL suffix")
     parser.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "qdeploy-bench" / "fidelity-held-out")
+    parser.add_argument("--thresholds", choices=("kl", "mse_unclipped"), default="kl")
     parser.add_argument("--yolo11n", action="store_true", help="examples/library_models.py's YOLO11n instead")
     args = parser.parse_args()
     rules = args.rules.split(",")
@@ -143,7 +166,7 @@ def main() -> None:
             if not (folder / "qdeploy_table.json").exists():
                 raise SystemExit(f"tap_sum_rules.py: {folder} has no calibration table: run bench/fidelity.py "
                                  f"--models {variant} --splits {split} --no-peers first")
-            lite_split(variant, folder, args.crops, rules)
+            lite_split(variant, folder, args.crops, rules, args.thresholds)
 
 
 if __name__ == "__main__":
