@@ -42,6 +42,9 @@ if str(REPO) not in sys.path:
 from bench.fidelity import figures  # noqa: E402
 
 
+RULES = ("off", "all", "depthwise", "full", "few_inputs", "depthwise_gain")
+
+
 def kernel_mask(rule: str, u: np.ndarray, layer: int) -> np.ndarray | bool:
     """Which kernels of one convolution the rule re-rounds: u (M, C/g, taps) its weights over their scales,
     `layer` its 1-based index among the spatial convolutions."""
@@ -58,7 +61,7 @@ def kernel_mask(rule: str, u: np.ndarray, layer: int) -> np.ndarray | bool:
         return (per_output == 1) & (np.abs(u.sum(axis=2)) >= np.sqrt(taps / 12))
     if rule.startswith("layer:"):
         return layer == int(rule.split(":")[1])
-    raise SystemExit(f"tap_sum_rules.py: unknown rule {rule!r}")
+    raise ValueError(f"unknown rule {rule!r}")  # main() refuses it before any run
 
 
 @contextlib.contextmanager
@@ -157,6 +160,9 @@ def main() -> None:
     parser.add_argument("--yolo11n", action="store_true", help="examples/library_models.py's YOLO11n instead")
     args = parser.parse_args()
     rules = args.rules.split(",")
+    unknown = [r for r in rules if r not in RULES and not (r.startswith("layer:") and r[6:].isdigit())]
+    if unknown:
+        parser.error(f"unknown rule(s) {', '.join(unknown)} (known: {', '.join(RULES)}, layer:N)")
     if args.yolo11n:
         yolo11n(rules)
         return
@@ -164,8 +170,8 @@ def main() -> None:
         for split in args.splits.split(","):
             folder = args.workdir / f"lite{variant}" / f"fold{split}_{args.counts}"
             if not (folder / "qdeploy_table.json").exists():
-                raise SystemExit(f"tap_sum_rules.py: {folder} has no calibration table: run bench/fidelity.py "
-                                 f"--models {variant} --splits {split} --no-peers first")
+                parser.error(f"{folder} has no calibration table: run bench/fidelity.py --models {variant} "
+                             f"--splits {split} --no-peers --calib/--eval as its counts first")
             lite_split(variant, folder, args.crops, rules, args.thresholds)
 
 
