@@ -17,11 +17,12 @@ The rule replaces quantize.py's `keep_tap_sums` for the run (a measuring harness
 option). `--thresholds mse_unclipped` also replaces the calibration table's KL threshold of every tensor that no
 Clip (ReLU6) writes (the BatchNorm outputs of the projections, the residual sums; the graph input keeps its own)
 by calib/methods.py's minimum-expected-MSE threshold on the same stored histogram (issue 31's low-contrast
-sources: a finer step on the linear tensors, for more clipping). Figures are against the float model run by ONNX Runtime: pooled logits SQNR, top-1 agreement, p10 and the
+sources: a finer step on the linear tensors, for more clipping); `mse_linear` only on the outputs of linear ops
+(BatchNormalization, Conv, Gemm, MatMul, Add, Sub: no activation's output, on any network). Figures are against the float model run by ONNX Runtime: pooled logits SQNR, top-1 agreement, p10 and the
 worst source, as bench/fidelity.py.
 
 Run: python bench/tap_sum_rules.py [--models 0,1,2] [--splits 0,1,2] [--crops eval|calib] [--rules off,all,...]
-[--counts 24_32] [--workdir DIR] [--thresholds kl|mse_unclipped]   (the split folders and calibration tables of an earlier bench/fidelity.py run)
+[--counts 24_32] [--workdir DIR] [--thresholds kl|mse_unclipped|mse_linear]   (the split folders and calibration tables of an earlier bench/fidelity.py run)
      python bench/tap_sum_rules.py --yolo11n --rules off,all,...   (examples/library_models.py's check)"""
 
 from __future__ import annotations
@@ -84,9 +85,13 @@ def tap_sum_rule(rule: str):
         quantize.keep_tap_sums = original
 
 
-def mse_unclipped(table, model: Path):
-    """`table` with the minimum-MSE threshold (calib/methods.py) on every tensor but the graph inputs and the
-    outputs of Clip nodes."""
+LINEAR_OPS = ("BatchNormalization", "Conv", "ConvTranspose", "Gemm", "MatMul", "Add", "Sub")
+
+
+def mse_thresholds(table, model: Path, which: str = "mse_unclipped"):
+    """`table` with the minimum-MSE threshold (calib/methods.py) on some tensors: `mse_unclipped` every tensor but
+    the graph inputs and the outputs of Clip nodes; `mse_linear` the outputs of LINEAR_OPS only (no activation's
+    output moves, whatever the network's activations)."""
     import dataclasses
 
     import onnx
@@ -94,9 +99,11 @@ def mse_unclipped(table, model: Path):
     from calib.methods import mse_threshold
 
     graph = onnx.load(str(model), load_external_data=False).graph
-    kept = {i.name for i in graph.input} | {o for node in graph.node if node.op_type == "Clip" for o in node.output}
-    records = {name: record if name in kept or record.counts is None else
-               dataclasses.replace(record, threshold=mse_threshold(np.array(record.counts), record.bin_width))
+    producer = {output: node.op_type for node in graph.node for output in node.output}
+    moved = {name for name, op in producer.items()
+             if (op != "Clip" if which == "mse_unclipped" else op in LINEAR_OPS)}
+    records = {name: dataclasses.replace(record, threshold=mse_threshold(np.array(record.counts), record.bin_width))
+               if name in moved and record.counts is not None else record
                for name, record in table.records.items()}
     return dataclasses.replace(table, records=records)
 
@@ -113,8 +120,8 @@ def lite_split(variant: int, folder: Path, crops: str, rules: list[str], thresho
     size = zoo.EFFICIENTNET_LITE_SIZES[variant]
     preprocess = Preprocess((size, size), (127.0,) * 3, (128.0,) * 3)
     table = CalibrationTable.load(folder / "qdeploy_table.json")
-    if thresholds == "mse_unclipped":
-        table = mse_unclipped(table, folder.parent / "model.onnx")
+    if thresholds != "kl":
+        table = mse_thresholds(table, folder.parent / "model.onnx", thresholds)
     images = folder / f"{crops}_images"
     x = ort_peer.load_images(images, preprocess, (size, size))
     sources = [p.stem.split("_", 1)[1] for p in sorted(images.glob("*.jpg"))]
@@ -156,7 +163,7 @@ def main() -> None:
     parser.add_argument("--rules", default="off,all,depthwise,full,few_inputs,depthwise_gain")
     parser.add_argument("--counts", default="24_32", help="the split folders' CALIB_EVAL suffix")
     parser.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "qdeploy-bench" / "fidelity-held-out")
-    parser.add_argument("--thresholds", choices=("kl", "mse_unclipped"), default="kl")
+    parser.add_argument("--thresholds", choices=("kl", "mse_unclipped", "mse_linear"), default="kl")
     parser.add_argument("--yolo11n", action="store_true", help="examples/library_models.py's YOLO11n instead")
     args = parser.parse_args()
     rules = args.rules.split(",")
