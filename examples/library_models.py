@@ -9,7 +9,8 @@ in external data) and with `dynamo=False` (opset 17, a dynamic batch), then per 
   rel       the lowered float graph's largest difference from ONNX Runtime on the same file, relative to the
             largest output magnitude, worst over the outputs
   int8      SQNR (dB) of the compiled program's dequantized outputs against ONNX Runtime's float outputs
-            (KL defaults, `CALIBRATION` calibration views of the calib photographs, `EVALUATION` eval views)
+            (KL defaults, --calibration views of the calib photographs, --evaluation views of the eval ones: the
+            first n of a larger count are the views of a smaller one, so runs at 2 and 16 share their first 2)
   ORT int8  the same for onnxruntime.quantization.quantize_static's defaults (QDQ, MinMax) on the same file
             and calibration views
   NNCF int8 the same for nncf.quantize's defaults (ONNX backend) on the same file and calibration views, run by
@@ -18,10 +19,11 @@ in external data) and with `dynamo=False` (opset 17, a dynamic batch), then per 
 Weights: timm's own initialisation, then every BatchNorm's running statistics measured on natural crops (a
 forward pass in train mode over the calibration views, cumulative average) and moved mildly (mean + N(0,
 0.05^2) of its spread, variance x U(0.8, 1.25)), so no BatchNorm is the identity and activations stay in the
-range real weights give. Seeded: a run is deterministic.
+range real weights give (always `BATCHNORM_VIEWS` calib views: the weights do not depend on --calibration).
+Seeded: a run is deterministic.
 
     python examples/library_models.py [--models resnet18d,yolov8n] [--exporters dynamo,torchscript] [--out DIR]
-                                      [--nncf]
+                                      [--nncf] [--calibration 4] [--evaluation 16]
 
 prints one markdown row per file as it finishes; a failing stage ends the row with its one-line reason."""
 
@@ -48,8 +50,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `examples` is no
 from examples import images  # noqa: E402
 from examples.zoo import import_torchvision  # noqa: E402
 
+BATCHNORM_VIEWS = 4
 CALIBRATION = 4
-EVALUATION = 2
+EVALUATION = 16
 EXPORTERS = ("dynamo", "torchscript")
 
 
@@ -143,7 +146,7 @@ def build(name: str, seed: int = 0):
             model = module.DetectionModel(spec.builder, verbose=False)
         else:
             model = getattr(module, spec.builder)(encoder_weights=None, classes=4, **options)
-        measure_batchnorm(model, images.image_batch(CALIBRATION, seed=0, split="calib", size=spec.size))
+        measure_batchnorm(model, images.image_batch(BATCHNORM_VIEWS, seed=0, split="calib", size=spec.size))
         model.eval()
         if spec.library == "ultralytics":
             model = model.fuse()
@@ -241,9 +244,10 @@ def nncf_int8(path: Path, calib: np.ndarray, x: np.ndarray) -> list[np.ndarray]:
     return reference(output, x)
 
 
-def check(name: str, exporter: str, folder: Path, nncf: bool = False) -> dict:
-    """One file's row: each stage's figure, or the stage that failed and its one-line reason; with `nncf`, NNCF's
-    int8 figure too."""
+def check(name: str, exporter: str, folder: Path, nncf: bool = False, calibration: int = CALIBRATION,
+          evaluation: int = EVALUATION) -> dict:
+    """One file's row on `calibration` calib views and `evaluation` eval views: each stage's figure, or the stage
+    that failed and its one-line reason; with `nncf`, NNCF's int8 figure too."""
     from qdeploy import api
     from qdeploy.calibration import calibrate
     from qdeploy_base.errors import QdeployError
@@ -254,8 +258,8 @@ def check(name: str, exporter: str, folder: Path, nncf: bool = False) -> dict:
     stage = "export"
     try:
         path = export(build(name), spec.size, folder / f"{name}_{exporter}.onnx", exporter)
-        calib = images.image_batch(CALIBRATION, seed=0, split="calib", size=spec.size)
-        x = images.image_batch(EVALUATION, seed=1, split="eval", size=spec.size)
+        calib = images.image_batch(calibration, seed=0, split="calib", size=spec.size)
+        x = images.image_batch(evaluation, seed=1, split="eval", size=spec.size)
         expected = reference(path, x)
         stage = "ORT int8"
         try:
@@ -279,7 +283,7 @@ def check(name: str, exporter: str, folder: Path, nncf: bool = False) -> dict:
         got = list(api.run(path, x, lowered=True).values())
         row["relative_error"] = max(float(np.max(np.abs(g - e)) / np.max(np.abs(e))) for g, e in zip(got, expected))
         stage = "calibrate"
-        table = calibrate(path, calib, "kl", num_samples=CALIBRATION, batch_size=CALIBRATION).table
+        table = calibrate(path, calib, "kl", num_samples=calibration, batch_size=calibration).table
         stage = "compile"
         program = api.compile(path, table, allow_host_fallback=bool(lowering.host_ops)).program
         stage = "run"
@@ -329,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--exporters", default=",".join(EXPORTERS))
     parser.add_argument("--out", type=Path, help="keep the exported models here (default: a temporary folder)")
     parser.add_argument("--nncf", action="store_true", help="NNCF's int8 too (nncf.quantize defaults)")
+    parser.add_argument("--calibration", type=int, default=CALIBRATION, help="calibration views (all three int8s)")
+    parser.add_argument("--evaluation", type=int, default=EVALUATION,
+                        help="evaluation views; the first n of a larger count are a smaller count's views")
     options = parser.parse_args(argv)
     print(HEADER, flush=True)
     rows = []
@@ -337,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         folder.mkdir(parents=True, exist_ok=True)
         for name in options.models.split(","):
             for exporter in options.exporters.split(","):
-                rows.append(check(name, exporter, folder, options.nncf))
+                rows.append(check(name, exporter, folder, options.nncf, options.calibration, options.evaluation))
                 print(markdown(rows[-1]), flush=True)
     print(f"\n{sum(map(passes, rows))} of {len(rows)} files pass; "
           f"{sum(1 for r in rows if r.get('crash'))} crash in qdeploy", flush=True)
