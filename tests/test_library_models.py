@@ -78,14 +78,15 @@ def test_levit_and_swin_token_forms_run_on_the_gemm_unit(tmp_path, name):
         assert library_models.passes(row)
 
 
-def test_random_weights_are_conditioned_as_trained_ones():
-    """The survey's random LeViT-128S is as well conditioned as float32 allows: its torch float32 outputs within
-    1e-5 of float64 (7e-7 measured). With the BatchNorm statistics measured before the scales were drawn, timm's
-    zero-initialized residual branches came alive only after the measurement and grew through the blocks
-    (attention logits to 8e12): float32 0.13 off float64, which no float32 lowering can meet the issue's 1e-3
-    line under (docs/library_models.md)."""
+def test_levit_lowered_line_is_float32_rounding_of_its_weights():
+    """LeViT-128S's "lowered vs ORT" (1.4e-01 dynamo, 5.7e-02 TorchScript on 16 crops) is the survey's weights,
+    not the lowering: with the BatchNorm scales drawn after the statistics are measured (the default), timm's
+    zero-initialized residual branches come alive unmeasured and grow through the blocks (attention logits to
+    8e12), so the torch model's own float32 is > 1e-2 off its float64; with the scales drawn first
+    (--scales-first) it is within 1e-5 (7e-7 measured), and so is the lowered graph against ONNX Runtime
+    (docs/library_models.md)."""
     from examples import images
 
-    model = library_models.build("levit_128s")
     x = images.image_batch(2, seed=1, split="eval", size=library_models.MODELS["levit_128s"].size)
-    assert library_models.float32_rounding(model, x) < 1e-5
+    assert library_models.float32_rounding(library_models.build("levit_128s"), x) > 1e-2
+    assert library_models.float32_rounding(library_models.build("levit_128s", scales_first=True), x) < 1e-5
