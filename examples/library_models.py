@@ -366,7 +366,8 @@ def markdown(row: dict) -> str:
 
 
 HEADER = ("| model | exporter | imports | host ops | GEMM share | lowered vs ORT (max rel.) | "
-          "torch f32 vs f64 (max rel.) | int8 SQNR (dB) | ORT int8 SQNR (dB) | NNCF int8 SQNR (dB) | passes | failure | s |\n"
+          "torch f32 vs f64 (max rel.) | int8 SQNR (dB) | ORT int8 SQNR (dB) | NNCF int8 SQNR (dB) | passes | failure "
+          "| s |\n"
           "|---|---|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|")
 
 
