@@ -267,12 +267,8 @@ class _Scales:
         threshold); where (T - lo) / 255 is finer than zero point 0's T / 127, it becomes uint8 with
         s = f32((T - lo) / 255) and the zero point zp = round(-lo / s)."""
         lo = max(minimum, -threshold)
-        if not lo < 0:
-            return
-        scale = float(np.float32((threshold - lo) / 255.0))
-        zero_point = int(np.round(-lo / scale))
-        if scale < self.scale[name] and 0 < zero_point < 255:
-            self.scale[name], self.unsigned[name], self.zero_point[name] = scale, True, zero_point
+        if lo < 0:
+            self._with_zero_point(name, threshold, lo)
 
     def _lower_bounded(self, name: str, threshold: float, lookup) -> None:
         """Eq. (10): the table's output `name` lies in [f_min, T] (f_min = min of f over the table's 256 inputs, T
@@ -280,10 +276,14 @@ class _Scales:
         uint8 with s = (T - f_min) / 255 and the zero point zp = round(-f_min / s)."""
         with np.errstate(over="ignore", invalid="ignore"):
             f_min = float(np.min(_table_inputs_mapped(lookup, *self.lookup_input[name])))
-        if not (math.isfinite(f_min) and f_min < 0):
-            return
-        scale = float(np.float32((threshold - f_min) / 255.0))
-        zero_point = int(np.round(-f_min / scale))
+        if math.isfinite(f_min) and f_min < 0:
+            self._with_zero_point(name, threshold, f_min)
+
+    def _with_zero_point(self, name: str, threshold: float, lo: float) -> None:
+        """`name`, whose values lie in [lo, T] with lo < 0, becomes uint8 with s = f32((T - lo) / 255) and the zero
+        point zp = round(-lo / s) where that step is finer than its scale now (eqs. (10) and (13))."""
+        scale = float(np.float32((threshold - lo) / 255.0))
+        zero_point = int(np.round(-lo / scale))
         if scale < self.scale[name] and 0 < zero_point < 255:
             self.scale[name], self.unsigned[name], self.zero_point[name] = scale, True, zero_point
 
