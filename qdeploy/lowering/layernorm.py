@@ -355,32 +355,24 @@ def split_over_token_concats(graph: Graph) -> Graph:
             readers = _beta_readers(graph, y, rank - 1, consumers)
             if beta is not None and readers is None:
                 continue
-            tensors, replaced = _fold_beta(graph, beta, readers or [])
-            taken = {t.name for t in tensors}
-
-            def fresh(base: str) -> str:
-                name, i = base, 0
-                while name in taken or graph.unique_name(name) != name:
-                    i += 1
-                    name = f"{base}_{i}"
-                taken.add(name)
-                return name
-
-            parts = []
+            out = Emitter(graph)
+            folded, replaced = _fold_beta(out.graph, beta, readers or [])
+            out.add(Lowered([], folded))
             for k, part in enumerate(concat.inputs):
                 source = graph.tensors[part]
-                tensors.append(Tensor(fresh(f"{y}/part{k}"), source.shape, source.dtype, rows=source.rows))
-                parts.append(node.replace(name=fresh(f"{node.name}/part{k}"), inputs=[part, node.inputs[1]],
-                                          outputs=[tensors[-1].name]))
-            joined = concat.replace(name=fresh(f"{node.name}/concat"),
-                                    inputs=[part.outputs[0] for part in parts], outputs=[y])
+                normal = Tensor(out.graph.unique_name(f"{y}/part{k}"), source.shape, source.dtype, rows=source.rows)
+                out.add(Lowered([], [normal]))
+                out.add(Lowered([node.replace(name=out.graph.unique_name(f"{node.name}/part{k}"),
+                                              inputs=[part, node.inputs[1]], outputs=[normal.name])]))
+            out.add(Lowered([concat.replace(name=out.graph.unique_name(f"{node.name}/concat"),
+                                            inputs=[part.outputs[0] for part in out.nodes], outputs=[y])]))
             nodes = []
             for n in graph.nodes:
                 if n is node:
-                    nodes += [*parts, joined]
+                    nodes += out.nodes
                 elif n is not concat:
                     nodes.append(replaced.get(n.name, n))
-            graph = graph.with_nodes(nodes, tensors)
+            graph = graph.with_nodes(nodes, out.tensors)
             break
         else:
             return graph
