@@ -4,7 +4,9 @@
 adding a method is one function and one entry.
 
 Every method returns a finite threshold > 0: a tensor whose values are all zero (bin_width 0) gets
-ZERO_TENSOR_THRESHOLD, and the int8 scale is threshold / 127 (design.md section 3)."""
+ZERO_TENSOR_THRESHOLD, and the scale is threshold / 127 for int8, threshold / 255 for a uint8 tensor with zero point 0
+(design.md section 3). The methods that weigh rounding against clipping (kl, mse) take `steps`, the quantizer's
+steps over [0, T] (calib INT8_STEPS or UINT8_STEPS), so each tensor is judged at the step it will get."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from typing import Callable
 
 import numpy as np
 
-from calib import DEFAULT_PERCENTILE
+from calib import DEFAULT_PERCENTILE, INT8_STEPS
 from calib.expected_error import expected_squared_errors
 from calib.kl import ZERO_TENSOR_THRESHOLD, kl_threshold
 
@@ -43,14 +45,14 @@ def percentile_threshold(counts: np.ndarray, bin_width: float, percentile: float
     return float((min(j, len(counts) - 1) + 1) * bin_width)
 
 
-def mse_threshold(counts: np.ndarray, bin_width: float) -> float:
-    """T minimising the expected squared error E(T) of symmetric int8 quantization with scale s = T / 127
-    (calib/expected_error.py), over the candidates T = k * bin_width, k = 1..n (n * bin_width = amax).
+def mse_threshold(counts: np.ndarray, bin_width: float, steps: int = INT8_STEPS) -> float:
+    """T minimising the expected squared error E(T) of quantization in `steps` steps, s = T / steps (127: symmetric
+    int8; 255: uint8 with zero point 0; calib/expected_error.py), over the candidates T = k * bin_width, k = 1..n (n * bin_width = amax).
     Ties go to the smallest T."""
     if _empty(counts, bin_width):
         return ZERO_TENSOR_THRESHOLD
     candidates = np.arange(1, len(counts) + 1) * bin_width
-    return float(candidates[int(np.argmin(expected_squared_errors(counts, bin_width, candidates)))])
+    return float(candidates[int(np.argmin(expected_squared_errors(counts, bin_width, candidates, steps)))])
 
 
 THRESHOLD_METHODS: dict[str, ThresholdMethod] = {
@@ -60,8 +62,10 @@ THRESHOLD_METHODS: dict[str, ThresholdMethod] = {
     "mse": mse_threshold,  # minimum expected quantization MSE
 }
 
-# keyword options each accepts; kl's max_clipped_fraction is rule (7) of calib/kl.py, set per tensor by calibrate
-METHOD_OPTIONS: dict[str, tuple[str, ...]] = {"percentile": ("percentile",), "kl": ("max_clipped_fraction",)}
+# keyword options each accepts; kl's max_clipped_fraction is rule (7) of calib/kl.py, and `steps` the quantizer's
+# steps over [0, T], both set per tensor by calibrate
+METHOD_OPTIONS: dict[str, tuple[str, ...]] = {"percentile": ("percentile",), "kl": ("max_clipped_fraction", "steps"),
+                                              "mse": ("steps",)}
 
 
 def select_threshold(method: str, counts: np.ndarray, bin_width: float, **options) -> float:

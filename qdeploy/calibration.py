@@ -13,7 +13,9 @@ released after its last use, so memory holds one batch's live tensors plus 256 K
 (calib/histogram.py), whatever the number of samples. The histograms are the same for any batch size
 (calib/histogram.py). After the last batch a threshold method (calib/methods.py; KL by default) picks |T| for
 each tensor, and the records form the calibration table (calib/table.py). KL gets each tensor's clipping
-budget from the fan-in of the GEMMs that read it (`consumer_fan_in`; calib/kl.py rule (7))."""
+budget from the fan-in of the GEMMs that read it (`consumer_fan_in`; calib/kl.py rule (7)), and KL and MSE judge
+each tensor at the steps of the quantizer the program gives it (`quantizer_steps`): 255 over [0, T] for a tensor
+stored as uint8 with zero point 0, 127 otherwise."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from calib import DEFAULT_BATCH_SIZE, DEFAULT_METHOD, DEFAULT_NUM_SAMPLES, DEFAULT_PERCENTILE
+from calib import DEFAULT_BATCH_SIZE, DEFAULT_METHOD, DEFAULT_NUM_SAMPLES, DEFAULT_PERCENTILE, INT8_STEPS, UINT8_STEPS
 from calib.data import Preprocess, open_data, resolved_preprocess
 from calib.histogram import NonFiniteValue, StreamingHistogram
 from calib.kl import clipping_budget
@@ -37,13 +39,15 @@ from calib.table import (MIN_THRESHOLD, TENSORRT_METHOD, CalibrationTable, Tenso
 from qdeploy.onnx_import import InputShapes, import_onnx
 from qdeploy.binding import bind_inputs
 from qdeploy.cluster import runs_in_process, starting
-from qdeploy_base.errors import BadInput
+from qdeploy_base.errors import BadInput, QdeployError
 from qdeploy.ir import Graph, topological_order
 from qdeploy.lowering.equalize import depthwise_pairs, equalizable_pairs
 from isa.kinds import LAYOUT_KINDS, VIEW_KINDS
 from qdeploy.lowering import LoweringResult, lower_graph
 from qdeploy.lowering.rows import stores_row_words
+from qdeploy.quantize import zero_point_free_uint8
 from qdeploy.reference.executor import run_node
+from isa.target import Target
 from qdeploy_base.threads import blas_threads_limitable, one_blas_thread, usable_cpus
 
 Progress = Callable[[int, int], None]  # (samples done, samples in total)
@@ -112,6 +116,18 @@ def consumer_fan_in(lowering: LoweringResult) -> dict[str, int]:
 
     return {name: k for name, tensor in graph.tensors.items()
             if not tensor.is_constant and (k := fan_in(name)) is not None}
+
+
+def quantizer_steps(lowering: LoweringResult, target: Target | None = None) -> dict[str, int]:
+    """{tensor: UINT8_STEPS} for the tensors the program will store as uint8 with zero point 0 on `target` (default:
+    the built-in target, which has unsigned activations; quantize.py `zero_point_free_uint8`); every other tensor
+    gets INT8_STEPS. A graph that compile would refuse (quantize.py raises) gets int8 steps everywhere: compile
+    reports the reason, calibration keeps its statistics."""
+    try:
+        uint8 = zero_point_free_uint8(lowering.graph, target if target is not None else Target())
+    except QdeployError:
+        return {}
+    return dict.fromkeys(sorted(uint8), UINT8_STEPS)
 
 
 class _Collector:
@@ -399,7 +415,8 @@ def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD,
               tensorrt_cache: str | os.PathLike | None = None, input_shapes: InputShapes | None = None,
               equalize: bool = False, progress: Progress | None = None,
               cluster: str | None = None, threads: int | None = None,
-              float_softmax_layernorm: bool = False) -> CalibrationResult:
+              float_softmax_layernorm: bool = False, target: Target | None = None,
+              uint8_steps: bool = True) -> CalibrationResult:
     """Choose an activation threshold |T| for every tensor the int8 program of `model` quantizes.
 
     data: a folder of images (preprocessed per `preprocess`; H, W default to the model input's), a .npy/.npz
@@ -419,7 +436,11 @@ def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD,
       host fallback).
     progress: called as progress(samples_done, samples_total) after each batch.
     threads: worker threads that run slices of each batch side by side (default: the CPUs this process may use);
-      BLAS is held to one thread throughout. The result does not depend on it (_Collector.run_in_slices)."""
+      BLAS is held to one thread throughout. The result does not depend on it (_Collector.run_in_slices).
+    target: the target the table is for (default: the built-in one); with `uint8_steps`, the tensors it stores
+      as uint8 with zero point 0 have their KL / MSE thresholds judged at 255 steps over [0, T] (s = T / 255, the
+      quantizer they get; quantizer_steps), every other tensor at int8's 127. uint8_steps=False judges every
+      tensor at 127 steps, as TensorRT's int8-only calibration does."""
     start = time.perf_counter()
     if method not in THRESHOLD_METHODS:
         raise BadInput(f"--method {method}: unknown method (known: {', '.join(THRESHOLD_METHODS)})")
@@ -450,6 +471,7 @@ def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD,
         graph = lowering.graph
         names = calibration_tensors(graph)
         fan_in = consumer_fan_in(lowering)
+        steps = quantizer_steps(lowering, target) if uint8_steps else {}
         timings = {"lower": time.perf_counter() - start}
         warnings: list[str] = []
 
@@ -509,7 +531,8 @@ def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD,
                                          histogram.minimum if histogram is not None else None)
         else:
             threshold = select_threshold(method, histogram.counts, histogram.bin_width, percentile=percentile,
-                                         max_clipped_fraction=clipping_budget(fan_in.get(name)))
+                                         max_clipped_fraction=clipping_budget(fan_in.get(name)),
+                                         steps=steps.get(name, INT8_STEPS))
             if threshold < MIN_THRESHOLD:  # values below float32's normal range: int8 sees them as 0 anyway
                 warnings.append(f"tensor '{name}': |x| is at most {amax:.3g}, so small that its scale would not be "
                                 f"a normal float32; threshold raised to {MIN_THRESHOLD:.4g}")

@@ -392,6 +392,24 @@ class _Scales:
         return scale, self._code_range(unsigned)
 
 
+def zero_point_free_uint8(graph: Graph, target: Target) -> frozenset[str]:
+    """The tensors of a lowered float graph that the program stores as uint8 with zero point 0, s = T / 255, on
+    `target` (_Scales's rule: a provably non-negative instruction output, or a lookup table's non-negative input p,
+    on a target with unsigned activations, unless it writes into a Concat's signed buffer). The rule does not
+    depend on the thresholds, so calibration asks it before choosing them and judges these tensors at 255 steps
+    (calib/kl.py). The uint8 tensors of eqs. (10) and (13) are not among them: they get their zero point only
+    where T makes (T - lo) / 255 finer than T / 127, so their thresholds are chosen at int8's 127 steps."""
+    probe = {name: 1.0 for name, tensor in graph.tensors.items() if not tensor.is_constant}
+    scales = _Scales(graph, probe, target)
+    uint8 = {name for name, unsigned in scales.unsigned.items() if unsigned and name not in scales.zero_point}
+    for node in graph.nodes:  # a lookup's input p (5b): _Scales keeps its signedness under the table's output
+        if (node.op in INSTRUCTION_OPS and "output_scale" not in node.attrs and not stores_row_words(node)
+                and len(node.outputs) > 1 and node.outputs[0] in scales.lookup_input
+                and scales.lookup_input[node.outputs[0]][1]):
+            uint8.add(node.outputs[1])
+    return frozenset(uint8)
+
+
 def _requant_params(real: np.ndarray, target: Target) -> dict[str, np.ndarray]:
     """Integer (mult, shift) per channel for eq. (4), and the float32 multiplier of `float32_rne`."""
     pairs = [quantize_multiplier(float(m), target.arithmetic.mult_bits) for m in real]

@@ -12,32 +12,35 @@ from calib.methods import (THRESHOLD_METHODS, max_threshold, mse_threshold, perc
                            select_threshold)
 
 
-def reference_expected_error(counts, threshold):
-    """sum_j counts[j] (v_j - s min(rne(v_j / s), 127))^2 with v_j = j + 1/2 (bin width 1), s = threshold / 127."""
+def reference_expected_error(counts, threshold, steps=127):
+    """sum_j counts[j] (v_j - s min(rne(v_j / s), N))^2 with v_j = j + 1/2 (bin width 1), s = threshold / N,
+    N = steps."""
     v = np.arange(len(counts)) + 0.5
-    s = threshold / 127
-    return float(np.sum(np.asarray(counts, np.float64) * (v - s * np.minimum(np.rint(v / s), 127)) ** 2))
+    s = threshold / steps
+    return float(np.sum(np.asarray(counts, np.float64) * (v - s * np.minimum(np.rint(v / s), steps)) ** 2))
 
 
-def reference_kl_candidate(counts, exclude_zero_bin=True, clipping_floor=True, error_guard=True):
-    """design.md section 5 read literally, one candidate at a time: P = the first i bins with the outliers
-    added to bin i-1; Q = bins 0..i-1 merged into 128 levels (bin j -> level floor(128 j / i)) and spread
+def reference_kl_candidate(counts, exclude_zero_bin=True, clipping_floor=True, error_guard=True, steps=127):
+    """design.md section 5 read literally, one candidate at a time, for L = steps + 1 levels (128 for int8, 256
+    for uint8): P = the first i bins with the outliers
+    added to bin i-1; Q = bins 0..i-1 merged into L levels (bin j -> level floor(L j / i)) and spread
     uniformly over the bins where P is non-zero; KL(P || Q) with both normalised; the smallest i within 1e-12
     of the minimum; with `clipping_floor`, only among the i that leave at most 1% of the counts (bin 0 aside)
     above them (calib/kl.py rule (6)); with `error_guard`, only among the i whose T = i + 1/2 gives an expected
     squared error at most that of T = n + 1/2, no clipping (rule (8), bin 0 counted)."""
-    no_clipping = reference_expected_error(counts, len(counts) + 0.5)
+    levels = steps + 1
+    no_clipping = reference_expected_error(counts, len(counts) + 0.5, steps)
     c = np.array(counts, np.float64)
     if exclude_zero_bin:
         c[0] = 0
     n = c.size
-    divergences = np.full(n - 127, np.inf)
-    for i in range(128, n + 1):
+    divergences = np.full(n - levels + 1, np.inf)
+    for i in range(levels, n + 1):
         p = c[:i].copy()
         p[i - 1] += c[i:].sum()
-        level = (np.arange(i) * 128) // i
-        level_mass = np.bincount(level, weights=c[:i], minlength=128)
-        level_support = np.bincount(level, weights=(p > 0), minlength=128)
+        level = (np.arange(i) * levels) // i
+        level_mass = np.bincount(level, weights=c[:i], minlength=levels)
+        level_support = np.bincount(level, weights=(p > 0), minlength=levels)
         q = np.where(p > 0, level_mass[level] / np.maximum(level_support[level], 1), 0.0)
         if q.sum() == 0:
             continue
@@ -45,11 +48,11 @@ def reference_kl_candidate(counts, exclude_zero_bin=True, clipping_floor=True, e
         used = P > 0
         if clipping_floor and c[i:].sum() > 0.01 * c.sum():
             continue
-        if error_guard and reference_expected_error(counts, i + 0.5) > no_clipping:
+        if error_guard and reference_expected_error(counts, i + 0.5, steps) > no_clipping:
             continue
         if np.all(Q[used] > 0):
-            divergences[i - 128] = np.sum(P[used] * np.log(P[used] / Q[used]))
-    return int(np.flatnonzero(divergences <= divergences.min() + 1e-12)[0]) + 128
+            divergences[i - levels] = np.sum(P[used] * np.log(P[used] / Q[used]))
+    return int(np.flatnonzero(divergences <= divergences.min() + 1e-12)[0]) + levels
 
 
 def half_normal_histogram(seed, n_values=200_000, relu=False):
@@ -180,6 +183,60 @@ def random_histograms():
 def test_vectorised_kl_equals_loop_reference(case):
     c = random_histograms()[case]
     assert kl_candidate(c) == reference_kl_candidate(c)
+
+
+@pytest.mark.parametrize("case", [0, 1, 2, 4, 6, 8, 10, 12])  # the histograms of at least 256 bins
+def test_vectorised_kl_at_uint8_steps_equals_loop_reference(case):
+    c = random_histograms()[case]
+    assert kl_candidate(c, steps=255) == reference_kl_candidate(c, steps=255)
+
+
+# ---- the level count follows the quantizer's steps ----------------------------------------------------------
+
+def alternating_body_with_outlier():
+    # bins 1..255 alternate 1000 (odd j) and 3000 (even j), one value in bin 300 (n = 301): 509,001 values.
+    c = np.zeros(301)
+    c[1:256] = np.where(np.arange(1, 256) % 2 == 1, 1000, 3000)
+    c[300] = 1
+    return c
+
+
+def test_uint8_levels_resolve_what_int8_levels_cannot_and_clip_the_outlier():
+    # 256 levels (uint8, 255 steps), candidate i = 256: one bin per level, so Q is the body itself (normalised by
+    # N = 509,000) while P carries the outlier in bin 255 (normalised by N + 1):
+    #   KL = (N - 1000)/(N + 1) log(N/(N + 1)) + 1001/(N + 1) log(1001 N / (1000 (N + 1)))  ~ 9.8e-10,
+    # the least of every candidate (any i > 256 puts some (1000, 3000) pair into one level). Rule (8): clipping
+    # the outlier from 300.5 to 256.5 costs 44**2 and saves the step 300.5/255 -> 256.5/255 on 509,000 values.
+    # 128 levels (int8): every candidate puts pairs of unequal bins into a level, ~ (1/4) log(1/2) + (3/4) log(3/2)
+    # = 0.131 nats at i = 256, which no candidate escapes; the least is at i = n (0.125): nothing clipped.
+    c = alternating_body_with_outlier()
+    n_body = 509_000
+    worked = ((n_body - 1000) / (n_body + 1) * math.log(n_body / (n_body + 1))
+              + 1001 / (n_body + 1) * math.log(1001 * n_body / (1000 * (n_body + 1))))
+    assert kl_divergences(c, steps=255)[0] == pytest.approx(worked, abs=1e-13)  # float64 sums of log terms ~13
+    assert kl_divergences(c)[256 - 128] == pytest.approx(0.25 * math.log(0.5) + 0.75 * math.log(1.5), abs=1e-3)
+    assert kl_candidate(c, steps=255) == reference_kl_candidate(c, steps=255) == 256
+    assert kl_candidate(c) == reference_kl_candidate(c) == 301
+    assert kl_threshold(c, 0.5, steps=255) == 256.5 * 0.5
+    assert kl_threshold(c, 0.5) == 301.5 * 0.5  # T = (n + 1/2) w: just above amax, nothing clipped
+
+
+def test_uint8_steps_need_256_bins():
+    with pytest.raises(ValueError, match="at 256 levels needs 1-D, at least 256 bins"):
+        kl_candidate(np.ones(200), steps=255)
+    with pytest.raises(ValueError, match="steps must be in 1..2047"):
+        kl_candidate(np.ones(4096), steps=4095)
+
+
+def test_mse_at_uint8_steps_is_the_brute_force_minimum_over_255_steps():
+    # the same tensor as uint8 (s = T / 255) has half the step at every T: its minimum-MSE T clips less
+    c = np.zeros(300)
+    c[1:60] = np.linspace(100_000, 1000, 59).round()
+    c[299] = 1
+    candidates = np.arange(1, 301) * 0.1
+    errors = [reference_expected_error(c, t / 0.1, 255) for t in candidates]
+    assert mse_threshold(c, 0.1, steps=255) == pytest.approx(candidates[int(np.argmin(errors))])
+    assert mse_threshold(c, 0.1, steps=255) != mse_threshold(c, 0.1)
 
 
 

@@ -1,0 +1,80 @@
+"""Thresholds judged at the quantizer each tensor gets (calib/kl.py `steps`, design.md section 5): calibration asks
+quantize.py which tensors the program stores as uint8 with zero point 0 (s = T / 255) and searches their thresholds
+at 256 levels over [0, T]; every other tensor (signed, or uint8 with an eq. (10) zero point) at int8's 128."""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx import helper
+
+from builders import make_model, rng_weights, save
+from calib import INT8_STEPS, UINT8_STEPS
+from calib.kl import clipping_budget, kl_threshold
+from calib.methods import mse_threshold
+from isa.target import Arithmetic, Target
+from qdeploy import api
+from qdeploy.calibration import calibrate, calibration_tensors, consumer_fan_in, quantizer_steps
+
+SIGNED = Target(arithmetic=Arithmetic(unsigned_activations=False))
+
+
+def relu_linear_silu_model(tmp_path):
+    """x -> Relu -> conv0 (1x1) -> c0 (linear) -> conv1 (1x1) -> SiLU -> f1 -> conv2 (1x1) -> Sigmoid -> y.
+    The Relu of the graph input runs in an identity GEMM; f1 is read only by conv2 (eq. (10) applies)."""
+    n = helper.make_node
+    nodes = [n("Relu", ["x"], ["r"]),
+             n("Conv", ["r", "W0", "B0"], ["c0"], name="conv0"),
+             n("Conv", ["c0", "W1", "B1"], ["c1"], name="conv1"),
+             n("Sigmoid", ["c1"], ["s1"]), n("Mul", ["c1", "s1"], ["f1"]),
+             n("Conv", ["f1", "W2", "B2"], ["c2"], name="conv2"),
+             n("Sigmoid", ["c2"], ["y"])]
+    inits = {"W0": rng_weights(1, 4, 1, 1, 1), "B0": rng_weights(2, 4), "W1": rng_weights(3, 4, 4, 1, 1),
+             "B1": rng_weights(4, 4), "W2": rng_weights(5, 2, 4, 1, 1), "B2": rng_weights(6, 2)}
+    return save(make_model(nodes, [("x", ["N", 1, 40, 50])], [("y", ["N", 2, 40, 50])], inits), tmp_path / "m.onnx")
+
+
+# Relu of 200,000 standard normal values (seed 2): its histogram's KL threshold at 256 levels differs from 128's
+X = np.random.default_rng(2).standard_normal((100, 1, 40, 50)).astype(np.float32)
+
+
+def test_the_uint8_tensors_are_those_the_program_stores_as_uint8_with_zero_point_0(tmp_path):
+    path = relu_linear_silu_model(tmp_path)
+    lowering = api.lower_model(path)
+    steps = quantizer_steps(lowering)
+    assert set(steps.values()) == {UINT8_STEPS}
+    assert {"r", "y"} <= set(steps) and not {"x", "c0", "c1", "f1", "c2"} & set(steps)
+    # one rule: exactly the calibrated tensors the compiled program holds as uint8 without a zero point
+    table = calibrate(path, X, num_samples=8).table
+    program = api.compile(path, table).program
+    stored = {name for name in calibration_tensors(lowering.graph) if name in program.tensors
+              and program.tensors[name]["dtype"] == "uint8" and "zero_point" not in program.tensors[name]}
+    looked_up = {name for name in calibration_tensors(lowering.graph) if name not in program.tensors}
+    assert set(steps) - looked_up == stored and program.tensors["f1"].get("zero_point")
+    assert quantizer_steps(lowering, SIGNED) == {}
+
+
+def test_a_relu_tensor_s_threshold_is_judged_at_255_steps(tmp_path):
+    path = relu_linear_silu_model(tmp_path)
+    fan_in = consumer_fan_in(api.lower_model(path))
+    table = calibrate(path, X).table
+    record = table.records["r"]
+    counts, budget = np.array(record.counts), clipping_budget(fan_in.get("r"))
+    at_255 = kl_threshold(counts, record.bin_width, budget, UINT8_STEPS)
+    at_127 = kl_threshold(counts, record.bin_width, budget, INT8_STEPS)
+    assert at_255 != at_127  # the data are chosen so that the level count matters
+    assert record.threshold == at_255
+    for name in ("c0", "c1"):  # signed tensors keep int8's 127 steps
+        other = table.records[name]
+        assert other.threshold == kl_threshold(np.array(other.counts), other.bin_width,
+                                               clipping_budget(fan_in.get(name)), INT8_STEPS)
+    # TensorRT's rule (every tensor at 127 steps), and a target without unsigned activations
+    assert calibrate(path, X, uint8_steps=False).table.records["r"].threshold == at_127
+    assert calibrate(path, X, target=SIGNED).table.records["r"].threshold == at_127
+
+
+def test_mse_is_judged_at_the_same_steps(tmp_path):
+    path = relu_linear_silu_model(tmp_path)
+    record = calibrate(path, X, "mse").table.records["r"]
+    counts = np.array(record.counts)
+    assert record.threshold == mse_threshold(counts, record.bin_width, UINT8_STEPS)
+    assert record.threshold != mse_threshold(counts, record.bin_width, INT8_STEPS)
