@@ -250,6 +250,13 @@ def calibrate(model: Path = typer.Argument(..., help="An .onnx model."),
                   False, "--float-softmax-layernorm/--no-float-softmax-layernorm",
                   help="Leave Softmax, LayerNormalization and InstanceNormalization (GroupNorm) in float on the host instead of lowering them to the "
                        "integer unit (recorded in the table; compile follows it and needs --allow-host-fallback)."),
+              target: Optional[Path] = typer.Option(
+                  None, help="Accelerator target (TOML) the table is for; default: built-in. Its uint8 tensors "
+                             "(zero point 0) have their kl / mse thresholds judged at 255 steps."),
+              uint8_steps: bool = typer.Option(
+                  True, "--uint8-steps/--int8-steps",
+                  help="Judge the kl / mse thresholds of the tensors the target stores as uint8 at their 255 "
+                       "steps (default), or every tensor at int8's 127 (TensorRT's rule)."),
               input_shape: Optional[list[str]] = INPUT_SHAPE,
               cluster: Optional[str] = CLUSTER,
               json_output: bool = JSON, verbose: bool = VERBOSE, quiet: bool = QUIET) -> None:
@@ -263,7 +270,7 @@ def calibrate(model: Path = typer.Argument(..., help="An .onnx model."),
     _check_cluster(cluster)
     if output.is_dir():
         raise BadInput(f"{output}: is a folder; give the calibration table's file name")
-    check_output(output, model, data, import_tensorrt_cache)
+    check_output(output, model, data, import_tensorrt_cache, target)
     if export_tensorrt_cache is not None:  # checked now: a failed run writes nothing
         check_output(export_tensorrt_cache, model, data, import_tensorrt_cache, output)
     if percentile is not None and method != "percentile":
@@ -273,6 +280,7 @@ def calibrate(model: Path = typer.Argument(..., help="An .onnx model."),
                        f"go to a TensorRT cache; use one or the other")
     preprocess = Preprocess(parse_size(size), parse_floats(mean, "--mean", Preprocess.mean),
                             parse_floats(std, "--std", Preprocess.std), layout.upper(), channels.upper())
+    target_config = _api().load_target_file(target)  # a bad file fails before the data are read
     progress = _BatchProgress("calibrating", quiet)
     try:
         result = run_calibration(model, data, method, num_samples=num_samples, batch_size=batch_size,
@@ -281,7 +289,8 @@ def calibrate(model: Path = typer.Argument(..., help="An .onnx model."),
                                  tensorrt_cache=import_tensorrt_cache,
                                  input_shapes=parse_input_shapes(input_shape), equalize=equalize,
                                  progress=progress, cluster=cluster,
-                                 float_softmax_layernorm=float_softmax_layernorm)
+                                 float_softmax_layernorm=float_softmax_layernorm,
+                                 target=target_config, uint8_steps=uint8_steps)
     finally:
         progress.close()
     for warning in result.warnings:

@@ -78,3 +78,26 @@ def test_mse_is_judged_at_the_same_steps(tmp_path):
     counts = np.array(record.counts)
     assert record.threshold == mse_threshold(counts, record.bin_width, UINT8_STEPS)
     assert record.threshold != mse_threshold(counts, record.bin_width, INT8_STEPS)
+
+
+def test_the_command_line_takes_the_target_and_the_int8_rule(tmp_path):
+    from typer.testing import CliRunner
+
+    from calib.table import CalibrationTable
+    from qdeploy.cli import app
+
+    path = relu_linear_silu_model(tmp_path)
+    np.save(tmp_path / "x.npy", X)
+    (tmp_path / "signed.toml").write_text("[arithmetic]\nunsigned_activations = false\n")
+    thresholds = {}
+    for label, flags in (("default", []), ("int8", ["--int8-steps"]),
+                         ("signed", ["--target", str(tmp_path / "signed.toml")])):
+        result = CliRunner().invoke(app, ["calibrate", str(path), "--data", str(tmp_path / "x.npy"), "--quiet",
+                                          "-o", str(tmp_path / f"{label}.json"), *flags])
+        assert result.exit_code == 0, result.output
+        thresholds[label] = CalibrationTable.load(tmp_path / f"{label}.json").records["r"].threshold
+    assert thresholds["int8"] == thresholds["signed"] != thresholds["default"]
+    missing = CliRunner().invoke(app, ["calibrate", str(path), "--data", str(tmp_path / "x.npy"), "-o",
+                                       str(tmp_path / "t.json"), "--target", str(tmp_path / "none.toml")])
+    assert missing.exit_code == 2 and "none.toml: cannot read the target file" in missing.output
+    assert not (tmp_path / "t.json").exists()
