@@ -18,7 +18,8 @@ one's held-out accuracy drop with both tables recomputed from the run's own cali
 Run: python bench/uint8_steps.py [--models 0,1,2] [--splits 0,1,2] [--counts 24_32] [--workdir DIR]
      python bench/uint8_steps.py --digits
      python bench/uint8_steps.py --main-example   (README's EfficientNet-Lite0: 128 calibration, 64 evaluation photos)
-     python bench/uint8_steps.py --library repvgg_a0,resnet18d,yolo11n [--exporter torchscript] [--nncf]"""
+     python bench/uint8_steps.py --library repvgg_a0,resnet18d,yolo11n [--exporter torchscript] [--nncf]
+                                 [--evaluation 16]"""
 
 from __future__ import annotations
 
@@ -87,7 +88,7 @@ def lite_split(variant: int, folder: Path) -> None:
             [p.stem.split("_", 1)[1] for p in sorted(images.glob("*.jpg"))], f"lite{variant} {folder.name}")
 
 
-def library(models: list[str], exporter: str, nncf: bool) -> None:
+def library(models: list[str], exporter: str, nncf: bool, evaluation: int | None = None) -> None:
     import functools
     import tempfile
 
@@ -99,7 +100,8 @@ def library(models: list[str], exporter: str, nncf: bool) -> None:
         for uint8_steps in (False, True):
             calibration.calibrate = functools.partial(calibrate, uint8_steps=uint8_steps)
             try:
-                row = library_models.check(name, exporter, Path(tempfile.mkdtemp()), nncf)
+                row = library_models.check(name, exporter, Path(tempfile.mkdtemp()), nncf,
+                                           evaluation=evaluation or library_models.EVALUATION)
             finally:
                 calibration.calibrate = calibrate
             print(f"{name} {exporter} {'uint8' if uint8_steps else 'int8':6s} {row.get('int8', float('nan')):6.2f} dB "
@@ -191,6 +193,7 @@ def main() -> None:
     parser.add_argument("--library", default=None, help="examples/library_models.py models instead")
     parser.add_argument("--exporter", default="torchscript")
     parser.add_argument("--nncf", action="store_true", help="NNCF's int8 figure too (--library)")
+    parser.add_argument("--evaluation", type=int, default=None, help="evaluation views (--library; default 16)")
     parser.add_argument("--digits", action="store_true", help="examples/digits/run.py's nets instead")
     parser.add_argument("--main-example", action="store_true", help="README's EfficientNet-Lite0 figure instead")
     args = parser.parse_args()
@@ -201,7 +204,7 @@ def main() -> None:
         digits()
         return
     if args.library:
-        library(args.library.split(","), args.exporter, args.nncf)
+        library(args.library.split(","), args.exporter, args.nncf, args.evaluation)
         return
     for variant in (int(v) for v in args.models.split(",")):
         for split in args.splits.split(","):

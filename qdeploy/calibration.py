@@ -471,7 +471,14 @@ def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD,
         graph = lowering.graph
         names = calibration_tensors(graph)
         fan_in = consumer_fan_in(lowering)
-        steps = quantizer_steps(lowering, target) if uint8_steps else {}
+        steps = {}
+        if uint8_steps:
+            rule_lowering = lowering
+            if target is not None and not target.array.lookup_tables:  # compile lowers without lookup tables then
+                with one_blas_thread():
+                    rule_lowering = lower_graph(Path(model), import_onnx(model, input_shapes, widen_scales=True).graph,
+                                                equalize, False, float_softmax_layernorm)
+            steps = quantizer_steps(rule_lowering, target)
         timings = {"lower": time.perf_counter() - start}
         warnings: list[str] = []
 

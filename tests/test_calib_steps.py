@@ -4,6 +4,8 @@ at 256 levels over [0, T]; every other tensor (signed, or uint8 with an eq. (10)
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 from onnx import helper
 
@@ -101,3 +103,19 @@ def test_the_command_line_takes_the_target_and_the_int8_rule(tmp_path):
                                        str(tmp_path / "t.json"), "--target", str(tmp_path / "none.toml")])
     assert missing.exit_code == 2 and "none.toml: cannot read the target file" in missing.output
     assert not (tmp_path / "t.json").exists()
+
+
+def test_a_target_without_lookup_tables_judges_the_host_sigmoid_s_output_at_127_steps(tmp_path, monkeypatch):
+    # with lookup tables the final Sigmoid is its GEMM's table, a uint8 output; without, compile leaves it a host op
+    # whose output is int8, so calibration for that target must ask the rule on the graph lowered without tables
+    from qdeploy import calibration
+
+    path = relu_linear_silu_model(tmp_path)
+    no_tables = Target(arithmetic=Arithmetic(), array=dataclasses.replace(Target().array, lookup_tables=0))
+    asked = []
+    rule = calibration.quantizer_steps
+    monkeypatch.setattr(calibration, "quantizer_steps", lambda *args: asked.append(rule(*args)) or asked[-1])
+    calibrate(path, X, num_samples=4)
+    calibrate(path, X, num_samples=4, target=no_tables)
+    assert "y" in asked[0] and "r" in asked[0]
+    assert "y" not in asked[1] and "r" in asked[1]
