@@ -49,8 +49,8 @@ clipping is over-stated 4x in power, so T comes out too small (design.md section
     reader (K = 9 or 25) or a residual add (K = 2) leaves the 1% of rule (6); a tensor no GEMM reads (a graph
     output) keeps it too.
 (8) Clipping must pay for itself. Only candidates whose expected squared quantization error E(T) (each bin at
-    its centre, clipped values to N s, the others rounded, s = T / N: calib/expected_error.py, bin 0 included) is at most
-    that of T = (n + 1/2) w, which clips nothing, take part in (5). Why: rules (6) and (7) count the clipped
+    its centre, clipped values to N s, the others rounded, s = T / N: calib/expected_error.py, bin 0 included) is
+    at most that of T = (n + 1/2) w, which clips nothing, take part in (5). Why: rules (6) and (7) count the clipped
     values, not what they carry. A tensor whose few largest values hold most of its energy (a per-channel
     affine with a few channels of much larger gain: the identity BatchNormalization of a RepVGG block, or of
     FastViT's RepMixer; a detector's output that holds pixel boxes beside class scores) has a tail of under 1% of

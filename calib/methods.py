@@ -47,8 +47,8 @@ def percentile_threshold(counts: np.ndarray, bin_width: float, percentile: float
 
 def mse_threshold(counts: np.ndarray, bin_width: float, steps: int = INT8_STEPS) -> float:
     """T minimising the expected squared error E(T) of quantization in `steps` steps, s = T / steps (127: symmetric
-    int8; 255: uint8 with zero point 0; calib/expected_error.py), over the candidates T = k * bin_width, k = 1..n (n * bin_width = amax).
-    Ties go to the smallest T."""
+    int8; 255: uint8 with zero point 0; calib/expected_error.py), over the candidates T = k * bin_width,
+    k = 1..n (n * bin_width = amax). Ties go to the smallest T."""
     if _empty(counts, bin_width):
         return ZERO_TENSOR_THRESHOLD
     candidates = np.arange(1, len(counts) + 1) * bin_width

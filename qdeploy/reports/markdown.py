@@ -279,9 +279,9 @@ def _calibration(d: dict) -> list[str]:
         lines += [f"The |x| histograms over the calibration data ({samples} samples), log counts, with the chosen "
                   f"threshold |T| (red) and amax (dashed), of the {len(shown)} tensors that matter: the inputs and "
                   f"outputs of the worst layers by isolated SQNR, the thresholds the clipping budget moved, the "
-                  f"model's inputs and outputs; int8 covers [-|T|, |T|] in 127 steps and clips the rest. Every "
-                  f"tensor is in the table below, with the node (layer) writing it. *clipped* is the share of "
-                  f"calibration values above |T| (to the histogram's bin).", "",
+                  f"model's inputs and outputs; int8 covers [-|T|, |T|] in 127 steps (a uint8 tensor [0, |T|] in "
+                  f"255) and clips the rest. Every tensor is in the table below, with the node (layer) writing it. "
+                  f"*clipped* is the share of calibration values above |T| (to the histogram's bin).", "",
                   f"![calibration histograms]({d['plots']['histograms']})", ""]
         if shown:
             lines += _table(["#", "tensor", "written by (node)", "why shown"],
