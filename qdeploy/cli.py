@@ -239,7 +239,8 @@ def calibrate(model: Path = typer.Argument(..., help="An .onnx model."),
               channels: str = typer.Option(DEFAULT_CHANNELS, help="RGB | BGR | GRAY."),
               strict: bool = typer.Option(False, help="Fail on an unreadable image instead of skipping it."),
               export_tensorrt_cache: Optional[Path] = typer.Option(
-                  None, help="Also write the scales (T/127) as a TensorRT calibration cache."),
+                  None, help="Also write the scales (T/127) as a TensorRT calibration cache (TensorRT is int8 only: "
+                            "add --int8-steps to choose every threshold for int8)."),
               import_tensorrt_cache: Optional[Path] = typer.Option(
                   None, help="Take |T| = 127 * scale from a TensorRT calibration cache for the tensors it names."),
               equalize: bool = typer.Option(False, "--equalize/--no-equalize",
