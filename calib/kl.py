@@ -4,8 +4,8 @@ The rule, for a histogram c[0..n-1] of |x| with bin width w (n = 2048) and quant
 L = N + 1 for a quantizer of N steps over [0, T] (`steps`): N = 127 for int8 (codes 0..127 of |x|: TensorRT's 128
 levels), N = 255 for a tensor the program stores as uint8 with zero point 0, s = T / 255 (a provably non-negative
 tensor on a target with unsigned activations: `qdeploy.quantize.zero_point_free_uint8`). Judging a uint8 tensor at
-int8's 128 levels picks T for a step twice as coarse as the one it gets: the rounding error KL trades against
-clipping is over-stated 4x in power, so T comes out too small (design.md section 5).
+int8's 128 levels chooses T for a quantizer twice as coarse as the one it gets: KL's levels are two codes wide and
+rule (8)'s rounding error is 4x its power (design.md section 5).
 
 (0) Zero bin. c[0] is set to 0 before the search. Post-ReLU tensors put a large share of their values (the
     exact zeros) into bin 0, and bin 0 lies inside the first quantization level for every candidate (a level
