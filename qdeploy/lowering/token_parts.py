@@ -92,6 +92,12 @@ def _int64(graph: Graph, base: str, values: list[int]) -> Tensor:
     return constant(graph.unique_name(base), np.array(values, np.int64))
 
 
+def _bounds(graph: Graph, base: str, start: int, count: int, axis: int) -> list[Tensor]:
+    """The starts, ends and axes inputs of a Slice taking [start, start + count) along `axis`."""
+    return [_int64(graph, f"{base}_{what}", [value])
+            for what, value in (("starts", start), ("ends", start + count), ("axes", axis))]
+
+
 def _window(graph: Graph, node: Node) -> tuple[int, int, int] | None:
     """(axis, start, count) when a Slice's output is input[..., start : start + count, ...] along one axis past the
     batch (found by running the Slice on each element's index, as lower_channel_window does)."""
@@ -147,7 +153,8 @@ def _reshape_target(graph: Graph, reader: Node, parts: _Parts) -> int | None:
     """The axis k' of a Reshape's output that keeps the Concat's axis k and every axis after it (the same extents
     after k), the axes before k only regrouped past a free batch; None otherwise."""
     source, target = _shape(graph, reader.inputs[0]), _shape(graph, reader.outputs[0])
-    if target is None or reader.op != "Reshape" or (source[0] is None) != (target[0] is None):
+    if target is None or reader.op != "Reshape" or (source[0] is None) != (target[0] is None) \
+            or graph.constant_data(reader.inputs[1]) is None or reader.attrs.get("allowzero", 0):
         return None
     tail = source[parts.axis:]
     k = len(target) - len(tail)
@@ -243,8 +250,7 @@ def _window_of(move: _Move, r: str, axis: int, start: int, count: int, base: str
         return window.name
     shape = graph.tensors[r].shape
     out = move.tensor(r, base, (*shape[:axis], count, *shape[axis + 1:]))
-    bounds = [_int64(move.out.graph, f"{base}_{what}", [value])
-              for what, value in (("starts", start), ("ends", start + count), ("axes", axis))]
+    bounds = _bounds(move.out.graph, base, start, count, axis)
     for bound in bounds:
         move.out.add(Lowered([], [bound]))
     move.node(Node(move.out.graph.unique_name(f"{base}/slice"), "Slice", [r, *(b.name for b in bounds)], [out], {}))
@@ -265,15 +271,13 @@ def _pick(graph: Graph, reader: Node, parts: _Parts, move: _Move) -> _Move:
         return move
     if reader.op == "Slice":
         base = f"{reader.name}/part{i}"
-        bounds = [_int64(move.out.graph, f"{base}_{what}", [value])
-                  for what, value in (("starts", start - offset), ("ends", start - offset + count),
-                                      ("axes", parts.axis))]
+        bounds = _bounds(move.out.graph, base, start - offset, count, parts.axis)
         for bound in bounds:
             move.out.add(Lowered([], [bound]))
         move.node(reader.replace(inputs=[part, *(b.name for b in bounds)]))
         return move
-    indices = _int64(move.out.graph, f"{reader.name}/part{i}_indices", [0])
-    shifted = constant(indices.name, (rows - offset).reshape(np.shape(graph.constant_data(reader.inputs[1]))))
+    shifted = constant(move.out.graph.unique_name(f"{reader.name}/part{i}_indices"),
+                       (rows - offset).reshape(np.shape(graph.constant_data(reader.inputs[1]))))
     move.out.add(Lowered([], [shifted]))
     move.node(reader.replace(inputs=[part, shifted.name]))
     return move
@@ -348,20 +352,15 @@ def slice_constant_rows(graph: Graph) -> Graph:
                 swap[node.name] = None
                 aliases[node.outputs[0]] = p
             else:
-                bounds = [_int64(graph, f"{node.name}_{what}", [value])
-                          for what, value in (("starts", start - before), ("ends", start - before + count),
-                                              ("axes", axis))]
+                bounds = _bounds(graph, node.name, start - before, count, axis)
                 graph = graph.with_nodes(graph.nodes, bounds)
                 tensors += bounds
                 swap[node.name] = node.replace(inputs=[p, *(b.name for b in bounds)])
     if not swap:
         return graph
-    nodes = []
-    for n in graph.nodes:
-        n = swap.get(n.name, n) if n.name in swap else n
-        if n is not None:
-            nodes.append(n.replace(inputs=[aliases.get(i, i) for i in n.inputs]))
-    return graph.with_nodes(nodes, tensors)
+    nodes = [swap.get(n.name, n) for n in graph.nodes]
+    return graph.with_nodes([n.replace(inputs=[aliases.get(i, i) for i in n.inputs]) for n in nodes if n is not None],
+                            tensors)
 
 
 def _padded_sum(graph: Graph, add: Node, producers) -> tuple[str, int, int, int, np.ndarray] | None:
