@@ -439,8 +439,9 @@ def _token_concat_model(path: Path, extra_reader: bool = False) -> Path:
 
 
 def test_a_layernorm_over_a_token_concat_normalizes_each_part_from_its_own_tensor(tmp_path):
-    """LN(Concat(c, p)) along the tokens becomes Concat(LN(c), LN(p)) (layernorm.py split_over_token_concats):
-    exact in float (the lowered graph is ONNX Runtime's, beta moved once into the reading Linear's bias), and the
+    """LN(Concat(c, p)) along the tokens becomes Concat(LN(c), LN(p)) (lowering/token_parts.py, layernorm.py
+    split_layernorm): exact in float (the lowered graph is ONNX Runtime's, beta moved once into the reading
+    Linear's bias), and the
     small class row is normalized from its own tensor: measured 35.3 dB on it, where the Concat's one scale left
     it 2-3 codes and the program 7.7 dB without the split; the patch rows keep their 33 dB (32.8 without)."""
     from qdeploy import api
