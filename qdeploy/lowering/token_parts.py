@@ -330,7 +330,9 @@ def _constants_at_ends(graph: Graph, parts: _Parts) -> bool:
 def slice_constant_rows(graph: Graph) -> Graph:
     """A Slice of x = Add(Pad(p), c) along the one axis the Pad fills with zeros, inside the filled rows -> the
     constant c[window] (the class token batch_one.py writes as Pad + tokens, sliced off again by CoaT's position
-    encoding); inside p's rows where c is zero -> the Slice of p (p itself when it takes p whole)."""
+    encoding); inside p's rows where c is zero -> the Slice of p (p itself when it takes p whole). The constant
+    only where every reader is a Concat holding it at one end beside an activation (spread_token_concats then moves
+    the Concat or makes it Pad + constant rows again), never as an instruction's operand."""
     producers, consumers = graph.producers(), graph.consumers()
     swap: dict[str, Node | None] = {}
     tensors: list[Tensor] = []
@@ -345,15 +347,16 @@ def slice_constant_rows(graph: Graph) -> Graph:
         size = _shape(graph, node.inputs[0])[axis]
         rows = np.take(c, range(start, start + count), axis=axis)
         if start + count <= before or start >= size - after:
-            swap[node.name] = None
-            tensors.append(constant(node.outputs[0], rows.astype(np.float32)))
+            if all(_beside_an_activation(graph, reader, node.outputs[0], add.outputs[0])
+                   for reader in consumers[node.outputs[0]]):
+                swap[node.name] = None
+                tensors.append(constant(node.outputs[0], rows.astype(np.float32)))
         elif start >= before and start + count <= size - after and not np.any(rows):
             if (start, count) == (before, size - before - after):
                 swap[node.name] = None
                 aliases[node.outputs[0]] = p
             else:
                 bounds = _bounds(graph, node.name, start - before, count, axis)
-                graph = graph.with_nodes(graph.nodes, bounds)
                 tensors += bounds
                 swap[node.name] = node.replace(inputs=[p, *(b.name for b in bounds)])
     if not swap:
@@ -361,6 +364,15 @@ def slice_constant_rows(graph: Graph) -> Graph:
     nodes = [swap.get(n.name, n) for n in graph.nodes]
     return graph.with_nodes([n.replace(inputs=[aliases.get(i, i) for i in n.inputs]) for n in nodes if n is not None],
                             tensors)
+
+
+def _beside_an_activation(graph: Graph, reader: Node, name: str, padded_sum: str) -> bool:
+    """`reader` is a Concat with `name` as its first or last input and, among the others, one that is neither a
+    constant nor read from the same padded sum (which may become constant too)."""
+    producers = graph.producers()
+    return reader.op == Kind.CONCAT and name in (reader.inputs[0], reader.inputs[-1]) and any(
+        graph.constant_data(other) is None and (other not in producers or padded_sum not in producers[other].inputs)
+        for other in reader.inputs if other != name)
 
 
 def _padded_sum(graph: Graph, add: Node, producers) -> tuple[str, int, int, int, np.ndarray] | None:
