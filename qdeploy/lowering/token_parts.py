@@ -153,7 +153,7 @@ def _reshape_target(graph: Graph, reader: Node, parts: _Parts) -> int | None:
     """The axis k' of a Reshape's output that keeps the Concat's axis k and every axis after it (the same extents
     after k), the axes before k only regrouped past a free batch; None otherwise."""
     source, target = _shape(graph, reader.inputs[0]), _shape(graph, reader.outputs[0])
-    if target is None or reader.op != "Reshape" or (source[0] is None) != (target[0] is None) \
+    if target is None or reader.op != Kind.RESHAPE or (source[0] is None) != (target[0] is None) \
             or graph.constant_data(reader.inputs[1]) is None or reader.attrs.get("allowzero", 0):
         return None
     tail = source[parts.axis:]
@@ -182,7 +182,7 @@ def _movable(graph: Graph, reader: Node, y: str, parts: _Parts) -> bool:
     """Whether `reader` of the Concat's output y acts on each part alone (module docstring)."""
     if any(out in graph.outputs for out in reader.outputs):
         return False
-    if reader.op == "Reshape":
+    if reader.op == Kind.RESHAPE:
         return reader.inputs[0] == y and _reshape_target(graph, reader, parts) is not None
     if reader.op in _ELEMENTWISE:
         return _operand_axis(graph, reader, y, parts) is not None
@@ -215,14 +215,14 @@ def _move(graph: Graph, reader: Node, y: str, parts: _Parts) -> _Move:
     if reader.op in ("Slice", "Gather"):
         return _pick(graph, reader, parts, move)
     shape = _shape(graph, reader.outputs[0])
-    axis = _reshape_target(graph, reader, parts) if reader.op == "Reshape" else parts.axis
+    axis = _reshape_target(graph, reader, parts) if reader.op == Kind.RESHAPE else parts.axis
     outputs = []
     for i, (part, offset, size) in enumerate(zip(parts.names, parts.offsets, parts.sizes)):
         part_shape = (None, *shape[1:axis], size, *shape[axis + 1:]) if shape[0] is None else \
             (*shape[:axis], size, *shape[axis + 1:])
         out = move.tensor(reader.outputs[0], f"{reader.outputs[0]}/part{i}", part_shape)
         name = move.out.graph.unique_name(f"{reader.name}/part{i}")
-        if reader.op == "Reshape":
+        if reader.op == Kind.RESHAPE:
             target = graph.constant_data(reader.inputs[1])
             fixed = [int(target[0]), *(int(d) for d in part_shape[1:])]
             shape_constant = _int64(move.out.graph, f"{name}_shape", fixed)
