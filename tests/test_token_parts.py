@@ -227,3 +227,35 @@ def test_a_class_token_constant_at_the_stage_start_is_computed_at_compile_time(t
     finally:
         passes.LOWER.insert(position, spread_token_concats)
     assert _sqnr(expected["y"], whole["y"]) < 10.0
+
+
+def test_a_concat_no_layernorm_reads_stays_where_it_is(tmp_path):
+    """A Concat starts moving only where a LayerNorm reads it: Concat(c, p) * s -> Linear (a detector head's box
+    Concat times its strides has this form) keeps its one Concat and its one Mul, as before the pass."""
+    from qdeploy import api
+
+    rng = np.random.default_rng(3)
+    inits = [numpy_helper.from_array(rng.normal(0, 0.5, (C_IN, C)).astype(np.float32), "w1"),
+             numpy_helper.from_array(rng.normal(0, 0.5, (C_IN, C)).astype(np.float32), "w2"),
+             numpy_helper.from_array(rng.uniform(1, 2, (TOKENS + 1, 1)).astype(np.float32), "strides"),
+             numpy_helper.from_array(rng.normal(0, 0.4, (C, OUT)).astype(np.float32), "w3")]
+    for name, value in (("starts", 0), ("ends", 1), ("axes", 1)):
+        inits.append(numpy_helper.from_array(np.array([value], np.int64), name))
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["p"]),
+             helper.make_node("Slice", ["x", "starts", "ends", "axes"], ["first"]),
+             helper.make_node("MatMul", ["first", "w2"], ["c"]),
+             helper.make_node("Concat", ["c", "p"], ["u"], axis=1),
+             helper.make_node("Mul", ["u", "strides"], ["scaled"]),
+             helper.make_node("MatMul", ["scaled", "w3"], ["y"])]
+    graph = helper.make_graph(nodes, "box_concat", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                                                  [1, TOKENS, C_IN])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, TOKENS + 1, OUT])], inits)
+    path = tmp_path / "box_concat.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    lowering = api.lower_model(path)
+    assert [n.outputs[0] for n in lowering.graph.nodes if n.op == "Concat"] == ["u"]
+    assert not [n for n in lowering.graph.nodes if "/part" in n.name]
+    x = _inputs(2, 4)
+    expected = _onnx_runtime(path, x)["y"]
+    np.testing.assert_allclose(api.run(path, x, lowered=True)["y"], expected, rtol=0,
+                               atol=1e-5 * np.abs(expected).max())

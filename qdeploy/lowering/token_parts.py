@@ -17,9 +17,11 @@ the Concat can move below it, exactly:
   LayerNormalization over the last axis          Concat(LN(p_i)), beta once into the readers' biases
                                                  (layernorm.py split_layernorm)
 
-where part i starts at o_i along k. A Concat moves only when every reader is one of these, so it is gone after the
-move (a Concat kept beside its moved readers would hold the same rows twice, and each part would need a copy to
-write both); the new Concats, one per moved reader, move on in turn until they meet an op that mixes the tokens
+where part i starts at o_i along k. A Concat starts moving where a LayerNormalization reads it (the normalization
+is what magnifies a small part's rounding to the row's full size; a channel Concat in a CNN, or a detector head's
+Concat of box coordinates, stays as it was), and moves only when every reader is one of these, so it is gone after
+the move (a Concat kept beside its moved readers would hold the same rows twice, and each part would need a copy
+to write both); the new Concats, one per moved reader, move on in turn until they meet an op that mixes the tokens
 (the attention). The class row then has its own tensor, at its own scale, from the stage's start to the head.
 
 A part that is a constant (a class token) is computed at compile time through each op; the constant rows of
@@ -283,23 +285,28 @@ def _pick(graph: Graph, reader: Node, parts: _Parts, move: _Move) -> _Move:
     return move
 
 
-def _move_one(graph: Graph) -> Graph | None:
-    """The graph with the first Concat whose readers all act on each part alone moved below them; None when no
-    Concat can move."""
+def _move_one(graph: Graph, moving: set[str]) -> tuple[Graph, set[str]] | None:
+    """(the graph with the first Concat that may move moved below its readers, the Concats that move created); None
+    when no Concat can move. A Concat may move when a LayerNormalization reads it or a move created it (`moving`),
+    and every reader acts on each part alone."""
     consumers = graph.consumers()
     for node in graph.nodes:
         parts = _parts(graph, node)
         y = node.outputs[0] if parts is not None else None
         readers = consumers.get(y, []) if y is not None else []
-        if not readers or y in graph.outputs or any(graph.constant_data(p) is not None for p in parts.names) and \
-                not _constants_at_ends(graph, parts) or not all(_movable(graph, r, y, parts) for r in readers):
+        if not readers or y in graph.outputs or node.name not in moving and \
+                not any(r.op == "LayerNormalization" for r in readers):
+            continue
+        if any(graph.constant_data(p) is not None for p in parts.names) and not _constants_at_ends(graph, parts) \
+                or not all(_movable(graph, r, y, parts) for r in readers):
             continue
         moves: dict[str, _Move] = {}
         naming = graph  # grows by each move's nodes and tensors, so that unique_name() stays honest
         for reader in readers:
             move = moves[reader.name] = _move(naming, reader, y, parts)
             naming = move.out.graph
-        return _applied(graph, node, moves)
+        created = {n.name for move in moves.values() for n in move.out.nodes if n.op == Kind.CONCAT}
+        return _applied(graph, node, moves), created
     return None
 
 
@@ -449,15 +456,17 @@ def _constants_as_pads(graph: Graph) -> Graph:
 
 
 def spread_token_concats(graph: Graph) -> Graph:
-    """Constant rows sliced off a padded sum become constants (`slice_constant_rows`); then, while some Concat has
-    readers that all act on each part alone, it moves below them (module docstring); a Concat left with constant
-    parts becomes Pad + constant rows."""
+    """Constant rows sliced off a padded sum become constants (`slice_constant_rows`); then, while some Concat read
+    by a LayerNormalization, or created by an earlier move, has readers that all act on each part alone, it moves
+    below them (module docstring); a Concat left with constant parts becomes Pad + constant rows."""
     graph = slice_constant_rows(graph)
+    moving: set[str] = set()
     for _ in range(len(graph.nodes) * 4 + 1):
-        moved = _move_one(graph)
+        moved = _move_one(graph, moving)
         if moved is None:
             break
-        graph = moved
+        graph, created = moved
+        moving = (moving | created) & {n.name for n in graph.nodes}
     return _constants_as_pads(graph)
 
 
