@@ -122,9 +122,9 @@ def _window(graph: Graph, node: Node) -> tuple[int, int, int] | None:
 
 
 class _Move:
-    """One reader of a Concat rewritten over its parts: `nodes` (in order) replace the reader, `tensors` are new,
-    `aliases` maps a reader's output to the part it equals, `replaced` holds other nodes rewritten (biases that took
-    a LayerNorm's beta)."""
+    """One reader of a Concat rewritten over its parts: `out` holds the nodes (in order) that replace the reader and
+    the new tensors, `aliases` maps a reader's output to the part it equals, `replaced` holds other nodes rewritten
+    (the Linears whose biases took a LayerNorm's beta)."""
 
     def __init__(self, graph: Graph):
         self.out = Emitter(graph)
