@@ -110,3 +110,22 @@ def twin_checked_steps(program, run, arithmetic) -> set[str]:
         np.testing.assert_array_equal(run.tensors[instr["output"]], expected, err_msg=instr["name"])
         checked.add(instr["name"].rsplit("/", 1)[-1])
     return checked
+
+
+def twins_and_onnx_export_agree(program, x: np.ndarray, arithmetic, folder) -> set[str]:
+    """Run `program` on the machine with input "x" = `x`, assert that each instruction stored what its Python-int
+    twin computes (twin_checked_steps) and that the program's ONNX export (api.export_onnx into `folder`) gives
+    ONNX Runtime the machine's outputs exactly; return the steps checked."""
+    import onnxruntime as ort
+
+    from qdeploy import api
+    from simulator.machine import Machine
+
+    run = Machine(program).run({"x": x}, dump=True)
+    steps = twin_checked_steps(program, run, arithmetic)
+    api.export_onnx(program, Path(folder) / "program_int8.onnx")
+    session = ort.InferenceSession(str(Path(folder) / "program_int8.onnx"), providers=["CPUExecutionProvider"])
+    exported = dict(zip([o.name for o in session.get_outputs()], session.run(None, {"x": x})))
+    for name in program.outputs:
+        np.testing.assert_array_equal(exported[name], run.outputs[name], err_msg=name)
+    return steps

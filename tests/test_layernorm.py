@@ -12,7 +12,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from builders import twin_checked_steps
+from builders import twin_checked_steps, twins_and_onnx_export_agree
 
 TOKENS, C_IN, C, OUT = 4, 8, 16, 5
 
@@ -439,8 +439,9 @@ def _token_concat_model(path: Path, extra_reader: bool = False) -> Path:
 
 
 def test_a_layernorm_over_a_token_concat_normalizes_each_part_from_its_own_tensor(tmp_path):
-    """LN(Concat(c, p)) along the tokens becomes Concat(LN(c), LN(p)) (layernorm.py split_over_token_concats):
-    exact in float (the lowered graph is ONNX Runtime's, beta moved once into the reading Linear's bias), and the
+    """LN(Concat(c, p)) along the tokens becomes Concat(LN(c), LN(p)) (lowering/token_parts.py, layernorm.py
+    split_layernorm): exact in float (the lowered graph is ONNX Runtime's, beta moved once into the reading
+    Linear's bias), and the
     small class row is normalized from its own tensor: measured 35.3 dB on it, where the Concat's one scale left
     it 2-3 codes and the program 7.7 dB without the split; the patch rows keep their 33 dB (32.8 without)."""
     from qdeploy import api
@@ -478,20 +479,10 @@ def test_a_split_layernorm_exports_to_onnx_and_runs_as_its_twins_bit_exact(tmp_p
     """The token-Concat block's program (two LayerNorms writing the parts of one Concat): the machine equals the
     Python-int twins instruction by instruction, and its ONNX export gives ONNX Runtime the machine's outputs
     exactly (float32_rne)."""
-    import onnxruntime as ort
-
     from isa.target import Arithmetic, Target
-    from qdeploy import api
-    from simulator.machine import Machine
 
     path = _token_concat_model(tmp_path / "concat.onnx")
     arithmetic = Arithmetic(rounding="float32_rne")
     program = _program(path, Target(arithmetic=arithmetic))
-    x = _inputs(4, 6)
-    run = Machine(program).run({"x": x}, dump=True)
-    assert {"sum_of_squares", "normalize"} <= twin_checked_steps(program, run, arithmetic)
-    api.export_onnx(program, tmp_path / "concat_int8.onnx")
-    session = ort.InferenceSession(str(tmp_path / "concat_int8.onnx"), providers=["CPUExecutionProvider"])
-    exported = dict(zip([o.name for o in session.get_outputs()], session.run(None, {"x": x})))
-    for name in program.outputs:
-        np.testing.assert_array_equal(exported[name], run.outputs[name], err_msg=name)
+    steps = twins_and_onnx_export_agree(program, _inputs(4, 6), arithmetic, tmp_path)
+    assert {"sum_of_squares", "normalize"} <= steps

@@ -34,10 +34,10 @@ computed at compile time and written by a per-element affine GEMM after the norm
 as bias there, weight 1 elsewhere, at the normalized rows' scale), since one scale for the token tensor leaves such
 a small row few codes.
 
-Token Concats (`split_over_token_concats`): LN(Concat(a_1, ..., a_n)) along a token axis, the Concat read by the
-LayerNorm alone, is Concat(LN(a_1), ..., LN(a_n)), exactly (the normalization is per row), so each part is
+Token Concats (`split_layernorm`, applied by lowering/token_parts.py before this pass): LN(Concat(a_1, ..., a_n))
+along a token axis is Concat(LN(a_1), ..., LN(a_n)), exactly (the normalization is per row), so each part is
 normalized from its own tensor at its own scale: a small class row concatenated with large patch rows keeps its
-codes (CaiT's class attention).
+codes (CaiT's class attention, CoaT-Lite's residual stream).
 
 An exporter's decomposed LayerNorm (ReduceMean, Sub, Pow, ReduceMean, Add, Sqrt, Div) is not recognised: torch's
 dynamo and TorchScript exports of the zoo's ViT and DeiT-style models both emit LayerNormalization (opset 17)."""
@@ -326,56 +326,45 @@ def _fold_beta(graph: Graph, beta: np.ndarray | None, readers: list[Node]) -> tu
     return tensors, replaced
 
 
-def split_over_token_concats(graph: Graph) -> Graph:
+def split_layernorm(graph: Graph, node: Node, concat: Node) -> tuple[list[Node], list[Tensor], dict[str, Node]] | None:
     """LN(Concat(a_1, ..., a_n, axis k)) -> Concat(LN(a_1), ..., LN(a_n), axis k) for a LayerNormalization over the
-    last axis whose input is a Concat of activations along a token axis k (neither the batch nor the channels) that
-    nothing else reads.
+    last axis whose input is the output of `concat`, a Concat along an axis k that is neither the batch nor the
+    channels: (the nodes replacing the LayerNorm, the last a Concat writing its output; new tensors; the readers
+    that took beta, by name), or None when it does not apply.
     Exact, since the normalization is per row: LN(x)[t] depends on row t alone. Each part is then normalized
     from its own tensor at its own activation scale instead of from the Concat's one scale, which leaves a part
     whose rows are much smaller than the others' (CaiT's class token, whose row is 30x below the patch rows at
     random initialization: about 4 codes) a few codes and the normalization blows that rounding up to the row's
     full size; the normalized parts are all of unit size, so one scale suits the Concat of them. beta moves into
-    the readers' biases once, here (the parts carry none), so it needs readers `_beta_readers` accepts. A Concat
-    with another reader is left whole: it would stay beside the split (a second buffer of the same rows), and a
-    reader such as a residual Add keeps the small rows at the Concat's scale anyway (CoaT-Lite's position
-    encoding: split there, its 8 LayerNorms cost 48 more instructions and moved nothing)."""
-    while True:
-        producers, consumers = graph.producers(), graph.consumers()
-        for node in graph.nodes:
-            concat = producers.get(node.inputs[0]) if _is_candidate(graph, node) else None
-            if concat is None or concat.op != Kind.CONCAT or len(concat.inputs) < 2 \
-                    or concat.outputs[0] in graph.outputs or len(consumers[concat.outputs[0]]) > 1:
-                continue
-            rank = len(_shape(graph, concat.outputs[0]))
-            if int(concat.attrs.get("axis", 0)) % rank in (0, rank - 1) or any(
-                    graph.constant_data(part) is not None or graph.tensors[part].shape is None
-                    or not np.issubdtype(graph.tensors[part].dtype, np.floating) for part in concat.inputs):
-                continue
-            y, beta = node.outputs[0], _beta(graph, node)
-            readers = _beta_readers(graph, y, rank - 1, consumers)
-            if beta is not None and readers is None:
-                continue
-            out = Emitter(graph)
-            folded, replaced = _fold_beta(out.graph, beta, readers or [])
-            out.add(Lowered([], folded))
-            for k, part in enumerate(concat.inputs):
-                source = graph.tensors[part]
-                normal = Tensor(out.graph.unique_name(f"{y}/part{k}"), source.shape, source.dtype, rows=source.rows)
-                out.add(Lowered([], [normal]))
-                out.add(Lowered([node.replace(name=out.graph.unique_name(f"{node.name}/part{k}"),
-                                              inputs=[part, node.inputs[1]], outputs=[normal.name])]))
-            out.add(Lowered([concat.replace(name=out.graph.unique_name(f"{node.name}/concat"),
-                                            inputs=[part.outputs[0] for part in out.nodes], outputs=[y])]))
-            nodes = []
-            for n in graph.nodes:
-                if n is node:
-                    nodes += out.nodes
-                elif n is not concat:
-                    nodes.append(replaced.get(n.name, n))
-            graph = graph.with_nodes(nodes, out.tensors)
-            break
-        else:
-            return graph
+    the readers' biases once, here (the parts carry none), so it needs readers `_beta_readers` accepts. Whether the
+    Concat itself goes is the caller's (lowering/token_parts.py moves a Concat only below all of its readers: kept
+    beside the split, it would hold the same rows twice)."""
+    if not _is_candidate(graph, node) or concat.op != Kind.CONCAT or len(concat.inputs) < 2 \
+            or node.inputs[0] != concat.outputs[0]:
+        return None
+    rank = len(_shape(graph, concat.outputs[0]))
+    if int(concat.attrs.get("axis", 0)) % rank in (0, rank - 1) or any(
+            graph.tensors[part].shape is None or not np.issubdtype(graph.tensors[part].dtype, np.floating)
+            for part in concat.inputs):
+        return None
+    y, beta = node.outputs[0], _beta(graph, node)
+    readers = _beta_readers(graph, y, rank - 1, graph.consumers())
+    if beta is not None and readers is None:
+        return None
+    out = Emitter(graph)
+    folded, replaced = _fold_beta(out.graph, beta, readers or [])
+    out.add(Lowered([], folded))
+    parts = []
+    for k, part in enumerate(concat.inputs):
+        source = graph.tensors[part]
+        normal = Tensor(out.graph.unique_name(f"{y}/part{k}"), source.shape, source.dtype, rows=source.rows)
+        out.add(Lowered([], [normal]))
+        parts.append(node.replace(name=out.graph.unique_name(f"{node.name}/part{k}"), inputs=[part, node.inputs[1]],
+                                  outputs=[normal.name]))
+        out.add(Lowered([parts[-1]]))
+    out.add(Lowered([concat.replace(name=out.graph.unique_name(f"{node.name}/concat"),
+                                    inputs=[part.outputs[0] for part in parts], outputs=[y])]))
+    return out.nodes, out.tensors, replaced
 
 
 def _constant_rows(graph: Graph, x: str) -> dict[int, np.ndarray]:
@@ -442,7 +431,6 @@ def lower_layernorms(graph: Graph) -> Graph:
     into its readers' biases into the sum of squares and the normalizing GEMM (module docstring), after the row
     mean's subtraction where its stream is not centred; any other LayerNormalization stays a host op (`host_reason`
     says why: `layernorm_refusal`)."""
-    graph = split_over_token_concats(graph)
     candidates = {node.name for node in graph.nodes if _is_candidate(graph, node)}
     centred: set[str] = set()
     for node in graph.nodes:
@@ -479,4 +467,4 @@ def layernorm_refusal(graph: Graph, node: Node) -> str:
             f"(through reshapes, Transposes, Gathers), which beta cannot be folded into")
 
 
-__all__ = ["centre_stream", "layernorm_refusal", "lower_layernorms"]
+__all__ = ["centre_stream", "layernorm_refusal", "lower_layernorms", "split_layernorm"]

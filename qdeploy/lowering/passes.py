@@ -27,6 +27,7 @@ from qdeploy.lowering.lookup import fuse_lookups, recognise_functions
 from qdeploy.lowering.reduce import lower_row_reductions
 from qdeploy.lowering.softmax import lower_softmax
 from qdeploy.lowering.tokens import fold_operand_scales, merge_constant_adds
+from qdeploy.lowering.token_parts import spread_token_concats
 from qdeploy.lowering.rules import (LOWERING, OUTPUT_STAGE_OPS, affine_of, batchnorm_scale_shift,
                                     finite_weights, identity_gemm)
 
@@ -413,6 +414,9 @@ LOWER: list[Pass] = [
     merge_constant_adds,  # Add(Add(x, c1), c2) -> Add(x, c1 + c2): class token + position embedding, one operand
     fold_constant_affine,  # Mul/Div/Add/Sub by a per-channel constant after a GEMM -> weights and bias
     fold_operand_scales,  # a positive scalar Mul on a product's operand (attention's q, k) -> its product_scale
+    # a token Concat below its per-row readers (residual Adds, LayerNorms, reshapes, slices): each part, a class
+    # token's row among them, keeps its own tensor and scale; before the LayerNorms, which it splits over the parts
+    spread_token_concats,
     # LayerNorm on a stream centred at compile time -> sum of squares + normalizing GEMM; before the token layout's
     # rules, so that the stream's Transposes, Pads, Gathers and constant Adds are still the ONNX ops it follows
     lower_layernorms,
