@@ -18,22 +18,43 @@ in external data) and with `dynamo=False` (opset 17, a dynamic batch), then per 
   NNCF int8 the same for nncf.quantize's defaults (ONNX backend) on the same file and calibration views, run by
             ONNX Runtime (with --nncf)
 
-Weights: timm's own initialisation, then every BatchNorm's running statistics measured on natural crops (a
-forward pass in train mode over `BATCHNORM_VIEWS` calib views, cumulative average: the weights do not depend on
---calibration) and moved mildly (mean + N(0, 0.05^2) of its spread, variance x U(0.8, 1.25)), then every affine
-BatchNorm's scale drawn from U(0.5, 1.5) and shift from N(0, 0.1^2), so no BatchNorm is the identity. Drawn after
-the measurement, the scales change what later statistics saw, and timm's zero-initialized residual branches
-(ResNet, LeViT) come alive only then: some of these networks grow through their blocks (LeViT-128S: attention
-logits to 8e12, its torch float32 0.13 off float64; EfficientNet-B0 logits to 1e4), and their `rel` sits at their
-own float32 rounding (`f32`), which no float32 lowering can beat. With --scales-first the scales are drawn before
-the statistics are measured: the networks' float32 comes within about 1e-5 of float64 (LeViT-128S: 7e-7 on the
-first 2 crops, still 1.6e-2 on 16) but, as random BatchNorm networks, they are so sensitive to any perturbation
-that several classifiers' int8 SQNR falls to 0-1 dB for all three quantizers (docs/library_models.md): a check of
-the lowering line, not the int8 survey's default.
+Weights (`--builder`, `measure_batchnorm`): the library's own initialisation, then every affine BatchNorm's scale
+and shift drawn and every BatchNorm's running statistics measured on natural crops (a forward pass in train mode
+over `BATCHNORM_VIEWS` calib views, cumulative average: the weights do not depend on --calibration) and moved
+mildly (mean + N(0, 0.05^2) of its spread, variance x U(0.8, 1.25)), so no BatchNorm is the identity:
+
+  trained       (default since 2026-11-27) scales and shifts drawn BEFORE the statistics are measured, so every
+                BatchNorm normalizes what it is fed; scale U(0.5, 1.5), except the BatchNorm that closes a residual
+                branch (`residual_branch_ends`: those the library starts at scale 0, timm's zero_init_last, and
+                the last BatchNorm of timm's EfficientNet-family blocks with a skip), U(0.1, 0.3), so the skip
+                carries the signal as in trained networks (SkipInit / Fixup; timm zero-initializes them for the
+                same reason); shift N(0.5, 0.5^2).
+  scales-after  (the survey's weights before 2026-11-27) the statistics measured first, then every scale
+                U(0.5, 1.5) and shift N(0, 0.1^2): the scales change what later statistics saw and the
+                zero-initialized branches come alive unmeasured, so some networks grow through their blocks
+                (LeViT-128S: attention logits to 8e12, its torch float32 5e-2 off its float64 on 16 crops;
+                EfficientNet-B0 2e-2, MixNet-S 2.5e-3) and their `rel` sits at that rounding (`f32`).
+  scales-first  every scale U(0.5, 1.5) and shift N(0, 0.1^2) drawn before the measurement: well conditioned,
+                but chaotic in int8: RepVGG, MobileNetV3-Small, LCNet, EfficientNet-B0, MixNet fall to 0.1-1.3 dB
+                for all three quantizers.
+
+Why the shift: with the statistics measured after the draw, a BatchNorm feeds its activation f exactly
+h ~ (mean beta, sd gamma) per channel, and the next BatchNorm divides by the spread of f(h); a small perturbation
+of h (rounding, int8) then leaves that layer relative to the signal multiplied by gamma^2 E[f'(h)^2] / Var f(h),
+which is >= 1 (the Gaussian Poincare inequality) and equals 1 only where f is linear: for ReLU at beta = 0 it is
+1.47 a layer whatever gamma (26 such layers, LCNet-050's depth, lose 43 dB), at beta = 0.5, gamma = 1 it is 1.25
+(HardSwish: 1.18 and 1.11). Trained networks escape this through weights aligned with their data, which random
+weights cannot mimic; a positive shift keeps most units on the linear side instead. The constants were chosen ONLY on the torch model's float32 against its
+float64 and on ONNX Runtime's int8 SQNR (the peers' figures, never qdeploy's int8) on levit_128s, efficientnet_b0,
+mixnet_s, repvgg_a0, mobilenetv3_small_100, lcnet_050 and resnet18d (TorchScript exports, 4 calibration / 16
+evaluation crops; docs/library_models.md "The survey's weights": every candidate's float32 within 2e-5; with the
+shift N(0.5, 0.5^2) ONNX Runtime's int8 is 11.3 to 18.6 dB on six of them and 8.6 on LeViT-128S, the most of any
+candidate tried on LeViT).
 Seeded: a run is deterministic.
 
     python examples/library_models.py [--models resnet18d,yolov8n] [--exporters dynamo,torchscript] [--out DIR]
-                                      [--nncf] [--calibration 4] [--evaluation 16] [--scales-first]
+                                      [--nncf] [--calibration 4] [--evaluation 16]
+                                      [--builder trained|scales-after|scales-first]
 
 prints one markdown row per file as it finishes; a failing stage ends the row with its one-line reason."""
 
