@@ -18,22 +18,43 @@ in external data) and with `dynamo=False` (opset 17, a dynamic batch), then per 
   NNCF int8 the same for nncf.quantize's defaults (ONNX backend) on the same file and calibration views, run by
             ONNX Runtime (with --nncf)
 
-Weights: timm's own initialisation, then every BatchNorm's running statistics measured on natural crops (a
-forward pass in train mode over `BATCHNORM_VIEWS` calib views, cumulative average: the weights do not depend on
---calibration) and moved mildly (mean + N(0, 0.05^2) of its spread, variance x U(0.8, 1.25)), then every affine
-BatchNorm's scale drawn from U(0.5, 1.5) and shift from N(0, 0.1^2), so no BatchNorm is the identity. Drawn after
-the measurement, the scales change what later statistics saw, and timm's zero-initialized residual branches
-(ResNet, LeViT) come alive only then: some of these networks grow through their blocks (LeViT-128S: attention
-logits to 8e12, its torch float32 0.13 off float64; EfficientNet-B0 logits to 1e4), and their `rel` sits at their
-own float32 rounding (`f32`), which no float32 lowering can beat. With --scales-first the scales are drawn before
-the statistics are measured: the networks' float32 comes within about 1e-5 of float64 (LeViT-128S: 7e-7 on the
-first 2 crops, still 1.6e-2 on 16) but, as random BatchNorm networks, they are so sensitive to any perturbation
-that several classifiers' int8 SQNR falls to 0-1 dB for all three quantizers (docs/library_models.md): a check of
-the lowering line, not the int8 survey's default.
+Weights (`--builder`, `measure_batchnorm`): the library's own initialisation, then every affine BatchNorm's scale
+and shift drawn and every BatchNorm's running statistics measured on natural crops (a forward pass in train mode
+over `BATCHNORM_VIEWS` calib views, cumulative average: the weights do not depend on --calibration) and moved
+mildly (mean + N(0, 0.05^2) of its spread, variance x U(0.8, 1.25)), so no BatchNorm is the identity:
+
+  trained       (default since 2026-11-27) scales and shifts drawn BEFORE the statistics are measured, so every
+                BatchNorm normalizes what it is fed; scale U(0.5, 1.5), except the BatchNorm that closes a residual
+                branch (`residual_branch_ends`: those the library starts at scale 0, timm's zero_init_last, and
+                the last BatchNorm of timm's EfficientNet-family blocks with a skip), U(0.1, 0.3), so the skip
+                carries the signal as in trained networks (SkipInit / Fixup; timm zero-initializes them for the
+                same reason); shift N(0.5, 0.5^2).
+  scales-after  (the survey's weights before 2026-11-27) the statistics measured first, then every scale
+                U(0.5, 1.5) and shift N(0, 0.1^2): the scales change what later statistics saw and the
+                zero-initialized branches come alive unmeasured, so some networks grow through their blocks
+                (LeViT-128S: attention logits to 8e12, its torch float32 5e-2 off its float64 on 16 crops;
+                EfficientNet-B0 2e-2, MixNet-S 2.5e-3) and their `rel` sits at that rounding (`f32`).
+  scales-first  every scale U(0.5, 1.5) and shift N(0, 0.1^2) drawn before the measurement: well conditioned,
+                but chaotic in int8: RepVGG, MobileNetV3-Small, LCNet, EfficientNet-B0, MixNet fall to 0.1-1.3 dB
+                for all three quantizers.
+
+Why the shift: with the statistics measured after the draw, a BatchNorm feeds its activation f exactly
+h ~ (mean beta, sd gamma) per channel, and the next BatchNorm divides by the spread of f(h); a small perturbation
+of h (rounding, int8) then leaves that layer relative to the signal multiplied by gamma^2 E[f'(h)^2] / Var f(h),
+which is >= 1 (the Gaussian Poincare inequality) and equals 1 only where f is linear: for ReLU at beta = 0 it is
+1.47 a layer whatever gamma (26 such layers, LCNet-050's depth, lose 43 dB), at beta = 0.5, gamma = 1 it is 1.25
+(HardSwish: 1.18 and 1.11). Trained networks escape this through weights aligned with their data, which random
+weights cannot mimic; a positive shift keeps most units on the linear side instead. The constants were chosen ONLY on the torch model's float32 against its
+float64 and on ONNX Runtime's int8 SQNR (the peers' figures, never qdeploy's int8) on levit_128s, efficientnet_b0,
+mixnet_s, repvgg_a0, mobilenetv3_small_100, lcnet_050 and resnet18d (TorchScript exports, 4 calibration / 16
+evaluation crops; docs/library_models.md "The survey's weights": every candidate's float32 within 2e-5; with the
+shift N(0.5, 0.5^2) ONNX Runtime's int8 is 11.3 to 18.6 dB on six of them and 8.6 on LeViT-128S, the most of any
+candidate tried on LeViT).
 Seeded: a run is deterministic.
 
     python examples/library_models.py [--models resnet18d,yolov8n] [--exporters dynamo,torchscript] [--out DIR]
-                                      [--nncf] [--calibration 4] [--evaluation 16] [--scales-first]
+                                      [--nncf] [--calibration 4] [--evaluation 16]
+                                      [--builder trained|scales-after|scales-first]
 
 prints one markdown row per file as it finishes; a failing stage ends the row with its one-line reason."""
 
@@ -140,10 +161,10 @@ def library_module(library: str):
     return segmentation_models_pytorch
 
 
-def build(name: str, seed: int = 0, scales_first: bool = False):
-    """The torch model `name` (a key of MODELS) in eval mode, seeded random weights, BatchNorm statistics measured
-    on the calibration views and moved mildly, BatchNorm scales drawn after or (`scales_first`) before (module
-    docstring)."""
+def build(name: str, seed: int = 0, builder: str = "trained"):
+    """The torch model `name` (a key of MODELS) in eval mode, seeded random weights, BatchNorm scales and shifts
+    drawn and statistics measured on the calibration views and moved mildly as `builder` says (one of BUILDERS;
+    module docstring)."""
     import torch
 
     spec = MODELS[name]
@@ -158,7 +179,7 @@ def build(name: str, seed: int = 0, scales_first: bool = False):
         else:
             model = getattr(module, spec.builder)(encoder_weights=None, classes=4, **options)
         measure_batchnorm(model, images.image_batch(BATCHNORM_VIEWS, seed=0, split="calib", size=spec.size),
-                          scales_first)
+                          builder)
         model.eval()
         if spec.library == "ultralytics":
             model = model.fuse()
@@ -168,21 +189,50 @@ def build(name: str, seed: int = 0, scales_first: bool = False):
     return model
 
 
-def measure_batchnorm(model, views: np.ndarray, scales_first: bool = False) -> None:
-    """Every BatchNorm's running statistics from a train-mode pass over `views`, moved mildly, and every affine
-    BatchNorm's scale and shift drawn: after the pass, or before it with `scales_first` (module docstring)."""
+BUILDERS = ("trained", "scales-after", "scales-first")
+SCALE = (0.5, 1.5)  # U(SCALE): a BatchNorm's scale
+BRANCH_SCALE = (0.1, 0.3)  # U(BRANCH_SCALE): the scale of a BatchNorm that closes a residual branch ("trained")
+SHIFT = (0.0, 0.1)  # N(mean, sd^2): a BatchNorm's shift ("scales-after", "scales-first")
+TRAINED_SHIFT = (0.5, 0.5)  # N(mean, sd^2): a BatchNorm's shift ("trained")
+
+
+def residual_branch_ends(model) -> list:
+    """The BatchNorms whose output a residual Add sums with its skip: those the library initialises to scale 0
+    (timm's zero_init_last: ResNet, RegNet, LeViT, MobileViT) and the last BatchNorm of timm's EfficientNet-family
+    blocks that have a skip (`has_skip`: EfficientNet, MixNet, MobileNetV3), which timm leaves at 1."""
     import torch
 
+    def norms_of(module) -> list:
+        return [m for m in module.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.affine]
+
+    ends = {id(m): m for m in norms_of(model) if not m.weight.any()}
+    for block in model.modules():
+        if getattr(block, "has_skip", False) and norms_of(block):
+            last = norms_of(block)[-1]
+            ends[id(last)] = last
+    return list(ends.values())
+
+
+def measure_batchnorm(model, views: np.ndarray, builder: str = "trained") -> None:
+    """Every BatchNorm's running statistics from a train-mode pass over `views`, moved mildly, and every affine
+    BatchNorm's scale and shift drawn (module docstring): `builder` "trained" draws them before the pass, the
+    residual branches' last BatchNorms small; "scales-first" draws all before the pass alike; "scales-after" (the
+    survey's weights before 2026-11-27) draws all alike after it."""
+    import torch
+
+    if builder not in BUILDERS:
+        raise ValueError(f"builder must be one of {BUILDERS}, got {builder!r}")
     norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    branch_ends = {id(m) for m in residual_branch_ends(model)} if builder == "trained" else set()
 
     def draw_scales(norm) -> None:
         if norm.affine:
-            norm.weight.uniform_(0.5, 1.5)
-            norm.bias.normal_(0.0, 0.1)
+            norm.weight.uniform_(*(BRANCH_SCALE if id(norm) in branch_ends else SCALE))
+            norm.bias.normal_(*(TRAINED_SHIFT if builder == "trained" else SHIFT))
 
     with torch.no_grad():
         for norm in norms:
-            if scales_first:
+            if builder != "scales-after":
                 draw_scales(norm)
             norm.reset_running_stats()
             norm.momentum = None  # cumulative average
@@ -193,7 +243,7 @@ def measure_batchnorm(model, views: np.ndarray, scales_first: bool = False) -> N
             spread = norm.running_var.sqrt()
             norm.running_mean += 0.05 * spread * torch.randn_like(spread)
             norm.running_var *= torch.empty_like(spread).uniform_(0.8, 1.25)
-            if not scales_first:
+            if builder == "scales-after":
                 draw_scales(norm)
 
 
@@ -286,7 +336,7 @@ def nncf_int8(path: Path, calib: np.ndarray, x: np.ndarray) -> list[np.ndarray]:
 
 
 def check(name: str, exporter: str, folder: Path, nncf: bool = False, calibration: int = CALIBRATION,
-          evaluation: int = EVALUATION, scales_first: bool = False) -> dict:
+          evaluation: int = EVALUATION, builder: str = "trained") -> dict:
     """One file's row on `calibration` calib views and `evaluation` eval views: each stage's figure, or the stage
     that failed and its one-line reason; with `nncf`, NNCF's int8 figure too."""
     from qdeploy import api
@@ -298,7 +348,7 @@ def check(name: str, exporter: str, folder: Path, nncf: bool = False, calibratio
     start = time.perf_counter()
     stage = "export"
     try:
-        model = build(name, scales_first=scales_first)
+        model = build(name, builder=builder)
         path = export(model, spec.size, folder / f"{name}_{exporter}.onnx", exporter)
         calib = images.image_batch(calibration, seed=0, split="calib", size=spec.size)
         x = images.image_batch(evaluation, seed=1, split="eval", size=spec.size)
@@ -381,8 +431,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calibration", type=int, default=CALIBRATION, help="calibration views (all three int8s)")
     parser.add_argument("--evaluation", type=int, default=EVALUATION,
                         help="evaluation views; the first n of a larger count are a smaller count's views")
-    parser.add_argument("--scales-first", action="store_true",
-                        help="draw the BatchNorm scales before measuring the statistics (well-conditioned weights)")
+    parser.add_argument("--builder", choices=BUILDERS, default="trained",
+                        help="how the BatchNorm scales are drawn (module docstring): trained (default), scales-after "
+                             "(the survey's weights before 2026-11-27), scales-first")
     options = parser.parse_args(argv)
     print(HEADER, flush=True)
     rows = []
@@ -392,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in options.models.split(","):
             for exporter in options.exporters.split(","):
                 rows.append(check(name, exporter, folder, options.nncf, options.calibration, options.evaluation,
-                                  options.scales_first))
+                                  options.builder))
                 print(markdown(rows[-1]), flush=True)
     print(f"\n{sum(map(passes, rows))} of {len(rows)} files pass; "
           f"{sum(1 for r in rows if r.get('crash'))} crash in qdeploy", flush=True)
