@@ -38,18 +38,18 @@ mildly (mean + N(0, 0.05^2) of its spread, variance x U(0.8, 1.25)), so no Batch
                 but chaotic in int8: RepVGG, MobileNetV3-Small, LCNet, EfficientNet-B0, MixNet fall to 0.1-1.3 dB
                 for all three quantizers.
 
-Why the shift: with the statistics measured after the draw, a BatchNorm feeds its activation f exactly
-h ~ (mean beta, sd gamma) per channel, and the next BatchNorm divides by the spread of f(h); a small perturbation
-of h (rounding, int8) then leaves that layer relative to the signal multiplied by gamma^2 E[f'(h)^2] / Var f(h),
-which is >= 1 (the Gaussian Poincare inequality) and equals 1 only where f is linear: for ReLU at beta = 0 it is
-1.47 a layer whatever gamma (26 such layers, LCNet-050's depth, lose 43 dB), at beta = 0.5, gamma = 1 it is 1.25
-(HardSwish: 1.18 and 1.11). Trained networks escape this through weights aligned with their data, which random
-weights cannot mimic; a positive shift keeps most units on the linear side instead. The constants were chosen ONLY on the torch model's float32 against its
-float64 and on ONNX Runtime's int8 SQNR (the peers' figures, never qdeploy's int8) on levit_128s, efficientnet_b0,
-mixnet_s, repvgg_a0, mobilenetv3_small_100, lcnet_050 and resnet18d (TorchScript exports, 4 calibration / 16
-evaluation crops; docs/library_models.md "The survey's weights": every candidate's float32 within 2e-5; with the
-shift N(0.5, 0.5^2) ONNX Runtime's int8 is 11.3 to 18.6 dB on six of them and 8.6 on LeViT-128S, the most of any
-candidate tried on LeViT).
+Why the shift: with the statistics measured after the draw, a BatchNorm feeds its activation f exactly h ~ (mean
+beta, sd gamma) per channel, and the next BatchNorm divides by the spread of f(h); a small perturbation of h
+(rounding, int8) then leaves that layer relative to the signal multiplied by gamma^2 E[f'(h)^2] / Var f(h), which is
+>= 1 (the Gaussian Poincare inequality) and equals 1 only where f is linear: for ReLU at beta = 0 it is 1.47 a layer
+whatever gamma (26 such layers, LCNet-050's depth, lose 43 dB), at beta = 0.5, gamma = 1 it is 1.25 (HardSwish: 1.18
+and 1.11). Trained networks escape this through weights aligned with their data, which random weights cannot mimic;
+a positive shift keeps most units on the linear side instead. The constants were chosen ONLY on the torch model's
+float32 against its float64 and on ONNX Runtime's int8 SQNR (the peers' figures, never qdeploy's int8) on
+levit_128s, efficientnet_b0, mixnet_s, repvgg_a0, mobilenetv3_small_100, lcnet_050 and resnet18d (TorchScript
+exports, 4 calibration / 16 evaluation crops; docs/library_models.md "The survey's weights": every candidate's
+float32 within 2e-5; with the shift N(0.5, 0.5^2) ONNX Runtime's int8 is 11.3 to 18.6 dB on six of them and 8.6 on
+LeViT-128S, the most of any candidate tried on LeViT).
 Seeded: a run is deterministic.
 
     python examples/library_models.py [--models resnet18d,yolov8n] [--exporters dynamo,torchscript] [--out DIR]
@@ -109,6 +109,9 @@ MODELS: dict[str, LibraryModel] = {
     "regnetx_002": LibraryModel("timm", "regnetx_002", 64, TIMM_SMALL),
     "regnety_002": LibraryModel("timm", "regnety_002", 64, TIMM_SMALL),
     "ghostnet_050": LibraryModel("timm", "ghostnet_050", 64, TIMM_SMALL),
+    "mobilenetv2_050": LibraryModel("timm", "mobilenetv2_050", 64, TIMM_SMALL),
+    "mobilenetv4_conv_small": LibraryModel("timm", "mobilenetv4_conv_small", 64, TIMM_SMALL),
+    "mobileone_s0": LibraryModel("timm", "mobileone_s0", 64, TIMM_SMALL),
     "densenet121": LibraryModel("timm", "densenet121", 64, TIMM_SMALL),
     "dla34": LibraryModel("timm", "dla34", 64, TIMM_SMALL),
     "convnext_atto": LibraryModel("timm", "convnext_atto", 64, TIMM_SMALL),
@@ -199,7 +202,7 @@ TRAINED_SHIFT = (0.5, 0.5)  # N(mean, sd^2): a BatchNorm's shift ("trained")
 def residual_branch_ends(model) -> list:
     """The BatchNorms whose output a residual Add sums with its skip: those the library initialises to scale 0
     (timm's zero_init_last: ResNet, RegNet, LeViT, MobileViT) and the last BatchNorm of timm's EfficientNet-family
-    blocks that have a skip (`has_skip`: EfficientNet, MixNet, MobileNetV3), which timm leaves at 1."""
+    blocks that have a skip (`has_skip`: EfficientNet, MixNet, MobileNetV2 / V3 / V4), which timm leaves at 1."""
     import torch
 
     def norms_of(module) -> list:
