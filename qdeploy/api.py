@@ -69,7 +69,7 @@ def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTabl
             allow_host_fallback: bool = False, bias_correction: bool = True, bias_shrinkage: bool = False,
             output: str | os.PathLike | None = None, input_shapes: InputShapes | None = None,
             widen_scales: bool = False, per_channel_depthwise_inputs: bool = False,
-            tap_sum_rounding: bool = False) -> CompileResult:
+            tap_sum_rounding: bool = False, wide_outputs: bool = False) -> CompileResult:
     """Lower `model`, quantize it with the calibration table and the target, and (with `output`) write the
     .qdp program (atomically). A pre-quantized model (QuantizeLinear/DequantizeLinear, QLinearConv) needs no
     table: its own scales and integer weights win, and `calib` only fills the tensors it leaves in float
@@ -79,7 +79,10 @@ def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTabl
     only depthwise GEMMs read gets one scale per channel, s[c] = r[c] s with r[c] from the table's per-channel max
     |x| (lowering/equalize.py `widen_narrow_channels`; docs/design.md section 5); not for a pre-quantized model,
     whose integer weights are fixed. `tap_sum_rounding`: each convolution kernel's int8 codes sum to the nearest
-    integer of its float sum (calib/weights.py `keep_tap_sums`; off by default: docs/design.md section 3)."""
+    integer of its float sum (calib/weights.py `keep_tap_sums`; off by default: docs/design.md section 3).
+    `wide_outputs`: a graph output that a weighted GEMM writes and no instruction reads (a classifier's logits)
+    is int32 at nearly the accumulator's resolution (quantize.py eq. (4b)) instead of 8 bits at its calibrated
+    scale; such a program has no ONNX export or golden vectors (8-bit tensors only)."""
     path = Path(model)
     table = calib if isinstance(calib, CalibrationTable) or calib is None else CalibrationTable.load(calib)
     target = target if isinstance(target, Target) else load_target_file(target)
@@ -116,7 +119,8 @@ def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTabl
     thresholds = {**table.thresholds, **(stated.thresholds if stated is not None else {})}
     options = CompileOptions(per_channel_weights=target.arithmetic.per_channel_weights and not per_tensor,
                              allow_host_fallback=allow_host_fallback, bias_correction=bias_correction,
-                             bias_shrinkage=bias_shrinkage, tap_sum_rounding=tap_sum_rounding)
+                             bias_shrinkage=bias_shrinkage, tap_sum_rounding=tap_sum_rounding,
+                             wide_outputs=wide_outputs)
     # The table measured x; the program quantizes x' = x / r (the mean and spread of B's input scale with it).
     means = {name: _divided(r.channel_mean, widened.get(name)) for name, r in table.records.items()
              if r.channel_mean is not None}

@@ -150,6 +150,7 @@ class CompileOptions:
     bias_correction: bool = True  # eq. (2b), where the calibration table has the input's channel means
     bias_shrinkage: bool = False  # eq. (2c), where the table also has the spread of the channel means
     tap_sum_rounding: bool = False  # eq. (1b): each kernel's code sum the nearest to its float sum
+    wide_outputs: bool = False  # eq. (4b) for every graph output a weighted GEMM writes and nothing reads
 
 
 def _shape(graph: Graph, name: str) -> list:
@@ -173,8 +174,10 @@ class _Scales:
     model's tensors take the signedness the model states (`stated`)."""
 
     def __init__(self, graph: Graph, thresholds: dict[str, float], target: Target,
-                 stated: ModelQuantization | None = None, minimums: dict[str, float] | None = None):
+                 stated: ModelQuantization | None = None, minimums: dict[str, float] | None = None,
+                 wide_outputs: bool = False):
         self.graph, self.target, self.stated = graph, target, stated
+        self.wide_outputs = wide_outputs
         self.producers = graph.producers()
         self.scale: dict[str, float] = {}
         self.unsigned: dict[str, bool] = {}
@@ -320,10 +323,13 @@ class _Scales:
             raise Unsupported(f"node '{node.name}' ({node.op}): unknown output_scale rule '{rule}'")
 
     def _left_in_float(self, node: Node, thresholds: dict[str, float], consumers) -> bool:
-        """A pre-quantized model's output that it leaves in float (NNCF's logits) and no table fills: the GEMM
-        writes it as int32 (eq. (4b) of the module docstring) instead of refusing it for want of a scale."""
+        """A pre-quantized model's output that it leaves in float (NNCF's logits) and no table fills, or with
+        `wide_outputs` any graph output a weighted GEMM writes and no instruction reads (a classifier's logits,
+        which NNCF and TensorRT also leave in float): the GEMM writes it as int32 (eq. (4b) of the module
+        docstring) instead of rounding it to 8 bits at its calibrated scale."""
         out = node.outputs[0]
-        return (self.stated is not None and out not in thresholds and out in self.graph.outputs
+        unscaled = self.wide_outputs or (self.stated is not None and out not in thresholds)
+        return (unscaled and out in self.graph.outputs
                 and not consumers.get(out) and node.op in WEIGHTED_GEMM_KINDS
                 and output_stage(node).window_max is None)
 
@@ -448,7 +454,7 @@ class _Compiler:
                  channel_spreads: dict[str, tuple[float, ...]] | None = None,
                  minimums: dict[str, float] | None = None):
         self.graph, self.target, self.options = lowered.graph, target, options
-        self.scales = _Scales(self.graph, thresholds, target, stated, minimums)
+        self.scales = _Scales(self.graph, thresholds, target, stated, minimums, options.wide_outputs)
         self.stated_weights = stated.weights if stated is not None else {}
         self.channel_means = {name: np.asarray(mean, np.float64) for name, mean in (channel_means or {}).items()}
         self.channel_spreads = {name: np.asarray(spread, np.float64)
@@ -798,6 +804,7 @@ class _Compiler:
                                 "bias_correction": self.options.bias_correction and bool(self.channel_means),
                                 **({"bias_shrinkage": True} if self.shrunk else {}),
                                 **({"tap_sum_rounding": True} if self.tap_rounded else {}),
+                                **({"wide_outputs": True} if self.scales.wide_outputs else {}),
                                 "unsigned_activations": self.target.arithmetic.unsigned_activations,
                                 **({"prequantized": True} if self.stated_weights or self.scales.stated else {})},
                     "inputs": list(graph.inputs), "outputs": list(graph.outputs),

@@ -462,3 +462,40 @@ def test_a_target_without_window_max_refuses_a_fused_max_pool(tmp_path):
     with pytest.raises(Exception, match="instruction 'conv' ends in a MaxPool.*window_max_on_store = false"):
         api.compile(grouped_conv_model(tmp_path), table, no_window)
     assert api.compile(grouped_conv_model(tmp_path, pool=False), table, no_window).program.instructions
+
+
+def test_wide_outputs_write_a_classifiers_logits_at_the_accumulators_resolution(tmp_path):
+    """`wide_outputs` (quantize.py eq. (4b)): a graph output that a weighted GEMM writes and nothing reads is int32
+    with s_out = max_c s_in s_w[c] (float32, not below it), so y = round(acc * s_in s_w[c] / s_out) with every
+    multiplier <= 1 and no clamp at the table's threshold; without it the same output is int8 at T / 127. The
+    program records the option, and export-onnx (8-bit tensors only) refuses it in one line naming the output."""
+    model = make_model([helper.make_node("Gemm", ["x", "W", "B"], ["y"], name="fc", transB=1)],
+                       [("x", ["N", 16])], [("y", ["N", 10])], {"W": rng_weights(0, 10, 16), "B": rng_weights(1, 10)})
+    path = save(model, tmp_path / "fc.onnx")
+    table = table_of({"x": 2.5, "y": 1.0})  # T of y far inside its range: int8 clamps, int32 must not
+    x = np.random.default_rng(3).standard_normal((64, 16)).astype(np.float32)
+    narrow = api.compile(path, table).program
+    wide = api.compile(path, table, wide_outputs=True).program
+    assert narrow.tensors["y"]["dtype"] == "int8" and wide.tensors["y"]["dtype"] == "int32"
+    assert wide.manifest["options"]["wide_outputs"] and "wide_outputs" not in narrow.manifest["options"]
+    (instr,) = wide.instructions
+    s_w = wide.arrays[instr["weight_scale"]].astype(np.float64)
+    s_in, s_out = float(np.float32(2.5 / 127)), float(wide.tensors["y"]["scale"])
+    widest = np.max(s_in * s_w)  # the least float32 not below it
+    assert s_out >= widest > np.nextafter(np.float32(s_out), np.float32(0))
+    run = Machine(wide).run({"x": x}, dump=True)
+    real = run.accumulators["fc"].astype(np.float64).reshape(64, 10) * s_in * s_w / s_out
+    got = run.outputs["y"].astype(np.float64)
+    near_tie = np.abs(real - np.floor(real) - 0.5) < 1e-6
+    assert np.all((got == np.floor(real + 0.5)) | near_tie) and np.max(np.abs(got)) > 127
+    reference = x @ rng_weights(0, 10, 16).T.astype(np.float64) + rng_weights(1, 10)
+    wide_error = np.abs(api.run_program_file(wide, x, dequantize=True)["y"] - reference)
+    narrow_error = np.abs(api.run_program_file(narrow, x, dequantize=True)["y"] - reference)
+    assert np.max(narrow_error) > 1.0 > np.max(wide_error)  # int8 clips at T = 1; int32 keeps the whole range
+    table.save(tmp_path / "t.json")
+    result = runner.invoke(app, ["compile", str(path), "--calib", str(tmp_path / "t.json"), "-o",
+                                 str(tmp_path / "m.qdp"), "--wide-outputs"])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(app, ["export-onnx", str(tmp_path / "m.qdp"), "-o", str(tmp_path / "m.onnx")])
+    assert result.exit_code == 2 and "int32 output" in result.stderr and "'y'" in result.stderr
+    assert not (tmp_path / "m.onnx").exists()
