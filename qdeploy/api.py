@@ -81,8 +81,9 @@ def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTabl
     |x| (lowering/equalize.py `widen_narrow_channels`; docs/design.md section 5); not for a pre-quantized model,
     whose integer weights are fixed. `per_channel_layernorm_outputs`: a LayerNorm output only Linears read gets
     s[c] = r[c] s, r[c] = (amax[c] / max amax)^alpha, folded into the normalizing GEMM and the Linears' weight
-    columns (`rescale_layernorm_outputs`; docs/design.md section 5); not for a pre-quantized model either. `tap_sum_rounding`: each convolution kernel's int8 codes sum to the nearest
-    integer of its float sum (calib/weights.py `keep_tap_sums`; off by default: docs/design.md section 3)."""
+    columns (`rescale_layernorm_outputs`; docs/design.md section 5); not for a pre-quantized model either.
+    `tap_sum_rounding`: each convolution kernel's int8 codes sum to the nearest integer of its float sum
+    (calib/weights.py `keep_tap_sums`; off by default: docs/design.md section 3)."""
     path = Path(model)
     table = calib if isinstance(calib, CalibrationTable) or calib is None else CalibrationTable.load(calib)
     target = target if isinstance(target, Target) else load_target_file(target)
