@@ -27,8 +27,9 @@ reading. `histogram` is the |x| histogram the threshold was chosen from: len(cou
 tables written before it was recorded. `compile` copies it into the program, and `run`, `report` and
 `vectors export` apply it to image files by default and refuse a flag that contradicts it. The input statistics
 are the graph inputs' records (listed first): amax, the |x| histogram and the per-channel means.
-`channel_amax` (optional, per record): max |x| per channel of a tensor only depthwise GEMMs read (tables written
-before it have none: `compile --per-channel-depthwise-inputs` then leaves those tensors per tensor).
+`channel_amax` (optional, per record): max |x| per channel of a tensor only depthwise GEMMs read, or of a LayerNorm
+output only Linears read (tables written before it have none: `compile --per-channel-depthwise-inputs` and
+`--per-channel-layernorm-outputs` then leave those tensors per tensor).
 `min` (optional, per record): the least signed value of the tensor over the data (tables written before it have
 none: the compiler then gives softmax inputs zero point 0, qdeploy/quantize.py eq. (13)).
 `equalization` says the tensors were measured on the cross-layer-equalized graph (qdeploy/lowering/equalize.py;
@@ -82,8 +83,9 @@ class TensorRecord:
     # per channel, the standard deviation over the calibration samples of each sample's channel mean (how far the
     # bias correction can be trusted on other inputs: quantize.py)
     channel_spread: tuple[float, ...] | None = None
-    # max |x| per channel (axis 1), only for a tensor read by depthwise GEMMs alone: the per-channel scales of
-    # `compile --per-channel-depthwise-inputs` (qdeploy/lowering/equalize.py `widen_narrow_channels`)
+    # max |x| per channel (axis 1), only for a tensor read by depthwise GEMMs alone or a LayerNorm output read by
+    # Linears alone: the per-channel scales of `compile --per-channel-depthwise-inputs` (qdeploy/lowering/equalize.py
+    # `widen_narrow_channels`) and `--per-channel-layernorm-outputs` (`rescale_layernorm_outputs`)
     channel_amax: tuple[float, ...] | None = None
     # the least signed value over the data (absent in tables written before it existed): the lower end of a
     # softmax input's zero-point range (qdeploy/quantize.py eq. (13))

@@ -16,7 +16,8 @@ from qdeploy.binding import bind_inputs, bind_program_inputs
 from qdeploy_base.errors import BadInput, QdeployError
 from qdeploy.execute import run_program_file  # noqa: F401 (part of the API)
 from qdeploy.lowering import LoweringResult, lower_graph, require_lowered
-from qdeploy.lowering.equalize import (channel_ratios, depthwise_pairs, rescale_depthwise_inputs,
+from qdeploy.lowering.equalize import (channel_ratios, depthwise_pairs, layernorm_output_folds,
+                                      layernorm_output_ratios, rescale_depthwise_inputs, rescale_layernorm_outputs,
                                       widen_narrow_channels)
 from qdeploy.onnx_import import InputShapes, import_onnx
 from qdeploy.prequantized import ModelQuantization
@@ -69,7 +70,8 @@ def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTabl
             allow_host_fallback: bool = False, bias_correction: bool = True, bias_shrinkage: bool = False,
             output: str | os.PathLike | None = None, input_shapes: InputShapes | None = None,
             widen_scales: bool = False, per_channel_depthwise_inputs: bool = False,
-            tap_sum_rounding: bool = False, wide_outputs: bool = False) -> CompileResult:
+            per_channel_layernorm_outputs: bool = False, tap_sum_rounding: bool = False,
+            wide_outputs: bool = False) -> CompileResult:
     """Lower `model`, quantize it with the calibration table and the target, and (with `output`) write the
     .qdp program (atomically). A pre-quantized model (QuantizeLinear/DequantizeLinear, QLinearConv) needs no
     table: its own scales and integer weights win, and `calib` only fills the tensors it leaves in float
@@ -78,8 +80,11 @@ def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTabl
     covering its range instead of being refused). `per_channel_depthwise_inputs`: a tensor
     only depthwise GEMMs read gets one scale per channel, s[c] = r[c] s with r[c] from the table's per-channel max
     |x| (lowering/equalize.py `widen_narrow_channels`; docs/design.md section 5); not for a pre-quantized model,
-    whose integer weights are fixed. `tap_sum_rounding`: each convolution kernel's int8 codes sum to the nearest
-    integer of its float sum (calib/weights.py `keep_tap_sums`; off by default: docs/design.md section 3).
+    whose integer weights are fixed. `per_channel_layernorm_outputs`: a LayerNorm output only Linears read gets
+    s[c] = r[c] s, r[c] = (amax[c] / max amax)^alpha, folded into the normalizing GEMM and the Linears' weight
+    columns (`rescale_layernorm_outputs`; docs/design.md section 5); not for a pre-quantized model either.
+    `tap_sum_rounding`: each convolution kernel's int8 codes sum to the nearest integer of its float sum
+    (calib/weights.py `keep_tap_sums`; off by default: docs/design.md section 3).
     `wide_outputs`: a graph output that a weighted GEMM writes and no instruction reads (a classifier's logits)
     is int32 at nearly the accumulator's resolution (quantize.py eq. (4b)) instead of 8 bits at its calibrated
     scale; such a program has no ONNX export or golden vectors (8-bit tensors only)."""
@@ -108,6 +113,13 @@ def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTabl
         _check_channel_counts(channel_amax, "channel maxima (channel_amax)", lowering.graph, calib)
         lowering = dataclasses.replace(lowering, graph=widen_narrow_channels(lowering.graph, channel_amax))
         widened = {name: channel_ratios(amax) for name, amax in channel_amax.items()}
+    layernorm_ratios: dict[str, np.ndarray] = {}  # LayerNorm output: r[c]
+    if per_channel_layernorm_outputs and stated is None:
+        folds = layernorm_output_folds(lowering.graph)
+        layernorm_ratios = {name: layernorm_output_ratios(r.channel_amax) for name, r in table.records.items()
+                            if name in folds and r.channel_amax is not None}
+        _check_channel_counts(layernorm_ratios, "channel maxima (channel_amax)", lowering.graph, calib)
+        lowering = dataclasses.replace(lowering, graph=rescale_layernorm_outputs(lowering.graph, layernorm_ratios))
     if stated is not None and stated.channel_scales:  # the model's own per-channel depthwise input scales
         pairs = depthwise_pairs(lowering.graph)
         outputs = {node.name: node.outputs[0] for node in lowering.graph.nodes}
@@ -122,11 +134,12 @@ def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTabl
                              bias_shrinkage=bias_shrinkage, tap_sum_rounding=tap_sum_rounding,
                              wide_outputs=wide_outputs)
     # The table measured x; the program quantizes x' = x / r (the mean and spread of B's input scale with it).
-    means = {name: _divided(r.channel_mean, widened.get(name)) for name, r in table.records.items()
+    rescaled = {**widened, **layernorm_ratios}
+    means = {name: _divided(r.channel_mean, rescaled.get(name)) for name, r in table.records.items()
              if r.channel_mean is not None}
     # one mean per channel, or the bias correction would be silently off
     _check_channel_counts(means, "channel means", lowering.graph, calib)
-    spreads = {name: _divided(r.channel_spread, widened.get(name)) for name, r in table.records.items()
+    spreads = {name: _divided(r.channel_spread, rescaled.get(name)) for name, r in table.records.items()
                if r.channel_spread is not None}
     for name, spread in spreads.items():  # one spread per channel mean, or the shrinkage (2c) would be silently off
         if len(spread) != len(means.get(name, ())):
@@ -142,6 +155,9 @@ def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTabl
     if widened:  # written only when applied: programs compiled without it keep their manifest
         program.manifest["options"]["per_channel_depthwise_inputs"] = {
             name: [float(v) for v in ratio] for name, ratio in widened.items()}
+    if layernorm_ratios:  # written only when applied, like the depthwise inputs' ratios
+        program.manifest["options"]["per_channel_layernorm_outputs"] = {
+            name: [float(v) for v in ratio] for name, ratio in layernorm_ratios.items()}
     if table.float_softmax_layernorm:  # written only when set: programs compiled without it keep their manifest
         program.manifest["options"]["float_softmax_layernorm"] = True
     if table.preprocess is not None:  # run, report and vectors export preprocess images as calibration did

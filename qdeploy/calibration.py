@@ -41,7 +41,7 @@ from qdeploy.binding import bind_inputs
 from qdeploy.cluster import runs_in_process, starting
 from qdeploy_base.errors import BadInput, QdeployError
 from qdeploy.ir import Graph, topological_order
-from qdeploy.lowering.equalize import depthwise_pairs, equalizable_pairs
+from qdeploy.lowering.equalize import depthwise_pairs, equalizable_pairs, layernorm_output_folds
 from isa.kinds import LAYOUT_KINDS, VIEW_KINDS
 from qdeploy.lowering import LoweringResult, lower_graph
 from qdeploy.lowering.rows import stores_row_words
@@ -89,6 +89,13 @@ def depthwise_channel_tensors(graph: Graph) -> frozenset[str]:
     the table records for `compile --per-channel-depthwise-inputs`."""
     nodes = {node.name: node for node in graph.nodes}
     return frozenset(nodes[a].outputs[0] for a, _ in depthwise_pairs(graph))
+
+
+def channel_amax_tensors(graph: Graph) -> frozenset[str]:
+    """The tensors whose per-channel max |x| the table records: the depthwise-only tensors
+    (depthwise_channel_tensors) and the LayerNorm outputs only Linears read (equalize.layernorm_output_folds, for
+    `compile --per-channel-layernorm-outputs`)."""
+    return depthwise_channel_tensors(graph) | frozenset(layernorm_output_folds(graph))
 
 
 def consumer_fan_in(lowering: LoweringResult) -> dict[str, int]:
@@ -163,8 +170,9 @@ class _Collector:
         # (a legacy export's (3, N, heads, T, d) after a Transpose) has no channel means to give.
         self.has_channels = {name for name in names if (shape := graph.tensors[name].shape) is not None
                              and len(shape) >= 2 and shape[1] is not None}
-        # Per-channel max |x| of the tensors only depthwise GEMMs read (depthwise_channel_tensors): a max is exact
-        # and commutative, so it is the same for any batching, threads or shards.
+        # Per-channel max |x| of the depthwise-only tensors and the Linear-only LayerNorm outputs
+        # (channel_amax_tensors): a max is exact and commutative, so it is the same for any batching, threads or
+        # shards.
         self.channel_amax_names = channel_amax_names & self.has_channels
         self.channel_amax: dict[str, np.ndarray] = {}
 
@@ -374,7 +382,7 @@ def calibrate_shard(job: ShardJob, window: tuple[int, int]) -> ShardStats:
     """Run the lowered graph over samples window[0]..window[1]-1, on a cluster worker."""
     graph = lowered_graph_of(job.model, job.input_shapes, job.equalize, job.float_softmax_layernorm)
     collector = _Collector(graph, job.names, keep_sample_sums=True,
-                           channel_amax_names=depthwise_channel_tensors(graph))
+                           channel_amax_names=channel_amax_tensors(graph))
     warnings: list[str] = []
     samples = _collect(collector, job.data.batches(graph, window, warnings), job.data.batch_size, None, None)
     return ShardStats(collector.histograms, collector.sample_sums, collector.channel_counts, samples, warnings,
@@ -491,7 +499,7 @@ def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD,
             source = open_data(data, num_samples=num_samples, input_names=graph.inputs,
                                input_shapes=[graph.tensors[n].shape for n in graph.inputs], preprocess=preprocess,
                                strict=strict)
-            collector = _Collector(graph, names, channel_amax_names=depthwise_channel_tensors(graph))
+            collector = _Collector(graph, names, channel_amax_names=channel_amax_tensors(graph))
             collect_start = time.perf_counter()
             if runs_in_process(cluster):
                 with contextlib.closing(source.batches(batch_size)) as batches:

@@ -341,6 +341,11 @@ def compile(model: Path = typer.Argument(..., help="An .onnx model."),
                 help="One activation scale per channel for a tensor only depthwise convolutions read (from the "
                      "per-channel max |x| in the calibration table), folded into its producer's and reader's "
                      "per-channel multipliers."),
+            per_channel_layernorm_outputs: bool = typer.Option(
+                False, "--per-channel-layernorm-outputs/--no-per-channel-layernorm-outputs",
+                help="One activation scale per channel for a LayerNorm output only Linear layers read (from the "
+                     "per-channel max |x| in the calibration table), folded into the LayerNorm's normalizing "
+                     "multipliers and the Linears' weight columns."),
             wide_outputs: bool = typer.Option(False, "--wide-outputs/--no-wide-outputs",
                                               help="Write a graph output that a weighted GEMM writes and nothing "
                                                    "reads (a classifier's logits) as int32 at the accumulator's "
@@ -355,7 +360,8 @@ def compile(model: Path = typer.Argument(..., help="An .onnx model."),
     result = _api().compile(model, calib, target, per_tensor=per_tensor, allow_host_fallback=allow_host_fallback,
                          bias_correction=bias_correction, bias_shrinkage=bias_shrinkage, output=output, input_shapes=parse_input_shapes(input_shape),
                          widen_scales=widen_scales, per_channel_depthwise_inputs=per_channel_depthwise_inputs,
-                         tap_sum_rounding=tap_sum_rounding, wide_outputs=wide_outputs)
+                         per_channel_layernorm_outputs=per_channel_layernorm_outputs, tap_sum_rounding=tap_sum_rounding,
+                         wide_outputs=wide_outputs)
     perf = _api().estimate_performance(model, result.program)
     if json_output:
         layers = [{"name": r.name, "kind": r.kind, "m": r.m, "n": r.n, "k": r.k, "groups": r.groups,

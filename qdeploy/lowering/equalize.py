@@ -20,13 +20,16 @@ A clamp with a negative lower bound is left alone (it would need per-channel low
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
 from qdeploy.ir import Graph, Node, constant
-from isa.kinds import WEIGHTED_GEMM_KINDS
-from isa.output_stage import Clamp, ClampHi
+from isa.kinds import RESHAPE_KINDS, VIEW_KINDS, WEIGHTED_GEMM_KINDS, Kind
+from isa.output_stage import NO_OUTPUT_STAGE, Clamp, ClampHi
 from qdeploy.lowering.nodes import output_stage
+from qdeploy.lowering.rows import row_scale_input
+from qdeploy_base.errors import BadInput
 
 EQUALIZE_SWEEPS = 20
 SETTLED = 1e-3  # stop when every |log s_i| of a sweep is below this (ranges equal to 0.1%)
@@ -148,10 +151,15 @@ def rescale_depthwise_inputs(graph: Graph, ratios: dict[str, np.ndarray]) -> Gra
 
 def widened_as_compiled(graph: Graph, options: dict) -> Graph:
     """The graph a program was compiled from, given its manifest's options: with
-    `per_channel_depthwise_inputs` ({tensor: r[c]}), rescale_depthwise_inputs again with those r."""
+    `per_channel_depthwise_inputs` ({tensor: r[c]}), rescale_depthwise_inputs again with those r; with
+    `per_channel_layernorm_outputs`, rescale_layernorm_outputs with those."""
     recorded = options.get("per_channel_depthwise_inputs")
-    return rescale_depthwise_inputs(graph, {name: np.asarray(r, np.float64) for name, r in recorded.items()}) \
-        if recorded else graph
+    if recorded:
+        graph = rescale_depthwise_inputs(graph, {name: np.asarray(r, np.float64) for name, r in recorded.items()})
+    recorded = options.get("per_channel_layernorm_outputs")
+    if recorded:
+        graph = rescale_layernorm_outputs(graph, {name: np.asarray(r, np.float64) for name, r in recorded.items()})
+    return graph
 
 
 def channel_ratios(thresholds) -> np.ndarray:
@@ -186,3 +194,157 @@ def _rewritten(graph: Graph, nodes: dict[str, Node], weights: dict[str, np.ndarr
             attrs = {**attrs, "output_stage": stage}
         replaced[name] = node.replace(inputs=inputs, attrs=attrs)
     return graph.with_nodes([replaced.get(node.name, node) for node in graph.nodes], tensors)
+
+
+# --- Per-channel scales of LayerNorm outputs (issue 30; RepQ-ViT's post-LayerNorm scale reparameterization) -------
+
+LAYERNORM_OUTPUT_ALPHA = 0.5  # r[c] = (amax[c] / max amax)^alpha: chosen on the digits ViT's tuning data (design.md)
+
+
+@dataclass(frozen=True)
+class LayerNormOutputFold:
+    """Where a LayerNorm output's per-channel rescale lands (rescale_layernorm_outputs): the normalizing GEMM
+    `writer`, the per-element affine GEMMs between it and its readers (`affines`: name -> the channel of each of
+    the instruction's elements), and the reading Linears (`readers`: name -> the channel of each input column)."""
+
+    writer: str
+    channels: int
+    affines: dict[str, np.ndarray]
+    readers: dict[str, np.ndarray]
+
+
+def _is_layernorm_normalize(graph: Graph, node: Node) -> bool:
+    """The normalizing GEMM of an integer LayerNorm (lowering/layernorm.py): a DenseGemm with a square diagonal
+    weight (sqrt(C) gamma), a row scale (the rsqrt words) and nothing in its output stage but an unbounded clamp."""
+    if node.op != Kind.DENSE_GEMM or not row_scale_input(node) or output_stage(node) != NO_OUTPUT_STAGE:
+        return False
+    weight = graph.constant_data(node.inputs[1])
+    return weight is not None and weight.ndim == 2 and weight.shape[0] == weight.shape[1] and \
+        not np.any(weight - np.diag(np.diag(weight)))
+
+
+def _per_image_elements(graph: Graph, name: str) -> int | None:
+    tensor = graph.tensors[name]
+    return None if tensor.shape is None or None in tensor.shape[1:] else tensor.rows * math.prod(tensor.shape[1:])
+
+
+def _channel_map_through(graph: Graph, node: Node, channel_of: np.ndarray) -> np.ndarray | None:
+    """The channel of each per-image element of a view's output, given that of its input (flat, in buffer order),
+    or None when the view is not one this follows. A reshape keeps the buffer order; an axis permutation, a window
+    and a channel permutation act on the per-image array (one row per image: rows 1)."""
+    x, y = node.inputs[0], node.outputs[0]
+    if node.op in RESHAPE_KINDS:
+        return channel_of if _per_image_elements(graph, y) == channel_of.size else None
+    if graph.tensors[x].rows != 1 or graph.tensors[y].rows != 1:
+        return None
+    shaped = channel_of.reshape(graph.tensors[x].shape[1:])
+    if node.op == Kind.AXIS_PERMUTE:
+        perm = node.attrs["perm"]
+        return shaped.transpose([a - 1 for a in perm[1:]]).reshape(-1) if perm[0] == 0 else None
+    if node.op == Kind.CHANNEL_SLICE:
+        axis = (node.attrs.get("axis") or 1) - 1
+        return np.take(shaped, np.arange(node.attrs["start"], node.attrs["start"] + node.attrs["count"]),
+                       axis=axis).reshape(-1)
+    if node.op == Kind.CHANNEL_PERMUTE:
+        return np.take(shaped, np.asarray(node.attrs["perm"]), axis=0).reshape(-1)
+    return None
+
+
+def _is_passing_affine(graph: Graph, node: Node, name: str) -> bool:
+    """A per-element affine GEMM (rules.py element_affine_gemm: a 1x1 ConvGemm with one group per element) that
+    takes its input's scale (output_scale "input": the LayerNorm's constant token rows) and whose output stage is
+    an unbounded clamp: y = w x + b commutes with a per-element positive scale once b is scaled."""
+    if node.op != Kind.CONV_GEMM or node.inputs[0] != name or node.attrs.get("output_scale") != "input" or \
+            output_stage(node) != NO_OUTPUT_STAGE:
+        return False
+    weight = graph.constant_data(node.inputs[1])
+    return weight is not None and weight.shape[1:] == (1, 1, 1) and int(node.attrs.get("group", 1)) == weight.shape[0]
+
+
+def layernorm_output_folds(graph: Graph) -> dict[str, LayerNormOutputFold]:
+    """{the normalizing GEMM's output tensor: its fold} for every integer LayerNorm whose output reaches only Linears
+    (DenseGemms reading it as x, each row of their input holding the channels in one order) through views and
+    constant-row affines; a LayerNorm whose output is a graph output or has any other reader is absent."""
+    consumers = graph.consumers()
+    folds = {}
+    for node in graph.nodes:
+        if not _is_layernorm_normalize(graph, node):
+            continue
+        channels = graph.constant_data(node.inputs[1]).shape[0]
+        y = node.outputs[0]
+        elements = _per_image_elements(graph, y)
+        if elements is None or elements % channels:
+            continue
+        affines, readers, work, refused = {}, {}, [(y, np.tile(np.arange(channels), elements // channels))], False
+        while work and not refused:
+            name, channel_of = work.pop()
+            refused = name in graph.outputs or not consumers.get(name)
+            for reader in consumers.get(name, []):
+                if reader.op == Kind.DENSE_GEMM and reader.inputs[0] == name and name not in reader.inputs[1:]:
+                    k = graph.constant_data(reader.inputs[1]).shape[1]
+                    columns = channel_of.reshape(-1, k)
+                    refused |= bool(np.any(columns != columns[0]))
+                    readers[reader.name] = columns[0]
+                elif _is_passing_affine(graph, reader, name):
+                    affines[reader.name] = channel_of
+                    work.append((reader.outputs[0], channel_of))
+                elif reader.op in VIEW_KINDS and reader.inputs[0] == name and \
+                        (through := _channel_map_through(graph, reader, channel_of)) is not None:
+                    work.append((reader.outputs[0], through))
+                else:
+                    refused = True
+        if not refused and readers:
+            folds[y] = LayerNormOutputFold(node.name, channels, affines, readers)
+    return folds
+
+
+def layernorm_output_ratios(amax, alpha: float | None = None) -> np.ndarray:
+    """r[c] = clip((amax[c] / max_c amax[c])^alpha, MIN_CHANNEL_RATIO, 1), 1 where amax[c] = 0: alpha 1 gives
+    every channel the tensor's range (channel_ratios), alpha 0 leaves it per tensor; between, the readers' weight
+    columns (times r[c]) keep more of their precision (SmoothQuant's migration strength, Xiao et al. 2023)."""
+    alpha = LAYERNORM_OUTPUT_ALPHA if alpha is None else alpha
+    amax = np.asarray(amax, np.float64)
+    top = amax.max(initial=0.0)
+    if not top > 0:
+        return np.ones_like(amax)
+    return np.where(amax > 0, np.clip((amax / top) ** alpha, MIN_CHANNEL_RATIO, 1.0), 1.0)
+
+
+def rescale_layernorm_outputs(graph: Graph, ratios: dict[str, np.ndarray]) -> Graph:
+    """Per-channel activation scales of LayerNorm outputs as a rescaling (RepQ-ViT, Li et al. ICCV 2023, section
+    3.2): for each fold (layernorm_output_folds) whose tensor y has ratios r[c] in `ratios`, y'[c] = y[c] / r[c]:
+    the normalizing GEMM's weight row c (sqrt(C) gamma_c) and bias divided by r[c], a constant-row affine's bias
+    b_e / r[c(e)], and each reading Linear's weight column k times r[c(k)] (W' = W diag(r), so W' y' = W y).
+    Exact in real arithmetic; quantizing y' with one scale s is quantizing y with s[c] = r[c] s."""
+    nodes = {node.name: node for node in graph.nodes}
+    replaced, tensors = {}, []
+
+    def new_constant(name: str, data: np.ndarray) -> str:
+        tensor = constant(graph.unique_name(name), data.astype(np.float32))
+        while tensor.name in {t.name for t in tensors}:
+            tensor = constant(tensor.name + "_", tensor.data)
+        tensors.append(tensor)
+        return tensor.name
+
+    for y, fold in layernorm_output_folds(graph).items():
+        if y not in ratios:
+            continue
+        ratio = np.asarray(ratios[y], np.float64)
+        if ratio.shape != (fold.channels,):
+            raise BadInput(f"tensor '{y}' has {fold.channels} channels but {ratio.size} per-channel ratios")
+        writer = nodes[fold.writer]
+        w, b = (graph.constant_data(n).astype(np.float64) for n in writer.inputs[1:3])
+        replaced[writer.name] = writer.replace(inputs=[
+            writer.inputs[0], new_constant(f"{writer.name}_weight_rescaled", w / ratio[:, None]),
+            new_constant(f"{writer.name}_bias_rescaled", b / ratio), *writer.inputs[3:]])
+        for name, channel_of in fold.affines.items():
+            node = nodes[name]
+            bias = graph.constant_data(node.inputs[2]).astype(np.float64) / ratio[channel_of]
+            replaced[name] = node.replace(inputs=[node.inputs[0], node.inputs[1],
+                                                  new_constant(f"{name}_bias_rescaled", bias), *node.inputs[3:]])
+        for name, channel_of in fold.readers.items():
+            node = nodes[name]
+            weight = graph.constant_data(node.inputs[1]).astype(np.float64) * ratio[channel_of][None, :]
+            replaced[name] = node.replace(inputs=[node.inputs[0], new_constant(f"{name}_weight_rescaled", weight),
+                                                  *node.inputs[2:]])
+    return graph.with_nodes([replaced.get(node.name, node) for node in graph.nodes], tensors) if replaced else graph
