@@ -70,7 +70,7 @@ def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTabl
             allow_host_fallback: bool = False, bias_correction: bool = True, bias_shrinkage: bool = False,
             output: str | os.PathLike | None = None, input_shapes: InputShapes | None = None,
             widen_scales: bool = False, per_channel_depthwise_inputs: bool = False,
-            per_channel_layernorm_outputs: bool = False, tap_sum_rounding: bool = False,
+            per_channel_layernorm_outputs: bool = True, tap_sum_rounding: bool = False,
             wide_outputs: bool = False) -> CompileResult:
     """Lower `model`, quantize it with the calibration table and the target, and (with `output`) write the
     .qdp program (atomically). A pre-quantized model (QuantizeLinear/DequantizeLinear, QLinearConv) needs no
@@ -82,7 +82,8 @@ def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTabl
     |x| (lowering/equalize.py `widen_narrow_channels`; docs/design.md section 5); not for a pre-quantized model,
     whose integer weights are fixed. `per_channel_layernorm_outputs`: a LayerNorm output only Linears read gets
     s[c] = r[c] s, r[c] = (amax[c] / max amax)^alpha, folded into the normalizing GEMM and the Linears' weight
-    columns (`rescale_layernorm_outputs`; docs/design.md section 5); not for a pre-quantized model either.
+    columns (`rescale_layernorm_outputs`; docs/design.md section 5; on by default, where the table has the
+    maxima); not for a pre-quantized model either.
     `tap_sum_rounding`: each convolution kernel's int8 codes sum to the nearest integer of its float sum
     (calib/weights.py `keep_tap_sums`; off by default: docs/design.md section 3).
     `wide_outputs`: a graph output that a weighted GEMM writes and no instruction reads (a classifier's logits)

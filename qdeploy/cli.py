@@ -342,10 +342,11 @@ def compile(model: Path = typer.Argument(..., help="An .onnx model."),
                      "per-channel max |x| in the calibration table), folded into its producer's and reader's "
                      "per-channel multipliers."),
             per_channel_layernorm_outputs: bool = typer.Option(
-                False, "--per-channel-layernorm-outputs/--no-per-channel-layernorm-outputs",
+                True, "--per-channel-layernorm-outputs/--no-per-channel-layernorm-outputs",
                 help="One activation scale per channel for a LayerNorm output only Linear layers read (from the "
                      "per-channel max |x| in the calibration table), folded into the LayerNorm's normalizing "
-                     "multipliers and the Linears' weight columns."),
+                     "multipliers and the Linears' weight columns (default; a table without the maxima leaves "
+                     "them per tensor)."),
             wide_outputs: bool = typer.Option(False, "--wide-outputs/--no-wide-outputs",
                                               help="Write a graph output that a weighted GEMM writes and nothing "
                                                    "reads (a classifier's logits) as int32 at the accumulator's "

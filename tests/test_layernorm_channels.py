@@ -214,7 +214,8 @@ def test_the_report_rebuilds_the_rescaled_graph(tmp_path):
 
 
 def test_the_cli_option_reaches_the_manifest(tmp_path):
-    """`qdeploy compile --per-channel-layernorm-outputs` writes the ratios into the manifest; without it, none."""
+    """`qdeploy compile` (the option is on by default) writes the ratios into the manifest; with
+    `--no-per-channel-layernorm-outputs`, none."""
     import json
 
     from typer.testing import CliRunner
@@ -225,9 +226,10 @@ def test_the_cli_option_reaches_the_manifest(tmp_path):
     path = _two_reader_model(tmp_path / "m.onnx")
     table = _table(path)
     table.save(tmp_path / "t.json")
-    for flag, expected in (("--per-channel-layernorm-outputs", True), ("--no-per-channel-layernorm-outputs", False)):
+    for flag, expected in (("", True), ("--per-channel-layernorm-outputs", True),
+                           ("--no-per-channel-layernorm-outputs", False)):
         result = CliRunner().invoke(app, ["compile", str(path), "--calib", str(tmp_path / "t.json"), "-o",
-                                          str(tmp_path / f"{flag}.qdp"), flag])
+                                          str(tmp_path / f"{flag or 'default'}.qdp"), *([flag] if flag else [])])
         assert result.exit_code == 0, result.output
-        options = read_program(tmp_path / f"{flag}.qdp").manifest["options"]
+        options = read_program(tmp_path / f"{flag or 'default'}.qdp").manifest["options"]
         assert ("per_channel_layernorm_outputs" in options) == expected, json.dumps(options)[:200]
