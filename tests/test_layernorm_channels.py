@@ -6,7 +6,6 @@ weights, scales and biases; the machine equals its Python-int twins, the ONNX ex
 manifest records r and the report rebuilds the graph it was compiled from; a LayerNorm output with a reader that
 is not a Linear is left per tensor."""
 
-import dataclasses
 from pathlib import Path
 
 import numpy as np
