@@ -34,7 +34,9 @@ dynamic_axes=...)`, opset 17, so LayerNormalization stays one node).
 
 Per exporter, the `qdeploy` commands a user would type, each printed: calibrate (KL); compile as a user would:
 with no flag when the lowering leaves no host op, else with --allow-host-fallback (the host ops are listed); when
-the default program is fully integer, the same model calibrated and compiled with Softmax and LayerNormalization
+the default program is fully integer, the same program compiled with --wide-outputs (the logits, which only the host
+reads, as int32 at the accumulator's resolution: the "int32 logits" column), and the same model calibrated and
+compiled with Softmax and LayerNormalization
 left in float on the host (FLOAT_HOST_FLAGS of `qdeploy calibrate`, then `compile --allow-host-fallback`; while
 the default program has host ops it is that program, measured once) and `run` on the held-out digits and the
 shifted copy; ONNX Runtime's
@@ -204,19 +206,28 @@ def _lowering(model: Path) -> tuple[dict[str, int], int]:
     return dict(collections.Counter(h.op for h in lowering.host_ops)), len(lowering.instructions)
 
 
-def _ablation_file(folder: Path, logits: Path, samples: slice) -> Path:
-    """A file in the peer format (`qdeploy report --ablation`) naming the float-host program's logits."""
-    values = np.load(logits)[samples]
-    np.save(folder / f"float_host_{samples.start}.npy", values)
-    document = {"name": "qdeploy, float host ops",
-                "description": "the same model, calibration data and target, calibrated and compiled with its "
-                               "Softmax and LayerNormalization left in float on the host "
+WIDE_OUTPUTS_LABEL = "int32 logits"  # the same program with `compile --wide-outputs` (its logits not rounded to 8 bits)
+
+
+def _ablation_file(folder: Path, logits: dict[str, Path], samples: slice) -> Path:
+    """A file in the peer format (`qdeploy report --ablation`) naming the logits of the float-host program and of
+    the --wide-outputs program ({label: logits file of the whole evaluation array}), restricted to `samples`."""
+    settings = {"float host ops": {"calibrate": " ".join(FLOAT_HOST_FLAGS or ()), "compile": "--allow-host-fallback"},
+                WIDE_OUTPUTS_LABEL: {"calibrate": "", "compile": "--wide-outputs"}}
+    entries = []
+    for label, path in logits.items():
+        subset = f"{path.stem}_{samples.start}.npy"
+        np.save(folder / subset, np.load(path)[samples])
+        entries.append({"label": label, "logits": subset, "settings": settings[label]})
+    document = {"name": "qdeploy ablations",
+                "description": "the same model, calibration data and target: 'float host ops' calibrated and "
+                               "compiled with its Softmax and LayerNormalization left in float on the host "
                                f"(`qdeploy calibrate {' '.join(FLOAT_HOST_FLAGS or ())}`, "
-                               "`qdeploy compile --allow-host-fallback`)",
-                "entries": [{"label": "float host ops", "logits": f"float_host_{samples.start}.npy",
-                             "settings": {"calibrate": " ".join(FLOAT_HOST_FLAGS or ()),
-                                          "compile": "--allow-host-fallback"}}]}
-    path = folder / f"float_host_{samples.start}.json"
+                               "`qdeploy compile --allow-host-fallback`); 'int32 logits' the default program "
+                               "compiled with `--wide-outputs` (the classifier's logits written as int32 at the "
+                               "accumulator's resolution)",
+                "entries": entries}
+    path = folder / f"ablations_{samples.start}.json"
     path.write_text(json.dumps(document, indent=1) + "\n")
     return path
 
@@ -259,14 +270,19 @@ def run_exporter(model, exporter: str, out: Path, report_dir: Path, arrays: dict
             *(["--allow-host-fallback"] if result.host_ops else []))
     evaluation = folder / "evaluation.npy"  # the held-out digits, then the shifted copy
     np.save(evaluation, np.concatenate([np.load(arrays["heldout"]), np.load(arrays["shifted"])]))
-    ablation_logits = None
+    ablation_logits: dict[str, Path] = {}
+    if not result.host_ops:  # the classifier's logits at the accumulator's resolution: what 8 bits cost there
+        wide_program, wide_logits = folder / f"{MODEL_NAME}_wide_outputs.qdp", folder / "logits_wide_outputs.npy"
+        qdeploy("compile", onnx_path, "--calib", calib, "-o", wide_program, "--wide-outputs")
+        qdeploy("run", wide_program, "--input", evaluation, "--dequantize", "-o", wide_logits)
+        ablation_logits[WIDE_OUTPUTS_LABEL] = wide_logits
     if not result.host_ops and FLOAT_HOST_FLAGS is not None:
         float_host, float_host_calib = folder / f"{MODEL_NAME}_float_host.qdp", folder / "calib_float_host.json"
         qdeploy("calibrate", onnx_path, "--data", arrays["train"], "--method", "kl", "-o", float_host_calib,
                 *FLOAT_HOST_FLAGS)
         qdeploy("compile", onnx_path, "--calib", float_host_calib, "-o", float_host, "--allow-host-fallback")
-        ablation_logits = folder / "logits_float_host.npy"
-        qdeploy("run", float_host, "--input", evaluation, "--dequantize", "-o", ablation_logits)
+        ablation_logits["float host ops"] = folder / "logits_float_host.npy"
+        qdeploy("run", float_host, "--input", evaluation, "--dequantize", "-o", ablation_logits["float host ops"])
         result.float_host_measured = True
     peer_file = None
     if peer:
@@ -285,7 +301,7 @@ def run_exporter(model, exporter: str, out: Path, report_dir: Path, arrays: dict
         extra = []
         if peer_file is not None:
             extra += ["--peer", _peer_subset(peer_file, samples, name)]
-        if ablation_logits is not None:
+        if ablation_logits:
             extra += ["--ablation", _ablation_file(folder, ablation_logits, samples)]
         labels = arrays[f"{name}_labels"]
         target = report_dir / exporter / name
@@ -312,8 +328,9 @@ def figures(document: dict) -> dict:
            "samples": document["samples"]}
     ablation = document.get("ablation") or {"entries": []}
     for entry in ablation["entries"]:
-        if entry["label"] == "float host ops":
-            row["float_host"] = {key: entry[key] for key in ("top1_agreement", "logits_sqnr_db", "accuracy_int8")}
+        for label, key in (("float host ops", "float_host"), (WIDE_OUTPUTS_LABEL, "wide_outputs")):
+            if entry["label"] == label:
+                row[key] = {name: entry[name] for name in ("top1_agreement", "logits_sqnr_db", "accuracy_int8")}
     entries = (document.get("peer") or {"entries": []})["entries"]
     peers = {"nncf": [e for e in entries if e["label"].startswith("NNCF")],
             "ort_best": [e for e in entries if not e["label"].startswith("NNCF")]}
@@ -335,15 +352,18 @@ def summary_markdown(results: list[ExporterResult], float_accuracy: dict[str, fl
              "The int8 columns measure the program `qdeploy compile` makes by default, on the simulator (with "
              "--allow-host-fallback while host ops remain: they run in float); 'float host' is the same model calibrated "
              "and compiled with Softmax and LayerNormalization left in float on the host (`calibrate "
-             "--float-softmax-layernorm`), when that is a different program. ONNX Runtime (the best "
+             "--float-softmax-layernorm`), when that is a different program; 'int32 logits' is the default "
+             "program compiled with `--wide-outputs` (the logits, which only the host reads, written as int32 at "
+             "the accumulator's resolution instead of int8, as NNCF and TensorRT leave them in float). ONNX Runtime (the best "
              "of quantize_static's MinMax and Percentile, QDQ) and NNCF keep Softmax, LayerNormalization "
              "and GELU in float. Agreement and SQNR are against the float model on the same samples.", "",
              "| exporter | data | samples | float acc | int8 acc (drop) | top-1 agr. | logits SQNR | host ops | "
-             "float host: agr. / SQNR | ONNX Runtime best: acc / agr. / SQNR | NNCF: acc / agr. / SQNR |",
-             "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
+             "float host: agr. / SQNR | int32 logits: acc / agr. / SQNR | ONNX Runtime best: acc / agr. / SQNR | "
+             "NNCF: acc / agr. / SQNR |",
+             "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
     for result in results:
         if result.refused:
-            lines.append(f"| {result.exporter} | all | | | refused: {result.refused} | | | | | | |")
+            lines.append(f"| {result.exporter} | all | | | refused: {result.refused} | | | | | | | |")
             continue
         hosts = ", ".join(f"{op} {count}" for op, count in sorted(result.host_ops.items())) or "none"
         for name, document in result.reports.items():
@@ -351,6 +371,9 @@ def summary_markdown(results: list[ExporterResult], float_accuracy: dict[str, fl
             float_host = row.get("float_host")
             host_cell = ("the same program" if result.host_ops else "not measured") if float_host is None else \
                 f"{_percent(float_host['top1_agreement'])} / {_db(float_host['logits_sqnr_db'])}"
+            wide = row.get("wide_outputs")
+            wide_cell = "not measured" if wide is None else \
+                f"{_percent(wide['accuracy_int8'])} / {_percent(wide['top1_agreement'])} / {_db(wide['logits_sqnr_db'])}"
             peers = []
             for key in ("ort_best", "nncf"):
                 entry = row.get(key)
@@ -360,7 +383,7 @@ def summary_markdown(results: list[ExporterResult], float_accuracy: dict[str, fl
             lines.append(f"| {result.exporter} | {DATA_SETS[name]} | {row['samples']} | "
                          f"{_percent(row['accuracy_float'])} | {_percent(row['accuracy_int8'])} "
                          f"({row['accuracy_drop_points']:+.2f} pt) | {_percent(row['top1_agreement'])} | "
-                         f"{_db(row['logits_sqnr_db'])} | {hosts} | {host_cell} | {peers[0]} | {peers[1]} |")
+                         f"{_db(row['logits_sqnr_db'])} | {hosts} | {host_cell} | {wide_cell} | {peers[0]} | {peers[1]} |")
     lines += ["", "Full reports: " + ", ".join(f"[{r.exporter} {name}]({r.exporter}/{name}/report.md)"
                                                for r in results for name in r.reports), ""]
     return "\n".join(lines)
