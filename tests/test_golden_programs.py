@@ -57,10 +57,11 @@ def test_first_difference_names_the_changed_integer():
 
 
 def test_a_program_written_by_an_earlier_revision_loads_and_runs_the_same():
-    """residual_half_up.qdp was written by the revision that recorded the fingerprints (a1e0c3a; rewritten with
-    them when the float depthwise convolution moved to a one-pass kernel, branch speed)."""
-    program = read_program(programs.WHOLE_PROGRAM)
+    """residual_half_up.qdp was written by an earlier revision (a1e0c3a; rewritten when the float depthwise
+    convolution moved to a one-pass kernel, branch speed); earlier_program.json holds its outputs then."""
+    earlier = json.loads(programs.EARLIER_PROGRAM.read_text())
+    program = read_program(programs.HERE / earlier["program"])
     shape = programs.CASES["residual_half_up"][1]
     outputs = api.run(program, programs.evaluation_images(shape))
     assert {k: hashlib.sha256(np.ascontiguousarray(v).tobytes()).hexdigest() for k, v in outputs.items()} == \
-        RECORDED["residual_half_up"]["outputs"]
+        earlier["outputs"]
