@@ -39,4 +39,6 @@ def test_the_report_gives_the_argmax_map_agreement_and_each_outputs_sqnr(exporte
     assert document["pixels"] == 16 * 32 * 32
     assert document["pixel_agreement"] == pytest.approx(expected["argmax_agreement"], abs=1e-12)
     (output,) = program.outputs
-    assert document["output_sqnr_db"][output] == pytest.approx(expected["sqnr_db"], abs=1e-6)
+    # the report's float outputs and api.run's are two float32 runs of the model (BLAS threads may round the last
+    # bit differently): a relative 1e-7 on the reference moves a 43 dB SQNR's noise energy by about 3e-5 (1e-4 dB)
+    assert document["output_sqnr_db"][output] == pytest.approx(expected["sqnr_db"], abs=1e-3)

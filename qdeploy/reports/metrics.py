@@ -48,23 +48,28 @@ def sqnr_db(signal_energy: float, noise_energy: float) -> float:
 
 
 @njit(cache=True, nogil=True)
-def _energies(reference, test):
-    """(sum f_i^2, sum (f_i - q_i)^2) in float64, element after element: one pass over the two arrays with no
-    float64 copies of them (the report's per-layer sums took a quarter of its walk as numpy's converted copies
-    and vdots), the same sums whatever thread computes them."""
-    signal = 0.0
-    noise = 0.0
-    for i in range(reference.size):
-        f = np.float64(reference[i])
-        error = f - np.float64(test[i])
-        signal += f * f
-        noise += error * error
+def _add_energies(reference, test, signal, noise):
+    """(signal + sum f_i^2, noise + sum (f_i - q_i)^2) in float64 over (samples, elements) arrays: each sample's
+    two sums element after element from 0, then added to the running totals in sample order, so the totals do
+    not depend on how the samples were cut into batches (a batch of 16 or two of 8 add the same sample sums in the
+    same order); one pass with no float64 copies of the arrays (the report's per-layer sums took a quarter of its
+    walk as numpy's converted copies and vdots)."""
+    for row in range(reference.shape[0]):
+        row_signal = 0.0
+        row_noise = 0.0
+        for i in range(reference.shape[1]):
+            f = np.float64(reference[row, i])
+            error = f - np.float64(test[row, i])
+            row_signal += f * f
+            row_noise += error * error
+        signal += row_signal
+        noise += row_noise
     return signal, noise
 
 
 @dataclass
 class SqnrAccumulator:
-    """Eq. (1) over a stream of batches: the two sums in float64, updated per batch."""
+    """Eq. (1) over a stream of batches: the two sums in float64, updated per batch, sample by sample."""
 
     signal: float = 0.0
     noise: float = 0.0
@@ -72,9 +77,10 @@ class SqnrAccumulator:
 
     def update(self, reference: np.ndarray, test: np.ndarray) -> None:
         reference, test = np.broadcast_arrays(np.asarray(reference), np.asarray(test))
-        signal, noise = _energies(np.ascontiguousarray(reference).reshape(-1), np.ascontiguousarray(test).reshape(-1))
-        self.signal += signal
-        self.noise += noise
+        samples = reference.shape[0] if reference.ndim > 1 else 1
+        self.signal, self.noise = _add_energies(np.ascontiguousarray(reference).reshape(samples, -1),
+                                                np.ascontiguousarray(test).reshape(samples, -1),
+                                                self.signal, self.noise)
         self.elements += reference.size
 
     def merge(self, other: SqnrAccumulator) -> None:
