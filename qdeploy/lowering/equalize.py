@@ -162,13 +162,15 @@ def widened_as_compiled(graph: Graph, options: dict) -> Graph:
     return graph
 
 
-def channel_ratios(thresholds) -> np.ndarray:
-    """r[c] = clip(T[c] / max_c T[c], MIN_CHANNEL_RATIO, 1), and 1 where T[c] = 0 (widen_narrow_channels)."""
+def channel_ratios(thresholds, alpha: float = 1.0) -> np.ndarray:
+    """r[c] = clip((T[c] / max_c T[c])^alpha, MIN_CHANNEL_RATIO, 1), and 1 where T[c] = 0: alpha 1 for the
+    depthwise inputs (widen_narrow_channels), LAYERNORM_OUTPUT_ALPHA for the LayerNorm outputs."""
     thresholds = np.asarray(thresholds, np.float64)
     top = thresholds.max(initial=0.0)
     if not top > 0:
         return np.ones_like(thresholds)
-    return np.where(thresholds > 0, np.clip(thresholds / top, MIN_CHANNEL_RATIO, 1.0), 1.0)
+    relative = thresholds / top if alpha == 1.0 else (thresholds / top) ** alpha
+    return np.where(thresholds > 0, np.clip(relative, MIN_CHANNEL_RATIO, 1.0), 1.0)
 
 
 def _rewritten(graph: Graph, nodes: dict[str, Node], weights: dict[str, np.ndarray],
@@ -299,15 +301,10 @@ def layernorm_output_folds(graph: Graph) -> dict[str, LayerNormOutputFold]:
 
 
 def layernorm_output_ratios(amax, alpha: float | None = None) -> np.ndarray:
-    """r[c] = clip((amax[c] / max_c amax[c])^alpha, MIN_CHANNEL_RATIO, 1), 1 where amax[c] = 0: alpha 1 gives
-    every channel the tensor's range (channel_ratios), alpha 0 leaves it per tensor; between, the readers' weight
-    columns (times r[c]) keep more of their precision (SmoothQuant's migration strength, Xiao et al. 2023)."""
-    alpha = LAYERNORM_OUTPUT_ALPHA if alpha is None else alpha
-    amax = np.asarray(amax, np.float64)
-    top = amax.max(initial=0.0)
-    if not top > 0:
-        return np.ones_like(amax)
-    return np.where(amax > 0, np.clip((amax / top) ** alpha, MIN_CHANNEL_RATIO, 1.0), 1.0)
+    """channel_ratios(amax, alpha), alpha LAYERNORM_OUTPUT_ALPHA by default: alpha 1 gives every channel the
+    tensor's range, alpha 0 leaves it per tensor; between, the readers' weight columns (times r[c]) keep more of
+    their precision (SmoothQuant's migration strength, Xiao et al. 2023)."""
+    return channel_ratios(amax, LAYERNORM_OUTPUT_ALPHA if alpha is None else alpha)
 
 
 def rescale_layernorm_outputs(graph: Graph, ratios: dict[str, np.ndarray]) -> Graph:
