@@ -9,11 +9,10 @@ is not a Linear is left per tensor."""
 from pathlib import Path
 
 import numpy as np
-import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper
 
-from builders import twins_and_onnx_export_agree
+from builders import make_model, save, twins_and_onnx_export_agree
 from test_layernorm import _class_token_model, _inputs, _onnx_runtime
 
 TOKENS, C_IN, C, OUT = 4, 8, 16, 5
@@ -24,27 +23,17 @@ def _two_reader_model(path: Path, output_too: bool = False) -> Path:
     MLP readers in small; the channels' ranges differ by 16x (gamma from 0.1 to 1.6). `output_too`: the
     LayerNorm's output n is also a graph output (a reader that is not a Linear: no per-channel scale)."""
     rng = np.random.default_rng(5)
-    inits = []
-
-    def init(name: str, array: np.ndarray) -> str:
-        inits.append(numpy_helper.from_array(np.asarray(array, np.float32), name))
-        return name
-
+    weights = {"w1": rng.normal(0, 0.5, (C_IN, C)), "gamma": np.geomspace(0.1, 1.6, C) * rng.choice([-1, 1], C),
+               "beta": np.zeros(C), "w3": rng.normal(0, 0.4, (C, OUT)), "w4": rng.normal(0, 0.4, (C, OUT))}
     nodes = [
-        helper.make_node("MatMul", ["x", init("w1", rng.normal(0, 0.5, (C_IN, C)))], ["s"]),
-        helper.make_node("LayerNormalization", ["s", init("gamma", np.geomspace(0.1, 1.6, C) * rng.choice([-1, 1], C)),
-                                                init("beta", np.zeros(C))], ["n"], axis=-1, epsilon=1e-5),
-        helper.make_node("MatMul", ["n", init("w3", rng.normal(0, 0.4, (C, OUT)))], ["y"]),
-        helper.make_node("MatMul", ["n", init("w4", rng.normal(0, 0.4, (C, OUT)))], ["z"]),
+        helper.make_node("MatMul", ["x", "w1"], ["s"]),
+        helper.make_node("LayerNormalization", ["s", "gamma", "beta"], ["n"], axis=-1, epsilon=1e-5),
+        helper.make_node("MatMul", ["n", "w3"], ["y"]),
+        helper.make_node("MatMul", ["n", "w4"], ["z"]),
     ]
-    outputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, TOKENS, OUT]) for name in ("y", "z")]
-    if output_too:
-        outputs.append(helper.make_tensor_value_info("n", TensorProto.FLOAT, [1, TOKENS, C]))
-    graph = helper.make_graph(nodes, "layernorm_two_readers",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, TOKENS, C_IN])], outputs,
-                              inits)
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
-    return path
+    outputs = [(name, [1, TOKENS, OUT]) for name in ("y", "z")] + ([("n", [1, TOKENS, C])] if output_too else [])
+    return save(make_model(nodes, [("x", [1, TOKENS, C_IN])], outputs,
+                           {name: value.astype(np.float32) for name, value in weights.items()}), path)
 
 
 def _table(path: Path):

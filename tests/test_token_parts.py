@@ -12,6 +12,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from builders import twins_and_onnx_export_agree
+from test_layernorm import _inputs  # the same TOKENS x C_IN inputs
 
 TOKENS, C_IN, C, OUT = 4, 8, 16, 5
 
@@ -83,10 +84,6 @@ def _block(path: Path, concat_is_output: bool = False, constant_class: bool = Fa
                               inits)
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
     return path
-
-
-def _inputs(seed: int, count: int = 48) -> np.ndarray:
-    return np.random.default_rng(seed).normal(0, 1, (count, TOKENS, C_IN)).astype(np.float32)
 
 
 def _onnx_runtime(path: Path, x: np.ndarray) -> dict[str, np.ndarray]:
