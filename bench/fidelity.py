@@ -21,7 +21,7 @@ source), and the pooled SQNR of the photographs' crops and of the out-of-distrib
 splits, the spread across them (mean, min, max of each figure).
 
 Run: python bench/fidelity.py [--models 0,1,2] [--folds 3] [--splits 0,2] [--calib 128] [--eval 128] [--workdir DIR]
-[--json F] [--no-peers] (each peer's logits and qdeploy's calibration table are kept in the work folder; a rerun
+[--json F] [--no-peers] [--variants "qdeploy defaults,qdeploy --no-split-ranges"] (each peer's logits and qdeploy's calibration table are kept in the work folder; a rerun
 reuses them); `--load F1 F2 ...` prints the splits and the spread of earlier runs' --json files (one process per split)."""
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ QDEPLOY_VARIANTS: dict[str, dict] = {
     "qdeploy --no-bias-correction": {"bias_correction": False},
     "qdeploy --per-channel-depthwise-inputs": {"per_channel_depthwise_inputs": True},
     "qdeploy --tap-sum-rounding": {"tap_sum_rounding": True},
+    "qdeploy --no-split-ranges": {"split_ranges": False},
 }
 PEER_GROUPS = ("ONNX Runtime", "NNCF", "ModelOpt", "INC")
 
@@ -90,7 +91,8 @@ def _cached_logits(path: Path, compute) -> np.ndarray | None:
     return logits
 
 
-def measure(variant: int, split, n_calib: int, n_eval: int, workdir: Path, log, with_peers: bool = True) -> dict:
+def measure(variant: int, split, n_calib: int, n_eval: int, workdir: Path, log, with_peers: bool = True,
+            variants: list[str] | None = None) -> dict:
     import onnxruntime as ort
 
     from bench import peers
@@ -128,6 +130,8 @@ def measure(variant: int, split, n_calib: int, n_eval: int, workdir: Path, log, 
         table = calibrate(model, calib_dir, preprocess=preprocess, num_samples=n_calib).table
         table.save(table_path)
     for label, options in QDEPLOY_VARIANTS.items():
+        if variants is not None and label not in variants:
+            continue
         program = api.compile(model, table, **options).program
         ours = np.concatenate([next(iter(api.run_program_file(program, evaluation[i:i + 16],
                                                               dequantize=True).values()))
@@ -224,6 +228,8 @@ def main() -> None:
     parser.add_argument("--no-peers", dest="peers", action="store_false",
                         help="qdeploy's rows only (the crops are the same for the same --calib/--eval, so an earlier "
                              "run's peers apply)")
+    parser.add_argument("--variants", default=None,
+                        help="only these qdeploy rows, comma-separated labels of QDEPLOY_VARIANTS (default: all)")
     parser.add_argument("--load", type=Path, nargs="+", default=None,
                         help="measure nothing: print the splits and their spread from --json files of earlier runs "
                              "(e.g. one process per split)")
@@ -242,7 +248,8 @@ def main() -> None:
     results = []
     for variant in (int(v) for v in args.models.split(",")):
         for split in splits:
-            result = measure(variant, split, args.calib, args.eval, args.workdir, log=print, with_peers=args.peers)
+            result = measure(variant, split, args.calib, args.eval, args.workdir, log=print, with_peers=args.peers,
+                             variants=None if args.variants is None else args.variants.split(","))
             print_split(result)
             results.append(result)
             if args.json is not None:

@@ -3,8 +3,9 @@ typed results. The CLI is a thin layer over these."""
 
 from __future__ import annotations
 
-import os
 import dataclasses
+import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,10 +20,12 @@ from qdeploy.lowering import LoweringResult, lower_graph, require_lowered
 from qdeploy.lowering.equalize import (channel_ratios, depthwise_pairs, layernorm_output_folds,
                                       layernorm_output_ratios, rescale_depthwise_inputs, rescale_layernorm_outputs,
                                       widen_narrow_channels)
+from qdeploy.lowering.range_split import part_name, range_split_parts
+from qdeploy.lowering.range_split import split_ranges as split_range_parts
 from qdeploy.onnx_import import InputShapes, import_onnx
 from qdeploy.prequantized import ModelQuantization
 from qdeploy.program import Program, read_program, write_program
-from qdeploy.quantize import CompileOptions, LayerReport, compile_graph
+from qdeploy.quantize import CompileOptions, LayerReport, compile_graph, zero_point_free_uint8
 from qdeploy.reference import run_graph, run_host_op
 from qdeploy.samples import load_program_samples, load_samples, preprocess_for
 from qdeploy.summary import ModelSummary, summarize
@@ -71,7 +74,7 @@ def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTabl
             output: str | os.PathLike | None = None, input_shapes: InputShapes | None = None,
             widen_scales: bool = False, per_channel_depthwise_inputs: bool = False,
             per_channel_layernorm_outputs: bool = True, tap_sum_rounding: bool = False,
-            wide_outputs: bool = False) -> CompileResult:
+            wide_outputs: bool = False, split_ranges: bool = True) -> CompileResult:
     """Lower `model`, quantize it with the calibration table and the target, and (with `output`) write the
     .qdp program (atomically). A pre-quantized model (QuantizeLinear/DequantizeLinear, QLinearConv) needs no
     table: its own scales and integer weights win, and `calib` only fills the tensors it leaves in float
@@ -88,7 +91,10 @@ def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTabl
     (calib/weights.py `keep_tap_sums`; off by default: docs/design.md section 3).
     `wide_outputs`: a graph output that a weighted GEMM writes and no instruction reads (a classifier's logits)
     is int32 at nearly the accumulator's resolution (quantize.py eq. (4b)) instead of 8 bits at its calibrated
-    scale; such a program has no ONNX export or golden vectors (8-bit tensors only)."""
+    scale; such a program has no ONNX export or golden vectors (8-bit tensors only).
+    `split_ranges`: a depthwise GEMM's input whose rounding the GEMM amplifies (mean noise gain at least
+    NOISE_GAIN_SPLIT) is written as RANGE_PARTS parts at a P times finer step (lowering/range_split.py; on by
+    default; not for a pre-quantized model)."""
     path = Path(model)
     table = calib if isinstance(calib, CalibrationTable) or calib is None else CalibrationTable.load(calib)
     target = target if isinstance(target, Target) else load_target_file(target)
@@ -142,6 +148,21 @@ def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTabl
     _check_channel_counts(means, "channel means", lowering.graph, calib)
     spreads = {name: _divided(r.channel_spread, rescaled.get(name)) for name, r in table.records.items()
                if r.channel_spread is not None}
+    splits: dict[str, tuple[int, float]] = {}  # tensor: (parts, its threshold)
+    if split_ranges and stated is None:
+        uint8 = zero_point_free_uint8(lowering.graph, target)
+        steps = {name: t / (255 if name in uint8 else target.arithmetic.act_max) for name, t in thresholds.items()}
+        splits = {x: (parts, float(thresholds[x])) for x, parts in range_split_parts(lowering.graph, steps).items()}
+        graph, part_thresholds = split_range_parts(lowering.graph, splits)
+        lowering = dataclasses.replace(lowering, graph=graph)
+        thresholds.update(part_thresholds)
+    for x, (parts, _) in splits.items():  # each part's mean 1/P of x's: B's bias correction sums them (its
+        # kernel is the same for every part); spreads such that the parts' variances add to x's
+        name = part_name(x, parts)
+        if x in means:
+            means[name] = tuple(np.repeat(np.asarray(means[x]) / parts, parts))
+        if x in spreads:
+            spreads[name] = tuple(np.repeat(np.asarray(spreads[x]) / math.sqrt(parts), parts))
     for name, spread in spreads.items():  # one spread per channel mean, or the shrinkage (2c) would be silently off
         if len(spread) != len(means.get(name, ())):
             raise BadInput(f"{calib if not isinstance(calib, CalibrationTable) else 'calibration table'}: tensor "
@@ -159,6 +180,8 @@ def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTabl
     if layernorm_ratios:  # written only when applied, like the depthwise inputs' ratios
         program.manifest["options"]["per_channel_layernorm_outputs"] = {
             name: [float(v) for v in ratio] for name, ratio in layernorm_ratios.items()}
+    if splits:  # written only when applied, like the per-channel ratios
+        program.manifest["options"]["range_split"] = {x: [parts, t] for x, (parts, t) in splits.items()}
     if table.float_softmax_layernorm:  # written only when set: programs compiled without it keep their manifest
         program.manifest["options"]["float_softmax_layernorm"] = True
     if table.preprocess is not None:  # run, report and vectors export preprocess images as calibration did

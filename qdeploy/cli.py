@@ -351,6 +351,11 @@ def compile(model: Path = typer.Argument(..., help="An .onnx model."),
                                               help="Write a graph output that a weighted GEMM writes and nothing "
                                                    "reads (a classifier's logits) as int32 at the accumulator's "
                                                    "resolution, not int8 (no export-onnx or vectors then)."),
+            split_ranges: bool = typer.Option(True, "--split-ranges/--no-split-ranges",
+                                              help="Write a depthwise convolution's input that the convolution's "
+                                                   "weights amplify (its rounding noise) as 4 parts of a quarter of "
+                                                   "its range each, read with the same weights: 4x finer steps "
+                                                   "there (default)."),
             input_shape: Optional[list[str]] = INPUT_SHAPE,
             json_output: bool = JSON, verbose: bool = VERBOSE, quiet: bool = QUIET) -> None:
     """Quantize the lowered graph with the calibration table and write the integer program (.qdp). A model
@@ -362,7 +367,7 @@ def compile(model: Path = typer.Argument(..., help="An .onnx model."),
                          bias_correction=bias_correction, bias_shrinkage=bias_shrinkage, output=output, input_shapes=parse_input_shapes(input_shape),
                          widen_scales=widen_scales, per_channel_depthwise_inputs=per_channel_depthwise_inputs,
                          per_channel_layernorm_outputs=per_channel_layernorm_outputs, tap_sum_rounding=tap_sum_rounding,
-                         wide_outputs=wide_outputs)
+                         wide_outputs=wide_outputs, split_ranges=split_ranges)
     perf = _api().estimate_performance(model, result.program)
     if json_output:
         layers = [{"name": r.name, "kind": r.kind, "m": r.m, "n": r.n, "k": r.k, "groups": r.groups,

@@ -531,7 +531,8 @@ class _Compiler:
         clamp_hi = output_stage(node).clamp_hi
         if clamp_hi is not None:  # per-channel bounds of an equalized ReLU6 (lowering/equalize.py)
             channel_hi = np.clip(np.round(np.asarray(clamp_hi.hi) / s_out), lo, hi)
-            steps.append(ClampHi(self.array(index, "clamp_hi", channel_hi.astype(np.int32))))
+            if np.any(channel_hi < hi):  # else Clamp's hi already bounds every channel (a range split's parts)
+                steps.append(ClampHi(self.array(index, "clamp_hi", channel_hi.astype(np.int32))))
         record = {
             "weight": self.array(index, "weight", q_w.astype(np.int8)), "bias": bias_array,
             "weight_scale": self.array(index, "weight_scale", s_w.astype(np.float32)),

@@ -1,0 +1,218 @@
+"""Range splitting of a depthwise GEMM's input (`compile --split-ranges`, on by default; qdeploy/lowering/
+range_split.py, docs/design.md section 5): the split float graph is the original to float32 rounding; the rule
+picks a ReLU6 output whose depthwise reader amplifies its rounding and leaves one whose reader does not; the split
+program equals its Python-int twins, its ONNX export and the reference RTL; the report rebuilds the split graph;
+the CLI option reaches the manifest; and on low-contrast inputs the split program is measurably closer to the
+float model (its noise at the depthwise input is the parts' rounding, 4x finer)."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from onnx import helper
+
+from builders import make_model, save, twins_and_onnx_export_agree
+
+SIZE, C = 16, 8
+
+
+def _stem_model(path: Path, depthwise_gain: float) -> Path:
+    """x (N, 3, 16, 16) -> Conv 3x3 stride 2 -> ReLU6 -> depthwise Conv 3x3 -> ReLU6 -> Conv 1x1 (4) -> y: a
+    mobile network's stem and first block in small. The depthwise taps are +-depthwise_gain around a high-pass
+    kernel, so its noise gain is about
+    1.1 depthwise_gain^2 in units of its own rounding (both tensors at T = 6). The two convolutions' weights lie on
+    their int8 grids."""
+    rng = np.random.default_rng(3)
+    high_pass = np.array([[-1, -1, -1], [-1, 8, -1], [-1, -1, -1]], np.float64) / 8
+    depthwise = depthwise_gain * (high_pass[None, None] + rng.normal(0, 0.1, (C, 1, 3, 3)))
+    weights = {"w1": _on_int8_grid(rng.normal(0, 0.4, (C, 3, 3, 3))), "b1": rng.uniform(0.5, 2.5, C),
+               "w2": _on_int8_grid(depthwise), "b2": np.zeros(C), "w3": rng.normal(0, 0.5, (4, C, 1, 1)),
+               "lo": np.array(0.0), "hi": np.array(6.0)}
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["s"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]),
+        helper.make_node("Clip", ["s", "lo", "hi"], ["a"]),
+        helper.make_node("Conv", ["a", "w2", "b2"], ["d"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], group=C),
+        helper.make_node("Clip", ["d", "lo", "hi"], ["e"]),
+        helper.make_node("Conv", ["e", "w3"], ["y"], kernel_shape=[1, 1]),
+    ]
+    return save(make_model(nodes, [("x", ["N", 3, SIZE, SIZE])], [("y", ["N", 4, SIZE // 2, SIZE // 2])],
+                           {name: value.astype(np.float32) for name, value in weights.items()}), path)
+
+
+def _on_int8_grid(weight: np.ndarray) -> np.ndarray:
+    """The weight rounded to its own per-output-channel int8 grid (max |w| / 127), so that max-abs quantization
+    leaves it exact: the tests below see the activations' rounding alone."""
+    step = np.abs(weight).reshape(len(weight), -1).max(axis=1) / 127
+    return np.round(weight / step.reshape(-1, *[1] * (weight.ndim - 1))) * step.reshape(-1, *[1] * (weight.ndim - 1))
+
+
+def _inputs(seed: int, count: int, contrast: float = 1.0) -> np.ndarray:
+    """Smooth images (a gradient and a blob) plus noise; `contrast` scales them around a grey level, as the
+    microscopy and clock photographs of issue 31's low-contrast sources sit in a narrow range."""
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:SIZE, 0:SIZE] / SIZE
+    images = []
+    for _ in range(count):
+        a, b, cx, cy = rng.uniform(-1, 1, 4)
+        base = a * xx + b * yy + np.exp(-((xx - cx) ** 2 + (yy - cy) ** 2) * 8)
+        image = base[None] * rng.uniform(0.5, 1.5, (3, 1, 1)) + rng.normal(0, 0.2, (3, SIZE, SIZE))
+        images.append(0.2 + contrast * image)
+    return np.clip(np.array(images), -1, 1).astype(np.float32)
+
+
+def _table(path: Path):
+    from qdeploy.calibration import calibrate
+
+    return calibrate(path, _inputs(1, 32), "kl", num_samples=32, batch_size=32).table
+
+
+def _float_outputs(graph, x: np.ndarray, name: str = "y") -> np.ndarray:
+    from qdeploy.reference.executor import run_graph
+
+    return run_graph(graph, {"x": x}, [name])[name]
+
+
+@pytest.mark.parametrize("threshold", [6.0015, 4.0])
+def test_the_split_graph_is_the_original_in_float(tmp_path, threshold):
+    """x = sum_k clamp(A_lin - k w, 0, b_k) with w = min(T, 6) / 4: exact for T above the ReLU6 bound (the
+    parts tile [0, 6]) and below it (the last part reaches 6, wider than w, which quantization then clips)."""
+    from qdeploy import api
+    from qdeploy.lowering.range_split import part_name, split_ranges
+
+    path = _stem_model(tmp_path / "m.onnx", depthwise_gain=6.0)
+    graph = api.lower_model(path).graph
+    split, thresholds = split_ranges(graph, {"a": (4, threshold)})
+    assert thresholds == {part_name("a", 4): pytest.approx(min(threshold, 6.0) / 4)}
+    assert split.tensors[part_name("a", 4)].shape[1] == 4 * C and "a" not in split.tensors
+    x = _inputs(2, 8)
+    np.testing.assert_allclose(_float_outputs(split, x), _float_outputs(graph, x), rtol=0, atol=2e-5)
+
+
+def test_the_rule_splits_where_the_depthwise_gemm_amplifies_its_input():
+    """range_split_parts: the noise gain G = sum_taps (w s_x / s_y)^2, averaged over the channels, at least 16
+    (NOISE_GAIN_SPLIT) splits x in 4; a reader of gain about 1 leaves it whole."""
+    import tempfile
+
+    from qdeploy import api
+    from qdeploy.lowering.range_split import depthwise_noise_gains, range_split_parts
+
+    with tempfile.TemporaryDirectory() as folder:
+        for gain, expected in ((6.0, {"a": 4}), (1.0, {})):
+            graph = api.lower_model(_stem_model(Path(folder) / "m.onnx", gain)).graph
+            steps = {"a": 6 / 255, "e": 6 / 255}
+            weights = graph.constant_data(next(n for n in graph.nodes if n.inputs[0] == "a").inputs[1])
+            expected_gain = float(np.mean(np.sum(weights.astype(np.float64) ** 2, axis=(1, 2, 3))))
+            assert depthwise_noise_gains(graph, steps) == {"a": pytest.approx(expected_gain)}
+            assert range_split_parts(graph, steps) == expected
+
+
+def _program(path: Path, target=None, **options):
+    from qdeploy import api
+
+    return api.compile(path, _table(path), target, **options).program
+
+
+def test_compile_splits_by_default_and_records_it(tmp_path):
+    """The defaults split the amplified stem output into 4 uint8 parts of width T / 4 (the manifest records
+    {tensor: [P, T]}); --no-split-ranges and a weak depthwise reader leave the program as it was."""
+    path = _stem_model(tmp_path / "m.onnx", depthwise_gain=6.0)
+    program = _program(path)
+    (count, threshold), = program.manifest["options"]["range_split"].values()
+    assert count == 4
+    part = program.tensors["a/parts4"]
+    assert part["dtype"] == "uint8" and part["shape"][1] == 4 * C
+    assert part["scale"] == pytest.approx(min(threshold, 6.0) / 4 / 255, rel=1e-6)
+    unsplit = _program(path, split_ranges=False)
+    assert "range_split" not in unsplit.manifest["options"] and "a" in unsplit.tensors
+    weak = _program(_stem_model(tmp_path / "weak.onnx", depthwise_gain=1.0))
+    assert "range_split" not in weak.manifest["options"]
+
+
+def test_the_split_cuts_the_depthwise_outputs_error(tmp_path):
+    """The depthwise reader's output e carries its own rounding (1/12 of a code squared) plus its input's, times
+    the noise gain G (about 26 here, the rule's figure for this table); with the input in 4 parts of a quarter
+    step, (1 + G) / (1 + G / 16) = 27 / 2.6, about 10 dB less. Measured on the machine's e (dequantized) against
+    the float graph's on the same (dequantized) input, at full and at a tenth of the calibration's contrast: at
+    least 6 dB less error power."""
+    from qdeploy import api
+    from qdeploy.lowering.range_split import depthwise_noise_gains
+    from simulator.machine import Machine, dequantize, quantize_input
+
+    path = _stem_model(tmp_path / "m.onnx", depthwise_gain=6.0)
+    table = _table(path)
+    split, unsplit = (api.compile(path, table, split_ranges=option).program for option in (True, False))
+    graph = api.lower_model(path).graph
+    steps = {name: unsplit.tensors[name]["scale"] for name in ("a", "e")}
+    assert depthwise_noise_gains(graph, steps)["a"] > 20
+    for contrast in (1.0, 0.1):
+        x = dequantize(unsplit, "x", quantize_input(unsplit, "x", _inputs(7, 16, contrast)))  # the same for both
+        reference = _float_outputs(graph, x, "e")
+        errors = []
+        for program in (split, unsplit):
+            run = Machine(program).run({"x": x}, dump=True)
+            errors.append(np.mean((dequantize(program, "e", run.tensors["e"]) - reference) ** 2))
+        assert 10 * np.log10(errors[1] / errors[0]) >= 6.0, (contrast, errors)
+
+
+def test_the_split_program_runs_as_its_twins_and_its_onnx_export(tmp_path):
+    """float32_rne: every instruction of the split program (the stem with 4C output channels and per-part bias,
+    the depthwise reader as a grouped GEMM of 4 inputs per group) equals its Python-int twin, and the ONNX export
+    gives ONNX Runtime the machine's outputs exactly."""
+    from isa.target import Arithmetic, Target
+
+    path = _stem_model(tmp_path / "m.onnx", depthwise_gain=6.0)
+    arithmetic = Arithmetic(rounding="float32_rne")
+    program = _program(path, Target(arithmetic=arithmetic))
+    assert program.manifest["options"]["range_split"]
+    assert twins_and_onnx_export_agree(program, _inputs(4, 3), arithmetic, tmp_path)
+
+
+def test_the_reference_rtl_runs_the_split_program_from_its_vectors(tmp_path):
+    """The golden vectors of the split program (half_up) run on the reference RTL equal to the simulator: the
+    split is more output channels and a grouped GEMM, which the RTL already runs."""
+    import sys
+
+    from isa.target import Arithmetic, Target
+    from simulator.vectors import compare_vectors, export_vectors
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "hw"))
+    import rtl  # hw/rtl.py, as tests/test_rtl.py imports it
+
+    if not rtl.icarus_available():
+        pytest.skip("Icarus Verilog is not installed (apt-get install iverilog)")
+    path = _stem_model(tmp_path / "m.onnx", depthwise_gain=6.0)
+    program = _program(path, Target(arithmetic=Arithmetic(rounding="half_up")))
+    assert program.manifest["options"]["range_split"]
+    export_vectors(program, {"x": _inputs(4, 2)}, tmp_path / "vectors")
+    rtl.run(tmp_path / "vectors", tmp_path / "dump")
+    report = compare_vectors(tmp_path / "vectors", tmp_path / "dump")
+    assert report.ok, report.to_json()
+
+
+def test_the_report_rebuilds_the_split_graph(tmp_path):
+    """The report lowers the model again and applies the manifest's split (equalize.widened_as_compiled): its
+    walks run on the graph the program was compiled from."""
+    from qdeploy import api
+
+    path = _stem_model(tmp_path / "m.onnx", depthwise_gain=6.0)
+    program_path = tmp_path / "m.qdp"
+    api.compile(path, _table(path), output=program_path)
+    api.report(path, program_path, _inputs(2, 4), tmp_path / "report")
+    assert (tmp_path / "report").exists()
+
+
+def test_the_cli_option_reaches_the_manifest(tmp_path):
+    """`qdeploy compile` splits by default; `--no-split-ranges` does not."""
+    from typer.testing import CliRunner
+
+    from qdeploy.cli import app
+    from qdeploy.program import read_program
+
+    path = _stem_model(tmp_path / "m.onnx", depthwise_gain=6.0)
+    _table(path).save(tmp_path / "t.json")
+    for flag, expected in (("", True), ("--no-split-ranges", False)):
+        output = tmp_path / f"{flag or 'default'}.qdp"
+        result = CliRunner().invoke(app, ["compile", str(path), "--calib", str(tmp_path / "t.json"), "-o",
+                                          str(output), *([flag] if flag else [])])
+        assert result.exit_code == 0, result.output
+        assert ("range_split" in read_program(output).manifest["options"]) == expected
