@@ -233,6 +233,9 @@ def print_compiled(result, perf, output: Path, verbose: bool) -> None:
         typer.echo("note: per-tensor weights lose much fidelity (EfficientNet-Lite0: 8.9 dB logits SQNR against 21.0 "
                    "per channel); a table from `qdeploy calibrate --equalize` (cross-layer equalization) is made for "
                    "them, measure it (8.3 dB there)")
+    for tensor, (parts, _) in options.get("range_split", {}).items():
+        typer.echo(f"range split: '{tensor}' in {parts} parts, {parts}x finer steps (its depthwise reader amplifies "
+                   f"its rounding; --no-split-ranges keeps it whole)")
     totals = perf.totals
     if "preprocess" in result.program.manifest:
         typer.echo("preprocessing from the calibration table recorded in the program (run, report and vectors "

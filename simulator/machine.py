@@ -184,6 +184,9 @@ class Machine:
         for instr in self.records:
             if instr.kind in WEIGHTED_GEMM_KINDS:
                 plan = _plan(instr, self.arrays[instr.weight], program.tensors)
+                if plan.grouped is not None:  # depthwise_sum's fallback
+                    plan = replace(plan, grouped=replace(plan.grouped,
+                                                         fused=self._fused_output_stage(instr, plan.grouped)))
                 self.plans[instr.name] = replace(plan, fused=self._fused_output_stage(instr, plan))
         self.last_use: dict[str, int] = {}
         for step, instr in enumerate(self.records):
@@ -438,7 +441,17 @@ class Machine:
             return np.ascontiguousarray(y.transpose(0, 2, 1)).reshape(n, -1, oh, ow)
 
         acc_bits, overflow = self.arithmetic.acc_bits, self.arithmetic.overflow
-        if plan.method == "depthwise":
+        if plan.method == "depthwise_sum" and not _sums_fit(plan, instr.group, x.dtype, bias, acc_bits):
+            plan = plan.grouped
+        if plan.method == "depthwise_sum":
+            parts = plan.weight.shape[0] // instr.group  # each output sums its group's P depthwise accumulators
+            acc4, events = depthwise_conv(x, plan.weight, None, kernel, strides, pads, dilations, acc_bits, overflow,
+                                          x_max_abs=_dtype_bound(x.dtype), w_max_abs=plan.weight_max)
+            acc4 = acc4.reshape(n, -1, parts, oh, ow).sum(axis=2, dtype=acc4.dtype)
+            if bias is not None:
+                acc4 += bias.astype(acc4.dtype).reshape(1, -1, 1, 1)
+            acc = acc4.transpose(0, 2, 3, 1).reshape(n, oh * ow, -1)
+        elif plan.method == "depthwise":
             acc4, events = depthwise_conv(x, plan.weight, bias, kernel, strides, pads, dilations, acc_bits, overflow,
                                           x_max_abs=_dtype_bound(x.dtype), w_max_abs=plan.weight_max)
             acc = acc4.transpose(0, 2, 3, 1).reshape(n, oh * ow, -1)  # a view: acc4 is NCHW or NHWC in memory
@@ -695,7 +708,11 @@ class _GemmPlan:
       1x1 convolution needs no im2col at all; weight (M, K), also kept as float32 for the BLAS path and, where
       the CPU has an int8 dot product, packed for kernels.int8_simd;
     - "grouped" (other groups; weights that are not int8): im2col + grouped gemm; weight (G, K, M/G); int8
-      weights also packed for kernels.int8_simd, whose conv runs each group's rows against its own weights."""
+      weights also packed for kernels.int8_simd, whose conv runs each group's rows against its own weights;
+    - "depthwise_sum" (group = M, P = C/M > 1 input channels per output: a range split's parts, lowering/
+      range_split.py): kernels.depthwise over the C input channels, weight (C, kh*kw), and each output channel
+      the sum of its P accumulators, when no sum can leave the register (_sums_fit: then the order of the terms
+      cannot matter); else the grouped plan it also holds (`grouped`)."""
 
     method: str
     weight: np.ndarray
@@ -703,6 +720,7 @@ class _GemmPlan:
     weight_max: np.ndarray | None = None  # max |w| per output channel (depthwise, planar)
     packed: int8_simd.PackedWeights | None = None  # planar, grouped: where the CPU has an int8 dot product
     fused: PlaneParameters | None = None  # a ConvGemm whose im2col, GEMM and output stage run in one kernel
+    grouped: "_GemmPlan | None" = None  # depthwise_sum: the grouped plan where the sums might leave the register
 
 
 def _plan(instr: Instruction, w: np.ndarray, tensors: dict) -> _GemmPlan:
@@ -717,10 +735,29 @@ def _plan(instr: Instruction, w: np.ndarray, tensors: dict) -> _GemmPlan:
         if groups == channels == w.shape[0] and w.shape[1] == kh * kw:
             w = np.ascontiguousarray(w)
             return _GemmPlan("depthwise", w, None, channel_max_abs(w))
+        parts = channels // groups if groups else 0
+        if groups == w.shape[0] and parts > 1 and channels == groups * parts and w.shape[1] == parts * kh * kw:
+            per_channel = np.ascontiguousarray(w.reshape(channels, kh * kw))  # row m P + p: output m, its part p
+            return _GemmPlan("depthwise_sum", per_channel, None, channel_max_abs(per_channel),
+                             grouped=_grouped_plan(w, groups))
+    return _grouped_plan(w, groups)
+
+
+def _grouped_plan(w: np.ndarray, groups: int) -> _GemmPlan:
     grouped = np.ascontiguousarray(w.reshape(groups, w.shape[0] // groups, w.shape[1]).transpose(0, 2, 1))
     if w.dtype == np.int8 and int8_simd.EXTENSION:
         return _GemmPlan("grouped", grouped, None, channel_max_abs(w), int8_simd.pack(w, int8_simd.EXTENSION, groups))
     return _GemmPlan("grouped", grouped)
+
+
+def _sums_fit(plan: _GemmPlan, groups: int, dtype, bias: np.ndarray | None, acc_bits: int) -> bool:
+    """Whether no partial or whole sum of a depthwise_sum output can leave a register of acc_bits: its P kh kw
+    taps times max|x| max|w|, plus max|bias|, below 2^(acc_bits - 1)."""
+    taps = plan.weight.size // groups
+    bound = taps * _dtype_bound(dtype) * int(plan.weight_max.max(initial=0))
+    if bias is not None and bias.size:
+        bound += int(np.abs(bias.astype(np.int64)).max())
+    return bound < 1 << (acc_bits - 1)
 
 
 def _dtype_bound(dtype) -> int:

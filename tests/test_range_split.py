@@ -202,7 +202,7 @@ def test_the_report_rebuilds_the_split_graph(tmp_path):
 
 
 def test_the_cli_option_reaches_the_manifest(tmp_path):
-    """`qdeploy compile` splits by default; `--no-split-ranges` does not."""
+    """`qdeploy compile` splits by default and says so in its summary; `--no-split-ranges` does not."""
     from typer.testing import CliRunner
 
     from qdeploy.cli import app
@@ -216,3 +216,24 @@ def test_the_cli_option_reaches_the_manifest(tmp_path):
                                           str(output), *([flag] if flag else [])])
         assert result.exit_code == 0, result.output
         assert ("range_split" in read_program(output).manifest["options"]) == expected
+        assert ("range split: 'a' in 4 parts" in result.output) == expected
+
+
+def test_the_machines_depthwise_sum_equals_its_grouped_plan(tmp_path):
+    """The simulator runs the split reader (group = C, P inputs per output) as P depthwise accumulators per output
+    summed (simulator/machine.py "depthwise_sum", where no sum can leave the register) instead of im2col and a
+    grouped GEMM: both plans give the same integers, dump for dump, and a 16-bit register falls back to the grouped
+    plan (its sums could saturate, and then the order of the terms would matter)."""
+    from simulator.machine import Machine, _sums_fit
+
+    path = _stem_model(tmp_path / "m.onnx", depthwise_gain=6.0)
+    program = _program(path)
+    x = _inputs(5, 4)
+    fast = Machine(program)
+    (name, plan), = [(n, p) for n, p in fast.plans.items() if p.method == "depthwise_sum"]
+    slow = Machine(program)
+    slow.plans[name] = plan.grouped
+    a, b = fast.run({"x": x}, dump=True), slow.run({"x": x}, dump=True)
+    for tensor in a.tensors:
+        np.testing.assert_array_equal(a.tensors[tensor], b.tensors[tensor], err_msg=tensor)
+    assert _sums_fit(plan, C, np.dtype(np.uint8), None, 32) and not _sums_fit(plan, C, np.dtype(np.uint8), None, 16)

@@ -18,13 +18,13 @@
 4. before the report, measures the peer, ONNX Runtime's quantize_static (ort_peer.py), on the same images, so
    the report's "Peer" section puts its figures next to ours;
 5. and the ablation: one program per default fidelity option (the KL clipping budget, bias correction, unsigned
-   activations) alone on plain quantization and left out of the defaults, and per option that is not a default
+   activations, range splitting) alone on plain quantization and left out of the defaults, and per option that is not a default
    (cross-layer equalization, per-tensor weights, MSE thresholds), run on the same images, for the report's
    "Ablation" section.
 
 The report (report.md, report.json, PNGs) goes to REPORT_DIR; the model, images, calibration table, program and
 ONNX Runtime's models to OUTDIR (both git-ignored by default). About 5 minutes on 2 CPU cores, 1.5 of them ONNX
-Runtime's calibrations (cached in OUTDIR/onnxruntime/ for later runs) and 1.5 the ablation's thirteen programs
+Runtime's calibrations (cached in OUTDIR/onnxruntime/ for later runs) and 1.5 the ablation's fifteen programs
 (--no-ablation skips it)."""
 
 from __future__ import annotations
@@ -69,21 +69,26 @@ class AblationRow:
 
 
 NO_BIAS_CORRECTION = ("--no-bias-correction",)
+NO_SPLIT_RANGES = ("--no-split-ranges",)
+PLAIN_COMPILE = NO_BIAS_CORRECTION + NO_SPLIT_RANGES
 
-# The three default options (the KL clipping budget, bias correction, unsigned activations): first each alone on
-# top of plain post-training quantization (KL rule (6), no bias correction, int8 everywhere), then the defaults
-# and the defaults without each; then what is not on by default: cross-layer equalization, per-tensor weights,
-# MSE thresholds, the bias correction's shrinkage (quantize.py eq. (2c)), per-channel scales of the tensors only
-# depthwise convolutions read (lowering/equalize.py widen_narrow_channels).
-ABLATION = [AblationRow("plain: KL rule (6), no bias correction, int8", compile=NO_BIAS_CORRECTION, signed=True,
-                        rule6=True),
-            AblationRow("plain + clipping budget (rule (7))", compile=NO_BIAS_CORRECTION, signed=True),
-            AblationRow("plain + bias correction", signed=True, rule6=True),
-            AblationRow("plain + unsigned activations", compile=NO_BIAS_CORRECTION, rule6=True),
-            AblationRow("defaults (all three)"),
+# The four default options (the KL clipping budget, bias correction, unsigned activations, range splitting of the
+# amplified depthwise input): first each alone on top of plain post-training quantization (KL rule (6), no bias
+# correction, int8 everywhere, no range splitting), then the defaults and the defaults without each; then what is
+# not on by default: cross-layer equalization, per-tensor weights, MSE thresholds, the bias correction's shrinkage
+# (quantize.py eq. (2c)), per-channel scales of the tensors only depthwise convolutions read
+# (lowering/equalize.py widen_narrow_channels).
+ABLATION = [AblationRow("plain: KL rule (6), no bias correction, int8, no range splitting", compile=PLAIN_COMPILE,
+                        signed=True, rule6=True),
+            AblationRow("plain + clipping budget (rule (7))", compile=PLAIN_COMPILE, signed=True),
+            AblationRow("plain + bias correction", compile=NO_SPLIT_RANGES, signed=True, rule6=True),
+            AblationRow("plain + unsigned activations", compile=PLAIN_COMPILE, rule6=True),
+            AblationRow("plain + range splitting", compile=NO_BIAS_CORRECTION, signed=True, rule6=True),
+            AblationRow("defaults (all four)"),
             AblationRow("defaults without the clipping budget", rule6=True),
             AblationRow("defaults without bias correction", compile=NO_BIAS_CORRECTION),
             AblationRow("defaults without unsigned activations", signed=True),
+            AblationRow("defaults without range splitting (compile --no-split-ranges)", compile=NO_SPLIT_RANGES),
             AblationRow("defaults + cross-layer equalization", calibrate=("--equalize",)),
             AblationRow("defaults with per-tensor weights", compile=("--per-tensor",)),
             AblationRow("defaults with MSE thresholds (calibrate --method mse)", calibrate=("--method", "mse")),
