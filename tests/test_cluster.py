@@ -301,6 +301,7 @@ def test_a_worker_walks_the_graph_the_client_sent_and_lowers_nothing(lite0, monk
     imports nor lowers the model again; a worker without it (a later replacement) lowers the model itself."""
     import qdeploy.calibration as calibration
     from qdeploy.cluster import ShardData
+    from qdeploy.lowering.as_compiled import graph_as_compiled
     from qdeploy.program import read_program
     from qdeploy.reports import build
 
@@ -325,8 +326,9 @@ def test_a_worker_walks_the_graph_the_client_sent_and_lowers_nothing(lite0, monk
         assert (a is None and b is None) or (a.amax == b.amax and np.array_equal(a.counts, b.counts)), name
 
     walk = build.WalkJob(model, read_program(lite0["program"]), None, ShardData(x, 4, None, False, 2))
-    calibration.install_lowered(build.report_graph_key(walk), graph)
-    assert calibration.installed_graph(build.report_graph_key(walk)) is graph
+    compiled = graph_as_compiled(graph, walk.program.manifest["options"])  # what the client sends (its stem split)
+    calibration.install_lowered(build.report_graph_key(walk), compiled)
+    assert calibration.installed_graph(build.report_graph_key(walk)) is compiled
     assert [start for start, _ in build.walk_shard(walk, (0, 4))] == [0, 2]
     for evaluator in build._EVALUATORS.values():
         evaluator.close()

@@ -190,7 +190,7 @@ def test_the_reference_rtl_runs_the_rescaled_program_from_its_vectors(tmp_path):
 
 
 def test_the_report_rebuilds_the_rescaled_graph(tmp_path):
-    """The report lowers the model again and applies the manifest's r (equalize.widened_as_compiled), so the
+    """The report lowers the model again and applies the manifest's r (as_compiled.graph_as_compiled), so the
     program matches the graph it checks against, and its lowered float output is the original's."""
     from qdeploy import api
 

@@ -190,7 +190,7 @@ def test_the_reference_rtl_runs_the_split_program_from_its_vectors(tmp_path):
 
 
 def test_the_report_rebuilds_the_split_graph(tmp_path):
-    """The report lowers the model again and applies the manifest's split (equalize.widened_as_compiled): its
+    """The report lowers the model again and applies the manifest's split (as_compiled.graph_as_compiled): its
     walks run on the graph the program was compiled from."""
     from qdeploy import api
 

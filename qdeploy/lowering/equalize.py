@@ -149,25 +149,6 @@ def rescale_depthwise_inputs(graph: Graph, ratios: dict[str, np.ndarray]) -> Gra
     return _rewritten(graph, nodes, weights, total_scale) if weights else graph
 
 
-def widened_as_compiled(graph: Graph, options: dict) -> Graph:
-    """The graph a program was compiled from, given its manifest's options: with
-    `per_channel_depthwise_inputs` ({tensor: r[c]}), rescale_depthwise_inputs again with those r; with
-    `per_channel_layernorm_outputs`, rescale_layernorm_outputs with those; with `range_split` ({tensor: [P, T]}),
-    range_split.split_ranges with those."""
-    from qdeploy.lowering.range_split import split_ranges  # it builds on depthwise_pairs, defined here
-
-    recorded = options.get("per_channel_depthwise_inputs")
-    if recorded:
-        graph = rescale_depthwise_inputs(graph, {name: np.asarray(r, np.float64) for name, r in recorded.items()})
-    recorded = options.get("per_channel_layernorm_outputs")
-    if recorded:
-        graph = rescale_layernorm_outputs(graph, {name: np.asarray(r, np.float64) for name, r in recorded.items()})
-    recorded = options.get("range_split")
-    if recorded:
-        graph, _ = split_ranges(graph, {name: (int(p), float(t)) for name, (p, t) in recorded.items()})
-    return graph
-
-
 def channel_ratios(thresholds, alpha: float = 1.0) -> np.ndarray:
     """r[c] = clip((T[c] / max_c T[c])^alpha, MIN_CHANNEL_RATIO, 1), and 1 where T[c] = 0: alpha 1 for the
     depthwise inputs (widen_narrow_channels), LAYERNORM_OUTPUT_ALPHA for the LayerNorm outputs."""

@@ -67,7 +67,7 @@ def part_name(graph_tensor: str, parts: int) -> str:
 def split_ranges(graph: Graph, splits: dict[str, tuple[int, float]]) -> tuple[Graph, dict[str, float]]:
     """The graph with each tensor x of `splits` ({x: (P, T)}, T its threshold) written as P parts (module
     docstring), and the parts' thresholds w by name (part_name(x, P)). A program's manifest records `splits`, so
-    that the report replays the same rewrite (equalize.py `widened_as_compiled`)."""
+    that the report replays the same rewrite (as_compiled.py `graph_as_compiled`)."""
     nodes = {node.name: node for node in graph.nodes}
     replaced: dict[str, Node] = {}
     tensors: list[Tensor] = []

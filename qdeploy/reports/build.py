@@ -55,7 +55,7 @@ from isa.kinds import Kind
 from qdeploy import __version__
 from qdeploy_base.errors import BadInput
 from qdeploy.calibration import consumer_fan_in
-from qdeploy.lowering.equalize import widened_as_compiled
+from qdeploy.lowering.as_compiled import graph_as_compiled
 from qdeploy.cluster import runs_in_process, starting
 from qdeploy.program import Program, read_program
 from qdeploy.reports import DEFAULT_BATCH_SIZE, metrics
@@ -348,7 +348,7 @@ def walk_shard(job: WalkJob, window: tuple[int, int]) -> list[tuple[int, list]]:
     graph = installed_graph(report_graph_key(job))  # the client's (_walk_on_cluster)
     if graph is None:  # a worker that joined after the start lowers the model itself, once
         options = job.program.manifest.get("options", {})
-        graph = widened_as_compiled(lowered_graph_of(job.model, job.input_shapes,
+        graph = graph_as_compiled(lowered_graph_of(job.model, job.input_shapes,
                                                      bool(options.get("equalization", False))), options)
     # the manifest records every array's SHA-256, so it names the program
     key = (id(graph), json.dumps(job.program.manifest, sort_keys=True, default=str), job.output)
@@ -486,7 +486,7 @@ def _lowered(model: Path, program: Program, program_source: str, input_shapes):
         options = program.manifest.get("options", {})
         lowering = lower(imported.graph, bool(options.get("equalization", False)), lookups,
                          bool(options.get("float_softmax_layernorm", False)))
-        lowering = dataclasses.replace(lowering, graph=widened_as_compiled(lowering.graph, options))
+        lowering = dataclasses.replace(lowering, graph=graph_as_compiled(lowering.graph, options))
     except BadInput as error:
         if str(error).startswith(str(model)):
             raise
