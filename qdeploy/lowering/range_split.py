@@ -1,4 +1,4 @@
-"""Range splitting of a depthwise GEMM's input (issue 31): P int8 parts of one activation, read with the same
+"""Range splitting of a depthwise GEMM's input (issue 31): P 8-bit parts of one activation, read with the same
 weights, for P times finer steps where the reader amplifies its input's rounding.
 
 For a pair A -> B (lowering/equalize.py `depthwise_pairs`: B, depthwise, is A's only reader) whose A ends in a
@@ -12,10 +12,10 @@ Each part is quantized at w / 255 (T / 255 before): where only one part is betwe
 others are 0 or w, exact codes) the rounding error of x is that part's, P times smaller; P^2 less noise power.
 The integer program uses only what the ISA has: more output channels for A, a grouped GEMM for B.
 
-Which tensors: B's input rounding error reaches its output with the noise gain G[c] = sum_taps (w_B[c] s_x /
-s_y)^2 (in B's output codes squared, against B's own rounding of 1/12 of a code squared ... times 12), s_x and s_y
-the steps of x and of B's output. Where the mean of G over B's channels is at least NOISE_GAIN_SPLIT, x is split
-in RANGE_PARTS parts. On EfficientNet-Lite0-2 only the stem's output qualifies (block 0's depthwise, gain 40-50
+Which tensors: x's rounding (variance s_x^2 / 12) reaches B's output with variance G[c] s_y^2 / 12, G[c] =
+sum_taps (w_B[c] s_x / s_y)^2, s_x and s_y the steps of x and of B's output: G is x's rounding noise in units of
+B's own (s_y^2 / 12). Where the mean of G over B's channels is at least NOISE_GAIN_SPLIT, x is split
+in RANGE_PARTS parts. On EfficientNet-Lite0-2 only the stem's output qualifies (block 0's depthwise, gain 30-50
 where every other depthwise GEMM is at most 7: docs/design.md section 5, "Range splitting"), the input whose
 rounding cost the low-contrast held-out sources 5-10 dB."""
 
