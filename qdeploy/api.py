@@ -25,7 +25,7 @@ from qdeploy.lowering.range_split import split_ranges as split_range_parts
 from qdeploy.onnx_import import InputShapes, import_onnx
 from qdeploy.prequantized import ModelQuantization
 from qdeploy.program import Program, read_program, write_program
-from qdeploy.quantize import CompileOptions, LayerReport, compile_graph, zero_point_free_uint8
+from qdeploy.quantize import CompileOptions, LayerReport, activation_steps, compile_graph
 from qdeploy.reference import run_graph, run_host_op
 from qdeploy.samples import load_program_samples, load_samples, preprocess_for
 from qdeploy.summary import ModelSummary, summarize
@@ -150,8 +150,10 @@ def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTabl
                if r.channel_spread is not None}
     splits: dict[str, tuple[int, float]] = {}  # tensor: (parts, its threshold)
     if split_ranges and stated is None:
-        uint8 = zero_point_free_uint8(lowering.graph, target)
-        steps = {name: t / (255 if name in uint8 else target.arithmetic.act_max) for name, t in thresholds.items()}
+        try:
+            steps = activation_steps(lowering.graph, thresholds, target)
+        except QdeployError as error:
+            raise type(error)(f"{path}: {error}") from error
         splits = {x: (parts, float(thresholds[x])) for x, parts in range_split_parts(lowering.graph, steps).items()}
         graph, part_thresholds = split_range_parts(lowering.graph, splits)
         lowering = dataclasses.replace(lowering, graph=graph)

@@ -416,6 +416,13 @@ def zero_point_free_uint8(graph: Graph, target: Target) -> frozenset[str]:
     return frozenset(uint8)
 
 
+def activation_steps(graph: Graph, thresholds: dict[str, float], target: Target) -> dict[str, float]:
+    """The step (scale) each activation of a lowered float graph gets from `thresholds` on `target`, as the program
+    will store it (_Scales: T / 255 for uint8, T / 127 for int8, float32): for a compile-time rewrite that weighs
+    rounding noise before the program exists (lowering/range_split.py)."""
+    return dict(_Scales(graph, thresholds, target).scale)
+
+
 def _requant_params(real: np.ndarray, target: Target) -> dict[str, np.ndarray]:
     """Integer (mult, shift) per channel for eq. (4), and the float32 multiplier of `float32_rne`."""
     pairs = [quantize_multiplier(float(m), target.arithmetic.mult_bits) for m in real]
