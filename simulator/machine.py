@@ -184,9 +184,8 @@ class Machine:
         for instr in self.records:
             if instr.kind in WEIGHTED_GEMM_KINDS:
                 plan = _plan(instr, self.arrays[instr.weight], program.tensors)
-                if plan.grouped is not None:  # depthwise_sum's fallback
-                    plan = replace(plan, grouped=replace(plan.grouped,
-                                                         fused=self._fused_output_stage(instr, plan.grouped)))
+                if plan.method == "depthwise_sum" and not self._depthwise_sums_fit(instr, plan):
+                    plan = _grouped_plan(self.arrays[instr.weight], instr.group)
                 self.plans[instr.name] = replace(plan, fused=self._fused_output_stage(instr, plan))
         self.last_use: dict[str, int] = {}
         for step, instr in enumerate(self.records):
@@ -198,6 +197,17 @@ class Machine:
         self.image_bytes, self.largest = largest_image_bytes(program)
         self._local = threading.local()  # per-thread scratch buffers (kernels/scratch.py)
         self._pool: ThreadPoolExecutor | None = None
+
+    def _depthwise_sums_fit(self, instr: Instruction, plan: _GemmPlan) -> bool:
+        """A depthwise_sum plan adds each output's P accumulators after the depthwise kernel: that is the grouped
+        GEMM's register only where no partial or final sum of the output's P kh kw taps and bias can leave it, for
+        any input of the input's dtype (channels_in_range, as for the fused store)."""
+        input_max = _dtype_bound(self.program.tensors[instr.inputs[0]]["dtype"])
+        bias = np.asarray(self.arrays[instr.bias], np.int64).reshape(-1)
+        per_output_max = plan.weight_max.reshape(instr.group, -1).max(axis=1)
+        taps = self.arrays[instr.weight].shape[1]
+        limit = (1 << (self.arithmetic.acc_bits - 1)) - 1
+        return bool(channels_in_range(taps, input_max, per_output_max, bias, limit).all())
 
     def _fused_output_stage(self, instr: Instruction, plan: _GemmPlan) -> PlaneParameters | None:
         """The Requantize step's per-channel parameters when a ConvGemm's int8 GEMM (kernels.int8_simd) may run its
@@ -441,8 +451,6 @@ class Machine:
             return np.ascontiguousarray(y.transpose(0, 2, 1)).reshape(n, -1, oh, ow)
 
         acc_bits, overflow = self.arithmetic.acc_bits, self.arithmetic.overflow
-        if plan.method == "depthwise_sum" and not _sums_fit(plan, instr.group, x.dtype, bias, acc_bits):
-            plan = plan.grouped
         if plan.method == "depthwise_sum":
             parts = plan.weight.shape[0] // instr.group  # each output sums its group's P depthwise accumulators
             acc4, events = depthwise_conv(x, plan.weight, None, kernel, strides, pads, dilations, acc_bits, overflow,
@@ -711,8 +719,8 @@ class _GemmPlan:
       weights also packed for kernels.int8_simd, whose conv runs each group's rows against its own weights;
     - "depthwise_sum" (group = M, P = C/M > 1 input channels per output: a range split's parts, lowering/
       range_split.py): kernels.depthwise over the C input channels, weight (C, kh*kw), and each output channel
-      the sum of its P accumulators, when no sum can leave the register (_sums_fit: then the order of the terms
-      cannot matter); else the grouped plan it also holds (`grouped`)."""
+      the sum of its P accumulators, where no sum can leave the register (Machine._depthwise_sums_fit: then the
+      order of the terms cannot matter); else "grouped"."""
 
     method: str
     weight: np.ndarray
@@ -720,7 +728,6 @@ class _GemmPlan:
     weight_max: np.ndarray | None = None  # max |w| per output channel (depthwise, planar)
     packed: int8_simd.PackedWeights | None = None  # planar, grouped: where the CPU has an int8 dot product
     fused: PlaneParameters | None = None  # a ConvGemm whose im2col, GEMM and output stage run in one kernel
-    grouped: "_GemmPlan | None" = None  # depthwise_sum: the grouped plan where the sums might leave the register
 
 
 def _plan(instr: Instruction, w: np.ndarray, tensors: dict) -> _GemmPlan:
@@ -738,8 +745,7 @@ def _plan(instr: Instruction, w: np.ndarray, tensors: dict) -> _GemmPlan:
         parts = channels // groups if groups else 0
         if groups == w.shape[0] and parts > 1 and channels == groups * parts and w.shape[1] == parts * kh * kw:
             per_channel = np.ascontiguousarray(w.reshape(channels, kh * kw))  # row m P + p: output m, its part p
-            return _GemmPlan("depthwise_sum", per_channel, None, channel_max_abs(per_channel),
-                             grouped=_grouped_plan(w, groups))
+            return _GemmPlan("depthwise_sum", per_channel, None, channel_max_abs(per_channel))
     return _grouped_plan(w, groups)
 
 
@@ -748,16 +754,6 @@ def _grouped_plan(w: np.ndarray, groups: int) -> _GemmPlan:
     if w.dtype == np.int8 and int8_simd.EXTENSION:
         return _GemmPlan("grouped", grouped, None, channel_max_abs(w), int8_simd.pack(w, int8_simd.EXTENSION, groups))
     return _GemmPlan("grouped", grouped)
-
-
-def _sums_fit(plan: _GemmPlan, groups: int, dtype, bias: np.ndarray | None, acc_bits: int) -> bool:
-    """Whether no partial or whole sum of a depthwise_sum output can leave a register of acc_bits: its P kh kw
-    taps times max|x| max|w|, plus max|bias|, below 2^(acc_bits - 1)."""
-    taps = plan.weight.size // groups
-    bound = taps * _dtype_bound(dtype) * int(plan.weight_max.max(initial=0))
-    if bias is not None and bias.size:
-        bound += int(np.abs(bias.astype(np.int64)).max())
-    return bound < 1 << (acc_bits - 1)
 
 
 def _dtype_bound(dtype) -> int:

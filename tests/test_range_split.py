@@ -224,16 +224,22 @@ def test_the_machines_depthwise_sum_equals_its_grouped_plan(tmp_path):
     summed (simulator/machine.py "depthwise_sum", where no sum can leave the register) instead of im2col and a
     grouped GEMM: both plans give the same integers, dump for dump, and a 16-bit register falls back to the grouped
     plan (its sums could saturate, and then the order of the terms would matter)."""
-    from simulator.machine import Machine, _sums_fit
+    from dataclasses import replace
+
+    from simulator.machine import Machine, _grouped_plan
 
     path = _stem_model(tmp_path / "m.onnx", depthwise_gain=6.0)
     program = _program(path)
     x = _inputs(5, 4)
     fast = Machine(program)
     (name, plan), = [(n, p) for n, p in fast.plans.items() if p.method == "depthwise_sum"]
+    instr = next(i for i in fast.records if i.name == name)
     slow = Machine(program)
-    slow.plans[name] = plan.grouped
+    grouped = _grouped_plan(program.arrays[instr.weight], instr.group)
+    slow.plans[name] = replace(grouped, fused=slow._fused_output_stage(instr, grouped))
     a, b = fast.run({"x": x}, dump=True), slow.run({"x": x}, dump=True)
     for tensor in a.tensors:
         np.testing.assert_array_equal(a.tensors[tensor], b.tensors[tensor], err_msg=tensor)
-    assert _sums_fit(plan, C, np.dtype(np.uint8), None, 32) and not _sums_fit(plan, C, np.dtype(np.uint8), None, 16)
+    assert fast._depthwise_sums_fit(instr, plan)
+    fast.arithmetic = replace(fast.arithmetic, acc_bits=16)
+    assert not fast._depthwise_sums_fit(instr, plan)
