@@ -20,7 +20,7 @@ from qdeploy.lowering import LoweringResult, lower_graph, require_lowered
 from qdeploy.lowering.equalize import (channel_ratios, depthwise_pairs, layernorm_output_folds,
                                       layernorm_output_ratios, rescale_depthwise_inputs, rescale_layernorm_outputs,
                                       widen_narrow_channels)
-from qdeploy.lowering.range_split import part_name, range_split_parts
+from qdeploy.lowering.range_split import part_name, part_signs, range_split_parts
 from qdeploy.lowering.range_split import split_ranges as split_range_parts
 from qdeploy.onnx_import import InputShapes, import_onnx
 from qdeploy.prequantized import ModelQuantization
@@ -92,9 +92,9 @@ def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTabl
     `wide_outputs`: a graph output that a weighted GEMM writes and no instruction reads (a classifier's logits)
     is int32 at nearly the accumulator's resolution (quantize.py eq. (4b)) instead of 8 bits at its calibrated
     scale; such a program has no ONNX export or golden vectors (8-bit tensors only).
-    `split_ranges`: a depthwise GEMM's input whose rounding the GEMM amplifies (mean noise gain at least
-    NOISE_GAIN_SPLIT) is written as RANGE_PARTS parts at a P times finer step (lowering/range_split.py; on by
-    default; not for a pre-quantized model)."""
+    `split_ranges`: a GEMM's input whose rounding the GEMM amplifies (mean noise gain at a bar of PARTS_BY_GAIN)
+    is written as P parts at a P times finer step (lowering/range_split.py; on by default; not for a
+    pre-quantized model)."""
     path = Path(model)
     table = calib if isinstance(calib, CalibrationTable) or calib is None else CalibrationTable.load(calib)
     target = target if isinstance(target, Target) else load_target_file(target)
@@ -155,14 +155,15 @@ def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTabl
         except QdeployError as error:
             raise type(error)(f"{path}: {error}") from error
         splits = {x: (parts, float(thresholds[x])) for x, parts in range_split_parts(lowering.graph, steps).items()}
+        signs = {x: part_signs(lowering.graph, x, parts) for x, (parts, _) in splits.items()}
         graph, part_thresholds = split_range_parts(lowering.graph, splits)
         lowering = dataclasses.replace(lowering, graph=graph)
         thresholds.update(part_thresholds)
-    for x, (parts, _) in splits.items():  # each part's mean 1/P of x's: B's bias correction sums them (its
-        # kernel is the same for every part); spreads such that the parts' variances add to x's
+    for x, (parts, _) in splits.items():  # B's bias correction weighs part k's mean with sign_k W: sign_k E[x] / P
+        # sums to E[x] (B's kernel is the same for every part); spreads such that the parts' variances add to x's
         name = part_name(x, parts)
         if x in means:
-            means[name] = tuple(np.repeat(np.asarray(means[x]) / parts, parts))
+            means[name] = tuple(np.repeat(np.asarray(means[x]) / parts, parts) * np.tile(signs[x], len(means[x])))
         if x in spreads:
             spreads[name] = tuple(np.repeat(np.asarray(spreads[x]) / math.sqrt(parts), parts))
     for name, spread in spreads.items():  # one spread per channel mean, or the shrinkage (2c) would be silently off

@@ -352,10 +352,9 @@ def compile(model: Path = typer.Argument(..., help="An .onnx model."),
                                                    "reads (a classifier's logits) as int32 at the accumulator's "
                                                    "resolution, not int8 (no export-onnx or vectors then)."),
             split_ranges: bool = typer.Option(True, "--split-ranges/--no-split-ranges",
-                                              help="Write a depthwise convolution's input that the convolution's "
-                                                   "weights amplify (its rounding noise) as 4 parts of a quarter of "
-                                                   "its range each, read with the same weights: 4x finer steps "
-                                                   "there (default)."),
+                                              help="Write a convolution's input that the convolution's weights "
+                                                   "amplify (its rounding noise) as 2 or 4 parts of its range, read "
+                                                   "with the same weights: 2x or 4x finer steps there (default)."),
             input_shape: Optional[list[str]] = INPUT_SHAPE,
             json_output: bool = JSON, verbose: bool = VERBOSE, quiet: bool = QUIET) -> None:
     """Quantize the lowered graph with the calibration table and write the integer program (.qdp). A model

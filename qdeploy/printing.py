@@ -234,7 +234,7 @@ def print_compiled(result, perf, output: Path, verbose: bool) -> None:
                    "per channel); a table from `qdeploy calibrate --equalize` (cross-layer equalization) is made for "
                    "them, measure it (8.3 dB there)")
     for tensor, (parts, _) in options.get("range_split", {}).items():
-        typer.echo(f"range split: '{tensor}' in {parts} parts, {parts}x finer steps (its depthwise reader amplifies "
+        typer.echo(f"range split: '{tensor}' in {parts} parts, {parts}x finer steps (its reader amplifies "
                    f"its rounding; --no-split-ranges keeps it whole)")
     totals = perf.totals
     if "preprocess" in result.program.manifest:

@@ -1,6 +1,7 @@
-"""Range splitting of a depthwise GEMM's input (`compile --split-ranges`, on by default; qdeploy/lowering/
-range_split.py, docs/design.md section 5): the split float graph is the original to float32 rounding; the rule
-picks a ReLU6 output whose depthwise reader amplifies its rounding and leaves one whose reader does not; the split
+"""Range splitting of a GEMM's input (`compile --split-ranges`, on by default; qdeploy/lowering/range_split.py,
+docs/design.md section 5): the split float graph is the original to float32 rounding (a ReLU6 output in 4 parts, a
+signed projection in positive and negative parts); the rule picks an input whose reader (depthwise or dense)
+amplifies its rounding, leaves one whose reader does not or whose reader a global pool averages; the split
 program equals its Python-int twins, its ONNX export and the reference RTL; the report rebuilds the split graph;
 the CLI option reaches the manifest; and on low-contrast inputs the split program is measurably closer to the
 float model (its noise at the depthwise input is the parts' rounding, 4x finer)."""
@@ -94,7 +95,7 @@ def test_the_rule_splits_where_the_depthwise_gemm_amplifies_its_input():
     import tempfile
 
     from qdeploy import api
-    from qdeploy.lowering.range_split import depthwise_noise_gains, range_split_parts
+    from qdeploy.lowering.range_split import noise_gains, range_split_parts
 
     with tempfile.TemporaryDirectory() as folder:
         for gain, expected in ((6.0, {"a": 4}), (1.0, {})):
@@ -102,7 +103,7 @@ def test_the_rule_splits_where_the_depthwise_gemm_amplifies_its_input():
             steps = {"a": 6 / 255, "e": 6 / 255}
             weights = graph.constant_data(next(n for n in graph.nodes if n.inputs[0] == "a").inputs[1])
             expected_gain = float(np.mean(np.sum(weights.astype(np.float64) ** 2, axis=(1, 2, 3))))
-            assert depthwise_noise_gains(graph, steps) == {"a": pytest.approx(expected_gain)}
+            assert noise_gains(graph, steps) == {"a": pytest.approx(expected_gain)}
             assert range_split_parts(graph, steps) == expected
 
 
@@ -135,23 +136,16 @@ def test_the_split_cuts_the_depthwise_outputs_error(tmp_path):
     the float graph's on the same (dequantized) input, at full and at a tenth of the calibration's contrast: at
     least 6 dB less error power."""
     from qdeploy import api
-    from qdeploy.lowering.range_split import depthwise_noise_gains
-    from simulator.machine import Machine, dequantize, quantize_input
+    from qdeploy.lowering.range_split import noise_gains
 
     path = _stem_model(tmp_path / "m.onnx", depthwise_gain=6.0)
     table = _table(path)
     split, unsplit = (api.compile(path, table, split_ranges=option).program for option in (True, False))
     graph = api.lower_model(path).graph
     steps = {name: unsplit.tensors[name]["scale"] for name in ("a", "e")}
-    assert depthwise_noise_gains(graph, steps)["a"] > 20
+    assert noise_gains(graph, steps)["a"] > 20
     for contrast in (1.0, 0.1):
-        x = dequantize(unsplit, "x", quantize_input(unsplit, "x", _inputs(7, 16, contrast)))  # the same for both
-        reference = _float_outputs(graph, x, "e")
-        errors = []
-        for program in (split, unsplit):
-            run = Machine(program).run({"x": x}, dump=True)
-            errors.append(np.mean((dequantize(program, "e", run.tensors["e"]) - reference) ** 2))
-        assert 10 * np.log10(errors[1] / errors[0]) >= 6.0, (contrast, errors)
+        assert _error_cut_db(split, unsplit, graph, contrast) >= 6.0, contrast
 
 
 def test_the_split_program_runs_as_its_twins_and_its_onnx_export(tmp_path):
@@ -243,3 +237,115 @@ def test_the_machines_depthwise_sum_equals_its_grouped_plan(tmp_path):
     assert fast._depthwise_sums_fit(instr, plan)
     fast.arithmetic = replace(fast.arithmetic, acc_bits=16)
     assert not fast._depthwise_sums_fit(instr, plan)
+
+
+def _block_model(path: Path, expand_gain: float, pooled: bool = False) -> Path:
+    """x (N, 3, 16, 16) -> Conv 3x3 stride 2 (no activation: a signed, like a block's projection) -> Conv 1x1
+    (2C) -> ReLU6 -> e -> Conv 1x1 (4) -> y, or with `pooled` e -> GlobalAveragePool -> y (a classifier's head). The
+    expansion's weights are expand_gain / sqrt(C) times a unit normal, so its noise gain is about expand_gain^2
+    (T_a / 127 / (6 / 255))^2. The first two convolutions' weights lie on their int8 grids."""
+    rng = np.random.default_rng(5)
+    weights = {"w1": _on_int8_grid(rng.normal(0, 0.4, (C, 3, 3, 3))), "b1": rng.normal(0, 0.3, C),
+               "w2": _on_int8_grid(rng.normal(0, expand_gain / np.sqrt(C), (2 * C, C, 1, 1))),
+               "b2": rng.uniform(0.5, 2.0, 2 * C), "w3": rng.normal(0, 0.5, (4, 2 * C, 1, 1)),
+               "lo": np.array(0.0), "hi": np.array(6.0)}
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["a"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]),
+        helper.make_node("Conv", ["a", "w2", "b2"], ["d"], kernel_shape=[1, 1]),
+        helper.make_node("Clip", ["d", "lo", "hi"], ["e"]),
+        helper.make_node("GlobalAveragePool", ["e"], ["y"]) if pooled
+        else helper.make_node("Conv", ["e", "w3"], ["y"], kernel_shape=[1, 1]),
+    ]
+    out = [("y", ["N", 2 * C, 1, 1])] if pooled else [("y", ["N", 4, SIZE // 2, SIZE // 2])]
+    return save(make_model(nodes, [("x", ["N", 3, SIZE, SIZE])], out,
+                           {name: value.astype(np.float32) for name, value in weights.items()}), path)
+
+
+@pytest.mark.parametrize("parts", [2, 4])
+def test_a_signed_tensor_splits_into_positive_and_negative_parts(tmp_path, parts):
+    """A projection without activation: x = sum_k sign_k clamp(sign_k A_lin - o_k, 0, w) with P / 2 parts per
+    sign of width w = 2 T / P, exact for |x| <= T (the program saturates beyond); the dense reader takes each
+    input channel's parts with its column times sign_k."""
+    from qdeploy import api
+    from qdeploy.lowering.range_split import part_name, part_signs, split_ranges
+
+    path = _block_model(tmp_path / "m.onnx", expand_gain=2.0)
+    graph = api.lower_model(path).graph
+    x = _inputs(2, 8)
+    threshold = 1.001 * float(np.abs(_float_outputs(graph, x, "a")).max())
+    split, thresholds = split_ranges(graph, {"a": (parts, threshold)})
+    assert thresholds == {part_name("a", parts): pytest.approx(2 * threshold / parts)}
+    assert list(part_signs(graph, "a", parts)) == [1.0] * (parts // 2) + [-1.0] * (parts // 2)
+    reader = next(node for node in split.nodes if node.inputs[0] == part_name("a", parts))
+    assert split.constant_data(reader.inputs[1]).shape == (2 * C, parts * C, 1, 1)
+    np.testing.assert_allclose(_float_outputs(split, x), _float_outputs(graph, x), rtol=0, atol=2e-5)
+    parts_out = _float_outputs(split, x, part_name("a", parts))
+    assert parts_out.min() >= 0 and parts_out.max() <= 2 * threshold / parts * (1 + 1e-6)
+
+
+def test_the_rule_weighs_a_dense_reader_and_leaves_a_pooled_head():
+    """range_split_parts on a dense reader: G = sum_{inputs} (w s_x / s_y)^2 averaged over its outputs; 2 parts
+    from 8, 4 from 16, none below; and none where a global average pool reads the reader's output, whatever G."""
+    import tempfile
+
+    from qdeploy import api
+    from qdeploy.lowering.range_split import noise_gains, range_split_parts
+
+    steps = {"a": 6 / 255, "e": 6 / 255}
+    with tempfile.TemporaryDirectory() as folder:
+        seen = set()
+        for gain in (1.0, 3.2, 5.0):
+            graph = api.lower_model(_block_model(Path(folder) / "m.onnx", gain)).graph
+            weights = graph.constant_data(next(n for n in graph.nodes if n.inputs[0] == "a").inputs[1])
+            g = float(np.mean(np.sum(weights.astype(np.float64).reshape(2 * C, -1) ** 2, axis=1)))
+            assert noise_gains(graph, steps) == {"a": pytest.approx(g)}
+            expected = {"a": 4} if g >= 16 else {"a": 2} if g >= 8 else {}
+            assert range_split_parts(graph, steps) == expected
+            seen.add(len(expected) and expected["a"])
+            pooled = api.lower_model(_block_model(Path(folder) / "p.onnx", gain, pooled=True)).graph
+            assert noise_gains(pooled, steps) == {} and range_split_parts(pooled, steps) == {}
+        assert seen == {0, 2, 4}  # the three cases were met
+
+
+def test_a_signed_split_program_runs_as_its_twins_and_its_onnx_export(tmp_path):
+    """float32_rne: the projection with 2 x P / 2 signed rows per channel and the dense reader of P C inputs equal
+    their Python-int twins, and the ONNX export gives ONNX Runtime the machine's outputs exactly; the parts are
+    uint8 at 2 T / P / 255 (about P times finer than a's int8 step T / 127)."""
+    from isa.target import Arithmetic, Target
+
+    path = _block_model(tmp_path / "m.onnx", expand_gain=5.0)
+    arithmetic = Arithmetic(rounding="float32_rne")
+    program = _program(path, Target(arithmetic=arithmetic))
+    (count, threshold), = program.manifest["options"]["range_split"].values()
+    part = program.tensors[f"a/parts{count}"]
+    assert count in (2, 4) and part["dtype"] == "uint8" and part["shape"][1] == count * C
+    assert part["scale"] == pytest.approx(2 * threshold / count / 255, rel=1e-6)
+    assert twins_and_onnx_export_agree(program, _inputs(4, 3), arithmetic, tmp_path)
+
+
+def test_the_signed_split_cuts_the_dense_readers_error(tmp_path):
+    """As for the depthwise reader: the dense reader's output e carries its own rounding plus a's times G; with a
+    in P = 2 parts about twice finer, (1 + G) / (1 + G / 4), 5 dB for G = 11. Measured on the machine's e against the
+    float graph's on the same dequantized input, at full and at a tenth of the calibration's contrast: at least 3 dB
+    less."""
+    from qdeploy import api
+
+    path = _block_model(tmp_path / "m.onnx", expand_gain=2.0)  # G about 11 with this table: 2 parts
+    table = _table(path)
+    split, unsplit = (api.compile(path, table, split_ranges=option).program for option in (True, False))
+    assert [count for count, _ in split.manifest["options"]["range_split"].values()] == [2]
+    graph = api.lower_model(path).graph
+    for contrast in (1.0, 0.1):
+        assert _error_cut_db(split, unsplit, graph, contrast) >= 3.0, contrast
+
+
+def _error_cut_db(split, unsplit, graph, contrast: float) -> float:
+    """10 log10 of the error power of the unsplit program's e over the split one's, both against the float graph's
+    e on the same input (the unsplit program's quantized x, dequantized), 16 images at `contrast`."""
+    from simulator.machine import Machine, dequantize, quantize_input
+
+    x = dequantize(unsplit, "x", quantize_input(unsplit, "x", _inputs(7, 16, contrast)))
+    reference = _float_outputs(graph, x, "e")
+    errors = [np.mean((dequantize(p, "e", Machine(p).run({"x": x}, dump=True).tensors["e"]) - reference) ** 2)
+              for p in (split, unsplit)]
+    return float(10 * np.log10(errors[1] / errors[0]))
