@@ -23,9 +23,7 @@ splits, the spread across them (mean, min, max of each figure).
 Run: python bench/fidelity.py [--models 0,1,2] [--folds 3] [--splits 0,2] [--calib 128] [--eval 128] [--workdir DIR]
 [--json F] [--no-peers] [--variants "qdeploy defaults,qdeploy --no-split-ranges"] (each peer's logits and qdeploy's calibration table are kept in the work folder; a rerun
 reuses them); `--load F1 F2 ...` prints the splits and the spread of earlier runs' --json files (one process per split).
-With ModelOpt installed, measure one split per process (`--models M --splits S`, then `--load`): ModelOpt's run
-patches ONNX Runtime's quantizer in its process, and the next split's quantize_static then fails ("Quantization
-parameters are not specified for param /_conv_stem/Pad_output_0", measured 2026-11-27)."""
+ModelOpt runs in a process of its own (bench/peers.py: it patches ONNX Runtime's quantizer where it is imported)."""
 
 from __future__ import annotations
 

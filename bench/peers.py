@@ -8,7 +8,7 @@ reported with the reason instead of a figure.
 - ModelOpt (`modelopt.onnx.quantization.quantize`, int8, calibration on the CPU execution provider): once with
   "entropy" and once with "max"; the ops it leaves unquantized stay float32 (high_precision_dtype="fp32": its
   default fp16 would add an error that is not quantization's). It rewrites the model file it is given (shape
-  inference in place), so it gets a copy.
+  inference in place), so it gets a copy; it runs in a process of its own (it patches ONNX Runtime's quantizer).
 - Intel Neural Compressor for ONNX (`onnx_neural_compressor.quantization.quantize`, StaticQuantConfig, QDQ,
   per-channel int8 weights, symmetric int8 activations): MinMax and Percentile. Its Entropy equals its MinMax at
   its default 128 bins (as ORT's does); its Percentile keeps every calibration activation in memory (about 8-15 GB
@@ -20,9 +20,11 @@ reported with the reason instead of a figure.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import io
 import logging
+import multiprocessing
 import shutil
 import tempfile
 import time
@@ -70,7 +72,15 @@ def _one_line(error: BaseException) -> str:
 
 
 def modelopt(model: Path, calib: np.ndarray, evaluation: np.ndarray, out: Path) -> list[PeerResult]:
-    """ModelOpt int8 PTQ with entropy and max calibration."""
+    """ModelOpt int8 PTQ with entropy and max calibration, in a process of its own: importing ModelOpt patches
+    ONNX Runtime's quantizer in its process, after which ORT's quantize_static of the next split fails
+    ("Quantization parameters are not specified for param /_conv_stem/Pad_output_0", measured 2026-11-27)."""
+    context = multiprocessing.get_context("spawn")  # a fresh interpreter: nothing ModelOpt patched comes back
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        return pool.submit(_modelopt, model, calib, evaluation, out).result()
+
+
+def _modelopt(model: Path, calib: np.ndarray, evaluation: np.ndarray, out: Path) -> list[PeerResult]:
     try:
         import modelopt
         from modelopt.onnx.quantization import quantize
