@@ -226,7 +226,12 @@ def estimate_performance(model: str | os.PathLike, program: Program) -> PerfRepo
         if all(name in constants or not name for name in record.inputs):
             constants.update(record.outputs)  # Constant nodes and what is computed from constants only
         nodes.append(record)
-    fused = trace_fused_ops(nodes, constants, program.records)
+    # a range split's parts carry the model's tensor under another name (range_split.part_name): trace the model's
+    splits = program.manifest["options"].get("range_split", {})
+    model_name = {part_name(x, int(parts)): x for x, (parts, _) in splits.items()}
+    records = [dataclasses.replace(r, inputs=tuple(model_name.get(n, n) for n in r.inputs),
+                                   output=model_name.get(r.output, r.output)) for r in program.records]
+    fused = trace_fused_ops(nodes, constants, records)
     return estimate_program(program.manifest, program.arrays, fused_ops=fused)
 
 

@@ -132,8 +132,9 @@ def small_graph(tmp_path):
 
 def test_totals_and_fusion_match_hand_counts(tmp_path):
     path, calib = small_graph(tmp_path)
+    # the hand counts are the unsplit program's (range splitting writes conv1's output in parts: more bytes)
     result = runner.invoke(app, ["compile", str(path), "--calib", str(calib), "-o", str(tmp_path / "s.qdp"),
-                                 "--json"])
+                                 "--json", "--no-split-ranges"])
     assert result.exit_code == 0, result.output
     perf = json.loads(result.output)["perf"]
     assert perf["estimate"] is True and perf["fusion_source"] == "graph"
@@ -168,6 +169,23 @@ def test_totals_and_fusion_match_hand_counts(tmp_path):
     for layer in perf["layers"]:
         assert layer["cycles"] >= layer["compute_cycles"] + array["launch_cycles"]
         assert 0 < layer["utilisation"] <= 1
+
+
+def test_a_range_split_instruction_is_traced_in_the_model(tmp_path):
+    """By default conv1's output is written in range parts (tensor 'x/partsP', which the ONNX model does not have):
+    the trace follows the model's tensor, so conv1 still counts its folded BatchNormalization, and its split output
+    costs the bytes of its P parts."""
+    path, calib = small_graph(tmp_path)
+    result = runner.invoke(app, ["compile", str(path), "--calib", str(calib), "-o", str(tmp_path / "s.qdp"),
+                                 "--json"])
+    assert result.exit_code == 0, result.output
+    from qdeploy.program import read_program
+
+    (parts, _), = read_program(tmp_path / "s.qdp").manifest["options"]["range_split"].values()
+    layers = {layer["name"]: layer for layer in json.loads(result.output)["perf"]["layers"]}
+    assert layers["conv1"]["fused_ops"] == ["BiasAdd", "BatchNormalization", "Relu", "MaxPool"]
+    assert [layers[n]["fused_ops"] for n in ("conv2", "fc")] == [["Clip"], ["BiasAdd"]]
+    assert layers["conv1"]["write_bytes"] == parts * 128
 
 
 def test_program_alone_sees_every_fused_op_but_the_folded_batchnorm(tmp_path):

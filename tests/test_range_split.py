@@ -1,10 +1,10 @@
 """Range splitting of a GEMM's input (`compile --split-ranges`, on by default; qdeploy/lowering/range_split.py,
 docs/design.md section 5): the split float graph is the original to float32 rounding (a ReLU6 output in 4 parts, a
 signed projection in positive and negative parts); the rule picks an input whose reader (depthwise or dense)
-amplifies its rounding, leaves one whose reader does not or whose reader a global pool averages; the split
-program equals its Python-int twins, its ONNX export and the reference RTL; the report rebuilds the split graph;
-the CLI option reaches the manifest; and on low-contrast inputs the split program is measurably closer to the
-float model (its noise at the depthwise input is the parts' rounding, 4x finer)."""
+amplifies its rounding, leaves one whose reader does not, whose reader a global pool averages, or a signed one
+max-pooled; the split program equals its Python-int twins, its ONNX export and the reference RTL; the report
+rebuilds the split graph; the CLI option reaches the manifest; and on low-contrast inputs the split program is
+measurably closer to the float model (its noise at the reader's input is the parts' rounding, P times finer)."""
 
 from pathlib import Path
 
@@ -239,18 +239,21 @@ def test_the_machines_depthwise_sum_equals_its_grouped_plan(tmp_path):
     assert not fast._depthwise_sums_fit(instr, plan)
 
 
-def _block_model(path: Path, expand_gain: float, pooled: bool = False) -> Path:
+def _block_model(path: Path, expand_gain: float, pooled: bool = False, max_pool: bool = False) -> Path:
     """x (N, 3, 16, 16) -> Conv 3x3 stride 2 (no activation: a signed, like a block's projection) -> Conv 1x1
     (2C) -> ReLU6 -> e -> Conv 1x1 (4) -> y, or with `pooled` e -> GlobalAveragePool -> y (a classifier's head). The
     expansion's weights are expand_gain / sqrt(C) times a unit normal, so its noise gain is about expand_gain^2
-    (T_a / 127 / (6 / 255))^2. The first two convolutions' weights lie on their int8 grids."""
+    (T_a / 127 / (6 / 255))^2. The first two convolutions' weights lie on their int8 grids. With `max_pool`, a
+    MaxPool 2x2 (stride 1, padded) follows the first convolution, fused into its output stage."""
     rng = np.random.default_rng(5)
     weights = {"w1": _on_int8_grid(rng.normal(0, 0.4, (C, 3, 3, 3))), "b1": rng.normal(0, 0.3, C),
                "w2": _on_int8_grid(rng.normal(0, expand_gain / np.sqrt(C), (2 * C, C, 1, 1))),
                "b2": rng.uniform(0.5, 2.0, 2 * C), "w3": rng.normal(0, 0.5, (4, 2 * C, 1, 1)),
                "lo": np.array(0.0), "hi": np.array(6.0)}
     nodes = [
-        helper.make_node("Conv", ["x", "w1", "b1"], ["a"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]),
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c" if max_pool else "a"], kernel_shape=[3, 3], strides=[2, 2],
+                         pads=[1, 1, 1, 1]),
+        *([helper.make_node("MaxPool", ["c"], ["a"], kernel_shape=[2, 2], pads=[0, 0, 1, 1])] if max_pool else []),
         helper.make_node("Conv", ["a", "w2", "b2"], ["d"], kernel_shape=[1, 1]),
         helper.make_node("Clip", ["d", "lo", "hi"], ["e"]),
         helper.make_node("GlobalAveragePool", ["e"], ["y"]) if pooled
@@ -289,6 +292,7 @@ def test_the_rule_weighs_a_dense_reader_and_leaves_a_pooled_head():
     import tempfile
 
     from qdeploy import api
+    from qdeploy.lowering.nodes import output_stage
     from qdeploy.lowering.range_split import noise_gains, range_split_parts
 
     steps = {"a": 6 / 255, "e": 6 / 255}
@@ -304,6 +308,9 @@ def test_the_rule_weighs_a_dense_reader_and_leaves_a_pooled_head():
             seen.add(len(expected) and expected["a"])
             pooled = api.lower_model(_block_model(Path(folder) / "p.onnx", gain, pooled=True)).graph
             assert noise_gains(pooled, steps) == {} and range_split_parts(pooled, steps) == {}
+            windowed = api.lower_model(_block_model(Path(folder) / "w.onnx", gain, max_pool=True)).graph
+            assert any(output_stage(n).window_max for n in windowed.nodes if n.outputs[0] == "a")
+            assert range_split_parts(windowed, steps) == {}  # signed with a window max: the parts would be wrong
         assert seen == {0, 2, 4}  # the three cases were met
 
 

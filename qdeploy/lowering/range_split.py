@@ -51,11 +51,13 @@ def _signed(a: Node) -> bool:
 
 
 def _splittable(graph: Graph, a: Node) -> bool:
-    """A's output is bounded per tensor by a clamp [0, hi] or not at all, with no per-channel bound, no lookup."""
+    """A's output is bounded per tensor by a clamp [0, hi] or not at all, with no per-channel bound, no lookup; a
+    signed one with no window max (a negative part is decreasing in x: the max of the parts is not the parts of
+    the max; the positive parts are non-decreasing, and max commutes with them)."""
     stage = output_stage(a)
-    return stage.lookup is None and stage.clamp is not None and (stage.clamp.lo == 0.0 or _signed(a)) \
-        and stage.clamp_hi is None and a.outputs[0] not in graph.outputs \
-        and graph.constant_data(a.inputs[2]) is not None
+    return stage.lookup is None and stage.clamp is not None and stage.clamp_hi is None \
+        and (stage.clamp.lo == 0.0 or _signed(a) and stage.window_max is None) \
+        and a.outputs[0] not in graph.outputs and graph.constant_data(a.inputs[2]) is not None
 
 
 def _globally_pooled(graph: Graph, tensor: str) -> bool:
