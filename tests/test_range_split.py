@@ -365,3 +365,30 @@ def _error_cut_db(split, unsplit, graph, contrast: float) -> float:
     errors = [np.mean((dequantize(p, "e", Machine(p).run({"x": x}, dump=True).tensors["e"]) - reference) ** 2)
               for p in (split, unsplit)]
     return float(10 * np.log10(errors[1] / errors[0]))
+
+
+def test_a_gemm_pair_splits_and_runs_as_its_twins(tmp_path):
+    """Gemm (signed) -> Gemm -> Clip(0, 6): the DenseGemm pair on (N, K) splits like the convolutions (A's rows and
+    B's columns repeated with signs); float32_rne: every instruction equals its twin and ONNX Runtime runs the
+    export to the same integers."""
+    from isa.target import Arithmetic, Target
+    from qdeploy import api
+    from qdeploy.calibration import calibrate
+
+    rng = np.random.default_rng(0)
+    weights = {"w1": rng.normal(0, 0.5, (16, 12)), "b1": rng.normal(0, 0.2, 16), "w2": rng.normal(0, 2.0, (24, 16)),
+               "b2": rng.normal(0, 0.1, 24), "w3": rng.normal(0, 0.3, (10, 24)), "lo": np.array(0.0),
+               "hi": np.array(6.0)}
+    nodes = [helper.make_node("Gemm", ["x", "w1", "b1"], ["a"], transB=1),
+             helper.make_node("Gemm", ["a", "w2", "b2"], ["d"], transB=1),
+             helper.make_node("Clip", ["d", "lo", "hi"], ["e"]),
+             helper.make_node("Gemm", ["e", "w3"], ["y"], transB=1)]
+    path = save(make_model(nodes, [("x", ["N", 12])], [("y", ["N", 10])],
+                           {name: value.astype(np.float32) for name, value in weights.items()}), tmp_path / "m.onnx")
+    x = rng.normal(0, 1, (64, 12)).astype(np.float32)
+    table = calibrate(path, x, "kl", num_samples=64, batch_size=64).table
+    arithmetic = Arithmetic(rounding="float32_rne")
+    program = api.compile(path, table, Target(arithmetic=arithmetic)).program
+    (count, _), = program.manifest["options"]["range_split"].values()
+    assert program.tensors[f"a/parts{count}"]["shape"][-1] == count * 16
+    assert twins_and_onnx_export_agree(program, x[:5], arithmetic, tmp_path)
