@@ -17,12 +17,13 @@ from builders import make_model, save, twins_and_onnx_export_agree
 SIZE, C = 16, 8
 
 
-def _stem_model(path: Path, depthwise_gain: float) -> Path:
+def _stem_model(path: Path, depthwise_gain: float, signed: bool = False) -> Path:
     """x (N, 3, 16, 16) -> Conv 3x3 stride 2 -> ReLU6 -> depthwise Conv 3x3 -> ReLU6 -> Conv 1x1 (4) -> y: a
     mobile network's stem and first block in small. The depthwise taps are +-depthwise_gain around a high-pass
     kernel, so its noise gain is about
     1.1 depthwise_gain^2 in units of its own rounding (both tensors at T = 6). The two convolutions' weights lie on
-    their int8 grids."""
+    their int8 grids. With `signed`, the stem has no ReLU6 (a signed, like a projection read by a padded depthwise
+    convolution)."""
     rng = np.random.default_rng(3)
     high_pass = np.array([[-1, -1, -1], [-1, 8, -1], [-1, -1, -1]], np.float64) / 8
     depthwise = depthwise_gain * (high_pass[None, None] + rng.normal(0, 0.1, (C, 1, 3, 3)))
@@ -30,8 +31,9 @@ def _stem_model(path: Path, depthwise_gain: float) -> Path:
                "w2": _on_int8_grid(depthwise), "b2": np.zeros(C), "w3": rng.normal(0, 0.5, (4, C, 1, 1)),
                "lo": np.array(0.0), "hi": np.array(6.0)}
     nodes = [
-        helper.make_node("Conv", ["x", "w1", "b1"], ["s"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]),
-        helper.make_node("Clip", ["s", "lo", "hi"], ["a"]),
+        helper.make_node("Conv", ["x", "w1", "b1"], ["a" if signed else "s"], kernel_shape=[3, 3], strides=[2, 2],
+                         pads=[1, 1, 1, 1]),
+        *([] if signed else [helper.make_node("Clip", ["s", "lo", "hi"], ["a"])]),
         helper.make_node("Conv", ["a", "w2", "b2"], ["d"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], group=C),
         helper.make_node("Clip", ["d", "lo", "hi"], ["e"]),
         helper.make_node("Conv", ["e", "w3"], ["y"], kernel_shape=[1, 1]),
@@ -392,3 +394,25 @@ def test_a_gemm_pair_splits_and_runs_as_its_twins(tmp_path):
     (count, _), = program.manifest["options"]["range_split"].values()
     assert program.tensors[f"a/parts{count}"]["shape"][-1] == count * 16
     assert twins_and_onnx_export_agree(program, x[:5], arithmetic, tmp_path)
+
+
+def test_a_signed_depthwise_input_splits_exactly_with_padding(tmp_path):
+    """A signed input of a padded depthwise convolution: a padded position is 0 in every part, so the split float
+    graph is the original's; the program (depthwise_sum plan over the signed kernels) equals its twins and ONNX
+    Runtime on its export (float32_rne)."""
+    from isa.target import Arithmetic, Target
+    from qdeploy import api
+    from qdeploy.lowering.range_split import split_ranges
+    from simulator.machine import Machine
+
+    path = _stem_model(tmp_path / "m.onnx", depthwise_gain=6.0, signed=True)
+    graph = api.lower_model(path).graph
+    x = _inputs(2, 8)
+    threshold = 1.001 * float(np.abs(_float_outputs(graph, x, "a")).max())
+    split, _ = split_ranges(graph, {"a": (4, threshold)})
+    np.testing.assert_allclose(_float_outputs(split, x), _float_outputs(graph, x), rtol=0, atol=2e-5)
+    arithmetic = Arithmetic(rounding="float32_rne")
+    program = _program(path, Target(arithmetic=arithmetic))
+    assert program.manifest["options"]["range_split"]
+    assert "depthwise_sum" in {plan.method for plan in Machine(program).plans.values()}
+    assert twins_and_onnx_export_agree(program, _inputs(4, 3), arithmetic, tmp_path)
