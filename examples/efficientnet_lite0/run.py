@@ -73,7 +73,7 @@ NO_SPLIT_RANGES = ("--no-split-ranges",)
 PLAIN_COMPILE = NO_BIAS_CORRECTION + NO_SPLIT_RANGES
 
 # The four default options (the KL clipping budget, bias correction, unsigned activations, range splitting of the
-# amplified depthwise input): first each alone on top of plain post-training quantization (KL rule (6), no bias
+# amplified GEMM inputs): first each alone on top of plain post-training quantization (KL rule (6), no bias
 # correction, int8 everywhere, no range splitting), then the defaults and the defaults without each; then what is
 # not on by default: cross-layer equalization, per-tensor weights, MSE thresholds, the bias correction's shrinkage
 # (quantize.py eq. (2c)), per-channel scales of the tensors only depthwise convolutions read
