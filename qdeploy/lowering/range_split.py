@@ -60,10 +60,9 @@ def _splittable(graph: Graph, a: Node) -> bool:
         and a.outputs[0] not in graph.outputs and graph.constant_data(a.inputs[2]) is not None
 
 
-def _globally_pooled(graph: Graph, tensor: str) -> bool:
+def _globally_pooled(graph: Graph, readers: list[Node], tensor: str) -> bool:
     """Every reader of `tensor` is a ConvGemm whose kernel covers its whole plane unpadded (a global average pool)."""
     shape = graph.tensors[tensor].shape if tensor in graph.tensors else None
-    readers = graph.consumers().get(tensor, [])
     return bool(readers) and shape is not None and len(shape) == 4 and all(
         node.op == Kind.CONV_GEMM and graph.constant_data(node.inputs[1]).shape[2:] == tuple(shape[2:])
         and not any(node.attrs.get("pads", ())) for node in readers)
@@ -72,8 +71,9 @@ def _globally_pooled(graph: Graph, tensor: str) -> bool:
 def split_pairs(graph: Graph) -> list[tuple[str, str]]:
     """The pairs (A, B) whose x may be split (module docstring), in graph order."""
     nodes = {node.name: node for node in graph.nodes}
-    return [(a, b) for a, b in equalizable_pairs(graph)
-            if _splittable(graph, nodes[a]) and not _globally_pooled(graph, nodes[b].outputs[0])]
+    consumers = graph.consumers()
+    return [(a, b) for a, b in equalizable_pairs(graph) if _splittable(graph, nodes[a])
+            and not _globally_pooled(graph, consumers.get(nodes[b].outputs[0], []), nodes[b].outputs[0])]
 
 
 def noise_gains(graph: Graph, steps: dict[str, float]) -> dict[str, float]:
@@ -103,10 +103,11 @@ def part_name(graph_tensor: str, parts: int) -> str:
 
 def part_signs(graph: Graph, tensor: str, parts: int) -> np.ndarray:
     """sign_k of each of a split tensor's parts, channel c's at c P .. c P + P - 1 (x = sum_k sign_k x_k)."""
-    producer = next(node for node in graph.nodes if tensor in node.outputs)
-    if _signed(producer):
-        return np.repeat([1.0, -1.0], parts // 2)
-    return np.ones(parts)
+    return _signs(_signed(next(node for node in graph.nodes if tensor in node.outputs)), parts)
+
+
+def _signs(signed: bool, parts: int) -> np.ndarray:
+    return np.repeat([1.0, -1.0], parts // 2) if signed else np.ones(parts)
 
 
 def split_ranges(graph: Graph, splits: dict[str, tuple[int, float]]) -> tuple[Graph, dict[str, float]]:
@@ -129,7 +130,7 @@ def split_ranges(graph: Graph, splits: dict[str, tuple[int, float]]) -> tuple[Gr
         hi = output_stage(a).clamp.hi
         width = 2 * threshold / count if signed else min(threshold, hi) / count
         per_sign = count // 2 if signed else count
-        signs = part_signs(graph, x, count)
+        signs = _signs(signed, count)
         offsets = width * (np.arange(count) % per_sign)
         bounds = np.full(count, width)
         if not signed and math.isfinite(hi):
