@@ -48,6 +48,7 @@ QDEPLOY_VARIANTS: dict[str, dict] = {
     "qdeploy --per-channel-depthwise-inputs": {"per_channel_depthwise_inputs": True},
     "qdeploy --tap-sum-rounding": {"tap_sum_rounding": True},
     "qdeploy --no-split-ranges": {"split_ranges": False},
+    "qdeploy --exact-pixels": {"exact_pixels": True},
 }
 PEER_GROUPS = ("ONNX Runtime", "NNCF", "ModelOpt", "INC")
 

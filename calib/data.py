@@ -84,6 +84,18 @@ class Preprocess:
         """`values` (one, or one per channel) as one per channel: `--mean 127` is `--mean 127,127,127`."""
         return tuple(values) * self.num_channels if len(values) == 1 else tuple(values)
 
+    def pixel_codes(self) -> tuple[float, int] | None:
+        """(scale, zero point) under which every preprocessed pixel x = (p - mean) / std quantizes to its pixel value
+        p exactly, rne(x / scale) + zero point = p for p = 0..255 (float32 arithmetic errs by a few ulp of 255, far
+        below the half step): one mean for every channel that is an integer 0..255, one positive std, and
+        scale = float32(1 / std). None for per-channel or fractional normalisation."""
+        if len(set(self.mean)) != 1 or len(set(self.std)) != 1:
+            return None
+        mean, std = self.mean[0], self.std[0]
+        if std <= 0 or mean != round(mean) or not 0 <= mean <= 255:
+            return None
+        return float(np.float32(1.0 / std)), int(mean)
+
     def to_json(self) -> dict:
         """What a calibration table and a program record (calib/table.py `preprocess`)."""
         return {"size": None if self.size is None else list(self.size), "mean": list(self.mean),

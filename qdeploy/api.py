@@ -74,7 +74,7 @@ def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTabl
             output: str | os.PathLike | None = None, input_shapes: InputShapes | None = None,
             widen_scales: bool = False, per_channel_depthwise_inputs: bool = False,
             per_channel_layernorm_outputs: bool = True, tap_sum_rounding: bool = False,
-            wide_outputs: bool = False, split_ranges: bool = True) -> CompileResult:
+            wide_outputs: bool = False, split_ranges: bool = True, exact_pixels: bool = False) -> CompileResult:
     """Lower `model`, quantize it with the calibration table and the target, and (with `output`) write the
     .qdp program (atomically). A pre-quantized model (QuantizeLinear/DequantizeLinear, QLinearConv) needs no
     table: its own scales and integer weights win, and `calib` only fills the tensors it leaves in float
@@ -94,7 +94,10 @@ def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTabl
     scale; such a program has no ONNX export or golden vectors (8-bit tensors only).
     `split_ranges`: a GEMM's input whose rounding the GEMM amplifies (mean noise gain at a bar of PARTS_BY_GAIN)
     is written as P parts at a P times finer step (lowering/range_split.py; on by default; not for a
-    pre-quantized model)."""
+    pre-quantized model).
+    `exact_pixels`: an image input calibrated with one integer mean and one std for every channel (the table's
+    preprocessing) is uint8 with scale 1 / std and zero point mean, so its codes are the pixels (quantize.py
+    eq. (14); off by default: neutral on issue 31's held-out splits), instead of int8 at its calibrated threshold."""
     path = Path(model)
     table = calib if isinstance(calib, CalibrationTable) or calib is None else CalibrationTable.load(calib)
     target = target if isinstance(target, Target) else load_target_file(target)
@@ -172,7 +175,10 @@ def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTabl
                            f"'{name}' has {len(spread)} channel spreads for {len(means.get(name, ()))} channel means")
     try:
         minimums = {name: r.minimum for name, r in table.records.items() if r.minimum is not None}
-        program, layers = compile_graph(lowering, thresholds, target, options, means, stated, spreads, minimums)
+        pixel_codes = table.preprocess.pixel_codes() if exact_pixels and table.preprocess is not None else None
+        pixels = {lowering.graph.inputs[0]: pixel_codes} if pixel_codes and len(lowering.graph.inputs) == 1 else {}
+        program, layers = compile_graph(lowering, thresholds, target, options, means, stated, spreads, minimums,
+                                        pixels)
     except QdeployError as error:
         raise type(error)(f"{path}: {error}") from error
     program.manifest["model"] = path.name

@@ -355,6 +355,11 @@ def compile(model: Path = typer.Argument(..., help="An .onnx model."),
                                               help="Write a convolution's input that the convolution's weights "
                                                    "amplify (its rounding noise) as 2 or 4 parts of its range, read "
                                                    "with the same weights: 2x or 4x finer steps there (default)."),
+            exact_pixels: bool = typer.Option(False, "--exact-pixels/--no-exact-pixels",
+                                              help="Quantize an image input calibrated with one integer --mean and "
+                                                   "one --std for every channel so that its codes are the pixels "
+                                                   "(uint8, scale 1/std, zero point mean), so a program can also be "
+                                                   "fed raw uint8 pixels."),
             input_shape: Optional[list[str]] = INPUT_SHAPE,
             json_output: bool = JSON, verbose: bool = VERBOSE, quiet: bool = QUIET) -> None:
     """Quantize the lowered graph with the calibration table and write the integer program (.qdp). A model
@@ -366,7 +371,7 @@ def compile(model: Path = typer.Argument(..., help="An .onnx model."),
                          bias_correction=bias_correction, bias_shrinkage=bias_shrinkage, output=output, input_shapes=parse_input_shapes(input_shape),
                          widen_scales=widen_scales, per_channel_depthwise_inputs=per_channel_depthwise_inputs,
                          per_channel_layernorm_outputs=per_channel_layernorm_outputs, tap_sum_rounding=tap_sum_rounding,
-                         wide_outputs=wide_outputs, split_ranges=split_ranges)
+                         wide_outputs=wide_outputs, split_ranges=split_ranges, exact_pixels=exact_pixels)
     perf = _api().estimate_performance(model, result.program)
     if json_output:
         layers = [{"name": r.name, "kind": r.kind, "m": r.m, "n": r.n, "k": r.k, "groups": r.groups,

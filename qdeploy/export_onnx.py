@@ -9,7 +9,8 @@ bias with the fold undone (`_unfolded_bias`); a tensor's scale is `float32(scale
 
 How each instruction is exported (x = the input tensor, y = the output; s_x, s_y their float32 scales):
 
-- input: QuantizeLinear(x_float, s_x, 0), then Clip when act_min > -128.
+- input: QuantizeLinear(x_float, s_x, 0), then Clip when act_min > -128; a uint8 input (exact pixel codes,
+  quantize.py eq. (14)): QuantizeLinear(x_float, s_x, zp) to uint8.
 - ConvGemm: QLinearConv(x, s_x, 0, W, s_w, 0, s_y, 0, bias) [-> Clip(lo, hi)] [-> MaxPool], with W int8
   (M, C/g, kh, kw) = the program's (M, C/g*kh*kw) matrix, s_w = `weight_scale` (per output channel), bias
   int32 = `bias`; MaxPool (int8) is the fused window-max.
@@ -643,12 +644,12 @@ def export_program(program: Program, *, float_outputs: bool = False,
     graph_inputs = []
     for name in program.inputs:
         record = program.tensors[name]
-        if record["dtype"] != "int8":
+        if record["dtype"] not in ("int8", "uint8"):
             raise Unsupported(f"program input '{name}' is {record['dtype']}; the ONNX export quantizes float "
-                              f"inputs to int8")
+                              f"inputs to int8 or uint8")
         graph_inputs.append(_value_info(name, TensorProto.FLOAT, record["shape"]))
-        scale, zero = b.qparams(name)
-        narrow = arithmetic.act_min > -128 or arithmetic.act_max < 127  # QuantizeLinear saturates to int8
+        scale, zero = b.qparams(name)  # uint8 (exact pixel codes, eq. (14)): QuantizeLinear saturates to 0..255
+        narrow = record["dtype"] == "int8" and (arithmetic.act_min > -128 or arithmetic.act_max < 127)
         quantized = b.node("QuantizeLinear", [name, scale, zero], f"{name}/quantized" if narrow else names[name],
                            f"{name}/QuantizeLinear")
         if narrow:

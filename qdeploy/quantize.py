@@ -1,6 +1,7 @@
 """Quantize a lowered float graph into an integer program (design.md section 3).
 
-Per tensor: int8 (or uint8 for provably non-negative tensors on targets with unsigned activations), zero
+Per tensor: int8 (or uint8 for provably non-negative tensors on targets with unsigned activations: a clamp at 0, or a
+weighted GEMM of weights and bias >= 0 over a uint8 input such as an average pool of a ReLU output), zero
 point 0 (but eq. (10)), scale = T / 127 (T / 255 unsigned) from the calibration table. Per GEMM instruction, per output
 channel c:
 
@@ -85,6 +86,14 @@ value over the calibration data (the table's `minimum`), lo = max(x_min, -T) < 0
        differences of a row's scores. A score below lo clamps to 0 (its exp is that of lo, which matters only in a
        row whose max is within ln 510 of lo). Trained attention is lopsided (the digits ViT's first block: scores in
        [-5.8, 13.4] over the calibration digits), so zero point 0 left up to half of the codes unused.
+
+An image input x = (p - m) / d of pixels p = 0..255, calibrated from images with one integer mean m and one std d for
+every channel (the table's `preprocess`), that only GEMMs with constant weights read (as for eq. (10)):
+
+  (14) s = f32(1 / d),  zp = m,  q = clamp(rne(x / s) + zp, 0, 255) = p (uint8): the pixels are the codes, exactly
+       (TFLite's uint8 image inputs: EfficientNet-Lite's m = 127, d = 128 is s = 1/128, zp = 127); the readers fold
+       zp as in eq. (10). From its threshold T the input got s = T / 127, which gives two of the 256 pixel values
+       one code and, where KL's T is below the brightest pixel, clips it.
 """
 
 from __future__ import annotations
@@ -175,7 +184,7 @@ class _Scales:
 
     def __init__(self, graph: Graph, thresholds: dict[str, float], target: Target,
                  stated: ModelQuantization | None = None, minimums: dict[str, float] | None = None,
-                 wide_outputs: bool = False):
+                 wide_outputs: bool = False, pixel_codes: dict[str, tuple[float, int]] | None = None):
         self.graph, self.target, self.stated = graph, target, stated
         self.wide_outputs = wide_outputs
         self.producers = graph.producers()
@@ -189,7 +198,8 @@ class _Scales:
         concat_scale = self._concat_scales(thresholds)
         consumers = graph.consumers()
         for name in graph.inputs:
-            self._assign(name, thresholds, unsigned=False)
+            if not self._pixel_input(name, (pixel_codes or {}).get(name), consumers):
+                self._assign(name, thresholds, unsigned=False)
         for node in graph.nodes:
             out = node.outputs[0]
             if self._left_in_float(node, thresholds, consumers):
@@ -205,7 +215,7 @@ class _Scales:
             elif node.op in INSTRUCTION_OPS:
                 # A Concat's buffer is signed (its other slices may be negative), so are the slices' writers.
                 stage = output_stage(node)
-                non_negative = stage.clamp.lo >= 0
+                non_negative = stage.clamp.lo >= 0 or self._sums_non_negative(node)
                 if stage.lookup is not None:  # (5b): the table's input p, then y = f(p)
                     self._assign(node.outputs[1], thresholds, target.arithmetic.unsigned_activations and non_negative)
                     self.lookup_input[out] = (self.scale.pop(node.outputs[1]), self.unsigned.pop(node.outputs[1]))
@@ -235,6 +245,38 @@ class _Scales:
                 self._assign(out, thresholds, unsigned=False)
                 if out in self.segmented:
                     self.axis_scales[out] = self._segment_scales(node)
+
+    def _pixel_input(self, name: str, codes: tuple[float, int] | None, consumers: dict[str, list[Node]]) -> bool:
+        """Eq. (14): an image input whose pixels are exact codes (calib/data.py `Preprocess.pixel_codes`: one integer
+        mean m, one std d) is uint8 with s = f32(1 / d) and zero point m, so q = p, the pixel itself: no rounding and
+        no clipping at the input (at T / 127 two of the 256 pixel values shared a code, and a threshold below the
+        brightest pixel clipped it). Its readers must fold a zero point (eq. (10): GEMMs with constant weights reading
+        it as x); otherwise, on a target without unsigned activations, or for a pre-quantized model, the input keeps
+        its threshold. Returns
+        whether it applied."""
+        if codes is None or not self.target.arithmetic.unsigned_activations or self.stated is not None:
+            return False
+        scale, zero_point = codes
+        if not self._folds_zero_point(name, consumers):
+            return False
+        self.scale[name], self.unsigned[name] = scale, True
+        if zero_point:
+            self.zero_point[name] = zero_point
+        return True
+
+    def _sums_non_negative(self, node: Node) -> bool:
+        """A weighted GEMM whose float output cannot be negative without a clamp: its input is stored uint8 with
+        zero point 0 (non-negative), every weight and bias is >= 0 and its read pads with zeros or copies of the
+        input. A global or window average pool of a ReLU output is one (weights 1 / (H W)): stored int8 at T / 127,
+        half its codes would never be used. The uint8 range's floor at 0 only ever clips the integer rounding of
+        a value whose float counterpart is >= 0."""
+        x = node.inputs[0]
+        if (node.op not in WEIGHTED_GEMM_KINDS or node.attrs.get("integer_weights") or self.stated is not None
+                or not self.unsigned.get(x) or x in self.zero_point or x in self.wide
+                or node.attrs.get("pad_value") is not None):
+            return False
+        constants = [self.graph.constant_data(name) for name in node.inputs[1:] if name]
+        return all(value is not None and bool(np.all(np.asarray(value) >= 0)) for value in constants)
 
     def _folds_zero_point(self, name: str, consumers: dict[str, list[Node]]) -> bool:
         """Eq. (10) applies to `name`: no program output, and every reader a ConvGemm or DenseGemm with constant
@@ -459,9 +501,9 @@ class _Compiler:
                  options: CompileOptions, channel_means: dict[str, tuple[float, ...]] | None = None,
                  stated: ModelQuantization | None = None,
                  channel_spreads: dict[str, tuple[float, ...]] | None = None,
-                 minimums: dict[str, float] | None = None):
+                 minimums: dict[str, float] | None = None, pixel_codes: dict[str, tuple[float, int]] | None = None):
         self.graph, self.target, self.options = lowered.graph, target, options
-        self.scales = _Scales(self.graph, thresholds, target, stated, minimums, options.wide_outputs)
+        self.scales = _Scales(self.graph, thresholds, target, stated, minimums, options.wide_outputs, pixel_codes)
         self.stated_weights = stated.weights if stated is not None else {}
         self.channel_means = {name: np.asarray(mean, np.float64) for name, mean in (channel_means or {}).items()}
         self.channel_spreads = {name: np.asarray(spread, np.float64)
@@ -880,20 +922,23 @@ def compile_graph(lowered: LoweringResult, thresholds: dict[str, float], target:
                   channel_means: dict[str, tuple[float, ...]] | None = None,
                   stated: ModelQuantization | None = None,
                   channel_spreads: dict[str, tuple[float, ...]] | None = None,
-                  minimums: dict[str, float] | None = None) -> tuple[Program, list[LayerReport]]:
+                  minimums: dict[str, float] | None = None,
+                  pixel_codes: dict[str, tuple[float, int]] | None = None) -> tuple[Program, list[LayerReport]]:
     """Quantize the lowered graph (equations (1)-(5) of the module docstring) into a Program;
     `channel_means` (tensor -> mean per channel, from calibration) enables the bias correction (2b), and
     `channel_spreads` (the spread of each sample's channel means) its shrinkage (2c).
     `stated`: what a pre-quantized model states; its tensors take the model's signedness, its GEMMs the
     model's integer weights and scales, and its bias where no fold changed it (qdeploy/prequantized.py).
-    `minimums` (tensor -> its least value over the calibration data): the zero points of softmax inputs, eq. (13)."""
+    `minimums` (tensor -> its least value over the calibration data): the zero points of softmax inputs, eq. (13).
+    `pixel_codes` (graph input -> (scale, zero point) that make its image pixels exact codes): eq. (14)."""
     options = options or CompileOptions()
     if not target.array.window_max_on_store:
         pooled = [n for n in lowered.graph.nodes if n.op in INSTRUCTION_OPS and output_stage(n).window_max]
         if pooled:
             raise Unsupported(f"instruction '{pooled[0].name}' ends in a MaxPool, which runs as window-max on the "
                               f"store path, and the target has none (window_max_on_store = false)")
-    compiler = _Compiler(lowered, thresholds, target, options, channel_means, stated, channel_spreads, minimums)
+    compiler = _Compiler(lowered, thresholds, target, options, channel_means, stated, channel_spreads, minimums,
+                         pixel_codes)
     program = compiler.compile()
     record_tiles(program.manifest, target)  # "tiles" per GEMM instruction (qdeploy/perf.py, docs/hardware.md)
     return program, compiler.reports

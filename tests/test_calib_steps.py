@@ -9,13 +9,14 @@ import dataclasses
 import numpy as np
 from onnx import helper
 
-from builders import make_model, rng_weights, save
+from builders import make_model, rng_weights, save, twins_and_onnx_export_agree
 from calib import INT8_STEPS, UINT8_STEPS
 from calib.kl import clipping_budget, kl_threshold
 from calib.methods import mse_threshold
 from isa.target import Arithmetic, Target
 from qdeploy import api
 from qdeploy.calibration import calibrate, calibration_tensors, consumer_fan_in, quantizer_steps
+from simulator.machine import Machine
 
 SIGNED = Target(arithmetic=Arithmetic(unsigned_activations=False))
 
@@ -119,3 +120,50 @@ def test_a_target_without_lookup_tables_judges_the_host_sigmoid_s_output_at_127_
     calibrate(path, X, num_samples=4, target=no_tables)
     assert "y" in asked[0] and "r" in asked[0]
     assert "y" not in asked[1] and "r" in asked[1]
+
+
+POOLED = ("g", "ga", "gp", "gs")
+
+
+def pooled_model(tmp_path, pool_weights_sign: float = 1.0):
+    """x -> conv (3x3) -> Relu -> r -> {GlobalAveragePool -> g, AveragePool 2x2 -> a, conv1x1 (weights of one sign)
+    -> p}, a -> GlobalAveragePool -> ga, p -> GlobalAveragePool -> gp, and conv (3x3) -> s (no activation) ->
+    GlobalAveragePool -> gs; each of g, ga, gp, gs read by a Gemm of its own (a Concat's buffer would be signed)."""
+    n = helper.make_node
+    nodes = [n("Conv", ["x", "W0", "B0"], ["c"], name="conv0", pads=[1, 1, 1, 1]), n("Relu", ["c"], ["r"]),
+             n("GlobalAveragePool", ["r"], ["g"], name="gap"),
+             n("AveragePool", ["r"], ["a"], name="avg", kernel_shape=[2, 2], strides=[2, 2]),
+             n("Conv", ["r", "Wp", "Bp"], ["p"], name="positive"),
+             n("Conv", ["x", "W1", "B1"], ["s"], name="signed", pads=[1, 1, 1, 1]),
+             n("GlobalAveragePool", ["s"], ["gs"], name="gap_signed"),
+             n("GlobalAveragePool", ["a"], ["ga"]), n("GlobalAveragePool", ["p"], ["gp"]),
+             *[n("Flatten", [name], [f"f_{name}"]) for name in POOLED],
+             *[n("Gemm", [f"f_{name}", "Wf", "Bf"], [f"y_{name}"], transB=1) for name in POOLED]]
+    inits = {"W0": rng_weights(1, 4, 1, 3, 3), "B0": rng_weights(2, 4), "W1": rng_weights(3, 4, 1, 3, 3),
+             "B1": rng_weights(4, 4), "Wp": np.abs(rng_weights(5, 4, 4, 1, 1)) * pool_weights_sign,
+             "Bp": np.abs(rng_weights(6, 4)), "Wf": rng_weights(7, 3, 4), "Bf": rng_weights(8, 3)}
+    return save(make_model(nodes, [("x", ["N", 1, 12, 12])], [(f"y_{name}", ["N", 3]) for name in POOLED], inits),
+                tmp_path / "pooled.onnx")
+
+
+def test_an_average_of_a_relu_output_is_stored_uint8_at_255_steps(tmp_path):
+    """A weighted GEMM with weights and bias >= 0 reading a uint8 tensor cannot output a negative value: global
+    and window average pools of a ReLU output, a 1x1 conv of non-negative weights, and an average of one of those
+    are uint8 with zero point 0 (judged at 255 steps by calibration); the pool of a signed tensor, or a conv with
+    a negative weight, stays int8. The program equals its Python-int twins and its ONNX export on ONNX Runtime."""
+    path = pooled_model(tmp_path)
+    steps = quantizer_steps(api.lower_model(path))
+    x = np.random.default_rng(9).standard_normal((16, 1, 12, 12)).astype(np.float32)
+    program = api.compile(path, calibrate(path, x, num_samples=16).table).program
+    lowered_name = {name: next(t for t in program.tensors if t == name or t.startswith(name + "/"))
+                    for name in ("g", "a", "p", "ga", "gp", "gs")}
+    for name in ("g", "a", "p", "ga", "gp"):
+        tensor = program.tensors[lowered_name[name]]
+        assert tensor["dtype"] == "uint8" and "zero_point" not in tensor and steps[name] == UINT8_STEPS, name
+    assert program.tensors[lowered_name["gs"]]["dtype"] == "int8" and "gs" not in steps
+    run = Machine(program).run({"x": x}, dump=True)
+    assert run.tensors[lowered_name["g"]].max() > 127  # the codes above int8's use the finer step
+    twins_and_onnx_export_agree(program, x, Arithmetic(), tmp_path)
+    negative = pooled_model(tmp_path, pool_weights_sign=-1.0)
+    assert "p" not in quantizer_steps(api.lower_model(negative)) and "gp" not in quantizer_steps(
+        api.lower_model(negative))

@@ -94,7 +94,8 @@ ABLATION = [AblationRow("plain: KL rule (6), no bias correction, int8, no range 
             AblationRow("defaults with MSE thresholds (calibrate --method mse)", calibrate=("--method", "mse")),
             AblationRow("defaults + bias shrinkage (compile --bias-shrinkage)", compile=("--bias-shrinkage",)),
             AblationRow("defaults + per-channel scales of depthwise inputs (compile --per-channel-depthwise-inputs)",
-                        compile=("--per-channel-depthwise-inputs",))]
+                        compile=("--per-channel-depthwise-inputs",)),
+            AblationRow("defaults + exact pixel codes of the input (compile --exact-pixels)", compile=("--exact-pixels",))]
 
 
 def rule6_table(calib: Path, output: Path) -> Path:
