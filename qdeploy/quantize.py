@@ -602,9 +602,11 @@ class _Compiler:
         """Widen s_w[c] where the bias would not fit the accumulator: a channel with near-zero weights and a
         large bias (common after BatchNorm folding) has max|W[c]|/127 so small that b / (s_in * s_w) passes
         2^(acc_bits-1) and the sum would overflow. Such a channel gets s_w[c] = |b[c]| / (s_in * B) with
-        B = 2^(acc_bits-1) - 1 - K * 255 * 127 the room the products leave, and its weights are re-rounded
-        (|q| < 127 then); every other channel keeps its max-abs scale."""
-        room = 2 ** (self.target.arithmetic.acc_bits - 1) - 1 - rows.shape[1] * 255 * 127
+        B = 2^(acc_bits-1) - 1 - K * 127 * (255 + zp) the room the products leave, and the input's zero point
+        where the bias folds it (eqs. (10), (14): -zp sum_k q_w[c, k]), and its weights are re-rounded (|q| < 127
+        then); every other channel keeps its max-abs scale."""
+        zero_point = self.scales.zero_point.get(node.inputs[0], 0)
+        room = 2 ** (self.target.arithmetic.acc_bits - 1) - 1 - rows.shape[1] * 127 * (255 + zero_point)
         needed = np.abs(bias) / (s_in * room) if room > 0 else np.zeros_like(s_w)
         widen = needed > s_w
         if not np.any(widen):

@@ -44,9 +44,11 @@ def test_normalisations_that_no_uint8_code_matches_are_refused():
     assert Preprocess(mean=(127.0,), std=(128.0,)).pixel_codes() == (0.0078125, 127)
 
 
-def tiny_model(tmp_path, add_input: bool = False):
+def tiny_model(tmp_path, add_input: bool = False, faint_channel: bool = False):
     """x (1, 3, 16, 16) -> conv 3x3 stride 2 pad 1 -> Relu -> GlobalAveragePool -> Flatten -> Gemm -> y; with
-    `add_input`, x is also added to itself first (an AddGemm reads it: no zero point can be folded there)."""
+    `add_input`, x is also added to itself first (an AddGemm reads it: no zero point can be folded there); with
+    `faint_channel`, the conv's channel 0 has weights 1e-4 and bias -50 (as BatchNorm folding leaves a dead channel),
+    whose bias does not fit int32 at max-abs weight scales."""
     n = helper.make_node
     first = "x"
     nodes = []
@@ -58,7 +60,9 @@ def tiny_model(tmp_path, add_input: bool = False):
               n("Gemm", ["f", "Wf", "Bf"], ["y"], transB=1)]
     inits = {"W": rng_weights(1, 8, 3, 3, 3), "B": rng_weights(2, 8), "Wf": rng_weights(3, 5, 8),
              "Bf": rng_weights(4, 5)}
-    path = tmp_path / ("tiny_add.onnx" if add_input else "tiny.onnx")
+    if faint_channel:
+        inits["W"][0], inits["B"][0] = 1e-4, -50.0
+    path = tmp_path / f"tiny{'_add' if add_input else ''}{'_faint' if faint_channel else ''}.onnx"
     return save(make_model(nodes, [("x", ["N", 3, 16, 16])], [("y", ["N", 5])], inits), path)
 
 
@@ -135,3 +139,21 @@ def test_compile_exact_pixels_on_the_command_line(tmp_path):
     assert result.exit_code == 0, result.output
     expected = api.run(api.compile(path, tmp_path / "t.json", exact_pixels=True).program, photo_folder(tmp_path))
     np.testing.assert_array_equal(np.load(tmp_path / "y.npy"), expected["y"])
+
+
+def test_the_widened_bias_of_a_faint_channel_leaves_room_for_the_folded_zero_point(tmp_path):
+    """A channel whose bias needs a wider weight scale to fit int32 (quantize.py `_fit_bias`) gets room for the
+    products and for the zero point its bias folds, -zp sum_k q_w (here 127 * 27 taps * 34): the worst-case
+    accumulator stays within 32 bits (it needed 33 when the room left out the zero point), and the program still
+    equals its twins and its ONNX export."""
+    path = tiny_model(tmp_path, faint_channel=True)
+    table = pixel_table(tmp_path, 127, 128, path)
+    result = api.compile(path, table, exact_pixels=True)
+    conv = result.layers[0]
+    assert result.program.tensors["x"].get("zero_point") == 127
+    assert conv.acc_bound_bits <= 32 and not conv.warnings, conv.warnings
+    weights = result.program.arrays[result.program.instructions[0]["weight"]].astype(np.int64)
+    assert weights[0].sum() > 0  # the faint channel's codes are not all 0: its zero-point term is real
+    preprocess = Preprocess(mean=(127.0,), std=(128.0,))
+    x = next(iter(image_folder(photo_folder(tmp_path), preprocess, (16, 16), num_samples=6).batches(6))).arrays
+    twins_and_onnx_export_agree(result.program, x, Arithmetic(), tmp_path)
