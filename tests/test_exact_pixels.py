@@ -11,6 +11,7 @@ from onnx import helper
 from builders import make_model, rng_weights, save, twins_and_onnx_export_agree
 from calib.data import Preprocess, image_folder
 from examples import images
+from isa.kinds import ARRAY_KINDS
 from isa.target import Arithmetic
 from qdeploy import api
 from qdeploy.calibration import calibrate
@@ -157,3 +158,27 @@ def test_the_widened_bias_of_a_faint_channel_leaves_room_for_the_folded_zero_poi
     preprocess = Preprocess(mean=(127.0,), std=(128.0,))
     x = next(iter(image_folder(photo_folder(tmp_path), preprocess, (16, 16), num_samples=6).batches(6))).arrays
     twins_and_onnx_export_agree(result.program, x, Arithmetic(), tmp_path)
+
+
+def test_the_golden_vectors_of_a_pixel_input_run_clean_on_the_reference_rtl(tmp_path):
+    """`vectors export` writes the pixel codes and the padding's code 127 as the array streams them; the reference
+    RTL (hw/, under Icarus Verilog) reproduces every layer. Skipped without Icarus."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "hw"))
+    import rtl  # hw/rtl.py
+
+    from simulator.vectors import compare_vectors, export_vectors
+
+    if not rtl.icarus_available():
+        pytest.skip("Icarus Verilog is not installed (apt-get install iverilog)")
+    program = api.compile(tiny_model(tmp_path), pixel_table(tmp_path, 127, 128), exact_pixels=True).program
+    preprocess = Preprocess(mean=(127.0,), std=(128.0,))
+    x = next(iter(image_folder(photo_folder(tmp_path), preprocess, (16, 16), num_samples=6).batches(6))).arrays
+    export_vectors(program, {"x": x[:1]}, tmp_path / "vec")
+    ran = rtl.run(tmp_path / "vec", tmp_path / "dump")
+    report = compare_vectors(tmp_path / "vec", tmp_path / "dump")
+    gemms = [instr for instr in program.instructions if instr["kind"] in ARRAY_KINDS]
+    assert gemms[0]["pad_value"] == 127 and len(gemms) == 3  # the padded conv, the pool, the classifier
+    assert report.ok and len(ran.layers) == len(gemms) and report.compared_files == 2 * len(gemms), report.to_json()
