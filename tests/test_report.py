@@ -116,6 +116,39 @@ def test_agreement_and_accuracy_of_hand_made_logits():
     assert metrics.agreement(metrics.top_k(f), metrics.top_k(f)) == (1.0, 1.0)
 
 
+def test_close_calls_of_hand_made_logits():
+    """Eq. (7) worked by hand: margins 0, 1, 3 with errors +0.5, -0.5, +0.5 on the top-2 difference give sigma 0.5,
+    expected disagreements Phi(0) + Phi(-2) + Phi(-6) = 0.5 + 0.0227501 + 9.87e-10; only the first is a close call."""
+    f = np.array([[2.0, 2.0, 0.0], [3.0, 2.0, 0.0], [5.0, 2.0, 0.0]])
+    q = f + np.array([[0.5, 0.0, 0.0], [-0.5, 0.0, 0.0], [0.0, -0.5, 0.0]])
+    margins, errors = metrics.top2_margins(f, q)
+    np.testing.assert_allclose(margins, [0.0, 1.0, 3.0])
+    np.testing.assert_allclose(errors, [0.5, -0.5, 0.5])
+    agree = np.array([True, True, False])
+    calls = metrics.close_calls(margins, errors, agree)
+    assert calls.sigma == pytest.approx(0.5)
+    assert calls.expected_disagreements == pytest.approx(0.5 + 0.022750131948 + 9.8659e-10, abs=1e-11)
+    assert (calls.close, calls.disagreements, calls.disagreements_close) == (1, 1, 0)
+    exact = metrics.close_calls(margins, np.zeros(3), np.ones(3, bool))
+    assert (exact.sigma, exact.expected_disagreements, exact.close) == (0.0, 0.0, 0)
+
+
+def test_expected_disagreements_match_a_simulated_gaussian_noise():
+    """Independent check of eq. (7)'s expectation: 20,000 two-class samples with margins uniform on [0, 1] and
+    Gaussian noise of std 0.3 added to the logit difference; the flips counted agree with sum Phi(-m / sigma)
+    within four standard deviations of a sum of Bernoulli trials."""
+    rng = np.random.default_rng(5)
+    margins = rng.uniform(0, 1, 20_000)
+    errors = rng.normal(0, 0.3, margins.shape)
+    f = np.stack([margins, np.zeros_like(margins)], axis=1)
+    q = np.stack([margins + errors, np.zeros_like(margins)], axis=1)
+    agree = q.argmax(1) == f.argmax(1)
+    calls = metrics.close_calls(*metrics.top2_margins(f, q), agree)
+    assert calls.sigma == pytest.approx(0.3, rel=0.02)
+    assert abs(calls.disagreements - calls.expected_disagreements) < 4 * np.sqrt(calls.expected_disagreements)
+    assert calls.disagreements > 1000 and calls.disagreements - calls.disagreements_close < 0.05 * calls.disagreements
+
+
 # ---- a real report --------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -172,6 +205,7 @@ def test_report_writes_markdown_json_and_figures(resnet_report):
         assert fragment in markdown
     assert markdown.count("| ConvGemm |") == 9
     assert "| logits SQNR per sample (a pooled figure hides which inputs fail) | median " in markdown
+    assert "expected from the noise (sigma " in markdown and "close calls |" in markdown
 
 
 def test_report_figures_match_machine_run_and_float_graph(resnet_report):
@@ -195,6 +229,11 @@ def test_report_figures_match_machine_run_and_float_graph(resnet_report):
     assert document["per_sample"]["worst_decile_sqnr_db"] == pytest.approx(ordered[2], abs=1e-4)
     assert document["accuracy_drop_points"] == pytest.approx(
         100 * (document["accuracy_float"] - document["accuracy_int8"]))
+    calls = metrics.close_calls(*metrics.top2_margins(f, q), f.argmax(1) == q.argmax(1))
+    assert document["close_calls"]["disagreements"] == calls.disagreements == np.sum(f.argmax(1) != q.argmax(1))
+    assert document["close_calls"]["sigma"] == pytest.approx(calls.sigma, rel=1e-5)
+    assert document["close_calls"]["expected_disagreements"] == pytest.approx(calls.expected_disagreements, rel=1e-4)
+    assert document["close_calls"]["close"] == calls.close
 
 
 def test_planted_bad_layer_stands_out_in_isolated_mode(resnet_case, tmp_path):

@@ -434,6 +434,7 @@ def build_report(model: str | os.PathLike, program: str | os.PathLike | Program,
         "output": evaluator.output.name,
         **_agreement(evaluator, used_labels),
         "per_sample": metrics.distribution_json(evaluator.output.energies, inputs.sources),
+        "close_calls": _close_calls_json(evaluator.output.close_calls()),
         **_dense_outputs(evaluator.output, layers, program),
         "outputs": _every_output(evaluator),
         "input_range": _input_range(evaluator, program),
@@ -620,6 +621,11 @@ def _agreement(evaluator: Evaluator, labels: np.ndarray | None) -> dict:
                     "top5_accuracy_float": acc5_f, "top5_accuracy_int8": acc5_q}
     return {"top1_agreement": top1, "top5_agreement": top5, "logits_sqnr_db": metrics.json_number(logits.sqnr.db),
             "cosine": float(np.mean(cosine)), "cosine_min": float(np.min(cosine)), **accuracy}
+
+
+def _close_calls_json(calls: metrics.CloseCalls | None) -> dict | None:
+    """Eq. (7) of metrics.py for the chosen output, null for a dense map or a single class."""
+    return None if calls is None else calls.to_json()
 
 
 def _layer_rows(evaluator: Evaluator, program: Program) -> list[dict]:

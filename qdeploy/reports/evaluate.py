@@ -45,7 +45,8 @@ from isa.kinds import LAYOUT_KINDS, WEIGHTED_GEMM_KINDS, Kind
 from qdeploy.program import Program
 from qdeploy.reference.executor import run_node
 from qdeploy.row_scales import CONSTANT_CODE
-from qdeploy.reports.metrics import SqnrAccumulator, as_logits, cosine_per_sample, sample_energies, top_k
+from qdeploy.reports.metrics import (CloseCalls, SqnrAccumulator, as_logits, close_calls, cosine_per_sample,
+                                     sample_energies, top2_margins, top_k)
 from simulator.machine import Machine, dequantize, quantize_input, tensor_scale, zero_point
 from numba import njit
 from qdeploy_base.threads import blas_threads_limitable, one_blas_thread, usable_cpus
@@ -100,6 +101,7 @@ class OutputStats:
     int8_top: list[np.ndarray] = field(default_factory=list)
     cosine: list[np.ndarray] = field(default_factory=list)
     energies: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)  # per batch: sample_energies
+    margins: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)  # per batch: top2_margins (eq. (7))
     shape: tuple = ()  # the program's shape of the output (batch free)
     pixels: int = 0  # NCHW outputs (dense prediction): pixels seen, and those whose argmax over C agrees
     pixels_agreeing: int = 0
@@ -122,6 +124,16 @@ class OutputStats:
         self.int8_top.append(top_k(q))
         self.cosine.append(cosine_per_sample(f, q))
         self.energies.append(sample_energies(f, q))
+        if not self.dense and f.reshape(len(f), -1).shape[1] >= 2:
+            self.margins.append(top2_margins(f, q))
+
+    def close_calls(self) -> CloseCalls | None:
+        """Eq. (7) of metrics.py over every sample seen (None for a dense map or a single class)."""
+        if not self.margins:
+            return None
+        agree = self.concatenated(self.float_top)[:, 0] == self.concatenated(self.int8_top)[:, 0]
+        return close_calls(np.concatenate([m for m, _ in self.margins]), np.concatenate([e for _, e in self.margins]),
+                           agree)
 
     def concatenated(self, parts: list[np.ndarray]) -> np.ndarray:
         return np.concatenate(parts) if parts else np.zeros((0, 1), np.int64)

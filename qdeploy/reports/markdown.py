@@ -91,6 +91,13 @@ def render_markdown(d: dict) -> str:
     return "\n".join(lines)
 
 
+def close_calls_text(calls: dict) -> str:
+    """Eq. (7) of metrics.py in words: observed and expected disagreements, and how many are close calls."""
+    return (f"{calls['disagreements']} observed, {calls['expected_disagreements']:.1f} expected from the noise "
+            f"(sigma {calls['sigma']:.3g} on a logit difference); {calls['disagreements_close']} of the "
+            f"{calls['disagreements']} among the {calls['close']} close calls")
+
+
 def _headline(d: dict) -> list[str]:
     """## Headline: the agreement, SQNR and accuracy table (with the error split's figures)."""
     lines = ["## Headline", ""]
@@ -102,6 +109,9 @@ def _headline(d: dict) -> list[str]:
     if d.get("per_sample") is not None:
         rows.append(["logits SQNR per sample (a pooled figure hides which inputs fail)",
                      per_sample_text(d["per_sample"])])
+    if d.get("close_calls") is not None:
+        rows.append(["top-1 disagreements and the int8 noise (how many the noise on the float top-2 margin gives by "
+                     "itself; close calls: margin below 2 sigma)", close_calls_text(d["close_calls"])])
     if d["accuracy_float"] is not None:
         rows += [["accuracy float / int8", f"{format_percent(d['accuracy_float'], 2)} / {format_percent(d['accuracy_int8'], 2)}"],
                  ["accuracy drop", f"{d['accuracy_drop_points']:+.2f} percentage points"],

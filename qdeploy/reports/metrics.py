@@ -25,6 +25,18 @@ Per-sample distribution of eq. (1), since a pooled figure hides which inputs fai
         worst decile = the 10th percentile of SQNR_i, the lower one (a sample's value: 10% of samples are below)
         worst source = the source s (when each sample's source is known) with the lowest eq. (1) pooled over
                        its samples: 10 log10( sum_{i in s} |f_i|^2 / sum_{i in s} |f_i - q_i|^2 ).
+
+Which top-1 disagreements the int8 noise explains (a classifier's logits): with a and b the float model's top-2
+classes of sample i, its margin m_i = f_i[a] - f_i[b] >= 0 and the int8 error on that difference
+e_i = (q_i[a] - q_i[b]) - m_i,
+
+    (7) sigma = sqrt( mean_i e_i^2 ),  expected = sum_i Phi(-m_i / sigma),  close calls = { i : m_i < 2 sigma }
+
+Phi the standard normal CDF: were the e_i zero-mean Gaussian of std sigma, sample i's top-1 would go to b with
+probability Phi(-m_i / sigma), so `expected` is how many disagreements the measured noise gives by itself on
+these margins, and a disagreement outside the close calls (a flip of probability < 2.3% under that model) is one
+the noise level does not explain. A float model that is undecided between two classes on many samples (top-2
+within a tenth of a logit) caps the top-1 agreement of any int8 program with its noise.
 """
 
 from __future__ import annotations
@@ -190,6 +202,46 @@ def agreement(reference_top: np.ndarray, test_top: np.ndarray) -> tuple[float, f
     top1 = float(np.mean(test_top[:, 0] == reference_top[:, 0]))
     top5 = float(np.mean(np.any(test_top == reference_top[:, :1], axis=1)))
     return top1, top5
+
+
+def top2_margins(reference: np.ndarray, test: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Eq. (7)'s m_i and e_i per sample: the float top-2 margin and the int8 error on it (logits of >= 2 classes)."""
+    f, q = as_logits(reference).astype(np.float64), as_logits(test).astype(np.float64)
+    order = np.argsort(-f, axis=1, kind="stable")[:, :2]
+    rows = np.arange(len(f))
+    margin = f[rows, order[:, 0]] - f[rows, order[:, 1]]
+    return margin, (q[rows, order[:, 0]] - q[rows, order[:, 1]]) - margin
+
+
+@dataclass(frozen=True)
+class CloseCalls:
+    """Eq. (7) over a data set: which top-1 disagreements the int8 noise on the float top-2 margin explains."""
+
+    sigma: float  # rms of the int8 error on the float top-2 difference, in logits
+    expected_disagreements: float  # sum_i Phi(-m_i / sigma)
+    close: int  # samples whose float top-2 margin is below 2 sigma
+    disagreements: int
+    disagreements_close: int  # of the disagreements, those among the close calls
+
+    def to_json(self) -> dict:
+        return {"sigma": self.sigma, "expected_disagreements": self.expected_disagreements, "close": self.close,
+                "disagreements": self.disagreements, "disagreements_close": self.disagreements_close}
+
+
+def close_calls(margins: np.ndarray, errors: np.ndarray, agree: np.ndarray) -> CloseCalls | None:
+    """Eq. (7) from each sample's margin m_i, error e_i and top-1 agreement; None without samples."""
+    if len(margins) == 0:
+        return None
+    sigma = float(np.sqrt(np.mean(np.square(errors))))
+    if sigma == 0:  # exact logits: no disagreement the noise could explain, and none there
+        expected = 0.0
+        close = np.zeros(len(margins), bool)
+    else:
+        expected = float(np.sum([0.5 * math.erfc(m / (sigma * math.sqrt(2))) for m in margins]))
+        close = margins < 2 * sigma
+    disagree = ~np.asarray(agree, bool)
+    return CloseCalls(sigma, expected, int(np.count_nonzero(close)), int(np.count_nonzero(disagree)),
+                      int(np.count_nonzero(disagree & close)))
 
 
 def accuracy(top: np.ndarray, labels: np.ndarray) -> tuple[float, float]:
