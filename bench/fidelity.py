@@ -17,8 +17,9 @@ default is measured on images it was not tuned on. For each model (pretrained; i
 
 Every figure is against the float model run by ONNX Runtime on the evaluation crops: pooled logits SQNR (eq. (1)
 of qdeploy/reports/metrics.py), top-1 agreement, the per-image distribution (eq. (6): median, worst decile, worst
-source), and the pooled SQNR of the photographs' crops and of the out-of-distribution crops apart. After the
-splits, the spread across them (mean, min, max of each figure).
+source), the pooled SQNR of the photographs' crops and of the out-of-distribution crops apart, and the top-1
+disagreements seen, those the noise explains (eq. (7): the Gaussian expectation at the measured sigma) and those
+that are close calls. After the splits, the spread across them (mean, min, max of each figure).
 
 Run: python bench/fidelity.py [--models 0,1,2] [--folds 3] [--splits 0,2] [--calib 128] [--eval 128] [--workdir DIR]
 [--json F] [--no-peers] [--variants "qdeploy defaults,qdeploy --no-split-ranges"] (each peer's logits and qdeploy's calibration table are kept in the work folder; a rerun
@@ -64,6 +65,9 @@ class Row:
     worst_source_db: float
     photo_db: float  # pooled over the photographs' crops
     ood_db: float  # pooled over the other kinds' crops
+    disagreements: int | None = None  # top-1 disagreements, and how many the noise explains (metrics.py eq. (7)):
+    expected_disagreements: float | None = None  # None in the JSON of runs before they were measured
+    close_disagreements: int | None = None  # disagreements whose float top-2 margin is below 2 sigma
 
     @property
     def group(self) -> str:
@@ -77,11 +81,13 @@ def figures(label: str, reference: np.ndarray, test: np.ndarray, sources: list[s
     signal, noise = metrics.sample_energies(reference, test)
     distribution = metrics.sample_distribution(signal, noise, sources)
     photo = np.array([images.source_kind(s) == "photograph" for s in sources])
-    return Row(label, metrics.sqnr_db(signal.sum(), noise.sum()),
-               float(np.mean(reference.argmax(1) == test.argmax(1))), distribution.median_db,
+    agree = reference.argmax(1) == test.argmax(1)
+    calls = metrics.close_calls(*metrics.top2_margins(reference, test), agree)
+    return Row(label, metrics.sqnr_db(signal.sum(), noise.sum()), float(np.mean(agree)), distribution.median_db,
                distribution.worst_decile_db, distribution.worst_source, distribution.worst_source_db,
                metrics.sqnr_db(signal[photo].sum(), noise[photo].sum()),
-               metrics.sqnr_db(signal[~photo].sum(), noise[~photo].sum()))
+               metrics.sqnr_db(signal[~photo].sum(), noise[~photo].sum()),
+               calls.disagreements, calls.expected_disagreements, calls.disagreements_close)
 
 
 def _cached_logits(path: Path, compute) -> np.ndarray | None:
@@ -181,10 +187,13 @@ def best_by_group(rows: list[Row]) -> dict[str, Row]:
 def print_split(result: dict) -> None:
     print(f"{result['model']} {result['split']} ({result['size']}x{result['size']}; {result['calib_images']} "
           f"calibration crops, {result['eval_images']} evaluation crops of {', '.join(result['eval_sources'])})")
-    print(f"  {'':<34} {'pooled':>7} {'top-1':>6} {'median':>7} {'p10':>6} {'photo':>6} {'OOD':>6}  worst source")
+    print(f"  {'':<34} {'pooled':>7} {'top-1':>6} {'median':>7} {'p10':>6} {'photo':>6} {'OOD':>6} "
+          f"{'disagree: seen/noise/close':>26}  worst source")
     for row in result["rows"]:
+        calls = ("" if row.expected_disagreements is None else
+                 f"{row.disagreements}/{row.expected_disagreements:.1f}/{row.close_disagreements}")
         print(f"  {row.label:<34} {row.sqnr_db:7.2f} {100 * row.top1:5.1f}% {row.median_db:7.2f} "
-              f"{row.worst_decile_db:6.2f} {row.photo_db:6.2f} {row.ood_db:6.2f}  {row.worst_source} "
+              f"{row.worst_decile_db:6.2f} {row.photo_db:6.2f} {row.ood_db:6.2f} {calls:>26}  {row.worst_source} "
               f"{row.worst_source_db:.2f}")
     for note in result["notes"]:
         print(f"  not measured: {note}")
