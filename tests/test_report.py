@@ -17,6 +17,7 @@ from qdeploy import api
 from qdeploy.cli import app
 from qdeploy.program import read_program, write_program
 from qdeploy.reports import metrics
+from qdeploy.reports.build import ReportResult
 
 runner = CliRunner()
 EVAL_SAMPLES = 24
@@ -234,6 +235,9 @@ def test_report_figures_match_machine_run_and_float_graph(resnet_report):
     assert document["close_calls"]["sigma"] == pytest.approx(calls.sigma, rel=1e-5)
     assert document["close_calls"]["expected_disagreements"] == pytest.approx(calls.expected_disagreements, rel=1e-4)
     assert document["close_calls"]["close"] == calls.close
+    headline = ReportResult(document, resnet_report["dir"]).headline()  # what `qdeploy report` prints
+    assert (f"  top-1 disagreements: {calls.disagreements} observed, {calls.expected_disagreements:.1f} expected"
+            in headline) == (calls.disagreements > 0)
 
 
 def test_planted_bad_layer_stands_out_in_isolated_mode(resnet_case, tmp_path):

@@ -92,6 +92,8 @@ class ReportResult:
                  f"(min {d['cosine_min']:.4f})"]
         if d.get("per_sample") is not None:
             lines.append(f"  per sample: {metrics.per_sample_text(d['per_sample'])}")
+        if d.get("close_calls") is not None and d["close_calls"]["disagreements"]:
+            lines.append(f"  top-1 disagreements: {metrics.close_calls_text(d['close_calls'])}")
         for row in d.get("input_range", []):
             if row["mismatch"]:
                 lines.append(f"  PREPROCESSING MISMATCH: {input_range_message(row)}")

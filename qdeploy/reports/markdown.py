@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
-from qdeploy.reports.metrics import db_from_json, format_json_db, format_percent, per_sample_text
+from qdeploy.reports.metrics import (close_calls_text, db_from_json, format_json_db, format_percent,
+                                     per_sample_text)
 from qdeploy.summary import format_host_work
 
 READING_GUIDE = (
@@ -89,13 +90,6 @@ def render_markdown(d: dict) -> str:
                     _calibration, _clipping_budget, _lowering, _settings, _warnings):
         lines += section(d)
     return "\n".join(lines)
-
-
-def close_calls_text(calls: dict) -> str:
-    """Eq. (7) of metrics.py in words: observed and expected disagreements, and how many are close calls."""
-    return (f"{calls['disagreements']} observed, {calls['expected_disagreements']:.1f} expected from the noise "
-            f"(sigma {calls['sigma']:.3g} on a logit difference); {calls['disagreements_close']} of the "
-            f"{calls['disagreements']} among the {calls['close']} close calls")
 
 
 def _headline(d: dict) -> list[str]:

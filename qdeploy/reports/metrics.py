@@ -279,6 +279,13 @@ def format_db(value: float | None) -> str:
     return f"{value:.1f} dB"
 
 
+def close_calls_text(calls: dict) -> str:
+    """report.json's `close_calls` (eq. (7)) for reading: observed and expected disagreements, and the close calls."""
+    return (f"{calls['disagreements']} observed, {calls['expected_disagreements']:.1f} expected from the noise "
+            f"(sigma {calls['sigma']:.3g} on a logit difference); {calls['disagreements_close']} of the "
+            f"{calls['disagreements']} among the {calls['close']} close calls")
+
+
 def per_sample_text(per_sample: dict) -> str:
     """report.json's `per_sample` for reading: median, worst decile and worst source (when sources are known)."""
     text = (f"median {format_json_db(per_sample['median_sqnr_db'])}, worst decile "
