@@ -252,8 +252,7 @@ class _Scales:
         no clipping at the input (at T / 127 two of the 256 pixel values shared a code, and a threshold below the
         brightest pixel clipped it). Its readers must fold a zero point (eq. (10): GEMMs with constant weights reading
         it as x); otherwise, on a target without unsigned activations, or for a pre-quantized model, the input keeps
-        its threshold. Returns
-        whether it applied."""
+        its threshold. Returns whether it applied."""
         if codes is None or not self.target.arithmetic.unsigned_activations or self.stated is not None:
             return False
         scale, zero_point = codes
