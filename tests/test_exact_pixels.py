@@ -74,6 +74,12 @@ def photo_folder(tmp_path):
     return folder
 
 
+def photo_batch(tmp_path) -> np.ndarray:
+    """The six photographs preprocessed as EfficientNet-Lite's (x - 127) / 128, as calibration reads them."""
+    preprocess = Preprocess(mean=(127.0,), std=(128.0,))
+    return next(iter(image_folder(photo_folder(tmp_path), preprocess, (16, 16), num_samples=6).batches(6))).arrays
+
+
 def pixel_table(tmp_path, mean, std, model=None):
     preprocess = Preprocess(mean=(float(mean),), std=(float(std),))
     return calibrate(model or tiny_model(tmp_path), photo_folder(tmp_path), preprocess=preprocess,
@@ -93,8 +99,7 @@ def test_a_photograph_s_codes_are_its_pixels_and_the_export_agrees(tmp_path):
         {"dtype": "uint8", "scale": 0.0078125, "zero_point": 127}
     conv = program.instructions[0]
     assert conv["pad_value"] == 127
-    preprocess = Preprocess(mean=(127.0,), std=(128.0,))
-    x = next(iter(image_folder(photo_folder(tmp_path), preprocess, (16, 16), num_samples=6).batches(6))).arrays
+    x = photo_batch(tmp_path)
     run = Machine(program).run({"x": x}, dump=True)
     assert run.tensors["x"].dtype == np.uint8
     np.testing.assert_array_equal(run.tensors["x"], np.round(x * 128 + 127).astype(np.uint8))
@@ -155,8 +160,7 @@ def test_the_widened_bias_of_a_faint_channel_leaves_room_for_the_folded_zero_poi
     assert conv.acc_bound_bits <= 32 and not conv.warnings, conv.warnings
     weights = result.program.arrays[result.program.instructions[0]["weight"]].astype(np.int64)
     assert weights[0].sum() > 0  # the faint channel's codes are not all 0: its zero-point term is real
-    preprocess = Preprocess(mean=(127.0,), std=(128.0,))
-    x = next(iter(image_folder(photo_folder(tmp_path), preprocess, (16, 16), num_samples=6).batches(6))).arrays
+    x = photo_batch(tmp_path)
     twins_and_onnx_export_agree(result.program, x, Arithmetic(), tmp_path)
 
 
@@ -174,8 +178,7 @@ def test_the_golden_vectors_of_a_pixel_input_run_clean_on_the_reference_rtl(tmp_
     if not rtl.icarus_available():
         pytest.skip("Icarus Verilog is not installed (apt-get install iverilog)")
     program = api.compile(tiny_model(tmp_path), pixel_table(tmp_path, 127, 128), exact_pixels=True).program
-    preprocess = Preprocess(mean=(127.0,), std=(128.0,))
-    x = next(iter(image_folder(photo_folder(tmp_path), preprocess, (16, 16), num_samples=6).batches(6))).arrays
+    x = photo_batch(tmp_path)
     export_vectors(program, {"x": x[:1]}, tmp_path / "vec")
     ran = rtl.run(tmp_path / "vec", tmp_path / "dump")
     report = compare_vectors(tmp_path / "vec", tmp_path / "dump")

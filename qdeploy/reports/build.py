@@ -41,7 +41,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from types import SimpleNamespace
 from pathlib import Path
 from typing import Callable
@@ -627,7 +627,7 @@ def _agreement(evaluator: Evaluator, labels: np.ndarray | None) -> dict:
 
 def _close_calls_json(calls: metrics.CloseCalls | None) -> dict | None:
     """Eq. (7) of metrics.py for the chosen output, null for a dense map or a single class."""
-    return None if calls is None else calls.to_json()
+    return None if calls is None else asdict(calls)
 
 
 def _layer_rows(evaluator: Evaluator, program: Program) -> list[dict]:

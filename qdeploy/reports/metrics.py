@@ -223,22 +223,15 @@ class CloseCalls:
     disagreements: int
     disagreements_close: int  # of the disagreements, those among the close calls
 
-    def to_json(self) -> dict:
-        return {"sigma": self.sigma, "expected_disagreements": self.expected_disagreements, "close": self.close,
-                "disagreements": self.disagreements, "disagreements_close": self.disagreements_close}
-
 
 def close_calls(margins: np.ndarray, errors: np.ndarray, agree: np.ndarray) -> CloseCalls | None:
     """Eq. (7) from each sample's margin m_i, error e_i and top-1 agreement; None without samples."""
     if len(margins) == 0:
         return None
     sigma = float(np.sqrt(np.mean(np.square(errors))))
-    if sigma == 0:  # exact logits: no disagreement the noise could explain, and none there
-        expected = 0.0
-        close = np.zeros(len(margins), bool)
-    else:
-        expected = float(np.sum([0.5 * math.erfc(m / (sigma * math.sqrt(2))) for m in margins]))
-        close = margins < 2 * sigma
+    # exact logits (sigma 0): no disagreement the noise could explain, and none there
+    expected = math.fsum(0.5 * math.erfc(m / (sigma * math.sqrt(2))) for m in margins) if sigma > 0 else 0.0
+    close = margins < 2 * sigma
     disagree = ~np.asarray(agree, bool)
     return CloseCalls(sigma, expected, int(np.count_nonzero(close)), int(np.count_nonzero(disagree)),
                       int(np.count_nonzero(disagree & close)))
