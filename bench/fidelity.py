@@ -50,6 +50,7 @@ QDEPLOY_VARIANTS: dict[str, dict] = {
     "qdeploy --tap-sum-rounding": {"tap_sum_rounding": True},
     "qdeploy --no-split-ranges": {"split_ranges": False},
     "qdeploy --exact-pixels": {"exact_pixels": True},
+    "qdeploy --no-error-feedback-rounding": {"error_feedback_rounding": False},
 }
 PEER_GROUPS = ("ONNX Runtime", "NNCF", "ModelOpt", "INC")
 

@@ -32,6 +32,10 @@ output only Linears read (tables written before it have none: `compile --per-cha
 `--per-channel-layernorm-outputs` then leave those tensors per tensor).
 `min` (optional, per record): the least signed value of the tensor over the data (tables written before it have
 none: the compiler then gives softmax inputs zero point 0, qdeploy/quantize.py eq. (13)).
+`input_moments` (optional): {"gemms": N} says the file <table stem>.moments.npz beside the table holds the input
+moments of N GEMMs for the compiler's error-feedback rounding (calib/rounding.py, which gives its layout); a table
+that names it cannot be read without it (copy both; tables written before it, or with `calibrate
+--no-input-moments`, have none: compile then rounds the weights to nearest).
 `equalization` says the tensors were measured on the cross-layer-equalized graph (qdeploy/lowering/equalize.py;
 `qdeploy calibrate --equalize`), so the compiler lowers the model the same way; absent means false.
 `float_softmax_layernorm` says Softmax and LayerNormalization were left in float on the host (`qdeploy calibrate
@@ -55,6 +59,7 @@ from pathlib import Path
 import numpy as np
 
 from calib.data import Preprocess
+from calib.rounding import InputMoments, load_moments, moments_path, save_moments
 from qdeploy_base.errors import BadInput
 from qdeploy_base.fileio import atomic_write, check_input
 
@@ -112,6 +117,8 @@ class CalibrationTable:
     extra: dict = field(default_factory=dict)  # unknown top-level keys of a read file, kept on rewrite
     preprocess: Preprocess | None = None  # how images became the input (module docstring); None: arrays/unknown
     float_softmax_layernorm: bool = False  # Softmax and LayerNormalization left on the host (module docstring)
+    # GEMM node -> its input moments, for error-feedback rounding (calib/rounding.py); saved beside the JSON
+    input_moments: dict[str, InputMoments] = field(default_factory=dict)
 
     @property
     def thresholds(self) -> dict[str, float]:
@@ -124,6 +131,8 @@ class CalibrationTable:
                 **({"float_softmax_layernorm": True} if self.float_softmax_layernorm else {}), **self.extra}
         if self.preprocess is not None:
             head["preprocess"] = self.preprocess.to_json()
+        if self.input_moments:
+            head["input_moments"] = {"gemms": len(self.input_moments)}
         lines = ["{"] + [f"  {json.dumps(k)}: {json.dumps(v)}," for k, v in head.items()] + ['  "tensors": [']
         records = [_record_json(r) for r in self.records.values()]
         lines += [f"    {json.dumps(r, allow_nan=False)}{',' if i + 1 < len(records) else ''}"
@@ -131,7 +140,10 @@ class CalibrationTable:
         return "\n".join(lines + ["  ]", "}"]) + "\n"
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Write the table (atomically: an existing file is replaced only by a complete one)."""
+        """Write the table (atomically: an existing file is replaced only by a complete one), and its input
+        moments, where it has them, to `moments_path(path)` first (module docstring)."""
+        if self.input_moments:
+            atomic_write(moments_path(path), lambda tmp: save_moments(self.input_moments, tmp))
         text = self.to_text()
         return atomic_write(path, lambda tmp: tmp.write_text(text))
 
@@ -146,7 +158,16 @@ class CalibrationTable:
             document = json.loads(text)
         except (json.JSONDecodeError, RecursionError) as error:  # RecursionError: nesting too deep
             raise BadInput(f"{path}: not a calibration table: invalid JSON ({error})") from error
-        return cls.from_json(document, str(path))
+        table = cls.from_json(document, str(path))
+        reference = document.get("input_moments")
+        if reference is not None:
+            if not isinstance(reference, dict) or type(reference.get("gemms")) is not int:
+                raise BadInput(f"{path}: field \"input_moments\" must be {{\"gemms\": a count}}")
+            table.input_moments = load_moments(moments_path(path), path)
+            if len(table.input_moments) != reference["gemms"]:
+                raise BadInput(f"{moments_path(path)}: holds the input moments of {len(table.input_moments)} "
+                               f"layers, and {path.name} says {reference['gemms']}")
+        return table
 
     @classmethod
     def from_json(cls, document, source: str = "calibration table") -> CalibrationTable:
@@ -173,7 +194,7 @@ class CalibrationTable:
         if preprocess is not None:
             preprocess = Preprocess.from_json(preprocess, source)
         known = {"format", "version", "method", "samples", "model", "equalization", "float_softmax_layernorm",
-                 "tensors", "preprocess"}
+                 "tensors", "preprocess", "input_moments"}
         extra = {k: v for k, v in document.items() if k not in known}
         return cls(records, method, samples, model, equalization, extra, preprocess, float_softmax_layernorm)
 

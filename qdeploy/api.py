@@ -74,7 +74,8 @@ def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTabl
             output: str | os.PathLike | None = None, input_shapes: InputShapes | None = None,
             widen_scales: bool = False, per_channel_depthwise_inputs: bool = False,
             per_channel_layernorm_outputs: bool = True, tap_sum_rounding: bool = False,
-            wide_outputs: bool = False, split_ranges: bool = True, exact_pixels: bool = False) -> CompileResult:
+            wide_outputs: bool = False, split_ranges: bool = True, exact_pixels: bool = False,
+            error_feedback_rounding: bool = True) -> CompileResult:
     """Lower `model`, quantize it with the calibration table and the target, and (with `output`) write the
     .qdp program (atomically). A pre-quantized model (QuantizeLinear/DequantizeLinear, QLinearConv) needs no
     table: its own scales and integer weights win, and `calib` only fills the tensors it leaves in float
@@ -97,7 +98,10 @@ def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTabl
     pre-quantized model).
     `exact_pixels`: an image input calibrated with one integer mean and one std for every channel (the table's
     preprocessing) is uint8 with scale 1 / std and zero point mean, so its codes are the pixels (quantize.py
-    eq. (14); off by default: neutral on issue 31's held-out splits), instead of int8 at its calibrated threshold."""
+    eq. (14); off by default: neutral on issue 31's held-out splits), instead of int8 at its calibrated threshold.
+    `error_feedback_rounding`: the weights of each GEMM whose input moments the table has are rounded by GPTQ's
+    error feedback at their max-abs scales (quantize.py eq. (1c), calib/rounding.py; on by default) instead of to
+    nearest; not with `tap_sum_rounding`, and not for a pre-quantized model."""
     path = Path(model)
     table = calib if isinstance(calib, CalibrationTable) or calib is None else CalibrationTable.load(calib)
     target = target if isinstance(target, Target) else load_target_file(target)
@@ -142,7 +146,7 @@ def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTabl
     options = CompileOptions(per_channel_weights=target.arithmetic.per_channel_weights and not per_tensor,
                              allow_host_fallback=allow_host_fallback, bias_correction=bias_correction,
                              bias_shrinkage=bias_shrinkage, tap_sum_rounding=tap_sum_rounding,
-                             wide_outputs=wide_outputs)
+                             wide_outputs=wide_outputs, error_feedback_rounding=error_feedback_rounding)
     # The table measured x; the program quantizes x' = x / r (the mean and spread of B's input scale with it).
     rescaled = {**widened, **layernorm_ratios}
     means = {name: _divided(r.channel_mean, rescaled.get(name)) for name, r in table.records.items()
@@ -178,7 +182,7 @@ def compile(model: str | os.PathLike, calib: str | os.PathLike | CalibrationTabl
         pixel_codes = table.preprocess.pixel_codes() if exact_pixels and table.preprocess is not None else None
         pixels = {lowering.graph.inputs[0]: pixel_codes} if pixel_codes and len(lowering.graph.inputs) == 1 else {}
         program, layers = compile_graph(lowering, thresholds, target, options, means, stated, spreads, minimums,
-                                        pixels)
+                                        pixels, table.input_moments if stated is None else None)
     except QdeployError as error:
         raise type(error)(f"{path}: {error}") from error
     program.manifest["model"] = path.name

@@ -30,9 +30,11 @@ from typing import Callable, Iterator
 import numpy as np
 
 from calib import DEFAULT_BATCH_SIZE, DEFAULT_METHOD, DEFAULT_NUM_SAMPLES, DEFAULT_PERCENTILE, INT8_STEPS, UINT8_STEPS
-from calib.data import Preprocess, open_data, resolved_preprocess
+from calib.data import CalibrationData, Preprocess, open_data, resolved_preprocess
 from calib.histogram import NonFiniteValue, StreamingHistogram
 from calib.kl import clipping_budget
+from calib.weights import quantize_weights
+from calib.rounding import ConvGeometry, InputMoments, MomentSums, weight_digest
 from calib.methods import THRESHOLD_METHODS, select_threshold
 from calib.table import (MIN_THRESHOLD, TENSORRT_METHOD, CalibrationTable, TensorRecord, read_tensorrt_cache,
                          threshold_from_tensorrt_scale)
@@ -42,7 +44,7 @@ from qdeploy.cluster import runs_in_process, starting
 from qdeploy_base.errors import BadInput, QdeployError
 from qdeploy.ir import Graph, topological_order
 from qdeploy.lowering.equalize import depthwise_pairs, equalizable_pairs, layernorm_output_folds
-from isa.kinds import LAYOUT_KINDS, VIEW_KINDS
+from isa.kinds import LAYOUT_KINDS, VIEW_KINDS, WEIGHTED_GEMM_KINDS, Kind
 from qdeploy.lowering import LoweringResult, lower_graph
 from qdeploy.lowering.rows import stores_row_words
 from qdeploy.quantize import zero_point_free_uint8
@@ -286,6 +288,61 @@ class _Collector:
                     env.pop(name, None)
 
 
+# Samples the input moments of error-feedback rounding are measured on: the first of the calibration data
+# (calib/rounding.py; a second, serial walk: one sample at a time, so the sums are the same whatever the batching,
+# threads or cluster).
+MOMENT_SAMPLES = 64
+
+
+def rounded_gemms(graph: Graph) -> dict[str, ConvGeometry]:
+    """The GEMMs whose weights error-feedback rounding rounds (calib/rounding.py), with how each reads its input:
+    constant float weights of more than one column per output channel that max-abs rounding does not represent
+    exactly (an average pool's equal taps are exact: nothing to feed back), a plain read (not upsampled or
+    border-filled)."""
+    gemms = {}
+    for node in graph.nodes:
+        if node.op not in WEIGHTED_GEMM_KINDS or node.attrs.get("integer_weights") or \
+                any(node.attrs.get(key) is not None for key in ("upsample", "upsample_fill", "pad_fill")):
+            continue
+        weight = graph.constant_data(node.inputs[1])
+        if weight is None or not np.issubdtype(weight.dtype, np.floating) or int(np.prod(weight.shape[1:])) < 2 \
+                or np.array_equal(quantize_weights(weight).dequantize(), weight):
+            continue
+        shape = weight.shape
+        if node.op == Kind.DENSE_GEMM:
+            gemms[node.name] = ConvGeometry()
+        else:
+            gemms[node.name] = ConvGeometry(tuple(shape[2:]), int(node.attrs["group"]), tuple(node.attrs["strides"]),
+                                            tuple(node.attrs["pads"]), tuple(node.attrs["dilations"]))
+    return gemms
+
+
+def collect_input_moments(graph: Graph, source: CalibrationData) -> dict[str, InputMoments]:
+    """Walk the lowered float graph over `source`'s samples one at a time and return the input moments of every
+    GEMM of `rounded_gemms` (calib/rounding.py), keyed by node name."""
+    gemms = rounded_gemms(graph)
+    sums = {name: MomentSums(geometry) for name, geometry in gemms.items()}
+    order = topological_order(graph)
+    last_use = {name: step for step, node in enumerate(order) for name in node.inputs}
+    with one_blas_thread(), contextlib.closing(source.batches(1)) as batches:
+        for batch in batches:
+            env = dict(bind_inputs(graph, batch.arrays, source.source))
+            for step, node in enumerate(order):
+                inputs = [None if not n else env[n] if n in env else graph.constant_data(n) for n in node.inputs]
+                if node.name in sums:
+                    sums[node.name].add(inputs[0][0])
+                for name, array in zip(node.outputs, run_node(node, inputs, graph.opset)):
+                    if name in last_use:
+                        env[name] = array
+                del inputs
+                for name in dict.fromkeys(node.inputs):
+                    if last_use.get(name) == step:
+                        env.pop(name, None)
+    weights = {node.name: node.inputs[1] for node in graph.nodes if node.name in sums}
+    return {name: total.moments(weight_digest(graph.constant_data(weights[name])))
+            for name, total in sums.items() if total.count}
+
+
 def _collect(collector: _Collector, batches: Iterator[tuple[int, int, dict[str, np.ndarray]]], batch_size: int,
              threads: int | None, progress: Callable[[int], None] | None) -> int:
     """Feed every (first sample, size, feeds) batch to `collector` in `threads` slices side by side (default:
@@ -424,7 +481,7 @@ def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD,
               equalize: bool = False, progress: Progress | None = None,
               cluster: str | None = None, threads: int | None = None,
               float_softmax_layernorm: bool = False, target: Target | None = None,
-              uint8_steps: bool = True) -> CalibrationResult:
+              uint8_steps: bool = True, input_moments: bool = True) -> CalibrationResult:
     """Choose an activation threshold |T| for every tensor the int8 program of `model` quantizes.
 
     data: a folder of images (preprocessed per `preprocess`; H, W default to the model input's), a .npy/.npz
@@ -448,7 +505,9 @@ def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD,
     target: the target the table is for (default: the built-in one); with `uint8_steps`, the tensors it stores
       as uint8 with zero point 0 have their KL / MSE thresholds judged at 255 steps over [0, T] (s = T / 255, the
       quantizer they get; quantizer_steps), every other tensor at int8's 127. uint8_steps=False judges every
-      tensor at 127 steps, as TensorRT's int8-only calibration does."""
+      tensor at 127 steps, as TensorRT's int8-only calibration does.
+    input_moments: also measure, on the first MOMENT_SAMPLES samples, the input moments of every GEMM with float
+      weights, for the compiler's error-feedback rounding (calib/rounding.py); the table saves them beside itself."""
     start = time.perf_counter()
     if method not in THRESHOLD_METHODS:
         raise BadInput(f"--method {method}: unknown method (known: {', '.join(THRESHOLD_METHODS)})")
@@ -494,6 +553,7 @@ def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD,
         channel_means: dict[str, np.ndarray] = {}
         channel_spreads: dict[str, np.ndarray] = {}
         channel_amax: dict[str, np.ndarray] = {}
+        moments: dict[str, InputMoments] = {}
         samples = 0
         if data is not None:
             source = open_data(data, num_samples=num_samples, input_names=graph.inputs,
@@ -520,6 +580,13 @@ def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD,
             channel_spreads = collector.channel_spreads()
             channel_amax = collector.channel_amax
             timings["collect"] = time.perf_counter() - collect_start
+            if input_moments and stated is None:  # a pre-quantized model's integer weights are fixed
+                moments_start = time.perf_counter()
+                first = open_data(data, num_samples=min(num_samples, MOMENT_SAMPLES), input_names=graph.inputs,
+                                  input_shapes=[graph.tensors[n].shape for n in graph.inputs], preprocess=preprocess,
+                                  strict=strict)
+                moments = collect_input_moments(graph, first)
+                timings["moments"] = time.perf_counter() - moments_start
 
     cached: dict[str, float] = {}
     if cache is not None:
@@ -566,7 +633,7 @@ def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD,
     recorded = (resolved_preprocess(data, preprocess, graph.tensors[graph.inputs[0]].shape, graph.inputs[0])
                 if data is not None and len(graph.inputs) == 1 else None)
     table = CalibrationTable(records, table_method, samples, Path(model).name, equalize, preprocess=recorded,
-                             float_softmax_layernorm=float_softmax_layernorm)
+                             float_softmax_layernorm=float_softmax_layernorm, input_moments=moments)
     pairs = len(equalizable_pairs(graph)) if equalize else 0
     return CalibrationResult(table, samples, time.perf_counter() - start, timings, warnings, pairs,
                              list(graph.inputs))

@@ -258,12 +258,17 @@ def calibrate(model: Path = typer.Argument(..., help="An .onnx model."),
                   True, "--uint8-steps/--int8-steps",
                   help="Judge the kl / mse thresholds of the tensors the target stores as uint8 at their 255 "
                        "steps (default), or every tensor at int8's 127 (TensorRT's rule)."),
+              input_moments: bool = typer.Option(
+                  True, "--input-moments/--no-input-moments",
+                  help="Also measure each layer's input moments on the first 64 samples, for compile's "
+                       "error-feedback rounding; written beside the table as <table>.moments.npz (default)."),
               input_shape: Optional[list[str]] = INPUT_SHAPE,
               cluster: Optional[str] = CLUSTER,
               json_output: bool = JSON, verbose: bool = VERBOSE, quiet: bool = QUIET) -> None:
     """Run the lowered float graph on calibration data, collect |x| histograms of every tensor the int8
     program quantizes, choose thresholds |T| (KL by default) and write the calibration table."""
     from calib.data import Preprocess, parse_floats, parse_size
+    from calib.rounding import moments_path
     from calib.table import write_tensorrt_cache
     from qdeploy.calibration import calibrate as run_calibration
     from qdeploy_base.fileio import check_output
@@ -272,6 +277,8 @@ def calibrate(model: Path = typer.Argument(..., help="An .onnx model."),
     if output.is_dir():
         raise BadInput(f"{output}: is a folder; give the calibration table's file name")
     check_output(output, model, data, import_tensorrt_cache, target)
+    if input_moments:
+        check_output(moments_path(output), model, data, import_tensorrt_cache, target)
     if export_tensorrt_cache is not None:  # checked now: a failed run writes nothing
         check_output(export_tensorrt_cache, model, data, import_tensorrt_cache, output)
     if percentile is not None and method != "percentile":
@@ -291,7 +298,7 @@ def calibrate(model: Path = typer.Argument(..., help="An .onnx model."),
                                  input_shapes=parse_input_shapes(input_shape), equalize=equalize,
                                  progress=progress, cluster=cluster,
                                  float_softmax_layernorm=float_softmax_layernorm,
-                                 target=target_config, uint8_steps=uint8_steps)
+                                 target=target_config, uint8_steps=uint8_steps, input_moments=input_moments)
     finally:
         progress.close()
     for warning in result.warnings:
@@ -360,6 +367,11 @@ def compile(model: Path = typer.Argument(..., help="An .onnx model."),
                                                    "one --std for every channel so that its codes are the pixels "
                                                    "(uint8, scale 1/std, zero point mean), so a program can also be "
                                                    "fed raw uint8 pixels."),
+            error_feedback_rounding: bool = typer.Option(
+                True, "--error-feedback-rounding/--no-error-feedback-rounding",
+                help="Round each layer's int8 weights so that their errors cancel on the layer's inputs (GPTQ's "
+                     "error feedback with the input moments `qdeploy calibrate` saved beside the table), at the "
+                     "same max-abs scales (default; a table without moments rounds to nearest)."),
             input_shape: Optional[list[str]] = INPUT_SHAPE,
             json_output: bool = JSON, verbose: bool = VERBOSE, quiet: bool = QUIET) -> None:
     """Quantize the lowered graph with the calibration table and write the integer program (.qdp). A model
@@ -371,7 +383,8 @@ def compile(model: Path = typer.Argument(..., help="An .onnx model."),
                          bias_correction=bias_correction, bias_shrinkage=bias_shrinkage, output=output, input_shapes=parse_input_shapes(input_shape),
                          widen_scales=widen_scales, per_channel_depthwise_inputs=per_channel_depthwise_inputs,
                          per_channel_layernorm_outputs=per_channel_layernorm_outputs, tap_sum_rounding=tap_sum_rounding,
-                         wide_outputs=wide_outputs, split_ranges=split_ranges, exact_pixels=exact_pixels)
+                         wide_outputs=wide_outputs, split_ranges=split_ranges, exact_pixels=exact_pixels,
+                         error_feedback_rounding=error_feedback_rounding)
     perf = _api().estimate_performance(model, result.program)
     if json_output:
         layers = [{"name": r.name, "kind": r.kind, "m": r.m, "n": r.n, "k": r.k, "groups": r.groups,

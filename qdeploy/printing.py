@@ -147,6 +147,11 @@ def print_calibration(result, output: Path, verbose: bool) -> None:
         if preprocess.mean == (0.0,) and preprocess.std == (1.0,):
             typer.echo("  note: no normalisation: the model sees 0..255 pixel values; if it was trained on "
                        "normalised input, calibrate again with --mean and --std (0..255 scale)")
+    if table.input_moments:
+        from calib.rounding import moments_path
+
+        typer.echo(f"  input moments of {len(table.input_moments)} layers for error-feedback rounding: "
+                   f"{moments_path(output)}")
     inputs = [record for name, record in table.records.items() if name in result.input_names]
     for record in inputs:
         if record.amax is not None:

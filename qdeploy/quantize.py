@@ -9,7 +9,11 @@ channel c:
   (2) bias     q_b[c] = rne((b[c] + delta[c]) / (s_in * s_w[c])), saturated to int32, where
   (2b)         delta[c] = sum_k E[x_k] (W[c, k] - s_w[c] q_w[c, k]) corrects the mean shift of the weights'
                rounding (bias correction; E[x] per channel from the calibration table; off: delta = 0)
-  (1b) with tap_sum_rounding (off by default), a convolution's codes are re-rounded so that each
+  (1c) error-feedback rounding (default, where the calibration table has the GEMM's input moments): the codes of
+               (1) at the same scale, chosen column by column so that each column's rounding error is carried onto
+               the columns still to round in the proportions that minimize e^T C e, C the covariance of the
+               GEMM's input columns over the calibration data (GPTQ's algorithm; calib/rounding.py)
+  (1b) with tap_sum_rounding (off by default; instead of (1c)), a convolution's codes are re-rounded so that each
                (c, input channel) kernel's code sum is the nearest integer to its float sum / s_w[c]
                (calib/weights.py `keep_tap_sums`), before (2b): the mean shift is then at most 1/2 code per input
                channel whatever the input's mean
@@ -103,6 +107,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from calib.rounding import InputMoments, error_feedback_round, weight_digest
 from calib.weights import keep_tap_sums, quantize_weights
 from qdeploy import __version__
 from qdeploy_base.errors import BadInput, Unsupported
@@ -113,6 +118,7 @@ from isa.instructions import RECORDS
 from isa.output_stage import Bias, Clamp, ClampHi, Lookup, OutputStage, Requantize, RowReciprocal
 from qdeploy.lowering.nodes import INSTRUCTION_OPS, is_buffer_concat, is_segmented_concat, node_kind, output_stage
 from qdeploy.lowering.lookup import NON_NEGATIVE
+from qdeploy.lowering.range_split import PARTS_BY_GAIN, resplit_weight, unsplit_weight
 from qdeploy.lowering.rows import row_scale_input, stores_row_words
 from qdeploy import row_scales
 from qdeploy.reference.ops.activation import evaluate
@@ -159,6 +165,7 @@ class CompileOptions:
     bias_correction: bool = True  # eq. (2b), where the calibration table has the input's channel means
     bias_shrinkage: bool = False  # eq. (2c), where the table also has the spread of the channel means
     tap_sum_rounding: bool = False  # eq. (1b): each kernel's code sum the nearest to its float sum
+    error_feedback_rounding: bool = True  # eq. (1c), where the table has the GEMM's input moments
     wide_outputs: bool = False  # eq. (4b) for every graph output a weighted GEMM writes and nothing reads
 
 
@@ -500,8 +507,10 @@ class _Compiler:
                  options: CompileOptions, channel_means: dict[str, tuple[float, ...]] | None = None,
                  stated: ModelQuantization | None = None,
                  channel_spreads: dict[str, tuple[float, ...]] | None = None,
-                 minimums: dict[str, float] | None = None, pixel_codes: dict[str, tuple[float, int]] | None = None):
+                 minimums: dict[str, float] | None = None, pixel_codes: dict[str, tuple[float, int]] | None = None,
+                 moments: dict[str, InputMoments] | None = None):
         self.graph, self.target, self.options = lowered.graph, target, options
+        self.moments = moments or {}
         self.scales = _Scales(self.graph, thresholds, target, stated, minimums, options.wide_outputs, pixel_codes)
         self.stated_weights = stated.weights if stated is not None else {}
         self.channel_means = {name: np.asarray(mean, np.float64) for name, mean in (channel_means or {}).items()}
@@ -509,6 +518,7 @@ class _Compiler:
                                 for name, spread in (channel_spreads or {}).items()}
         self.shrunk = 0  # GEMMs whose bias correction eq. (2c) shrank (the manifest says whether any was)
         self.tap_rounded = 0  # GEMMs whose codes eq. (1b) moved (the manifest says whether any were)
+        self.feedback_rounded = 0  # GEMMs rounded by eq. (1c) (the manifest says how many)
         self.arrays: dict[str, np.ndarray] = {}
         self.reports: list[LayerReport] = []
 
@@ -539,7 +549,11 @@ class _Compiler:
             s_w = np.array(np.broadcast_to(s_w, (rows.shape[0],)))
             q_w, s_w = self._fit_bias(node, rows, bias, q_w, s_w, s_in)
             taps = int(np.prod(weight.shape[2:])) if node.op == Kind.CONV_GEMM else 1
-            if self.options.tap_sum_rounding and taps > 1:
+            fed = self._error_feedback(node, weight, s_w)
+            if fed is not None:
+                q_w = fed
+                self.feedback_rounded += 1
+            elif self.options.tap_sum_rounding and taps > 1:
                 rounded = keep_tap_sums(rows, q_w, s_w, taps)
                 self.tap_rounded += int(np.any(rounded != q_w))
                 q_w = rounded
@@ -616,6 +630,31 @@ class _Compiler:
         q_w = q_w.copy()
         q_w[widen] = np.clip(np.round(rows[widen] / s_w[widen, None]), -127, 127).astype(np.int8)
         return q_w, s_w
+
+    def _error_feedback(self, node: Node, weight: np.ndarray, s_w: np.ndarray) -> np.ndarray | None:
+        """Eq. (1c)'s codes (M, k) of the GEMM's `weight` at scales `s_w`, where the table has input moments of
+        these very weights: as calibrated, or as a range split rewrote them (lowering/range_split.py). A split's
+        writer A has the calibrated weight's rows repeated with signs over the same input columns: its rows are
+        rounded as they are. Its reader B has the calibrated input channels repeated with signs: B's codes are
+        rounded on the calibrated weight, with the moments of the unsplit input, and repeated the same way.
+        None where there are none (or compile changed the weights otherwise, as a per-channel rescale does): the
+        GEMM then rounds to nearest."""
+        moments = self.moments.get(node.name)
+        if moments is None or not self.options.error_feedback_rounding or self.options.tap_sum_rounding:
+            return None
+        groups = int(node.attrs["group"]) if node.op == Kind.CONV_GEMM else 1
+        layouts = [(None, 1)] + [(axis, parts) for axis in (0, 1) for _, parts in PARTS_BY_GAIN]
+        for axis, parts in layouts:
+            calibrated, signs = (weight, None) if axis is None else unsplit_weight(weight, axis, parts) or (None, None)
+            if calibrated is None or moments.mean.shape != (groups, int(np.prod(calibrated.shape[1:]))) or \
+                    moments.weight_digest != weight_digest(calibrated):
+                continue
+            if axis != 1:
+                return error_feedback_round(weight.reshape(weight.shape[0], -1), s_w, moments)
+            codes = error_feedback_round(calibrated.reshape(calibrated.shape[0], -1), s_w, moments)
+            return resplit_weight(codes.reshape(calibrated.shape), axis, signs).astype(np.int8).reshape(
+                weight.shape[0], -1)
+        return None
 
     def _input_channel_stat(self, stats: dict[str, np.ndarray], name: str) -> np.ndarray | None:
         """A per-channel calibration statistic of `name` (`stats`: the channel means or their spreads), looking
@@ -855,6 +894,7 @@ class _Compiler:
                                 "bias_correction": self.options.bias_correction and bool(self.channel_means),
                                 **({"bias_shrinkage": True} if self.shrunk else {}),
                                 **({"tap_sum_rounding": True} if self.tap_rounded else {}),
+                                **({"error_feedback_rounding": self.feedback_rounded} if self.feedback_rounded else {}),
                                 **({"wide_outputs": True} if self.scales.wide_outputs else {}),
                                 "unsigned_activations": self.target.arithmetic.unsigned_activations,
                                 **({"prequantized": True} if self.stated_weights or self.scales.stated else {})},
@@ -924,14 +964,16 @@ def compile_graph(lowered: LoweringResult, thresholds: dict[str, float], target:
                   stated: ModelQuantization | None = None,
                   channel_spreads: dict[str, tuple[float, ...]] | None = None,
                   minimums: dict[str, float] | None = None,
-                  pixel_codes: dict[str, tuple[float, int]] | None = None) -> tuple[Program, list[LayerReport]]:
+                  pixel_codes: dict[str, tuple[float, int]] | None = None,
+                  moments: dict[str, InputMoments] | None = None) -> tuple[Program, list[LayerReport]]:
     """Quantize the lowered graph (equations (1)-(5) of the module docstring) into a Program;
     `channel_means` (tensor -> mean per channel, from calibration) enables the bias correction (2b), and
     `channel_spreads` (the spread of each sample's channel means) its shrinkage (2c).
     `stated`: what a pre-quantized model states; its tensors take the model's signedness, its GEMMs the
     model's integer weights and scales, and its bias where no fold changed it (qdeploy/prequantized.py).
     `minimums` (tensor -> its least value over the calibration data): the zero points of softmax inputs, eq. (13).
-    `pixel_codes` (graph input -> (scale, zero point) that make its image pixels exact codes): eq. (14)."""
+    `pixel_codes` (graph input -> (scale, zero point) that make its image pixels exact codes): eq. (14).
+    `moments` (GEMM node -> its input moments, from calibration): the error-feedback rounding (1c)."""
     options = options or CompileOptions()
     if not target.array.window_max_on_store:
         pooled = [n for n in lowered.graph.nodes if n.op in INSTRUCTION_OPS and output_stage(n).window_max]
@@ -939,7 +981,7 @@ def compile_graph(lowered: LoweringResult, thresholds: dict[str, float], target:
             raise Unsupported(f"instruction '{pooled[0].name}' ends in a MaxPool, which runs as window-max on the "
                               f"store path, and the target has none (window_max_on_store = false)")
     compiler = _Compiler(lowered, thresholds, target, options, channel_means, stated, channel_spreads, minimums,
-                         pixel_codes)
+                         pixel_codes, moments)
     program = compiler.compile()
     record_tiles(program.manifest, target)  # "tiles" per GEMM instruction (qdeploy/perf.py, docs/hardware.md)
     return program, compiler.reports

@@ -108,7 +108,7 @@ def test_cli_end_to_end_writes_the_table_and_tensorrt_cache(resnet_style_onnx, i
     assert "logits" in result.stdout and f"wrote {output}" in result.stdout
     scales = read_tensorrt_cache(cache).scales
     assert scales["logits"] == float(np.float32(table.records["logits"].threshold / 127))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["calib.cache", "calib.json"]  # no temporary left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["calib.cache", "calib.json", "calib.moments.npz"]  # no temporary
 
     # Thresholds imported back from the cache, without data: T = 127 * float32(T / 127).
     again = runner.invoke(app, ["calibrate", str(resnet_style_onnx), "--import-tensorrt-cache", str(cache),

@@ -70,25 +70,33 @@ class AblationRow:
 
 NO_BIAS_CORRECTION = ("--no-bias-correction",)
 NO_SPLIT_RANGES = ("--no-split-ranges",)
-PLAIN_COMPILE = NO_BIAS_CORRECTION + NO_SPLIT_RANGES
+NO_ERROR_FEEDBACK = ("--no-error-feedback-rounding",)
+PLAIN_COMPILE = NO_BIAS_CORRECTION + NO_SPLIT_RANGES + NO_ERROR_FEEDBACK
 
-# The four default options (the KL clipping budget, bias correction, unsigned activations, range splitting of the
-# amplified GEMM inputs): first each alone on top of plain post-training quantization (KL rule (6), no bias
-# correction, int8 everywhere, no range splitting), then the defaults and the defaults without each; then what is
+# The five default options (the KL clipping budget, bias correction, unsigned activations, range splitting of the
+# amplified GEMM inputs, error-feedback rounding of the weights): first each alone on top of plain post-training
+# quantization (KL rule (6), no bias correction, int8 everywhere, no range splitting, weights rounded to nearest),
+# then the defaults and the defaults without each; then what is
 # not on by default: cross-layer equalization, per-tensor weights, MSE thresholds, the bias correction's shrinkage
 # (quantize.py eq. (2c)), per-channel scales of the tensors only depthwise convolutions read
 # (lowering/equalize.py widen_narrow_channels).
 ABLATION = [AblationRow("plain: KL rule (6), no bias correction, int8, no range splitting", compile=PLAIN_COMPILE,
                         signed=True, rule6=True),
             AblationRow("plain + clipping budget (rule (7))", compile=PLAIN_COMPILE, signed=True),
-            AblationRow("plain + bias correction", compile=NO_SPLIT_RANGES, signed=True, rule6=True),
+            AblationRow("plain + bias correction", compile=NO_SPLIT_RANGES + NO_ERROR_FEEDBACK, signed=True,
+                        rule6=True),
             AblationRow("plain + unsigned activations", compile=PLAIN_COMPILE, rule6=True),
-            AblationRow("plain + range splitting", compile=NO_BIAS_CORRECTION, signed=True, rule6=True),
-            AblationRow("defaults (all four)"),
+            AblationRow("plain + range splitting", compile=NO_BIAS_CORRECTION + NO_ERROR_FEEDBACK, signed=True,
+                        rule6=True),
+            AblationRow("plain + error-feedback rounding", compile=NO_BIAS_CORRECTION + NO_SPLIT_RANGES, signed=True,
+                        rule6=True),
+            AblationRow("defaults (all five)"),
             AblationRow("defaults without the clipping budget", rule6=True),
             AblationRow("defaults without bias correction", compile=NO_BIAS_CORRECTION),
             AblationRow("defaults without unsigned activations", signed=True),
             AblationRow("defaults without range splitting (compile --no-split-ranges)", compile=NO_SPLIT_RANGES),
+            AblationRow("defaults without error-feedback rounding (compile --no-error-feedback-rounding)",
+                        compile=NO_ERROR_FEEDBACK),
             AblationRow("defaults + cross-layer equalization", calibrate=("--equalize",)),
             AblationRow("defaults with per-tensor weights", compile=("--per-tensor",)),
             AblationRow("defaults with MSE thresholds (calibrate --method mse)", calibrate=("--method", "mse")),

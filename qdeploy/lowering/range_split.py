@@ -110,6 +110,32 @@ def _signs(signed: bool, parts: int) -> np.ndarray:
     return np.repeat([1.0, -1.0], parts // 2) if signed else np.ones(parts)
 
 
+def unsplit_weight(weight: np.ndarray, axis: int, parts: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """(w, signs) where `weight` = np.repeat(w, parts, axis) times sign_k of each copy, as `split_ranges` writes A's
+    weight (axis 0: its rows) and B's (axis 1: its input channels); None where `weight` is not of that form."""
+    if weight.ndim <= axis or weight.shape[axis] % parts:
+        return None
+    copies = weight.reshape(weight.shape[:axis] + (weight.shape[axis] // parts, parts) + weight.shape[axis + 1:])
+    first = np.take(copies, 0, axis=axis + 1)
+    signs = []
+    for k in range(parts):
+        copy = np.take(copies, k, axis=axis + 1)
+        if np.array_equal(copy, first):
+            signs.append(1.0)
+        elif np.array_equal(copy, -first):
+            signs.append(-1.0)
+        else:
+            return None
+    return first, np.array(signs)
+
+
+def resplit_weight(w: np.ndarray, axis: int, signs: np.ndarray) -> np.ndarray:
+    """The inverse of `unsplit_weight`: each index of `axis` repeated len(signs) times, copy k times sign_k."""
+    shape = [1] * w.ndim
+    shape[axis] = -1
+    return np.repeat(w, len(signs), axis=axis) * np.tile(signs, w.shape[axis]).reshape(shape).astype(w.dtype)
+
+
 def split_ranges(graph: Graph, splits: dict[str, tuple[int, float]]) -> tuple[Graph, dict[str, float]]:
     """The graph with each tensor x of `splits` ({x: (P, T)}, T its threshold) written as P parts (module
     docstring), and the parts' thresholds w by name (part_name(x, P)). A program's manifest records `splits`, so
