@@ -33,8 +33,7 @@ from calib import DEFAULT_BATCH_SIZE, DEFAULT_METHOD, DEFAULT_NUM_SAMPLES, DEFAU
 from calib.data import CalibrationData, Preprocess, open_data, resolved_preprocess
 from calib.histogram import NonFiniteValue, StreamingHistogram
 from calib.kl import clipping_budget
-from calib.weights import quantize_weights
-from calib.rounding import ConvGeometry, InputMoments, MomentSums, weight_digest
+from calib.rounding import MAX_COLUMNS, ConvGeometry, InputMoments, MomentSums, weight_digest
 from calib.methods import THRESHOLD_METHODS, select_threshold
 from calib.table import (MIN_THRESHOLD, TENSORRT_METHOD, CalibrationTable, TensorRecord, read_tensorrt_cache,
                          threshold_from_tensorrt_scale)
@@ -289,14 +288,16 @@ class _Collector:
 
 
 # Samples the input moments of error-feedback rounding are measured on: the first of the calibration data
-# (calib/rounding.py; a second, serial walk: one sample at a time, so the sums are the same whatever the batching,
-# threads or cluster).
+# (calib/rounding.py), in a second walk of the float graph, in blocks of MOMENT_BLOCK consecutive samples that
+# threads walk side by side; each block's sums add its samples in order and the blocks add in order, so the sums
+# are the same whatever the threads, batch size or cluster.
 MOMENT_SAMPLES = 64
+MOMENT_BLOCK = 8
 
 
 def rounded_gemms(graph: Graph) -> dict[str, ConvGeometry]:
     """The GEMMs whose weights error-feedback rounding rounds (calib/rounding.py), with how each reads its input:
-    constant float weights of more than one column per output channel that max-abs rounding does not represent
+    constant float weights of 2 to MAX_COLUMNS columns per output channel that max-abs rounding does not represent
     exactly (an average pool's equal taps are exact: nothing to feed back), a plain read (not upsampled or
     border-filled)."""
     gemms = {}
@@ -305,8 +306,8 @@ def rounded_gemms(graph: Graph) -> dict[str, ConvGeometry]:
                 any(node.attrs.get(key) is not None for key in ("upsample", "upsample_fill", "pad_fill")):
             continue
         weight = graph.constant_data(node.inputs[1])
-        if weight is None or not np.issubdtype(weight.dtype, np.floating) or int(np.prod(weight.shape[1:])) < 2 \
-                or np.array_equal(quantize_weights(weight).dequantize(), weight):
+        if weight is None or not np.issubdtype(weight.dtype, np.floating) \
+                or not 2 <= int(np.prod(weight.shape[1:])) <= MAX_COLUMNS or _on_max_abs_grid(weight):
             continue
         shape = weight.shape
         if node.op == Kind.DENSE_GEMM:
@@ -317,30 +318,59 @@ def rounded_gemms(graph: Graph) -> dict[str, ConvGeometry]:
     return gemms
 
 
-def collect_input_moments(graph: Graph, source: CalibrationData) -> dict[str, InputMoments]:
-    """Walk the lowered float graph over `source`'s samples one at a time and return the input moments of every
-    GEMM of `rounded_gemms` (calib/rounding.py), keyed by node name."""
+def _on_max_abs_grid(weight: np.ndarray) -> bool:
+    """Whether max-abs rounding represents every row of `weight` exactly (w / s an integer, s = max|w| / 127)."""
+    rows = weight.reshape(weight.shape[0], -1).astype(np.float64)
+    scale = np.abs(rows).max(axis=1, keepdims=True) / 127
+    codes = np.divide(rows, scale, out=np.zeros_like(rows), where=scale > 0)
+    return bool(np.all(np.abs(codes - np.rint(codes)) < 1e-3))
+
+
+def collect_input_moments(graph: Graph, source: CalibrationData, threads: int | None = None
+                          ) -> dict[str, InputMoments]:
+    """Walk the lowered float graph over `source`'s samples (module comment above) and return the input moments
+    of every GEMM of `rounded_gemms` (calib/rounding.py), keyed by node name."""
     gemms = rounded_gemms(graph)
-    sums = {name: MomentSums(geometry) for name, geometry in gemms.items()}
     order = topological_order(graph)
     last_use = {name: step for step, node in enumerate(order) for name in node.inputs}
-    with one_blas_thread(), contextlib.closing(source.batches(1)) as batches:
-        for batch in batches:
-            env = dict(bind_inputs(graph, batch.arrays, source.source))
-            for step, node in enumerate(order):
-                inputs = [None if not n else env[n] if n in env else graph.constant_data(n) for n in node.inputs]
-                if node.name in sums:
-                    sums[node.name].add(inputs[0][0])
-                for name, array in zip(node.outputs, run_node(node, inputs, graph.opset)):
-                    if name in last_use:
-                        env[name] = array
-                del inputs
-                for name in dict.fromkeys(node.inputs):
-                    if last_use.get(name) == step:
-                        env.pop(name, None)
-    weights = {node.name: node.inputs[1] for node in graph.nodes if node.name in sums}
-    return {name: total.moments(weight_digest(graph.constant_data(weights[name])))
-            for name, total in sums.items() if total.count}
+
+    def block(arrays) -> dict[str, MomentSums]:
+        sums = {name: MomentSums(geometry) for name, geometry in gemms.items()}
+        env = dict(bind_inputs(graph, arrays, source.source))
+        for step, node in enumerate(order):
+            inputs = [None if not n else env[n] if n in env else graph.constant_data(n) for n in node.inputs]
+            if node.op == Kind.DENSE_GEMM and node.name in sums:  # its rows (a sample's tokens) at once
+                sums[node.name].add(inputs[0])
+            elif node.name in sums:
+                for sample in inputs[0]:
+                    sums[node.name].add(sample)
+            for name, array in zip(node.outputs, run_node(node, inputs, graph.opset)):
+                if name in last_use:
+                    env[name] = array
+            del inputs
+            for name in dict.fromkeys(node.inputs):
+                if last_use.get(name) == step:
+                    env.pop(name, None)
+        return sums
+
+    total = {name: MomentSums(geometry) for name, geometry in gemms.items()}
+    workers = max(1, usable_cpus() if threads is None else int(threads))
+    if not blas_threads_limitable():
+        workers = 1
+    with one_blas_thread(), ThreadPoolExecutor(workers) as pool, \
+            contextlib.closing(source.batches(MOMENT_BLOCK)) as batches:
+        pending = []
+        for batch in batches:  # at most `workers` blocks in flight, their sums added in block order
+            pending.append(pool.submit(block, batch.arrays))
+            if len(pending) >= workers:
+                for name, sums in pending.pop(0).result().items():
+                    total[name].merge(sums)
+        for future in pending:
+            for name, sums in future.result().items():
+                total[name].merge(sums)
+    weights = {node.name: node.inputs[1] for node in graph.nodes if node.name in total}
+    return {name: sums.moments(weight_digest(graph.constant_data(weights[name])))
+            for name, sums in total.items() if sums.count}
 
 
 def _collect(collector: _Collector, batches: Iterator[tuple[int, int, dict[str, np.ndarray]]], batch_size: int,
@@ -585,7 +615,7 @@ def calibrate(model: str | os.PathLike, data=None, method: str = DEFAULT_METHOD,
                 first = open_data(data, num_samples=min(num_samples, MOMENT_SAMPLES), input_names=graph.inputs,
                                   input_shapes=[graph.tensors[n].shape for n in graph.inputs], preprocess=preprocess,
                                   strict=strict)
-                moments = collect_input_moments(graph, first)
+                moments = collect_input_moments(graph, first, threads)
                 timings["moments"] = time.perf_counter() - moments_start
 
     cached: dict[str, float] = {}
