@@ -93,7 +93,8 @@ def error_feedback_round(rows: np.ndarray, scale: np.ndarray, moments: InputMome
                          damping: float = DAMPING) -> np.ndarray:
     """Int8 codes (M, k) of float weight `rows` (M, k) at the per-row `scale` (M,) by Algorithm 1 of the module
     docstring; rows m * G // M share group g's covariance, and the groups are rounded side by side. A group whose
-    inputs never vary (a dead channel: C = 0) is rounded to nearest (U = I: no feedback). The feedback onto the
+    inputs do not vary (a dead or constant channel: C = 0 but for float32 rounding) is rounded to nearest (U = I:
+    no feedback). The feedback onto the
     columns after a block of FEEDBACK_BLOCK is applied once per block as a matrix product (GPTQ's "lazy batch
     updates", section 3 of the paper: the same result, the work in BLAS)."""
     covariance = moments.covariance()
@@ -102,7 +103,8 @@ def error_feedback_round(rows: np.ndarray, scale: np.ndarray, moments: InputMome
     w = rows.astype(np.float64).reshape(groups, m // groups, k).copy()
     s = np.asarray(scale, np.float64).reshape(groups, m // groups)
     level = np.maximum(np.einsum("gkk->g", covariance) / k, 0.0)
-    live = level > 0
+    # a channel of constant value has C = E[x x^T] - mu mu^T = 0 up to the float32 rounding of its moments
+    live = level > 1e-5 * np.einsum("gkk->g", moments.second_moment().astype(np.float64)) / k
     h = np.where(live[:, None, None], covariance + damping * level[:, None, None] * np.eye(k), np.eye(k))
     u = _inverse_factors(h)
     codes = np.empty_like(w)
@@ -120,17 +122,23 @@ def error_feedback_round(rows: np.ndarray, scale: np.ndarray, moments: InputMome
 
 def _inverse_factors(h: np.ndarray) -> np.ndarray:
     """(G, k, k) upper U with H^-1 = U^T U per group; the identity (no feedback: nearest rounding) for a group
-    whose H is not numerically positive definite (a channel of constant value: C is 0 up to float32 noise)."""
+    whose H is not numerically positive definite."""
     try:
         return np.linalg.cholesky(np.linalg.inv(h)).transpose(0, 2, 1)
     except np.linalg.LinAlgError:
-        factors = np.empty_like(h)
-        for g, one in enumerate(h):
-            try:
-                factors[g] = np.linalg.cholesky(np.linalg.inv(one)).T
-            except np.linalg.LinAlgError:
-                factors[g] = np.eye(len(one))
-        return factors
+        definite = np.linalg.eigvalsh(h).min(axis=1) > 0
+        h = np.where(definite[:, None, None], h, np.eye(h.shape[1]))
+    try:
+        return np.linalg.cholesky(np.linalg.inv(h)).transpose(0, 2, 1)
+    except np.linalg.LinAlgError:  # positive eigenvalues, but too ill-conditioned for the factor: one by one
+        pass
+    factors = np.empty_like(h)
+    for g, one in enumerate(h):
+        try:
+            factors[g] = np.linalg.cholesky(np.linalg.inv(one)).T
+        except np.linalg.LinAlgError:
+            factors[g] = np.eye(len(one))
+    return factors
 
 
 @dataclass(frozen=True)

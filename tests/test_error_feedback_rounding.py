@@ -228,3 +228,13 @@ def test_a_split_stem_and_its_reader_are_fed_and_run_as_their_twins(tmp_path):
     assert list(program.manifest["options"]["range_split"]) == ["a"]
     assert program.manifest["options"]["error_feedback_rounding"] == 4
     assert twins_and_onnx_export_agree(program, _images(2, 3), arithmetic, tmp_path)
+
+
+def test_a_group_without_a_usable_covariance_rounds_to_nearest():
+    """Group 0 has the correlated inputs of the hand-worked case; group 1 a constant input (C = 0), group 2 a
+    covariance that is not positive semi-definite (float noise of a near-constant channel): those two round to
+    nearest, and group 0 still gets its feedback."""
+    covariance = np.array([[[1.0, 0.9], [0.9, 1.0]], [[0.0, 0.0], [0.0, 0.0]], [[1.0, 5.0], [5.0, 1.0]]])
+    rows, scale = np.full((3, 2), 0.6), np.ones(3)
+    codes = error_feedback_round(rows, scale, _moments(covariance), damping=0.0)
+    assert codes.tolist() == [[1, 0], [1, 1], [1, 1]]
