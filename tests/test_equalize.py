@@ -367,6 +367,7 @@ def test_per_channel_depthwise_inputs_in_the_program(tmp_path):
     # a table whose channel maxima do not match the tensor: a one-line error naming it, no program written
     document = json.loads((tmp_path / "calib.json").read_text())
     next(r for r in document["tensors"] if r["name"] == tensor)["channel_amax"] = [1.0, 2.0]
+    document.pop("input_moments")  # bad.json has no moments file beside it
     (tmp_path / "bad.json").write_text(json.dumps(document))
     result = runner.invoke(app, ["compile", str(path), "--calib", str(tmp_path / "bad.json"),
                                  "--per-channel-depthwise-inputs", "-o", str(tmp_path / "bad.qdp")])
