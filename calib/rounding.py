@@ -92,7 +92,10 @@ def stationary_second(lags: np.ndarray, kh: int, kw: int) -> np.ndarray:
 def error_feedback_round(rows: np.ndarray, scale: np.ndarray, moments: InputMoments,
                          damping: float = DAMPING) -> np.ndarray:
     """Int8 codes (M, k) of float weight `rows` (M, k) at the per-row `scale` (M,) by Algorithm 1 of the module
-    docstring; rows m * G // M share group g's covariance, and the groups are rounded side by side. A group whose
+    docstring; rows m * G // M share group g's covariance, and the groups are rounded side by side. Each row's
+    largest weight keeps its nearest code (+-127 at the max-abs scale; the feedback carries its error on like any
+    other's), so every row still spans the scale max-abs gave it, as an importer that reads the scale from the
+    codes expects. A group whose
     inputs do not vary (a dead or constant channel: C = 0 but for float32 rounding) is rounded to nearest (U = I:
     no feedback). The feedback onto the
     columns after a block of FEEDBACK_BLOCK is applied once per block as a matrix product (GPTQ's "lazy batch
@@ -107,12 +110,14 @@ def error_feedback_round(rows: np.ndarray, scale: np.ndarray, moments: InputMome
     live = level > 1e-5 * np.einsum("gkk->g", moments.second_moment().astype(np.float64)) / k
     h = np.where(live[:, None, None], covariance + damping * level[:, None, None] * np.eye(k), np.eye(k))
     u = _inverse_factors(h)
+    nearest = np.clip(np.rint(w / s[:, :, None]), -127, 127)
+    largest = np.argmax(np.abs(w), axis=2)  # each row's largest weight keeps its max-abs code (+-127)
     codes = np.empty_like(w)
     for start in range(0, k, FEEDBACK_BLOCK):
         end = min(start + FEEDBACK_BLOCK, k)
         feedback = np.empty((groups, m // groups, end - start))
         for i in range(start, end):
-            codes[:, :, i] = np.clip(np.rint(w[:, :, i] / s), -127, 127)
+            codes[:, :, i] = np.where(largest == i, nearest[:, :, i], np.clip(np.rint(w[:, :, i] / s), -127, 127))
             feedback[:, :, i - start] = (w[:, :, i] - s * codes[:, :, i]) / u[:, i, i][:, None]
             w[:, :, i + 1:end] -= feedback[:, :, i - start, None] * u[:, None, i, i + 1:end]
         if end < k:
