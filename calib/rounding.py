@@ -67,10 +67,6 @@ class InputMoments:
         kh, kw = (self.lags.shape[1] + 1) // 2, (self.lags.shape[2] + 1) // 2
         return stationary_second(self.lags, kh, kw)
 
-    def covariance(self) -> np.ndarray:
-        mean = self.mean.astype(np.float64)
-        return self.second_moment().astype(np.float64) - np.einsum("gk,gl->gkl", mean, mean)
-
 
 def weight_digest(weight: np.ndarray) -> str:
     """A short fingerprint of a float weight (its float32 bytes and shape)."""
@@ -100,14 +96,16 @@ def error_feedback_round(rows: np.ndarray, scale: np.ndarray, moments: InputMome
     no feedback). The feedback onto the
     columns after a block of FEEDBACK_BLOCK is applied once per block as a matrix product (GPTQ's "lazy batch
     updates", section 3 of the paper: the same result, the work in BLAS)."""
-    covariance = moments.covariance()
+    second = moments.second_moment().astype(np.float64)
+    mean = moments.mean.astype(np.float64)
+    covariance = second - np.einsum("gk,gl->gkl", mean, mean)
     groups, k, _ = covariance.shape
     m = rows.shape[0]
     w = rows.astype(np.float64).reshape(groups, m // groups, k).copy()
     s = np.asarray(scale, np.float64).reshape(groups, m // groups)
     level = np.maximum(np.einsum("gkk->g", covariance) / k, 0.0)
     # a channel of constant value has C = E[x x^T] - mu mu^T = 0 up to the float32 rounding of its moments
-    live = level > 1e-5 * np.einsum("gkk->g", moments.second_moment().astype(np.float64)) / k
+    live = level > 1e-5 * np.einsum("gkk->g", second) / k
     h = np.where(live[:, None, None], covariance + damping * level[:, None, None] * np.eye(k), np.eye(k))
     u = _inverse_factors(h)
     nearest = np.clip(np.rint(w / s[:, :, None]), -127, 127)
